@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs what pdtool needs on a fresh Debian machine (run as root): system packages
+# (libfabric, gcc, Slurm + munge, shellcheck, numactl), then pdtool itself with pip.
+#   scripts/install.sh          runtime: pdtool + the reference CPU engine
+#   scripts/install.sh --test   also the test tools
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras="engine"
+[[ "${1:-}" == "--test" ]] && extras="engine,test"
+
+apt_pkgs=(gcc libfabric-dev libfabric-bin slurm-wlm munge shellcheck numactl procps)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "installing system packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+python3 -m pip install -q --disable-pip-version-check -e ".[${extras}]"
