@@ -1,0 +1,267 @@
+"""A real Slurm cluster on this one machine, for tests (DESIGN.md §7).
+
+Debian's `slurm-wlm` + `munge` run without systemd: one `munged` with its own socket and key in
+a temporary folder, one `slurmctld`, and several `slurmd -N nodeK` that all listen on 127.0.0.1
+with distinct ports, each with its own spool folder and pid file. Clients (`sbatch`, `sinfo`,
+`sacct`-less `scontrol`) find it through `SLURM_CONF`, which `env()` returns.
+
+Everything lives under one folder, so several clusters (two test sessions at once) do not
+collide: ports are picked free at start-up. Start-up failures raise `SlurmStartError` with the
+tail of every daemon log, so a broken CI machine says why instead of timing out.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+DAEMONS = ("munged", "slurmctld", "slurmd", "sinfo", "sbatch", "scontrol")
+
+
+class SlurmStartError(RuntimeError):
+    """The emulated cluster did not come up; the message holds the daemon logs."""
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+class SlurmCluster:
+    """Config, daemons and client environment of one emulated cluster."""
+
+    def __init__(self, root: Path, nodes: int = 4, cpus: int = 2) -> None:
+        self.root = Path(root)
+        self.nodes = [f"node{i}" for i in range(1, nodes + 1)]
+        self.cpus = cpus
+        self.hostname = socket.gethostname()
+        self.conf = self.root / "slurm.conf"
+        self.munge_socket = self.root / "munge" / "munge.socket"
+        self.pids: list[int] = []
+        self.logs: list[Path] = []
+
+    # -- configuration -------------------------------------------------------------------
+    def env(self) -> dict[str, str]:
+        """Environment for client commands (sbatch, sinfo, scontrol) talking to this cluster."""
+        env = dict(os.environ)
+        env["SLURM_CONF"] = str(self.conf)
+        return env
+
+    def write_config(self) -> None:
+        r = self.root
+        for sub in ("munge", "state", "log", "run"):
+            (r / sub).mkdir(parents=True, exist_ok=True)
+        (r / "munge").chmod(0o700)
+        key = r / "munge" / "munge.key"
+        key.write_bytes(os.urandom(128))
+        key.chmod(0o600)
+        ctld_port, *node_ports = _free_ports(1 + len(self.nodes))
+        user = _username()
+        lines = [
+            "ClusterName=pdtooltest",
+            f"SlurmctldHost={self.hostname}(127.0.0.1)",
+            f"SlurmctldPort={ctld_port}",
+            f"SlurmUser={user}",
+            f"SlurmdUser={user}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={self.munge_socket}",
+            f"StateSaveLocation={r / 'state'}",
+            f"SlurmdSpoolDir={r / 'run' / 'd-%n'}",
+            f"SlurmctldPidFile={r / 'run' / 'slurmctld.pid'}",
+            f"SlurmdPidFile={r / 'run' / 'slurmd-%n.pid'}",
+            f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
+            f"SlurmdLogFile={r / 'log' / 'slurmd-%n.log'}",
+            "SlurmctldDebug=info",
+            "SlurmdDebug=info",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "SchedulerType=sched/backfill",
+            "SchedulerParameters=bf_interval=1",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "MpiDefault=none",
+            "ReturnToService=2",
+            "InactiveLimit=0",
+            "KillWait=5",
+            "MinJobAge=600",
+            "SlurmdTimeout=60",
+            "SlurmctldTimeout=60",
+            f"PlugStackConfig={r / 'plugstack.conf'}",
+        ]
+        for name, port in zip(self.nodes, node_ports, strict=True):
+            lines.append(
+                f"NodeName={name} NodeHostname={self.hostname} NodeAddr=127.0.0.1 "
+                f"Port={port} CPUs={self.cpus} State=UNKNOWN"
+            )
+        lines.append(f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES "
+                     "MaxTime=INFINITE State=UP")
+        (r / "plugstack.conf").write_text("")
+        self.conf.write_text("\n".join(lines) + "\n")
+
+    # -- daemons ---------------------------------------------------------------------------
+    def _spawn(self, argv: list[str], log: Path) -> None:
+        self.logs.append(log)
+        out = open(log.with_suffix(".stdout"), "ab")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(argv, env=self.env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        out.close()
+        self.pids.append(proc.pid)
+        self._procs.append(proc)
+
+    def start(self, timeout: float = 60.0) -> None:
+        for exe in DAEMONS:
+            if shutil.which(exe) is None:
+                raise SlurmStartError(
+                    f"{exe} not found: install Debian packages slurm-wlm and munge "
+                    "(scripts/install.sh does)")
+        self._procs: list[subprocess.Popen] = []
+        self.write_config()
+        r = self.root
+        self._spawn(["munged", "--foreground", "--force",
+                     f"--socket={self.munge_socket}",
+                     f"--key-file={r / 'munge' / 'munge.key'}",
+                     f"--pid-file={r / 'munge' / 'munged.pid'}",
+                     f"--seed-file={r / 'munge' / 'munged.seed'}",
+                     f"--log-file={r / 'log' / 'munged.log'}"], r / "log" / "munged.log")
+        self._wait(lambda: self.munge_socket.exists(), 10, "munged socket")
+        self._spawn(["slurmctld", "-D", "-i", "-f", str(self.conf)],
+                    r / "log" / "slurmctld.log")
+        for name in self.nodes:
+            (r / "run" / f"d-{name}").mkdir(parents=True, exist_ok=True)
+            self._spawn(["slurmd", "-D", "-N", name, "-f", str(self.conf)],
+                        r / "log" / f"slurmd-{name}.log")
+        self._wait(self._all_idle, timeout, "all nodes idle in sinfo")
+
+    def _all_idle(self) -> bool:
+        for proc in self._procs:
+            if proc.poll() is not None:
+                raise SlurmStartError(
+                    f"daemon {proc.args[0]} exited with {proc.returncode}\n{self.diagnostics()}")
+        res = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env(),
+                             capture_output=True, text=True, timeout=10)
+        if res.returncode != 0:
+            return False
+        states = dict(line.split() for line in res.stdout.splitlines() if line.strip())
+        return all(states.get(n) == "idle" for n in self.nodes)
+
+    def _wait(self, cond, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cond():
+                return
+            time.sleep(0.3)
+        raise SlurmStartError(f"timed out after {timeout:.0f}s waiting for {what}\n"
+                              f"{self.diagnostics()}")
+
+    def diagnostics(self) -> str:
+        """Tails of every daemon log and their captured stdout/stderr."""
+        parts = []
+        for log in self.logs:
+            for path in (log, log.with_suffix(".stdout")):
+                if path.exists():
+                    parts.append(f"--- {path} ---\n{_tail(path)}")
+        return "\n".join(parts)
+
+    def stop(self) -> None:
+        """`scontrol shutdown`, then end whatever of ours is left (by pid, never by name)."""
+        procs = getattr(self, "_procs", [])
+        if any(p.poll() is None for p in procs):
+            subprocess.run(["scontrol", "shutdown"], env=self.env(), capture_output=True,
+                           timeout=15, check=False)
+        slurm_procs = [p for p in procs if p.args[0] != "munged"]
+        _reap(slurm_procs, 10)
+        _reap(procs, 5)
+
+    # -- helpers for tests -----------------------------------------------------------------
+    def run(self, *argv: str, check: bool = True, timeout: float = 30) -> str:
+        res = subprocess.run(list(argv), env=self.env(), capture_output=True, text=True,
+                             timeout=timeout)
+        if check and res.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed ({res.returncode}): {res.stderr}")
+        return res.stdout
+
+    def job_state(self, job_id: str) -> tuple[str, str]:
+        """(state, exit code) of a job, from `scontrol show job` (no accounting daemon here)."""
+        out = self.run("scontrol", "-o", "show", "job", job_id)
+        fields = dict(tok.split("=", 1) for tok in out.split() if "=" in tok)
+        return fields.get("JobState", "?"), fields.get("ExitCode", "?")
+
+    def wait_job(self, job_id: str, timeout: float = 120) -> tuple[str, str]:
+        """Block until the job leaves PENDING/RUNNING/COMPLETING; returns (state, exit code)."""
+        deadline = time.monotonic() + timeout
+        state = ("?", "?")
+        while time.monotonic() < deadline:
+            state = self.job_state(job_id)
+            if state[0] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
+                return state
+            time.sleep(0.5)
+        self.run("scancel", job_id, check=False)
+        raise TimeoutError(f"job {job_id} still {state[0]} after {timeout}s\n"
+                           f"{self.diagnostics()}")
+
+
+def _username() -> str:
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+def _reap(procs: list[subprocess.Popen], grace: float) -> None:
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=3)
+
+
+@contextmanager
+def slurm_cluster(root: Path, nodes: int = 4) -> Iterator[SlurmCluster]:
+    """Start an emulated cluster under `root`, yield it, always stop it."""
+    cluster = SlurmCluster(root, nodes=nodes)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
