@@ -1,0 +1,115 @@
+"""Page layouts: the offset arrays must address exactly the bytes torch indexing addresses.
+
+The copy tests apply write plans with numpy on real KV-shaped torch tensors (no fabric), across
+the TP splits the messenger supports, and check the decoder's pages byte for byte.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from transfer.layout import KVLayout, LayoutError, as_buffer, aux_spec, write_plan
+from transfer.routes import ShardSpec, all_routes, routes_for, writes_per_page
+
+PAGE, DIM, PAGES = 4, 8, 6
+
+
+def _tensor(kind: str, heads: int, parts: int = 2, pages: int = PAGES) -> torch.Tensor:
+    shape = ((pages, heads, parts, PAGE, DIM) if kind == "HND"
+             else (pages, PAGE, heads, parts, DIM))
+    return torch.arange(int(np.prod(shape)), dtype=torch.int32).to(torch.bfloat16).reshape(shape)
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.uint8).numpy().reshape(-1)
+
+
+def _apply(src: torch.Tensor, dst: torch.Tensor, plan) -> None:
+    s, d = _bytes(src), dst.view(torch.uint8).numpy().reshape(-1)
+    for so, do, n in zip(*plan, strict=True):
+        d[int(do):int(do + n)] = s[int(so):int(so + n)]
+
+
+@pytest.mark.parametrize("kind", ["HND", "NHD"])
+def test_layout_from_tensor_and_sizes(kind):
+    t = _tensor(kind, heads=3)
+    lay = KVLayout.from_tensor(t, kind)
+    assert lay.shape == tuple(t.shape)
+    assert lay.buffer_bytes == t.numel() * t.element_size() == as_buffer(t).nbytes
+    assert KVLayout.from_dict(lay.to_dict()) == lay
+
+
+@pytest.mark.parametrize("kind", ["HND", "NHD"])
+def test_slice_offsets_address_the_torch_slice(kind):
+    t = _tensor(kind, heads=4)
+    lay = KVLayout.from_tensor(t, kind)
+    raw = _bytes(t)
+    pages = np.array([5, 0, 3])
+    offs, lens = lay.slice_offsets(pages, head_off=1, num_heads=2, whole_pages=False)
+    got = np.concatenate([raw[int(o):int(o + n)] for o, n in zip(offs, lens, strict=True)])
+    want = t[pages, 1:3] if kind == "HND" else t[pages][:, :, 1:3]
+    assert np.array_equal(got, _bytes(want))
+    assert len(offs) == len(pages) * (1 if kind == "HND" else PAGE)
+
+
+@pytest.mark.parametrize(
+    ("heads", "src_tp", "dst_tp", "parts"),
+    [(8, 2, 2, 2), (8, 4, 2, 2), (8, 2, 4, 2), (4, 1, 4, 2), (1, 8, 2, 1), (2, 4, 8, 2)],
+)
+@pytest.mark.parametrize("kind", ["HND", "NHD"])
+def test_write_plans_rebuild_decoder_pages(kind, heads, src_tp, dst_tp, parts):
+    """Every decode rank ends up with exactly its heads of the request's pages."""
+    src, dst = ShardSpec(heads, src_tp), ShardSpec(heads, dst_tp)
+    full = _tensor("HND", heads, parts)  # global [pages, heads, parts, page, dim]
+
+    def local(spec: ShardSpec, rank: int, pages: int = PAGES) -> torch.Tensor:
+        hs = spec.heads_of(rank)
+        t = full[:pages, hs.start:hs.stop].contiguous()
+        return t if kind == "HND" else t.permute(0, 3, 1, 2, 4).contiguous()
+
+    src_pages = np.array([4, 1, 2])
+    dst_pages = np.array([0, 5, 3])
+    for d in range(dst_tp):
+        want = local(dst, d)
+        got = torch.zeros_like(want)
+        for sl in routes_for(src, dst, d, rng=None):
+            s_lay = KVLayout.from_tensor(local(src, sl.src_rank), kind)
+            d_lay = KVLayout.from_tensor(got, kind)
+            plan = write_plan(s_lay, d_lay, src_pages, dst_pages, sl)
+            assert len(plan[0]) == len(src_pages) * writes_per_page(sl, src, dst, kind, PAGE)
+            _apply(local(src, sl.src_rank), got, plan)
+        # dst page j must equal the source (global) page src_pages[j] for this rank's heads
+        hs = dst.heads_of(d)
+        ref = full[src_pages][:, hs.start:hs.stop]
+        ref = ref if kind == "HND" else ref.permute(0, 3, 1, 2, 4)
+        assert torch.equal(got[dst_pages].view(torch.int16), ref.contiguous().view(torch.int16))
+        untouched = np.setdiff1d(np.arange(PAGES), dst_pages)
+        assert not got[untouched].view(torch.int16).any()
+
+
+def test_hnd_is_one_write_per_page_per_source_shard():
+    src, dst = ShardSpec(8, 4), ShardSpec(8, 2)
+    for sl in all_routes(src, dst):
+        assert writes_per_page(sl, src, dst, "HND", PAGE) == 1
+        assert writes_per_page(sl, src, dst, "NHD", PAGE) == PAGE
+
+
+def test_errors_name_the_field():
+    lay = KVLayout("HND", PAGES, 2, 2, PAGE, DIM, 2)
+    with pytest.raises(LayoutError, match=r"layout.kind"):
+        KVLayout("XYZ", 1, 1, 1, 1, 1, 1)
+    with pytest.raises(LayoutError, match=r"layout.page_size"):
+        KVLayout("HND", 1, 1, 1, 0, 1, 1)
+    with pytest.raises(LayoutError, match=r"page ids must lie in \[0, 6\)"):
+        lay.slice_offsets(np.array([6]), 0, 1, False)
+    with pytest.raises(LayoutError, match=r"layout.page_size: this side has 4"):
+        lay.check_peer(KVLayout("HND", PAGES, 2, 2, 8, DIM, 2))
+    with pytest.raises(LayoutError, match="contiguous"):
+        as_buffer(torch.zeros(4, 4).t())
+
+
+def test_aux_spec_rows():
+    t = torch.zeros(16, 3, 5, dtype=torch.float16)
+    assert aux_spec(t).rows == 16 and aux_spec(t).row_bytes == 30

@@ -1,0 +1,234 @@
+"""KV page layouts: where a (layer, page, head slice) lives in memory, as byte offsets.
+
+The messenger never copies tensors itself: it turns "send pages S of this request to pages D of
+that decoder, heads [h, h+n)" into three uint64 arrays (source offsets, destination offsets,
+lengths) that one C call submits as RMA writes. This module builds those arrays with numpy
+broadcasting, never a Python loop per page, so a batch of thousands of pages costs microseconds.
+
+One buffer per layer (DESIGN "key cross-team decisions"), `kv_parts` = 2 for K and V fused per
+head, 1 for an MLA latent:
+  * HND: `[num_pages, heads_local, kv_parts, page_size, head_dim]` — the pages of one head run are
+    contiguous inside a page, so a head slice of a page is ONE write whatever the TP split.
+  * NHD: `[num_pages, page_size, heads_local, kv_parts, head_dim]` — heads interleave inside each
+    token, so a partial head run is one write per token (`routes.writes_per_page` says the same).
+
+Both sides must agree on page size, head dim, kv_parts and element size; `heads_local` may differ
+(that is the TP mismatch the routes describe).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .routes import LAYOUTS, Slice
+
+_U64 = np.uint64
+
+
+class LayoutError(ValueError):
+    """A layout that does not describe the buffer, or two layouts that cannot talk."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of ONE per-layer KV buffer (every layer buffer of a rank has the same layout).
+
+    `itemsize` is the element size in bytes (2 for bf16/fp16, 1 for fp8).
+    """
+
+    kind: str
+    num_pages: int
+    heads_local: int
+    kv_parts: int
+    page_size: int
+    head_dim: int
+    itemsize: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in LAYOUTS:
+            raise LayoutError(f"layout.kind: must be one of {LAYOUTS}, got {self.kind!r}")
+        for name in ("num_pages", "heads_local", "kv_parts", "page_size", "head_dim", "itemsize"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"layout.{name}: must be a positive integer, got {value!r}")
+        if self.kv_parts not in (1, 2):
+            raise LayoutError(f"layout.kv_parts: must be 1 (MLA latent) or 2 (K,V), got "
+                              f"{self.kv_parts}")
+
+    # -- sizes -------------------------------------------------------------------------------
+    @property
+    def head_entry_bytes(self) -> int:
+        """Bytes of one head of one token (K and V parts together)."""
+        return self.kv_parts * self.head_dim * self.itemsize
+
+    @property
+    def head_bytes(self) -> int:
+        """HND: bytes of one head over a whole page."""
+        return self.page_size * self.head_entry_bytes
+
+    @property
+    def token_bytes(self) -> int:
+        """NHD: bytes of one token over every local head."""
+        return self.heads_local * self.head_entry_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        return self.heads_local * self.head_bytes
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.kind == "HND":
+            return (self.num_pages, self.heads_local, self.kv_parts, self.page_size, self.head_dim)
+        return (self.num_pages, self.page_size, self.heads_local, self.kv_parts, self.head_dim)
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_tensor(cls, tensor: Any, kind: str) -> KVLayout:
+        """Read the layout off a torch tensor / numpy array of the documented 5-D shape."""
+        shape = tuple(int(x) for x in tensor.shape)
+        if len(shape) != 5:
+            raise LayoutError(f"KV buffer: expected a 5-D {kind} tensor, got shape {shape}")
+        if kind == "HND":
+            pages, heads, parts, page_size, dim = shape
+        elif kind == "NHD":
+            pages, page_size, heads, parts, dim = shape
+        else:
+            raise LayoutError(f"layout.kind: must be one of {LAYOUTS}, got {kind!r}")
+        itemsize = int(tensor.element_size() if hasattr(tensor, "element_size")
+                       else tensor.itemsize)
+        return cls(kind, pages, heads, parts, page_size, dim, itemsize)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind, "num_pages": self.num_pages, "heads_local": self.heads_local,
+            "kv_parts": self.kv_parts, "page_size": self.page_size, "head_dim": self.head_dim,
+            "itemsize": self.itemsize,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVLayout:
+        return cls(**{k: d[k] for k in ("kind", "num_pages", "heads_local", "kv_parts",
+                                         "page_size", "head_dim", "itemsize")})
+
+    def check_peer(self, other: KVLayout) -> None:
+        """Raise LayoutError naming the first field two sides disagree on."""
+        for name in ("kind", "page_size", "head_dim", "kv_parts", "itemsize"):
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                raise LayoutError(f"layout.{name}: this side has {a!r}, the peer {b!r}; "
+                                  f"both sides must match")
+
+    # -- offsets -------------------------------------------------------------------------------
+    def check_pages(self, pages: np.ndarray, what: str = "pages") -> np.ndarray:
+        arr = np.asarray(pages)
+        if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+            raise LayoutError(f"{what}: expected a 1-D integer array, got {arr.dtype} {arr.shape}")
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.num_pages):
+            raise LayoutError(f"{what}: page ids must lie in [0, {self.num_pages}), got "
+                              f"[{int(arr.min())}, {int(arr.max())}]")
+        return arr.astype(_U64, copy=False)
+
+    def slice_offsets(self, pages: np.ndarray, head_off: int, num_heads: int,
+                      whole_pages: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Byte offsets and lengths of heads [head_off, head_off+num_heads) of `pages`.
+
+        HND: one range per page. NHD: one range per page when `whole_pages` (the slice covers
+        every local head on BOTH sides, so whole pages line up), else one per (page, token).
+        Returns (offsets, lengths) as uint64, page-major then token order.
+        """
+        if head_off < 0 or num_heads < 1 or head_off + num_heads > self.heads_local:
+            raise LayoutError(f"head slice [{head_off}, {head_off + num_heads}) outside the "
+                              f"{self.heads_local} local heads")
+        p = self.check_pages(pages)
+        base = p * _U64(self.page_bytes)
+        if self.kind == "HND":
+            offs = base + _U64(head_off * self.head_bytes)
+            return offs, np.full(offs.shape, num_heads * self.head_bytes, dtype=_U64)
+        if whole_pages:
+            if head_off != 0 or num_heads != self.heads_local:
+                raise LayoutError("NHD whole-page write needs every local head")
+            return base, np.full(base.shape, self.page_bytes, dtype=_U64)
+        tok = np.arange(self.page_size, dtype=_U64) * _U64(self.token_bytes)
+        offs = (base[:, None] + tok[None, :] + _U64(head_off * self.head_entry_bytes)).ravel()
+        return offs, np.full(offs.shape, num_heads * self.head_entry_bytes, dtype=_U64)
+
+
+def write_plan(src: KVLayout, dst: KVLayout, src_pages: np.ndarray, dst_pages: np.ndarray,
+               sl: Slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src offsets, dst offsets, lengths) moving slice `sl` of `src_pages` into `dst_pages`.
+
+    Offsets are relative to one layer buffer on each side; the same arrays serve every layer.
+    The number of writes per page equals `routes.writes_per_page` for the same slice.
+    """
+    src.check_peer(dst)
+    if len(src_pages) != len(dst_pages):
+        raise LayoutError(f"source has {len(src_pages)} pages, destination {len(dst_pages)}")
+    whole = sl.num_heads == src.heads_local == dst.heads_local
+    s_off, s_len = src.slice_offsets(src_pages, sl.src_head_off, sl.num_heads, whole)
+    d_off, d_len = dst.slice_offsets(dst_pages, sl.dst_head_off, sl.num_heads, whole)
+    if not np.array_equal(s_len, d_len):  # pragma: no cover - guarded by check_peer
+        raise LayoutError("source and destination write lengths differ")
+    return s_off, d_off, s_len
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A raw memory range: what the fabric registers and what a layout indexes into."""
+
+    addr: int
+    nbytes: int
+
+
+def as_buffer(obj: Any) -> Buffer:
+    """Address and size of a contiguous torch tensor, numpy array, bytearray or (addr, nbytes).
+
+    The caller keeps `obj` alive for as long as the messenger uses it (it is registered memory).
+    """
+    if isinstance(obj, Buffer):
+        return obj
+    if isinstance(obj, tuple) and len(obj) == 2:
+        return Buffer(int(obj[0]), int(obj[1]))
+    if hasattr(obj, "data_ptr") and hasattr(obj, "is_contiguous"):
+        if not obj.is_contiguous():
+            raise LayoutError("KV buffer: torch tensor must be contiguous")
+        return Buffer(int(obj.data_ptr()), int(obj.numel() * obj.element_size()))
+    if isinstance(obj, np.ndarray):
+        if not obj.flags["C_CONTIGUOUS"]:
+            raise LayoutError("KV buffer: numpy array must be C-contiguous")
+        return Buffer(int(obj.ctypes.data), int(obj.nbytes))
+    if isinstance(obj, bytearray):
+        return Buffer(ctypes.addressof((ctypes.c_char * len(obj)).from_buffer(obj)), len(obj))
+    raise LayoutError(f"KV buffer: cannot take the address of a {type(obj).__name__}")
+
+
+@dataclass(frozen=True)
+class AuxSpec:
+    """A context/metadata buffer (hidden states, logits): `rows` rows of `row_bytes` each.
+
+    Decode side: row r belongs to transfer slot r, so it needs rows >= max in-flight transfers.
+    Prefill side: the engine says which row holds a request's data when it binds the request.
+    """
+
+    rows: int
+    row_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.rows < 1 or self.row_bytes < 1:
+            raise LayoutError(f"aux buffer: rows and row_bytes must be >= 1, got {self}")
+
+
+def aux_spec(obj: Any) -> AuxSpec:
+    """Rows of a 2-D (or more) tensor/array: first dimension = rows, the rest one row."""
+    shape = tuple(int(x) for x in obj.shape)
+    if len(shape) < 2:
+        raise LayoutError(f"aux buffer: expected at least 2 dimensions (rows, ...), got {shape}")
+    buf = as_buffer(obj)
+    return AuxSpec(shape[0], buf.nbytes // shape[0])
