@@ -1,0 +1,97 @@
+"""The `sglang.srt.plugins` entry point: teach SGLang the transfer backend name `pdtool`.
+
+SGLang (since 0.5.11) runs every general plugin in each process it spawns (launcher, tokenizer,
+schedulers, detokenizer) before parsing arguments or building the engine, then applies the hooks
+the plugins registered. SGLang 0.5.23 has no backend registry, so three steps are needed:
+
+1. extend the `--disaggregation-transfer-backend` choices (the CLI rejects unknown names);
+2. add a `PDTOOL` member to the `TransferBackend` enum (schedulers call
+   `TransferBackend(server_args.disaggregation_transfer_backend)`, which raises otherwise);
+3. an AROUND hook on `disaggregation.utils.get_kv_class` that answers with our classes for
+   `TransferBackend.PDTOOL` and defers to SGLang for every other backend. `HookRegistry` also
+   rebinds the `from ... import get_kv_class` copies in prefill.py/decode.py/disagg_service.py.
+
+The backend classes are imported lazily on first use, so a process that never selects `pdtool`
+(or runs without libfabric) pays nothing beyond this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from transfer.sglang import BACKEND_NAME, SGLANG_VERSION
+
+logger = logging.getLogger(__name__)
+
+GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
+
+
+def _add_cli_choice() -> None:
+    from sglang.srt.arg_groups import choices
+
+    if BACKEND_NAME not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
+        choices.add_disagg_transfer_backend_choices([BACKEND_NAME])
+
+
+def _add_enum_member() -> Any:
+    """Add TransferBackend.PDTOOL to the already-built enum (it has no registry).
+
+    `setattr` on an Enum class is refused, so fill the lookup tables EnumMeta reads; identity,
+    `TransferBackend("pdtool")`, hashing and iteration then behave as for a built-in member.
+    """
+    from sglang.srt.disaggregation.utils import TransferBackend
+
+    member = TransferBackend._value2member_map_.get(BACKEND_NAME)
+    if member is not None:
+        return member
+    member = object.__new__(TransferBackend)
+    member._name_ = BACKEND_NAME.upper()
+    member._value_ = BACKEND_NAME
+    TransferBackend._value2member_map_[BACKEND_NAME] = member
+    TransferBackend._member_map_[member._name_] = member
+    TransferBackend._member_names_.append(member._name_)
+    type.__setattr__(TransferBackend, member._name_, member)
+    return member
+
+
+def backend_classes() -> dict[Any, Any]:
+    """KVClassType -> our class (imports the backend, hence libfabric, on first call)."""
+    from sglang.srt.disaggregation.base import KVArgs
+    from sglang.srt.disaggregation.utils import KVClassType
+
+    from transfer.sglang import conn
+
+    return {
+        KVClassType.KVARGS: KVArgs,
+        KVClassType.MANAGER: conn.PdtoolKVManager,
+        KVClassType.SENDER: conn.PdtoolKVSender,
+        KVClassType.RECEIVER: conn.PdtoolKVReceiver,
+        KVClassType.BOOTSTRAP_SERVER: conn.PdtoolKVBootstrapServer,
+    }
+
+
+def get_kv_class_hook(original: Any, transfer_backend: Any, class_type: Any) -> Any:
+    """AROUND hook on get_kv_class: ours for `pdtool`, SGLang's answer for anything else."""
+    if getattr(transfer_backend, "value", transfer_backend) == BACKEND_NAME:
+        return backend_classes().get(class_type)
+    return original(transfer_backend, class_type)
+
+
+def register() -> None:
+    """Entry point (`sglang.srt.plugins`): idempotent; SGLang applies the hook afterwards."""
+    import sglang
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if getattr(sglang, "__version__", None) != SGLANG_VERSION:
+        logger.warning(
+            "pdtool's transfer backend is built for sglang==%s, found sglang==%s; "
+            "the disaggregation interface changes between releases",
+            SGLANG_VERSION, getattr(sglang, "__version__", "?"),
+        )
+    _add_cli_choice()
+    _add_enum_member()
+    already = any(h is get_kv_class_hook for _, h, _ in HookRegistry._hooks.get(GET_KV_CLASS, []))
+    if not already:
+        HookRegistry.register(GET_KV_CLASS, get_kv_class_hook, HookType.AROUND)
+    logger.info("pdtool: registered --disaggregation-transfer-backend %s", BACKEND_NAME)
