@@ -1,0 +1,370 @@
+"""Prefill and decode schedulers of the reference engine, one step at a time, I/O-free.
+
+Every TP rank of an instance runs the same scheduler (as SGLang does): the lead rank's inputs
+(new requests) are broadcast, the links' poll results are intersected across ranks, and every
+decision after that (page allocation, batching) is a deterministic function of those, so all
+ranks allocate the same page ids without sending them around.
+
+The links (`PrefillLink`, `DecodeLink`) are the engine side of the KV messenger; the schedulers
+call them at the protocol points of DESIGN.md §4.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from transfer.routes import pages_for
+
+from .cache import PagedKV
+from .model import EOS, Batch, TinyModel
+
+
+class Coord:
+    """Agreement among the TP ranks of one instance (the default process group)."""
+
+    def __init__(self, size: int = 1, rank: int = 0) -> None:
+        self.size, self.rank = size, rank
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, obj: Any) -> Any:
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def agree(self, ids: set[str]) -> set[str]:
+        """Ids every rank reports (level-triggered polls make this converge)."""
+        if self.size == 1:
+            return ids
+        seen: list[Any] = [None] * self.size
+        dist.all_gather_object(seen, sorted(ids))
+        out = set(seen[0])
+        for s in seen[1:]:
+            out &= set(s)
+        return out
+
+
+# -- the engine side of the messenger ---------------------------------------------------------
+
+
+class PrefillLink(Protocol):
+    """What the prefill scheduler needs from the messenger (one object per TP rank)."""
+
+    def recv(self) -> list[dict]:
+        """Lead rank: new requests {"rid", "tokens", ...}; other ranks are never asked."""
+
+    def accept(self, req: dict, pages: list[int]) -> None:
+        """Every rank: `req` got source pages `pages` (prompt tokens[:-1])."""
+
+    def begin(self, chunks: list[tuple[str, int, int]]) -> None:
+        """Every rank, before a forward pass: (rid, first token, end token) scheduled."""
+
+    def layer_done(self, layer: int) -> None:
+        """Every rank: layer `layer` of the current pass is in the cache (progress counter)."""
+
+    def finish(self, rid: str, hidden: torch.Tensor) -> None:
+        """Every rank, after the last chunk: ship `hidden` (last processed position)."""
+
+    def done(self) -> set[str]:
+        """Requests whose writes from this rank all completed (level-triggered)."""
+
+    def release(self, rid: str) -> None:
+        """Every rank: the scheduler freed the request's pages."""
+
+
+class DecodeLink(Protocol):
+    """What the decode scheduler needs from the messenger (one object per TP rank)."""
+
+    def submit(self, rid: str, tokens: list[int], pages: list[int], peer: int) -> None:
+        """Every rank: ask prefill instance `peer` to fill `pages` for prompt `tokens`."""
+
+    def ready(self) -> set[str]:
+        """Requests whose expected writes all landed on this rank (level-triggered)."""
+
+    def failed(self) -> set[str]:
+        """Requests whose transfer failed/timed out on this rank (level-triggered)."""
+
+    def hidden(self, rid: str) -> torch.Tensor:
+        """The hidden state the prefill shipped for `rid`."""
+
+    def release(self, rid: str) -> None:
+        """Every rank: the request left the transfer stage (done or failed)."""
+
+
+# -- prefill ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _PReq:
+    rid: str
+    tokens: list[int]
+    meta: dict
+    pages: list[int] = field(default_factory=list)
+    done: int = 0  # tokens of tokens[:-1] already in the cache
+
+    @property
+    def todo(self) -> int:
+        return len(self.tokens) - 1
+
+
+class PrefillEngine:
+    """Chunked prefill of tokens[:-1]; pages freed once the link says every write completed."""
+
+    def __init__(
+        self,
+        model: TinyModel,
+        kv: PagedKV,
+        link: PrefillLink,
+        coord: Coord,
+        chunk_size: int,
+        max_batch_tokens: int | None = None,
+    ) -> None:
+        if chunk_size % kv.page_size:
+            raise ValueError(
+                f"chunked_prefill_size={chunk_size} must be a multiple of "
+                f"page_size={kv.page_size}"
+            )
+        self.model, self.kv, self.link, self.coord = model, kv, link, coord
+        self.chunk = chunk_size
+        self.budget = max_batch_tokens or chunk_size
+        self.waiting: list[_PReq] = []
+        self.running: list[_PReq] = []
+        self.sending: dict[str, _PReq] = {}
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running or self.sending)
+
+    def step(self, new: list[dict] | None = None) -> bool:
+        """One scheduler iteration on every rank; `new` is read on the lead rank only.
+        Returns True when a forward pass ran."""
+        new = self.coord.broadcast(new if self.coord.leader else None) or []
+        for m in new:
+            toks = list(m["tokens"])
+            if len(toks) < 2:
+                raise ValueError(f"request {m['rid']}: prefill needs at least 2 prompt tokens")
+            self.waiting.append(_PReq(m["rid"], toks, m))
+        while self.waiting:
+            r = self.waiting[0]
+            n = pages_for(len(r.tokens), self.kv.page_size)
+            if n > self.kv.pages.num_free:
+                break
+            self.waiting.pop(0)
+            r.pages = self.kv.pages.alloc(n)
+            self.link.accept(r.meta, r.pages)
+            self.running.append(r)
+        ran = self._forward()
+        for rid in sorted(self.coord.agree(self.link.done() & set(self.sending))):
+            r = self.sending.pop(rid)
+            self.kv.pages.free(r.pages)
+            self.link.release(rid)
+        return ran
+
+    def _forward(self) -> bool:
+        runs, chunks, picked, left = [], [], [], self.budget
+        for r in self.running:
+            if left <= 0:
+                break
+            hi = min(r.todo, r.done + min(self.chunk, left))
+            runs.append((r.tokens[r.done : hi], r.done, r.pages))
+            chunks.append((r.rid, r.done, hi))
+            picked.append(r)
+            left -= hi - r.done
+        if not runs:
+            return False
+        self.link.begin(chunks)
+        batch = Batch.build(runs, self.kv.page_size)
+        hidden = self.model.forward(batch, self.kv.layers, self.kv.page_size, self.link.layer_done)
+        ends = torch.cumsum(torch.tensor([len(t) for t, _, _ in runs]), 0) - 1
+        for r, (_, _, hi), end in zip(picked, chunks, ends.tolist(), strict=True):
+            r.done = hi
+            if hi == r.todo:
+                self.running.remove(r)
+                self.sending[r.rid] = r
+                self.link.finish(r.rid, hidden[end].clone())
+        return True
+
+
+# -- decode -------------------------------------------------------------------------------------
+
+
+@dataclass
+class _DReq:
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    peer: int
+    pages: list[int] = field(default_factory=list)
+    out: list[int] = field(default_factory=list)
+    pos: int = 0  # tokens already in the cache
+    draft: int | None = None
+    first_draft: int | None = None
+    draft_accepted: bool = False
+    error: str = ""
+
+
+@dataclass
+class Event:
+    """What the decoder reports to the front: new tokens, and `done` with stats at the end."""
+
+    rid: str
+    tokens: list[int]
+    done: bool = False
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Faults:
+    """Test hooks that damage what arrived over the messenger, to prove the decoder uses it."""
+
+    page: tuple[int, int] | None = None  # (layer, index among the request's received pages)
+    hidden: bool = False
+
+
+class DecodeEngine:
+    """Continuous batching; each request's first step runs its last prompt token (plus the
+    draft proposed from the shipped hidden state), never the rest of the prompt."""
+
+    def __init__(
+        self,
+        model: TinyModel,
+        kv: PagedKV,
+        link: DecodeLink,
+        coord: Coord,
+        max_running: int = 64,
+        faults: Faults | None = None,
+    ) -> None:
+        self.model, self.kv, self.link, self.coord = model, kv, link, coord
+        self.max_running = max_running
+        self.faults = faults or Faults()
+        self.waiting: list[_DReq] = []
+        self.transfer: dict[str, _DReq] = {}
+        self.running: list[_DReq] = []
+        self.prompt_tokens_seen = 0  # prompt tokens the decoder's forward passes processed
+        self.requests_started = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.transfer or self.running)
+
+    def step(self, new: list[dict] | None = None) -> list[Event]:
+        """One iteration on every rank; `new` ({"rid", "tokens", "max_tokens", "peer"}) is read
+        on the lead rank only. Returns the events (identical on every rank)."""
+        new = self.coord.broadcast(new if self.coord.leader else None) or []
+        events: list[Event] = []
+        for m in new:
+            toks = list(m["tokens"])
+            if not toks or m["max_tokens"] < 1:
+                events.append(Event(m["rid"], [], True, {"error": "empty prompt or max_tokens"}))
+                continue
+            self.waiting.append(_DReq(m["rid"], toks, int(m["max_tokens"]), int(m["peer"])))
+        self._admit()
+        self._collect_transfers(events)
+        if self.running:
+            self._decode(events)
+        return events
+
+    def _admit(self) -> None:
+        P = self.kv.page_size
+        while self.waiting and len(self.running) + len(self.transfer) < self.max_running:
+            r = self.waiting[0]
+            # prompt + every new token + the draft slot of the first step
+            n = math.ceil((len(r.prompt) + r.max_tokens + 1) / P)
+            if n > self.kv.pages.num_free:
+                if n > self.kv.pages.num_pages:
+                    self.waiting.pop(0)
+                    r.error = f"needs {n} pages, the cache has {self.kv.pages.num_pages}"
+                    self.running.append(r)  # reported (and dropped) by _decode
+                break
+            self.waiting.pop(0)
+            r.pages = self.kv.pages.alloc(n)
+            r.pos = len(r.prompt) - 1
+            self.requests_started += 1
+            if len(r.prompt) == 1:
+                self.running.append(r)  # nothing to prefill, no hidden state to draft from
+            else:
+                self.transfer[r.rid] = r
+                self.link.submit(r.rid, r.prompt, r.pages[: pages_for(len(r.prompt), P)], r.peer)
+
+    def _collect_transfers(self, events: list[Event]) -> None:
+        ids = set(self.transfer)
+        failed = self.coord.agree(self.link.failed() & ids)
+        ready = self.coord.agree(self.link.ready() & ids) - failed
+        for rid in sorted(failed):
+            r = self.transfer.pop(rid)
+            self.link.release(rid)
+            self.kv.pages.free(r.pages)
+            events.append(Event(rid, [], True, {"error": "KV transfer failed"}))
+        for rid in sorted(ready):
+            r = self.transfer.pop(rid)
+            hidden = self.link.hidden(rid).to(self.model.cfg.torch_dtype)
+            self._inject_faults(r, hidden)
+            r.draft = int(self.model.draft(hidden[None], torch.tensor([r.prompt[-1]]))[0])
+            r.first_draft = r.draft
+            self.link.release(rid)
+            self.running.append(r)
+
+    def _inject_faults(self, r: _DReq, hidden: torch.Tensor) -> None:
+        f = self.faults
+        if f.page is not None:
+            layer, idx = f.page
+            g = torch.Generator().manual_seed(1)
+            buf = self.kv.layers[layer]
+            page = r.pages[idx]
+            noise = torch.randn(buf[page].shape, generator=g, dtype=torch.float64)
+            buf[page] += (3.0 * noise).to(buf.dtype)
+        if f.hidden:
+            g = torch.Generator().manual_seed(2)
+            hidden += 3.0 * torch.randn(hidden.shape, generator=g, dtype=hidden.dtype)
+
+    def _decode(self, events: list[Event]) -> None:
+        for r in [r for r in self.running if r.error]:
+            self.running.remove(r)
+            events.append(Event(r.rid, [], True, {"error": r.error}))
+        if not self.running:
+            return
+        runs = []
+        for r in self.running:
+            last = r.out[-1] if r.out else r.prompt[-1]
+            if not r.out:
+                self.prompt_tokens_seen += 1
+            toks = [last] if r.draft is None else [last, r.draft]
+            runs.append((toks, r.pos, r.pages))
+        batch = Batch.build(runs, self.kv.page_size)
+        logits = self.model.logits(self.model.forward(batch, self.kv.layers, self.kv.page_size))
+        best = logits.argmax(-1).tolist()
+        i = 0
+        for r, (toks, _, _) in zip(list(self.running), runs, strict=True):
+            got = [best[i]]
+            if r.draft is not None and best[i] == r.draft:
+                got.append(best[i + 1])  # the draft was right: its successor comes for free
+                r.draft_accepted = True
+            i += len(toks)
+            r.draft = None
+            emitted, finished = [], False
+            for t in got:
+                if t == EOS:
+                    finished = True
+                    break
+                emitted.append(t)
+                if len(r.out) + len(emitted) >= r.max_tokens:
+                    finished = True
+                    break
+            r.out += emitted
+            r.pos += len(got)  # an accepted draft's cache entry is kept, a rejected one rewritten
+            if finished:
+                self.running.remove(r)
+                self.kv.pages.free(r.pages)
+                info = {"draft": r.first_draft, "draft_accepted": r.draft_accepted}
+                events.append(Event(r.rid, emitted, True, info))
+            else:
+                events.append(Event(r.rid, emitted))

@@ -1,0 +1,392 @@
+"""A deterministic tiny transformer, tensor-parallel over processes, reading a paged KV cache.
+
+Why it exists: the messenger needs a real producer and consumer of KV caches on a CPU machine,
+and disaggregated serving needs an oracle. Weights come from a seed (no downloads), tokens are
+bytes (256 values + EOS), blocks are RMSNorm → attention → RMSNorm → SwiGLU MLP.
+
+Two attention variants:
+  * ``gqa``: query heads grouped over KV heads; each TP rank holds its query heads and the KV
+    heads they read (``transfer.routes.ShardSpec.heads_of``: split, or replicated in groups
+    when tp > KV heads). Cache per layer: ``[pages, kv_heads_local, 2, page_size, head_dim]``.
+  * ``mla``: DeepSeek-style latent cache: one compressed vector (``kv_lora_rank``) plus a shared
+    RoPE key, replicated on every rank (``[pages, 1, 1, page_size, rank + rope]``) and
+    up-projected per local head inside attention.
+
+Every rank generates the full weights from the seed and keeps only its slices, so any TP degree
+computes the same function; column-parallel projections, row-parallel outputs and an all-reduce
+(gloo) per block. Compute is float64 by default, the cache float32: different TP degrees, batch
+shapes and chunkings sum in different orders, and float64 keeps that noise (~1e-16) so far below
+the gap between the two best logits that a greedy argmax never flips, so token-exact tests are
+exact rather than lucky. The float32 cache is what travels over the messenger.
+
+A small MTP-style draft head (DeepSeek-V3 style: norm(hidden) ⊕ norm(embed(next token)) → one
+projection → the shared LM head) turns the hidden state the prefill ships into a draft of the
+first generated token's successor, which the decoder verifies in its first step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from transfer.routes import ShardSpec
+
+EOS = 256
+VOCAB = 257
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """Shape of the reference model; every field has a default so `TinyConfig()` works."""
+
+    attention: str = "gqa"  # "gqa" or "mla"
+    num_layers: int = 2
+    hidden: int = 64
+    num_q_heads: int = 4
+    num_kv_heads: int = 2  # gqa only
+    head_dim: int = 16  # gqa only
+    kv_lora_rank: int = 32  # mla only
+    qk_rope_dim: int = 8  # mla only
+    qk_nope_dim: int = 16  # mla only
+    v_head_dim: int = 16  # mla only
+    intermediate: int = 128
+    rope_theta: float = 10000.0
+    seed: int = 0
+    dtype: str = "float64"  # compute dtype
+    kv_dtype: str = "float32"  # what the cache pages (and the transfers) hold
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("gqa", "mla"):
+            raise ValueError(f"model.attention must be 'gqa' or 'mla', got {self.attention!r}")
+        for key in ("dtype", "kv_dtype"):
+            if getattr(self, key) not in _DTYPES:
+                raise ValueError(
+                    f"model.{key} must be one of {sorted(_DTYPES)}, got {getattr(self, key)!r}"
+                )
+        if self.attention == "gqa" and self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads={self.num_q_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return _DTYPES[self.kv_dtype]
+
+    @property
+    def cache_heads(self) -> int:
+        """KV "heads" of the cache: the latent is one head."""
+        return 1 if self.attention == "mla" else self.num_kv_heads
+
+    @property
+    def kv_parts(self) -> int:
+        return 1 if self.attention == "mla" else 2
+
+    @property
+    def cache_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_dim if self.attention == "mla" else self.head_dim
+
+    def shard_spec(self, tp: int) -> ShardSpec:
+        """The KV-cache sharding for `tp`, as the messenger's route math sees it."""
+        return ShardSpec(num_kv_heads=self.cache_heads, tp=tp)
+
+    def check_tp(self, tp: int) -> None:
+        if tp < 1 or self.num_q_heads % tp or self.intermediate % tp:
+            raise ValueError(
+                f"tp={tp} must divide num_q_heads={self.num_q_heads} and "
+                f"intermediate={self.intermediate}"
+            )
+        self.shard_spec(tp).check()
+
+
+@dataclass
+class Batch:
+    """One forward pass: tokens of several sequences, each a contiguous run.
+
+    `tokens`, `positions`: [T]; `seq`, `slot`: [T] row of the token's sequence in `page_table`
+    and its index among that sequence's new tokens; `page_table`: [B, max_pages] page ids (padded
+    with any valid id); `kv_len`: [B] cached length after this pass (new tokens included).
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    seq: torch.Tensor
+    slot: torch.Tensor
+    page_table: torch.Tensor
+    kv_len: torch.Tensor
+    q_max: int
+
+    @staticmethod
+    def build(
+        runs: list[tuple[list[int], int, list[int]]], page_size: int
+    ) -> Batch:
+        """`runs`: (new tokens, start position, page ids) per sequence."""
+        toks, pos, seq, slot = [], [], [], []
+        width = max(len(p) for _, _, p in runs)
+        table = torch.zeros(len(runs), max(width, 1), dtype=torch.long)
+        kv_len = []
+        for b, (t, start, pages) in enumerate(runs):
+            n = len(t)
+            need = -(-(start + n) // page_size)
+            if need > len(pages):
+                raise ValueError(f"sequence {b}: {start + n} tokens need {need} pages")
+            toks += t
+            pos += range(start, start + n)
+            seq += [b] * n
+            slot += range(n)
+            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.long)
+            kv_len.append(start + n)
+        return Batch(
+            tokens=torch.tensor(toks, dtype=torch.long),
+            positions=torch.tensor(pos, dtype=torch.long),
+            seq=torch.tensor(seq, dtype=torch.long),
+            slot=torch.tensor(slot, dtype=torch.long),
+            page_table=table,
+            kv_len=torch.tensor(kv_len, dtype=torch.long),
+            q_max=max(len(t) for t, _, _ in runs),
+        )
+
+
+@dataclass
+class TP:
+    """This process's place in its instance's tensor-parallel group."""
+
+    size: int = 1
+    rank: int = 0
+    group: object = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE on the last dim of x [T, ..., d] at `positions` [T]."""
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = positions.to(torch.float64)[:, None] * inv[None, :]
+    shape = [x.shape[0]] + [1] * (x.dim() - 2) + [d // 2]
+    cos = ang.cos().to(x.dtype).view(shape)
+    sin = ang.sin().to(x.dtype).view(shape)
+    a, b = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
+class _Weights:
+    """Full weights drawn from the seed in a fixed order (identical on every rank)."""
+
+    def __init__(self, cfg: TinyConfig) -> None:
+        g = torch.Generator().manual_seed(cfg.seed)
+        dt = cfg.torch_dtype
+
+        def mat(n_in: int, n_out: int, gain: float = 1.0) -> torch.Tensor:
+            w = torch.randn(n_in, n_out, generator=g, dtype=torch.float64)
+            return (w * gain / math.sqrt(n_in)).to(dt)
+
+        def norm(n: int) -> torch.Tensor:
+            return (1.0 + 0.1 * torch.randn(n, generator=g, dtype=torch.float64)).to(dt)
+
+        h = cfg.hidden
+        self.embed = torch.randn(VOCAB, h, generator=g, dtype=torch.float64).to(dt)
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for _ in range(cfg.num_layers):
+            lw: dict[str, torch.Tensor] = {"attn_norm": norm(h)}
+            if cfg.attention == "gqa":
+                lw["wq"] = mat(h, cfg.num_q_heads * cfg.head_dim, 2.0)
+                lw["wk"] = mat(h, cfg.num_kv_heads * cfg.head_dim, 2.0)
+                lw["wv"] = mat(h, cfg.num_kv_heads * cfg.head_dim)
+                lw["wo"] = mat(cfg.num_q_heads * cfg.head_dim, h)
+            else:
+                qk = cfg.qk_nope_dim + cfg.qk_rope_dim
+                lw["wq"] = mat(h, cfg.num_q_heads * qk, 2.0)
+                lw["wkv_a"] = mat(h, cfg.kv_lora_rank + cfg.qk_rope_dim, 2.0)
+                lw["kv_norm"] = norm(cfg.kv_lora_rank)
+                lw["wkv_b"] = mat(
+                    cfg.kv_lora_rank, cfg.num_q_heads * (cfg.qk_nope_dim + cfg.v_head_dim)
+                )
+                lw["wo"] = mat(cfg.num_q_heads * cfg.v_head_dim, h)
+            lw["mlp_norm"] = norm(h)
+            lw["w_gate"] = mat(h, cfg.intermediate)
+            lw["w_up"] = mat(h, cfg.intermediate)
+            lw["w_down"] = mat(cfg.intermediate, h)
+            self.layers.append(lw)
+        self.final_norm = norm(h)
+        self.lm_head = mat(h, VOCAB, 4.0)
+        self.mtp_norm_h = norm(h)
+        self.mtp_norm_e = norm(h)
+        self.mtp_proj = mat(2 * h, h)
+        # Printable ASCII slightly favoured so the smoke output reads as text; EOS rare.
+        bias = torch.zeros(VOCAB, dtype=torch.float64)
+        bias[32:127] = 2.0
+        bias[EOS] = -4.0
+        self.logit_bias = bias.to(dt)
+
+
+class TinyModel:
+    """One TP rank's shard of the model. Stateless apart from weights: the cache is passed in."""
+
+    def __init__(self, cfg: TinyConfig, tp: TP | None = None) -> None:
+        self.cfg = cfg
+        self.tp = tp or TP()
+        cfg.check_tp(self.tp.size)
+        full = _Weights(cfg)
+        t, r = self.tp.size, self.tp.rank
+        hq = cfg.num_q_heads // t
+        self.q_heads = range(r * hq, (r + 1) * hq)
+        self.kv_heads = cfg.shard_spec(t).heads_of(r)
+        inter = cfg.intermediate // t
+        ff = slice(r * inter, (r + 1) * inter)
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for lw in full.layers:
+            s = {k: lw[k] for k in ("attn_norm", "mlp_norm")}
+            s["w_gate"] = lw["w_gate"][:, ff].contiguous()
+            s["w_up"] = lw["w_up"][:, ff].contiguous()
+            s["w_down"] = lw["w_down"][ff, :].contiguous()
+            if cfg.attention == "gqa":
+                d = cfg.head_dim
+                s["wq"] = _cols(lw["wq"], self.q_heads, d)
+                s["wk"] = _cols(lw["wk"], self.kv_heads, d)
+                s["wv"] = _cols(lw["wv"], self.kv_heads, d)
+                s["wo"] = _rows(lw["wo"], self.q_heads, d)
+            else:
+                s["wq"] = _cols(lw["wq"], self.q_heads, cfg.qk_nope_dim + cfg.qk_rope_dim)
+                s["wkv_a"], s["kv_norm"] = lw["wkv_a"], lw["kv_norm"]
+                s["wkv_b"] = _cols(lw["wkv_b"], self.q_heads, cfg.qk_nope_dim + cfg.v_head_dim)
+                s["wo"] = _rows(lw["wo"], self.q_heads, cfg.v_head_dim)
+            self.layers.append(s)
+        self.embed = full.embed
+        self.final_norm = full.final_norm
+        self.lm_head = full.lm_head
+        self.logit_bias = full.logit_bias
+        self.mtp = (full.mtp_norm_h, full.mtp_norm_e, full.mtp_proj)
+        if cfg.attention == "gqa":
+            group = cfg.num_q_heads // cfg.num_kv_heads
+            # local kv index read by each local q head
+            self.kv_map = torch.tensor(
+                [h // group - self.kv_heads.start for h in self.q_heads], dtype=torch.long
+            )
+        self.tokens_seen = 0  # every token any forward pass of this model has processed
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward(
+        self,
+        batch: Batch,
+        cache: list[torch.Tensor],
+        page_size: int,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Run `batch`, append its K/V to `cache`, return final hidden states [T, hidden]
+        (before the final norm). `on_layer(i)` runs once layer i's cache entries are written."""
+        self.tokens_seen += int(batch.tokens.numel())
+        x = self.embed[batch.tokens]
+        page = batch.page_table[batch.seq, batch.positions // page_size]
+        off = batch.positions % page_size
+        for i, lw in enumerate(self.layers):
+            a = _rms(x, lw["attn_norm"])
+            if self.cfg.attention == "gqa":
+                att = self._gqa(a, lw, batch, cache[i], page, off, page_size)
+            else:
+                att = self._mla(a, lw, batch, cache[i], page, off, page_size)
+            if on_layer is not None:
+                on_layer(i)
+            x = x + self.tp.all_reduce(att @ lw["wo"])
+            m = _rms(x, lw["mlp_norm"])
+            ff = torch.nn.functional.silu(m @ lw["w_gate"]) * (m @ lw["w_up"])
+            x = x + self.tp.all_reduce(ff @ lw["w_down"])
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _rms(hidden, self.final_norm) @ self.lm_head + self.logit_bias
+
+    def draft(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """MTP-style draft: from the hidden state at position i and the token at i+1, propose
+        the token at i+2 (greedy). hidden [B, hidden], next_tokens [B] → [B]."""
+        nh, ne, proj = self.mtp
+        z = torch.cat([_rms(hidden, nh), _rms(self.embed[next_tokens], ne)], dim=-1) @ proj
+        return self.logits(z).argmax(-1)
+
+    # -- attention ---------------------------------------------------------------------------
+
+    def _gather(self, buf: torch.Tensor, batch: Batch, page_size: int) -> torch.Tensor:
+        """Cached entries of every sequence: [B, L, heads, parts, dim] (L = longest kv_len)."""
+        length = int(batch.kv_len.max())
+        pos = torch.arange(length)
+        pid = batch.page_table[:, pos // page_size]
+        off = (pos % page_size).expand_as(pid)
+        return buf[pid, :, :, off, :].to(self.cfg.torch_dtype)
+
+    def _pad_q(self, q: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """[T, ...] → [B, q_max, ...] (padding rows are zero and masked out)."""
+        out = q.new_zeros((batch.page_table.shape[0], batch.q_max, *q.shape[1:]))
+        out[batch.seq, batch.slot] = q
+        return out
+
+    def _mask(self, batch: Batch, length: int) -> torch.Tensor:
+        """[B, 1, q_max, L]: key position <= query position (causal, within kv_len)."""
+        qpos = torch.full((batch.page_table.shape[0], batch.q_max), -1, dtype=torch.long)
+        qpos[batch.seq, batch.slot] = batch.positions
+        return (torch.arange(length)[None, None, :] <= qpos[:, :, None])[:, None]
+
+    def _softmax_av(
+        self, scores: torch.Tensor, v: torch.Tensor, batch: Batch
+    ) -> torch.Tensor:
+        """scores [B, H, q, L], v [B, L, H, dv] → [T, H*dv]."""
+        scores = scores.masked_fill(~self._mask(batch, scores.shape[-1]), float("-inf"))
+        p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding rows have no keys
+        out = torch.einsum("bhql,blhd->bqhd", p, v)[batch.seq, batch.slot]
+        return out.reshape(out.shape[0], -1)
+
+    def _gqa(self, a, lw, batch, buf, page, off, page_size):
+        cfg, t = self.cfg, a.shape[0]
+        d = cfg.head_dim
+        q = _rope((a @ lw["wq"]).view(t, -1, d), batch.positions, cfg.rope_theta)
+        k = _rope((a @ lw["wk"]).view(t, -1, d), batch.positions, cfg.rope_theta)
+        v = (a @ lw["wv"]).view(t, -1, d)
+        buf[page, :, 0, off, :] = k.to(buf.dtype)
+        buf[page, :, 1, off, :] = v.to(buf.dtype)
+        kv = self._gather(buf, batch, page_size)  # [B, L, hkv, 2, d]
+        keys = kv[:, :, self.kv_map, 0, :]  # [B, L, hq, d]
+        vals = kv[:, :, self.kv_map, 1, :]
+        scores = torch.einsum("bqhd,blhd->bhql", self._pad_q(q, batch), keys) / math.sqrt(d)
+        return self._softmax_av(scores, vals, batch)
+
+    def _mla(self, a, lw, batch, buf, page, off, page_size):
+        cfg, t = self.cfg, a.shape[0]
+        rank, nope, rope, dv = cfg.kv_lora_rank, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim
+        q = (a @ lw["wq"]).view(t, -1, nope + rope)
+        q_nope, q_rope = q[..., :nope], _rope(q[..., nope:], batch.positions, cfg.rope_theta)
+        kv_a = a @ lw["wkv_a"]
+        latent = _rms(kv_a[:, :rank], lw["kv_norm"])
+        k_rope = _rope(kv_a[:, rank:], batch.positions, cfg.rope_theta)
+        buf[page, 0, 0, off, :] = torch.cat([latent, k_rope], dim=-1).to(buf.dtype)
+        cached = self._gather(buf, batch, page_size)[:, :, 0, 0, :]  # [B, L, rank+rope]
+        b, length = cached.shape[:2]
+        up = (cached[..., :rank] @ lw["wkv_b"]).view(b, length, -1, nope + dv)
+        k_nope, vals = up[..., :nope], up[..., nope:]
+        qn, qr = self._pad_q(q_nope, batch), self._pad_q(q_rope, batch)
+        scores = torch.einsum("bqhd,blhd->bhql", qn, k_nope)
+        scores = scores + torch.einsum("bqhd,bld->bhql", qr, cached[..., rank:])
+        return self._softmax_av(scores / math.sqrt(nope + rope), vals, batch)
+
+
+def _cols(w: torch.Tensor, heads: range, d: int) -> torch.Tensor:
+    return w[:, heads.start * d : heads.stop * d].contiguous()
+
+
+def _rows(w: torch.Tensor, heads: range, d: int) -> torch.Tensor:
+    return w[heads.start * d : heads.stop * d, :].contiguous()
