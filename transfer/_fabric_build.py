@@ -1,0 +1,625 @@
+"""cffi (API mode) build script for `transfer._fabric`, the private libfabric binding.
+
+Why API mode: most `fi_*` calls are `static inline` wrappers around function-pointer tables, so
+they only exist to a C compiler. Why a C source and not one Python call per `fi_*` call: the hot
+paths (submitting thousands of page writes, draining the completion queue and counting CQ data per
+transfer slot) cost ~1 µs per page through cffi, which caps small pages far below the copy speed
+(DESIGN §5). Here they are C loops; cffi releases the GIL around every call.
+
+Built at install time by setup.py (only when `rdma/fabric.h` is found), or by hand from the
+repository root: `python transfer/_fabric_build.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+from cffi import FFI
+
+MODULE = "transfer._fabric"
+
+CDEF = r"""
+typedef struct pd_ep pd_ep;
+typedef struct pd_mr pd_mr;
+
+struct pd_info {
+    char provider[64];
+    char fabric[128];
+    char domain[128];
+    uint64_t mr_mode;
+    uint64_t caps;
+    uint64_t mode;
+    size_t cq_data_size;
+    size_t max_msg_size;
+    size_t tx_size;
+    size_t mr_key_size;
+    int has_rma_event;
+    int has_remote_cntr;
+};
+
+struct pd_err {
+    uint64_t tag;
+    int err;
+    int prov_errno;
+    char msg[256];
+};
+
+int pd_open(pd_ep **out, const char *prov, const char *domain, const char *node,
+            const char *service, int want_remote_cntr, uint32_t ctx_pool,
+            struct pd_info *info, char *errbuf, size_t errlen);
+void pd_close(pd_ep *ep);
+int pd_getname(pd_ep *ep, void *buf, size_t *len);
+void pd_set_counters(pd_ep *ep, uint32_t *recv_counts, uint16_t *recv_gen, uint32_t *send_done,
+                     uint32_t nslots);
+uint64_t pd_stale(pd_ep *ep);
+uint64_t pd_inflight(pd_ep *ep);
+uint64_t pd_remote_cntr(pd_ep *ep);
+uint64_t pd_remote_writes(pd_ep *ep);
+
+int pd_av_insert(pd_ep *ep, const void *name, uint64_t *fi_addr);
+int pd_av_remove(pd_ep *ep, uint64_t fi_addr);
+
+int pd_mr_reg(pd_ep *ep, void *addr, size_t len, uint64_t access, int iface, int device,
+              uint64_t requested_key, pd_mr **out, uint64_t *key, char *errbuf, size_t errlen);
+void pd_mr_close(pd_mr *mr);
+
+int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
+                   uint64_t remote_key, const uint64_t *src, const uint64_t *dst,
+                   const uint64_t *len, size_t n, uint32_t imm, uint32_t tag,
+                   int64_t timeout_ns, size_t *done, char *errbuf, size_t errlen);
+int pd_poll(pd_ep *ep, size_t max_entries);
+int pd_wait_recv(pd_ep *ep, uint32_t slot, uint32_t target, int64_t timeout_ns);
+int pd_wait_send(pd_ep *ep, uint32_t tag, uint32_t target, int64_t timeout_ns);
+int pd_wait_idle(pd_ep *ep, int64_t timeout_ns);
+size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max);
+const char *pd_strerror(int err);
+
+#define PD_ETIMEDOUT ...
+#define PD_EOVERFLOW ...
+#define PD_HMEM_SYSTEM ...
+#define PD_HMEM_CUDA ...
+#define PD_ACCESS_LOCAL_WRITE ...
+#define PD_ACCESS_REMOTE_WRITE ...
+"""
+
+SOURCE = r"""
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#define PD_ETIMEDOUT FI_ETIMEDOUT
+#define PD_EOVERFLOW FI_EOVERFLOW
+#define PD_HMEM_SYSTEM FI_HMEM_SYSTEM
+#define PD_HMEM_CUDA FI_HMEM_CUDA
+#define PD_ACCESS_LOCAL_WRITE (FI_WRITE | FI_READ)
+#define PD_ACCESS_REMOTE_WRITE (FI_REMOTE_WRITE | FI_REMOTE_READ)
+#define PD_MAX_ERRORS 64
+#define PD_CQ_BATCH 64
+
+typedef struct pd_ep pd_ep;
+typedef struct pd_mr pd_mr;
+
+struct pd_info {
+    char provider[64];
+    char fabric[128];
+    char domain[128];
+    uint64_t mr_mode;
+    uint64_t caps;
+    uint64_t mode;
+    size_t cq_data_size;
+    size_t max_msg_size;
+    size_t tx_size;
+    size_t mr_key_size;
+    int has_rma_event;
+    int has_remote_cntr;
+};
+
+struct pd_err {
+    uint64_t tag;
+    int err;
+    int prov_errno;
+    char msg[256];
+};
+
+/* One outstanding local write: the provider hands `ctx` back in the completion, so the tag rides
+   along and providers that demand FI_CONTEXT/FI_CONTEXT2 scratch space get it. */
+struct pd_ctx {
+    struct fi_context2 fi;   /* must stay first: some providers write into it */
+    uint32_t tag;
+    uint32_t next_free;
+};
+
+struct pd_ep {
+    struct fi_info *info;
+    struct fid_fabric *fabric;
+    struct fid_domain *domain;
+    struct fid_av *av;
+    struct fid_cq *cq;
+    struct fid_cntr *rcntr;
+    struct fid_ep *ep;
+    uint64_t mr_mode;
+    /* counting state; the arrays belong to Python (numpy) and outlive this struct's use */
+    uint32_t *recv_counts;
+    uint16_t *recv_gen;
+    uint32_t *send_done;
+    uint32_t nslots;
+    uint64_t stale;
+    uint64_t remote_writes;
+    uint64_t inflight;
+    /* context pool */
+    struct pd_ctx *ctx;
+    uint32_t ctx_n;
+    uint32_t ctx_free;      /* head of free list, ctx_n == empty */
+    /* error ring (oldest dropped when full) */
+    struct pd_err errs[PD_MAX_ERRORS];
+    size_t nerr;
+    uint64_t dropped_errs;
+};
+
+struct pd_mr {
+    struct fid_mr *mr;
+    void *desc;
+    uint64_t base;
+};
+
+static int64_t pd_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void pd_seterr(char *buf, size_t len, const char *call, int ret) {
+    if (buf && len)
+        snprintf(buf, len, "%s: %s (%d)", call, fi_strerror(ret < 0 ? -ret : ret), ret);
+}
+
+const char *pd_strerror(int err) { return fi_strerror(err < 0 ? -err : err); }
+
+static void pd_record_err(pd_ep *ep, uint64_t tag, int err, int prov_errno, const char *msg) {
+    if (ep->nerr == PD_MAX_ERRORS) {
+        memmove(&ep->errs[0], &ep->errs[1], sizeof(ep->errs[0]) * (PD_MAX_ERRORS - 1));
+        ep->nerr--;
+        ep->dropped_errs++;
+    }
+    struct pd_err *e = &ep->errs[ep->nerr++];
+    e->tag = tag;
+    e->err = err;
+    e->prov_errno = prov_errno;
+    snprintf(e->msg, sizeof(e->msg), "%s", msg ? msg : "");
+}
+
+size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max) {
+    size_t n = ep->nerr < max ? ep->nerr : max;
+    memcpy(out, ep->errs, n * sizeof(*out));
+    memmove(&ep->errs[0], &ep->errs[n], (ep->nerr - n) * sizeof(*out));
+    ep->nerr -= n;
+    return n;
+}
+
+static struct pd_ctx *pd_ctx_get(pd_ep *ep) {
+    if (ep->ctx_free == ep->ctx_n) return NULL;
+    struct pd_ctx *c = &ep->ctx[ep->ctx_free];
+    ep->ctx_free = c->next_free;
+    return c;
+}
+
+static void pd_ctx_put(pd_ep *ep, struct pd_ctx *c) {
+    c->next_free = ep->ctx_free;
+    ep->ctx_free = (uint32_t)(c - ep->ctx);
+}
+
+static int pd_is_our_ctx(pd_ep *ep, void *p) {
+    return p && (struct pd_ctx *)p >= ep->ctx && (struct pd_ctx *)p < ep->ctx + ep->ctx_n;
+}
+
+static void pd_count_remote(pd_ep *ep, uint64_t data) {
+    uint32_t imm = (uint32_t)data;
+    uint32_t slot = imm >> 16;
+    uint16_t gen = (uint16_t)(imm & 0xffff);
+    ep->remote_writes++;
+    if (ep->recv_counts && slot < ep->nslots && ep->recv_gen[slot] == gen)
+        ep->recv_counts[slot]++;
+    else
+        ep->stale++;
+}
+
+static void pd_complete_local(pd_ep *ep, void *op_context) {
+    if (!pd_is_our_ctx(ep, op_context)) return;
+    struct pd_ctx *c = (struct pd_ctx *)op_context;
+    if (ep->send_done && c->tag < ep->nslots) ep->send_done[c->tag]++;
+    ep->inflight--;
+    pd_ctx_put(ep, c);
+}
+
+/* Read the error entry behind -FI_EAVAIL; a failed local write still returns its context. */
+static int pd_read_cq_error(pd_ep *ep) {
+    struct fi_cq_err_entry e;
+    char pbuf[200];
+    memset(&e, 0, sizeof(e));
+    ssize_t r = fi_cq_readerr(ep->cq, &e, 0);
+    if (r == -FI_EAGAIN) return 0;
+    if (r < 0) return (int)r;
+    const char *pmsg = fi_cq_strerror(ep->cq, e.prov_errno, e.err_data, pbuf, sizeof(pbuf));
+    char msg[256];
+    snprintf(msg, sizeof(msg), "%s; provider: %s", fi_strerror(e.err), pmsg ? pmsg : "?");
+    uint64_t tag = UINT64_MAX;
+    if (pd_is_our_ctx(ep, e.op_context)) {
+        struct pd_ctx *c = (struct pd_ctx *)e.op_context;
+        tag = c->tag;
+        ep->inflight--;
+        pd_ctx_put(ep, c);
+    } else if (e.flags & FI_REMOTE_CQ_DATA) {
+        tag = (uint32_t)e.data;
+    }
+    pd_record_err(ep, tag, e.err, e.prov_errno, msg);
+    return 0;
+}
+
+/* Drain the CQ: remote CQ data -> per-slot counts, local completions -> per-tag counts.
+   Returns entries handled (>= 0) or a negative fi errno on a CQ failure. */
+int pd_poll(pd_ep *ep, size_t max_entries) {
+    struct fi_cq_data_entry ent[PD_CQ_BATCH];
+    size_t total = 0;
+    while (total < max_entries) {
+        ssize_t n = fi_cq_read(ep->cq, ent, PD_CQ_BATCH);
+        if (n == -FI_EAGAIN) break;
+        if (n == -FI_EAVAIL) {
+            int r = pd_read_cq_error(ep);
+            if (r < 0) return r;
+            total++;
+            continue;
+        }
+        if (n < 0) return (int)n;
+        for (ssize_t i = 0; i < n; i++) {
+            if (ent[i].flags & FI_REMOTE_CQ_DATA)
+                pd_count_remote(ep, ent[i].data);
+            else
+                pd_complete_local(ep, ent[i].op_context);
+        }
+        total += (size_t)n;
+        if (n < PD_CQ_BATCH) break;
+    }
+    return (int)(total > 0x7fffffff ? 0x7fffffff : total);
+}
+
+static struct fi_info *pd_pick(struct fi_info *list, const char *prov, const char *domain) {
+    for (struct fi_info *fi = list; fi; fi = fi->next) {
+        if (prov && *prov && strcmp(fi->fabric_attr->prov_name, prov) != 0) continue;
+        if (domain && *domain && strcmp(fi->domain_attr->name, domain) != 0) continue;
+        return fi;
+    }
+    return NULL;
+}
+
+static struct fi_info *pd_hints(const char *prov, uint64_t extra_caps) {
+    struct fi_info *h = fi_allocinfo();
+    if (!h) return NULL;
+    h->ep_attr->type = FI_EP_RDM;
+    h->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | extra_caps;
+    h->mode = FI_CONTEXT | FI_CONTEXT2;
+    h->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY
+                              | FI_MR_ENDPOINT | FI_MR_HMEM;
+    h->domain_attr->threading = FI_THREAD_DOMAIN;
+    h->domain_attr->av_type = FI_AV_TABLE;
+    if (prov && *prov) h->fabric_attr->prov_name = strdup(prov);
+    return h;
+}
+
+void pd_close(pd_ep *ep) {
+    if (!ep) return;
+    if (ep->ep) fi_close(&ep->ep->fid);
+    if (ep->av) fi_close(&ep->av->fid);
+    if (ep->cq) fi_close(&ep->cq->fid);
+    if (ep->rcntr) fi_close(&ep->rcntr->fid);
+    if (ep->domain) fi_close(&ep->domain->fid);
+    if (ep->fabric) fi_close(&ep->fabric->fid);
+    if (ep->info) fi_freeinfo(ep->info);
+    free(ep->ctx);
+    free(ep);
+}
+
+#define PD_TRY(call, what) do { int _r = (int)(call); if (_r) { \
+    pd_seterr(errbuf, errlen, what, _r); pd_close(ep); return _r; } } while (0)
+
+int pd_open(pd_ep **out, const char *prov, const char *domain, const char *node,
+            const char *service, int want_remote_cntr, uint32_t ctx_pool,
+            struct pd_info *pi, char *errbuf, size_t errlen) {
+    *out = NULL;
+    pd_ep *ep = calloc(1, sizeof(*ep));
+    if (!ep) { pd_seterr(errbuf, errlen, "calloc", -FI_ENOMEM); return -FI_ENOMEM; }
+    struct fi_info *list = NULL, *hints;
+    int ret = -FI_ENODATA;
+    /* The remote-write counter needs FI_RMA_EVENT, which tcp/efa/verbs lack: ask with it first,
+       fall back to CQ data only. */
+    for (int attempt = want_remote_cntr ? 0 : 1; attempt < 2; attempt++) {
+        hints = pd_hints(prov, attempt == 0 ? FI_RMA_EVENT : 0);
+        if (!hints) { ret = -FI_ENOMEM; break; }
+        /* node/service name the LOCAL address to bind (FI_SOURCE), e.g. 127.0.0.1 for tcp */
+        int local = (node && *node) || (service && *service);
+        ret = fi_getinfo(FI_VERSION(1, 17), (node && *node) ? node : NULL,
+                         (service && *service) ? service : NULL, local ? FI_SOURCE : 0,
+                         hints, &list);
+        fi_freeinfo(hints);
+        if (ret == 0) {
+            struct fi_info *pick = pd_pick(list, prov, domain);
+            if (pick) { ep->info = fi_dupinfo(pick); fi_freeinfo(list); list = NULL; break; }
+            fi_freeinfo(list); list = NULL; ret = -FI_ENODATA;
+        }
+    }
+    if (!ep->info) {
+        pd_seterr(errbuf, errlen, "fi_getinfo", ret ? ret : -FI_ENODATA);
+        pd_close(ep);
+        return ret ? ret : -FI_ENODATA;
+    }
+    struct fi_info *fi = ep->info;
+    ep->mr_mode = fi->domain_attr->mr_mode;
+    PD_TRY(fi_fabric(fi->fabric_attr, &ep->fabric, NULL), "fi_fabric");
+    PD_TRY(fi_domain(ep->fabric, fi, &ep->domain, NULL), "fi_domain");
+    struct fi_cq_attr cq_attr;
+    memset(&cq_attr, 0, sizeof(cq_attr));
+    cq_attr.format = FI_CQ_FORMAT_DATA;
+    cq_attr.wait_obj = FI_WAIT_NONE;
+    cq_attr.size = 0;
+    PD_TRY(fi_cq_open(ep->domain, &cq_attr, &ep->cq, NULL), "fi_cq_open");
+    struct fi_av_attr av_attr;
+    memset(&av_attr, 0, sizeof(av_attr));
+    av_attr.type = FI_AV_TABLE;
+    PD_TRY(fi_av_open(ep->domain, &av_attr, &ep->av, NULL), "fi_av_open");
+    PD_TRY(fi_endpoint(ep->domain, fi, &ep->ep, NULL), "fi_endpoint");
+    PD_TRY(fi_ep_bind(ep->ep, &ep->av->fid, 0), "fi_ep_bind(av)");
+    PD_TRY(fi_ep_bind(ep->ep, &ep->cq->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
+    if (want_remote_cntr && (fi->caps & FI_RMA_EVENT)) {
+        struct fi_cntr_attr ca;
+        memset(&ca, 0, sizeof(ca));
+        ca.events = FI_CNTR_EVENTS_COMP;
+        ca.wait_obj = FI_WAIT_NONE;
+        PD_TRY(fi_cntr_open(ep->domain, &ca, &ep->rcntr, NULL), "fi_cntr_open");
+        PD_TRY(fi_ep_bind(ep->ep, &ep->rcntr->fid, FI_REMOTE_WRITE), "fi_ep_bind(cntr)");
+    }
+    PD_TRY(fi_enable(ep->ep), "fi_enable");
+    ep->ctx_n = ctx_pool ? ctx_pool : 1;
+    ep->ctx = calloc(ep->ctx_n, sizeof(*ep->ctx));
+    if (!ep->ctx) {
+        pd_seterr(errbuf, errlen, "calloc", -FI_ENOMEM);
+        pd_close(ep);
+        return -FI_ENOMEM;
+    }
+    for (uint32_t i = 0; i < ep->ctx_n; i++) ep->ctx[i].next_free = i + 1;
+    ep->ctx_free = 0;
+    memset(pi, 0, sizeof(*pi));
+    snprintf(pi->provider, sizeof(pi->provider), "%s", fi->fabric_attr->prov_name);
+    snprintf(pi->fabric, sizeof(pi->fabric), "%s", fi->fabric_attr->name);
+    snprintf(pi->domain, sizeof(pi->domain), "%s", fi->domain_attr->name);
+    pi->mr_mode = fi->domain_attr->mr_mode;
+    pi->caps = fi->caps;
+    pi->mode = fi->mode;
+    pi->cq_data_size = fi->domain_attr->cq_data_size;
+    pi->max_msg_size = fi->ep_attr->max_msg_size;
+    pi->tx_size = fi->tx_attr->size;
+    pi->mr_key_size = fi->domain_attr->mr_key_size;
+    pi->has_rma_event = (fi->caps & FI_RMA_EVENT) != 0;
+    pi->has_remote_cntr = ep->rcntr != NULL;
+    *out = ep;
+    return 0;
+}
+
+int pd_getname(pd_ep *ep, void *buf, size_t *len) {
+    return fi_getname(&ep->ep->fid, buf, len);
+}
+
+void pd_set_counters(pd_ep *ep, uint32_t *recv_counts, uint16_t *recv_gen, uint32_t *send_done,
+                     uint32_t nslots) {
+    ep->recv_counts = recv_counts;
+    ep->recv_gen = recv_gen;
+    ep->send_done = send_done;
+    ep->nslots = nslots;
+}
+
+uint64_t pd_stale(pd_ep *ep) { return ep->stale; }
+uint64_t pd_inflight(pd_ep *ep) { return ep->inflight; }
+uint64_t pd_remote_writes(pd_ep *ep) { return ep->remote_writes; }
+uint64_t pd_remote_cntr(pd_ep *ep) { return ep->rcntr ? fi_cntr_read(ep->rcntr) : 0; }
+
+int pd_av_insert(pd_ep *ep, const void *name, uint64_t *fi_addr) {
+    fi_addr_t a = FI_ADDR_UNSPEC;
+    int n = fi_av_insert(ep->av, name, 1, &a, 0, NULL);
+    if (n == 1) { *fi_addr = a; return 0; }
+    return n < 0 ? n : -FI_EINVAL;
+}
+
+int pd_av_remove(pd_ep *ep, uint64_t fi_addr) {
+    fi_addr_t a = fi_addr;
+    return fi_av_remove(ep->av, &a, 1, 0);
+}
+
+int pd_mr_reg(pd_ep *ep, void *addr, size_t len, uint64_t access, int iface, int device,
+              uint64_t requested_key, pd_mr **out, uint64_t *key, char *errbuf, size_t errlen) {
+    *out = NULL;
+    pd_mr *m = calloc(1, sizeof(*m));
+    if (!m) { pd_seterr(errbuf, errlen, "calloc", -FI_ENOMEM); return -FI_ENOMEM; }
+    struct iovec iov = { .iov_base = addr, .iov_len = len };
+    struct fi_mr_attr attr;
+    memset(&attr, 0, sizeof(attr));
+    attr.mr_iov = &iov;
+    attr.iov_count = 1;
+    attr.access = access;
+    attr.requested_key = requested_key;
+    attr.iface = (enum fi_hmem_iface)iface;
+    if (iface == FI_HMEM_CUDA) attr.device.cuda = device;
+    uint64_t flags = 0;
+    int ret = fi_mr_regattr(ep->domain, &attr, flags, &m->mr);
+    if (ret) { pd_seterr(errbuf, errlen, "fi_mr_regattr", ret); free(m); return ret; }
+    if (ep->mr_mode & FI_MR_ENDPOINT) {
+        ret = fi_mr_bind(m->mr, &ep->ep->fid, 0);
+        if (!ret) ret = fi_mr_enable(m->mr);
+        if (ret) {
+            pd_seterr(errbuf, errlen, "fi_mr_bind/enable", ret);
+            fi_close(&m->mr->fid); free(m); return ret;
+        }
+    }
+    if (ep->rcntr && (access & FI_REMOTE_WRITE) && (ep->mr_mode & FI_MR_RMA_EVENT)) {
+        ret = fi_mr_bind(m->mr, &ep->rcntr->fid, FI_REMOTE_WRITE);
+        if (!ret) ret = fi_mr_enable(m->mr);
+        if (ret) {
+            pd_seterr(errbuf, errlen, "fi_mr_bind(cntr)", ret);
+            fi_close(&m->mr->fid); free(m); return ret;
+        }
+    }
+    *key = fi_mr_key(m->mr);
+    if (*key == FI_KEY_NOTAVAIL) {
+        pd_seterr(errbuf, errlen, "fi_mr_key (raw keys unsupported)", -FI_ENOSYS);
+        fi_close(&m->mr->fid); free(m); return -FI_ENOSYS;
+    }
+    m->desc = fi_mr_desc(m->mr);
+    m->base = (uint64_t)(uintptr_t)addr;
+    *out = m;
+    return 0;
+}
+
+void pd_mr_close(pd_mr *m) {
+    if (!m) return;
+    if (m->mr) fi_close(&m->mr->fid);
+    free(m);
+}
+
+/* Submit n writes with one call. Each carries `imm` as remote CQ data and a context naming `tag`,
+   so the sender counts local completions per tag. On -FI_EAGAIN (queue full) or an empty context
+   pool, drain the CQ (that also drives manual progress) and retry, bounded by timeout_ns. */
+int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
+                   uint64_t remote_key, const uint64_t *src, const uint64_t *dst,
+                   const uint64_t *len, size_t n, uint32_t imm, uint32_t tag,
+                   int64_t timeout_ns, size_t *done, char *errbuf, size_t errlen) {
+    int64_t deadline = 0;
+    char *lbase = (char *)(uintptr_t)local->base;
+    *done = 0;
+    for (size_t i = 0; i < n; i++) {
+        unsigned spins = 0;
+        for (;;) {
+            struct pd_ctx *c = pd_ctx_get(ep);
+            ssize_t ret = -FI_EAGAIN;
+            if (c) {
+                c->tag = tag;
+                ret = fi_writedata(ep->ep, lbase + src[i], len[i], local->desc, imm,
+                                   (fi_addr_t)peer, remote_base + dst[i], remote_key, &c->fi);
+                if (ret == 0) { ep->inflight++; break; }
+                pd_ctx_put(ep, c);
+            }
+            if (ret != -FI_EAGAIN) {
+                pd_seterr(errbuf, errlen, "fi_writedata", (int)ret);
+                *done = i;
+                return (int)ret;
+            }
+            int p = pd_poll(ep, 1u << 16);
+            if (p < 0) {
+                pd_seterr(errbuf, errlen, "fi_cq_read", p);
+                *done = i;
+                return p;
+            }
+            if ((++spins & 255) == 0) {
+                int64_t now = pd_now_ns();
+                if (!deadline) deadline = now + timeout_ns;
+                else if (now > deadline) {
+                    pd_seterr(errbuf, errlen, "fi_writedata (queue stayed full)", -FI_ETIMEDOUT);
+                    *done = i;
+                    return -FI_ETIMEDOUT;
+                }
+            }
+        }
+    }
+    *done = n;
+    return 0;
+}
+
+/* Bounded busy waits; each drives progress by draining the CQ. 0 = reached, -FI_ETIMEDOUT. */
+#define PD_WAIT(cond) do { \
+    int64_t deadline = pd_now_ns() + timeout_ns; unsigned spins = 0; \
+    for (;;) { \
+        int p = pd_poll(ep, 1u << 16); if (p < 0) return p; \
+        if (cond) return 0; \
+        if ((++spins & 63) == 0 && pd_now_ns() > deadline) return -FI_ETIMEDOUT; \
+    } } while (0)
+
+int pd_wait_recv(pd_ep *ep, uint32_t slot, uint32_t target, int64_t timeout_ns) {
+    if (!ep->recv_counts || slot >= ep->nslots) return -FI_EINVAL;
+    PD_WAIT(ep->recv_counts[slot] >= target);
+}
+
+int pd_wait_send(pd_ep *ep, uint32_t tag, uint32_t target, int64_t timeout_ns) {
+    if (!ep->send_done || tag >= ep->nslots) return -FI_EINVAL;
+    PD_WAIT(ep->send_done[tag] >= target || ep->nerr > 0);
+}
+
+int pd_wait_idle(pd_ep *ep, int64_t timeout_ns) {
+    PD_WAIT(ep->inflight == 0);
+}
+"""
+
+
+def _pkg_config(flag: str) -> list[str]:
+    try:
+        out = subprocess.run(
+            ["pkg-config", flag, "libfabric"], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return shlex.split(out)
+
+
+def include_dirs() -> list[str]:
+    """Where to look for `rdma/fabric.h`: pkg-config, $CPATH/$C_INCLUDE_PATH, system dirs."""
+    dirs = [f[2:] for f in _pkg_config("--cflags-only-I") if f.startswith("-I")]
+    for var in ("CPATH", "C_INCLUDE_PATH"):
+        dirs += [d for d in os.environ.get(var, "").split(os.pathsep) if d]
+    dirs += ["/usr/local/include", "/usr/include", "/opt/amazon/efa/include"]
+    return dirs
+
+
+def find_header(dirs: list[str] | None = None) -> Path | None:
+    """Path of `rdma/fabric.h` in the first directory that has it, or None (libfabric absent)."""
+    for d in include_dirs() if dirs is None else dirs:
+        p = Path(d) / "rdma" / "fabric.h"
+        if p.is_file():
+            return p
+    return None
+
+
+def _library_dirs() -> list[str]:
+    dirs = [f[2:] for f in _pkg_config("--libs-only-L") if f.startswith("-L")]
+    efa = Path("/opt/amazon/efa/lib")
+    if efa.is_dir():
+        dirs.append(str(efa))
+    return dirs
+
+
+ffibuilder = FFI()
+ffibuilder.cdef(CDEF)
+_header = find_header()
+_inc = [str(_header.parent.parent)] if _header else []
+ffibuilder.set_source(
+    MODULE,
+    SOURCE,
+    libraries=["fabric"],
+    include_dirs=[d for d in _inc if d != "/usr/include"],
+    library_dirs=_library_dirs(),
+    runtime_library_dirs=_library_dirs(),
+    extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],
+)
+
+if __name__ == "__main__":
+    # Run from the repository root: writes transfer/_fabric.*.so next to this file's package.
+    os.chdir(Path(__file__).resolve().parent.parent)
+    ffibuilder.compile(tmpdir=".", verbose=False)
+    for leftover in Path("transfer").glob("_fabric*.o"):
+        leftover.unlink()

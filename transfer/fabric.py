@@ -1,0 +1,538 @@
+"""Typed Python surface of the libfabric binding (the native `transfer._fabric` stays private).
+
+One `Endpoint` = one RDM endpoint + address vector + one completion queue (FI_CQ_FORMAT_DATA),
+opened with FI_THREAD_DOMAIN: use it from ONE thread (a lock makes accidental sharing safe, not
+fast). Progress is manual on shm and rxm: the target must keep calling `poll()` (or a `wait_*`)
+or nothing lands; the sender's `write_batch` drains the CQ itself when the queue is full.
+
+Completion counting (DESIGN §4-5): every write carries 32 bits of immediate data,
+`encode_imm(slot, gen)`. The target's `poll()` adds one to `recv_counts[slot]` when `gen` equals
+`recv_gen[slot]` (set by the decoder when it arms the slot), else to `stale_writes`: a late write
+from a timed-out transfer never advances the slot's new owner. The sender passes a `tag` with each
+batch; local completions add one to `send_done[tag]`, so it knows when its pages are free again.
+
+Errors: caller mistakes raise `ValueError`; provider faults raise `FabricError` carrying the
+failing call, the provider's message and context. Completion errors are data: `poll()` records
+them and `errors` hands them out as `(tag, errno, message)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+_INSTALL_HINT = (
+    "the libfabric binding transfer._fabric is not available: {why}. It is compiled when pdtool "
+    "is installed and needs the system libfabric with its headers: on Debian/Ubuntu "
+    "`apt-get install libfabric-dev gcc` (on clusters the EFA installer or MOFED libfabric; "
+    "set CPATH/LIBRARY_PATH or pkg-config if it lives elsewhere), then reinstall pdtool "
+    "(`pip install -e .`). `pdtool validate/plan/render` work without it."
+)
+
+
+class FabricUnavailableError(ImportError):
+    """The compiled binding or the system libfabric (Debian package libfabric-dev) is missing."""
+
+
+try:
+    from transfer import _fabric  # type: ignore[attr-defined]
+except ImportError as exc:  # the .so is absent, or libfabric.so.1 cannot be loaded
+    raise FabricUnavailableError(_INSTALL_HINT.format(why=exc)) from exc
+
+_ffi = _fabric.ffi
+_lib = _fabric.lib
+
+__all__ = [
+    "Endpoint",
+    "FabricError",
+    "FabricUnavailableError",
+    "MemoryRegion",
+    "RemoteRegion",
+    "available_providers",
+    "decode_imm",
+    "encode_imm",
+]
+
+# fi_mr_mode bits (rdma/fabric.h, stable ABI values)
+_FI_MR_LOCAL = 1 << 2
+_FI_MR_VIRT_ADDR = 1 << 4
+_FI_MR_ALLOCATED = 1 << 5
+_FI_MR_PROV_KEY = 1 << 6
+_FI_MR_ENDPOINT = 1 << 8
+
+_IFACES = {"system": _lib.PD_HMEM_SYSTEM, "cuda": _lib.PD_HMEM_CUDA}
+_ERRBUF = 512
+DEFAULT_TIMEOUT_S = 30.0
+MAX_SLOTS = 1 << 16  # 16 bits of slot in the 32-bit immediate
+
+
+class FabricError(RuntimeError):
+    """A libfabric call failed: `call` names it, `errno` is the positive fi errno."""
+
+    def __init__(self, call: str, errno: int, message: str, context: str = "") -> None:
+        self.call = call
+        self.errno = abs(errno)
+        self.provider_message = message
+        self.context = context
+        text = f"{call} failed: {message}"
+        if context:
+            text += f" [{context}]"
+        super().__init__(text)
+
+
+def _check(ret: int, call: str, context: str = "", errbuf: Any = None) -> None:
+    if ret == 0:
+        return
+    msg = _ffi.string(errbuf).decode(errors="replace") if errbuf is not None else ""
+    if not msg:
+        msg = f"{_ffi.string(_lib.pd_strerror(ret)).decode()} ({ret})"
+    raise FabricError(call, ret, msg, context)
+
+
+def encode_imm(slot: int, gen: int) -> int:
+    """32-bit immediate data: slot in the high 16 bits, generation in the low 16.
+
+    32 bits because EFA and verbs carry only 32 bits of CQ data (shm/tcp carry 64).
+    """
+    if not 0 <= slot < MAX_SLOTS:
+        raise ValueError(f"slot must be in [0, {MAX_SLOTS}), got {slot}")
+    if not 0 <= gen < 1 << 16:
+        raise ValueError(f"gen must be in [0, 65536), got {gen}")
+    return (slot << 16) | gen
+
+
+def decode_imm(imm: int) -> tuple[int, int]:
+    """Inverse of `encode_imm`: (slot, gen)."""
+    return (imm >> 16) & 0xFFFF, imm & 0xFFFF
+
+
+def available_providers() -> list[str]:
+    """Names of providers that offer RDM endpoints with RMA writes here (e.g. shm, tcp;ofi_rxm)."""
+    found: list[str] = []
+    for prov in ("shm", "tcp;ofi_rxm", "efa", "verbs;ofi_rxm", "sockets", "udp;ofi_rxd"):
+        info = _ffi.new("struct pd_info *")
+        out = _ffi.new("pd_ep **")
+        err = _ffi.new("char[]", _ERRBUF)
+        if _lib.pd_open(out, prov.encode(), _ffi.NULL, _ffi.NULL, _ffi.NULL, 0, 1, info, err,
+                        _ERRBUF) == 0:
+            _lib.pd_close(out[0])
+            found.append(prov)
+    return found
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """What a peer needs to write into a registered region: sent over the control plane.
+
+    `base` is the address to add offsets to: the virtual address on FI_MR_VIRT_ADDR providers,
+    0 on offset-based ones. `length` bounds the offsets.
+    """
+
+    base: int
+    key: int
+    length: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"base": self.base, "key": self.key, "length": self.length}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RemoteRegion:
+        try:
+            vals = {k: d[k] for k in ("base", "key", "length")}
+        except KeyError as exc:
+            raise ValueError(f"RemoteRegion: missing field {exc.args[0]!r}") from None
+        for k, v in vals.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v >= 1 << 64:
+                raise ValueError(f"RemoteRegion.{k}: expected an unsigned 64-bit int, got {v!r}")
+        return cls(**vals)
+
+
+class MemoryRegion:
+    """A registered buffer: local handle (`desc` for FI_MR_LOCAL) plus `descriptor()` for peers."""
+
+    def __init__(self, ep: Endpoint, handle: Any, key: int, addr: int, length: int,
+                 iface: str) -> None:
+        self._ep = ep
+        self._h = handle
+        self.key = key
+        self.addr = addr
+        self.length = length
+        self.iface = iface
+
+    @property
+    def desc(self) -> Any:
+        """The provider's local descriptor (cffi pointer; NULL when FI_MR_LOCAL is off)."""
+        return self._h.desc if self._h is not None else None
+
+    def descriptor(self) -> RemoteRegion:
+        base = self.addr if self._ep.mr_virt_addr else 0
+        return RemoteRegion(base=base, key=self.key, length=self.length)
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None
+
+    def close(self) -> None:
+        if self._h is not None:
+            with self._ep._lock:
+                _lib.pd_mr_close(self._h)
+                self._h = None
+            self._ep._mrs.discard(self)
+
+    def __repr__(self) -> str:
+        return f"MemoryRegion(addr=0x{self.addr:x}, length={self.length}, key=0x{self.key:x})"
+
+
+def _u64(name: str, a: Any) -> np.ndarray:
+    arr = np.ascontiguousarray(a, dtype=np.uint64)
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D array, got shape {arr.shape}")
+    return arr
+
+
+def buffer_address(buf: Any) -> tuple[int, int]:
+    """(address, nbytes) of a contiguous numpy array or torch tensor (CPU)."""
+    if hasattr(buf, "data_ptr") and hasattr(buf, "element_size"):  # torch.Tensor
+        if not buf.is_contiguous():
+            raise ValueError("tensor must be contiguous to register")
+        return int(buf.data_ptr()), int(buf.numel() * buf.element_size())
+    arr = np.asarray(buf)
+    if not arr.flags.c_contiguous:
+        raise ValueError("array must be C-contiguous to register")
+    return int(arr.ctypes.data), int(arr.nbytes)
+
+
+class Endpoint:
+    """One RDM endpoint with its AV, CQ and per-slot counters. See the module docstring."""
+
+    def __init__(
+        self,
+        provider: str = "shm",
+        *,
+        domain: str | None = None,
+        node: str | None = None,
+        service: str | None = None,
+        max_slots: int = MAX_SLOTS,
+        remote_counter: bool = False,
+        max_outstanding: int = 1 << 16,
+    ) -> None:
+        if not 0 < max_slots <= MAX_SLOTS:
+            raise ValueError(f"max_slots must be in [1, {MAX_SLOTS}], got {max_slots}")
+        if max_outstanding < 1:
+            raise ValueError(f"max_outstanding must be >= 1, got {max_outstanding}")
+        self._lock = threading.Lock()
+        self._mrs: set[MemoryRegion] = set()
+        self._h: Any = None
+        self._next_key = 1
+        self._peers: set[int] = set()
+        info = _ffi.new("struct pd_info *")
+        out = _ffi.new("pd_ep **")
+        err = _ffi.new("char[]", _ERRBUF)
+
+        def c(s: str | None) -> Any:
+            return s.encode() if s else _ffi.NULL
+
+        ret = _lib.pd_open(out, provider.encode(), c(domain), c(node), c(service),
+                           int(remote_counter), max_outstanding, info, err, _ERRBUF)
+        _check(ret, "open endpoint", f"provider={provider!r} domain={domain!r} node={node!r} "
+               f"service={service!r}; see `fi_info -p '{provider}'`", err)
+        self._h = out[0]
+        self.provider: str = _ffi.string(info.provider).decode()
+        self.fabric: str = _ffi.string(info.fabric).decode()
+        self.domain: str = _ffi.string(info.domain).decode()
+        self.mr_mode: int = int(info.mr_mode)
+        self.cq_data_size: int = int(info.cq_data_size)
+        self.max_msg_size: int = int(info.max_msg_size)
+        self.mr_virt_addr = bool(info.mr_mode & _FI_MR_VIRT_ADDR)
+        self.mr_prov_key = bool(info.mr_mode & _FI_MR_PROV_KEY)
+        self.mr_local = bool(info.mr_mode & _FI_MR_LOCAL)
+        self.mr_endpoint = bool(info.mr_mode & _FI_MR_ENDPOINT)
+        self.rma_event = bool(info.has_rma_event)
+        self.has_remote_counter = bool(info.has_remote_cntr)
+        if self.cq_data_size < 4:
+            self.close()
+            raise FabricError("open endpoint", 95, f"provider {self.provider} carries only "
+                              f"{self.cq_data_size} bytes of CQ data; 4 are needed for the imm")
+        self.max_slots = max_slots
+        self.recv_counts = np.zeros(max_slots, dtype=np.uint32)
+        self.recv_gen = np.zeros(max_slots, dtype=np.uint16)
+        self.send_done = np.zeros(max_slots, dtype=np.uint32)
+        _lib.pd_set_counters(
+            self._h,
+            _ffi.cast("uint32_t *", self.recv_counts.ctypes.data),
+            _ffi.cast("uint16_t *", self.recv_gen.ctypes.data),
+            _ffi.cast("uint32_t *", self.send_done.ctypes.data),
+            max_slots,
+        )
+        namelen = _ffi.new("size_t *", 256)
+        namebuf = _ffi.new("char[]", 256)
+        ret = _lib.pd_getname(self._h, namebuf, namelen)
+        _check(ret, "fi_getname", self.provider)
+        # passed through unchanged: shm names end with a NUL that is part of the address
+        self.name: bytes = bytes(_ffi.buffer(namebuf, namelen[0]))
+        self._errors: list[tuple[int, int, str]] = []
+
+    # ----------------------------------------------------------------- lifecycle
+    def _live(self) -> Any:
+        if self._h is None:
+            raise ValueError("endpoint is closed")
+        return self._h
+
+    @property
+    def closed(self) -> bool:
+        return self._h is None
+
+    def close(self) -> None:
+        """Close MRs, endpoint, AV, CQ, domain, fabric (in that order). Idempotent."""
+        for mr in list(self._mrs):
+            mr.close()
+        with self._lock:
+            if self._h is not None:
+                _lib.pd_close(self._h)
+                self._h = None
+
+    def __enter__(self) -> Endpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def __repr__(self) -> str:
+        return f"Endpoint({self.provider!r}, domain={self.domain!r}, name={self.name!r})"
+
+    # ----------------------------------------------------------------- memory
+    def register(self, addr: int, length: int, *, remote_write: bool = True,
+                 iface: str = "system", device: int = 0) -> MemoryRegion:
+        """Register [addr, addr+length). `iface`/`device` are the FI_HMEM interface (kept for
+        CUDA memory); only "system" (host memory) is implemented now."""
+        if iface not in _IFACES:
+            raise ValueError(f"iface must be one of {sorted(_IFACES)}, got {iface!r}")
+        if iface != "system":
+            raise NotImplementedError(f"iface={iface!r}: only host memory is supported yet")
+        if addr <= 0 or length <= 0:
+            raise ValueError(f"register: need addr > 0 and length > 0, got {addr:#x}, {length}")
+        access = int(_lib.PD_ACCESS_LOCAL_WRITE)
+        if remote_write:
+            access |= int(_lib.PD_ACCESS_REMOTE_WRITE)
+        out = _ffi.new("pd_mr **")
+        key = _ffi.new("uint64_t *")
+        err = _ffi.new("char[]", _ERRBUF)
+        with self._lock:
+            h = self._live()
+            requested = self._next_key
+            self._next_key += 1
+            ret = _lib.pd_mr_reg(h, _ffi.cast("void *", addr), length, access,
+                                 _IFACES[iface], device, requested, out, key, err, _ERRBUF)
+        _check(ret, "register memory", f"addr={addr:#x} length={length} iface={iface}", err)
+        mr = MemoryRegion(self, out[0], int(key[0]), addr, length, iface)
+        self._mrs.add(mr)
+        return mr
+
+    def register_buffer(self, buf: Any, **kw: Any) -> MemoryRegion:
+        """Register a contiguous numpy array or CPU torch tensor (keep it alive yourself)."""
+        addr, n = buffer_address(buf)
+        return self.register(addr, n, **kw)
+
+    # ----------------------------------------------------------------- peers
+    def insert_peer(self, name: bytes) -> int:
+        """Add a peer's `name` (from its `Endpoint.name`) to the AV; returns its fi_addr."""
+        if not isinstance(name, bytes | bytearray) or not name:
+            raise ValueError("insert_peer: name must be the peer's non-empty bytes name")
+        out = _ffi.new("uint64_t *")
+        buf = _ffi.new("char[]", bytes(name))
+        with self._lock:
+            ret = _lib.pd_av_insert(self._live(), buf, out)
+        _check(ret, "fi_av_insert", f"name={bytes(name)!r}")
+        self._peers.add(int(out[0]))
+        return int(out[0])
+
+    def remove_peer(self, fi_addr: int) -> None:
+        """Forget a peer (e.g. a dead one). Writes still in flight to it may complete with
+        errors; drain them with poll()/wait_idle() first where possible."""
+        if fi_addr not in self._peers:
+            raise ValueError(f"remove_peer: {fi_addr} is not a peer of this endpoint")
+        self._peers.discard(fi_addr)
+        with self._lock:
+            ret = _lib.pd_av_remove(self._live(), fi_addr)
+        _check(ret, "fi_av_remove", f"fi_addr={fi_addr}")
+
+    # ----------------------------------------------------------------- data path
+    def write_batch(
+        self,
+        peer: int,
+        local: MemoryRegion,
+        remote: RemoteRegion,
+        src_offsets: np.ndarray,
+        dst_offsets: np.ndarray,
+        lengths: np.ndarray,
+        imm: int,
+        tag: int,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        """Submit len(lengths) writes in one C call: local[src:src+len] -> remote[dst:dst+len],
+        each carrying `imm` as remote CQ data and counted in `send_done[tag]` on completion.
+
+        Bounds are checked here (vectorised). On a full queue the C loop drains the CQ and
+        retries until `timeout` seconds pass -> FabricError. A FabricError mid-batch says how
+        many writes were submitted (`.submitted`); those still complete or fail via the CQ.
+        """
+        h = self._live()
+        if local.closed or local._ep is not self:
+            raise ValueError("write_batch: local MemoryRegion is closed or from another endpoint")
+        if peer not in self._peers:  # libfabric would dereference a bad fi_addr and crash
+            raise ValueError(f"write_batch: peer {peer} was not returned by insert_peer")
+        if not 0 <= imm < 1 << 32:
+            raise ValueError(f"imm must fit 32 bits, got {imm}")
+        if not 0 <= tag < self.max_slots:
+            raise ValueError(f"tag must be in [0, {self.max_slots}), got {tag}")
+        src = _u64("src_offsets", src_offsets)
+        dst = _u64("dst_offsets", dst_offsets)
+        ln = _u64("lengths", lengths)
+        n = len(ln)
+        if len(src) != n or len(dst) != n:
+            raise ValueError(f"write_batch: src/dst/lengths differ in length: "
+                             f"{len(src)}, {len(dst)}, {n}")
+        if n == 0:
+            return
+        if int(ln.max()) > self.max_msg_size:
+            raise ValueError(f"write_batch: a length exceeds max_msg_size {self.max_msg_size}")
+        if int((src + ln).max()) > local.length or np.any(src + ln < src):
+            raise ValueError(f"write_batch: a source range exceeds the local region "
+                             f"({local.length} bytes)")
+        if int((dst + ln).max()) > remote.length or np.any(dst + ln < dst):
+            raise ValueError(f"write_batch: a destination range exceeds the remote region "
+                             f"({remote.length} bytes)")
+        done = _ffi.new("size_t *")
+        err = _ffi.new("char[]", _ERRBUF)
+        with self._lock:
+            ret = _lib.pd_write_batch(
+                self._live(), peer, local._h, remote.base, remote.key,
+                _ffi.from_buffer("uint64_t[]", src), _ffi.from_buffer("uint64_t[]", dst),
+                _ffi.from_buffer("uint64_t[]", ln), n, imm, tag, int(timeout * 1e9), done,
+                err, _ERRBUF,
+            )
+        del h
+        if ret:
+            try:
+                _check(ret, "write_batch", f"peer={peer} tag={tag} imm={imm:#x} submitted "
+                       f"{done[0]}/{n}", err)
+            except FabricError as e:
+                e.submitted = int(done[0])  # type: ignore[attr-defined]
+                raise
+
+    def poll(self, max_entries: int = 1 << 16) -> int:
+        """Drain the CQ once (drives manual progress). Returns the entries handled."""
+        with self._lock:
+            ret = _lib.pd_poll(self._live(), max_entries)
+        if ret < 0:
+            _check(ret, "fi_cq_read", self.provider)
+        return ret
+
+    def _wait(self, fn: Any, args: tuple, timeout: float, what: str) -> bool:
+        with self._lock:
+            ret = fn(self._live(), *args, int(timeout * 1e9))
+        if ret == -_lib.PD_ETIMEDOUT:
+            return False
+        if ret:
+            _check(ret, what, self.provider)
+        return True
+
+    def wait_recv(self, slot: int, count: int, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
+        """Poll (in C) until recv_counts[slot] >= count; False on timeout."""
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot must be in [0, {self.max_slots}), got {slot}")
+        return self._wait(_lib.pd_wait_recv, (slot, count), timeout, "wait_recv")
+
+    def wait_send(self, tag: int, count: int, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
+        """Poll (in C) until send_done[tag] >= count or a completion error arrived; False on
+        timeout. Check `errors` afterwards."""
+        if not 0 <= tag < self.max_slots:
+            raise ValueError(f"tag must be in [0, {self.max_slots}), got {tag}")
+        ok = self._wait(_lib.pd_wait_send, (tag, count), timeout, "wait_send")
+        self.raise_errors(tag)
+        return ok
+
+    def raise_errors(self, tag: int | None = None) -> None:
+        """Raise FabricError for the first completion error recorded for `tag` (any tag when
+        None); errors of other tags stay queued in `errors`."""
+        pending = self.errors
+        mine = [e for e in pending if tag is None or e[0] == tag]
+        self._errors = [e for e in pending if not (tag is None or e[0] == tag)]
+        if mine:
+            t, errno, msg = mine[0]
+            err = FabricError("write completion", errno, msg,
+                              f"tag={t} provider={self.provider}; {len(mine)} error(s)")
+            err.errors = mine  # type: ignore[attr-defined]
+            raise err
+
+    def wait_idle(self, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
+        """Poll until no local write is outstanding; False on timeout."""
+        return self._wait(_lib.pd_wait_idle, (), timeout, "wait_idle")
+
+    # ----------------------------------------------------------------- counters
+    def arm(self, slot: int, gen: int) -> None:
+        """Decoder side: expect generation `gen` on `slot` and reset its count."""
+        if not 0 <= gen < 1 << 16:
+            raise ValueError(f"gen must be in [0, 65536), got {gen}")
+        self.recv_gen[slot] = gen
+        self.recv_counts[slot] = 0
+
+    @property
+    def stale_writes(self) -> int:
+        """Remote writes whose generation did not match the slot's (late / foreign writes)."""
+        return int(_lib.pd_stale(self._live()))
+
+    @property
+    def remote_writes(self) -> int:
+        """All remote CQ-data completions seen (counted + stale)."""
+        return int(_lib.pd_remote_writes(self._live()))
+
+    @property
+    def inflight(self) -> int:
+        """Local writes submitted and not yet completed (successfully or with an error)."""
+        return int(_lib.pd_inflight(self._live()))
+
+    @property
+    def remote_counter(self) -> int:
+        """Remote-write counter (FI_RMA_EVENT fast path; 0 when the provider lacks it)."""
+        return int(_lib.pd_remote_cntr(self._live()))
+
+    @property
+    def errors(self) -> list[tuple[int, int, str]]:
+        """Completion errors seen so far as (tag, errno, message); taking them clears the
+        native ring (which keeps the newest 64). tag is 2**64-1 when unknown."""
+        buf = _ffi.new("struct pd_err[64]")
+        with self._lock:
+            n = _lib.pd_take_errors(self._live(), buf, 64)
+        for i in range(n):
+            e = buf[i]
+            self._errors.append((int(e.tag), int(e.err), _ffi.string(e.msg).decode("replace")))
+        out, self._errors = self._errors, []
+        return out
+
+
+def shm_leftovers(pid: int | None = None) -> list[str]:
+    """Files libfabric's shm provider left in /dev/shm (a SIGKILLed process leaves ~16 MiB)."""
+    root = "/dev/shm"
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    out = []
+    for n in names:
+        if not (n.startswith("fi_") or n.startswith("shm_")):
+            continue
+        if pid is not None and str(pid) not in n:
+            continue
+        out.append(os.path.join(root, n))
+    return out
