@@ -1,0 +1,265 @@
+"""Hydra composition: conf/ + recipes/ + command-line overrides -> typed `Config`.
+
+Recipes live in `recipes/` at the repository root (where users look for them), not inside
+conf/, so they are registered in Hydra's ConfigStore as group `recipe` with package
+`_global_`: `+recipe=NAME` then merges the recipe over the whole config, and a recipe's own
+`defaults: [override /model: x]` list swaps group options.
+
+Multirun sweeps (`-m decode.instances=1,2,3`) are expanded here into one override list per
+combination (the cartesian product, as Hydra's basic sweeper does) and each is composed on its
+own; `validate` and `plan` then run once per combination.
+
+Every failure comes back as a `Finding` naming the key (never a traceback): compose problems
+are the user's input, not a pdtool bug.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+from typing import Any
+
+from pdtool.paths import conf_dir, recipes_dir
+from pdtool.rules.finding import Finding, error
+from pdtool.schema import Config
+
+
+class ComposeError(Exception):
+    """Composition failed; `findings` say why, with the key involved."""
+
+    def __init__(self, findings: list[Finding]) -> None:
+        super().__init__("; ".join(f"{f.key}: {f.message}" for f in findings))
+        self.findings = findings
+
+
+def recipe_files(root: Path | None = None) -> dict[str, Path]:
+    """Recipe name -> file, for every `*.yaml` in recipes/."""
+    root = root or recipes_dir()
+    return {p.stem: p for p in sorted(root.glob("*.yaml"))}
+
+
+def recipe_description(path: Path) -> str:
+    """A recipe's `description:` value, else its first header comment line."""
+    text = path.read_text()
+    m = re.search(r"^description:\s*(.+)$", text, re.MULTILINE)
+    if m:
+        return m.group(1).strip().strip("\"'")
+    for line in text.splitlines():
+        s = line.strip()
+        if s.startswith("#") and not s.startswith("# @package"):
+            return s.lstrip("#").strip()
+    return ""
+
+
+def load_recipe(path: Path) -> Any:
+    """A recipe file as a DictConfig. Raises ComposeError naming the file if it is not YAML."""
+    from omegaconf import OmegaConf
+
+    try:
+        node = OmegaConf.load(path)
+    except Exception as e:  # yaml.YAMLError and friends: a user-edited file
+        msg = " ".join(str(e).split())
+        raise ComposeError(
+            [error(f"recipe={path.stem}", f"{path} is not valid YAML: {msg}", "fix the file")]
+        ) from e
+    return node
+
+
+def _register(overrides: list[str]) -> None:
+    """Store schemas and recipes. A broken recipe file only fails a compose that selects it."""
+    from hydra.core.config_store import ConfigStore
+
+    from pdtool.schema import register
+
+    cs = ConfigStore.instance()
+    register(cs)
+    wanted = {
+        m.group(1) for o in overrides if (m := re.match(r"^\+{0,2}recipe=([^,]+)$", o.strip()))
+    }
+    for name, path in recipe_files().items():
+        try:
+            node = load_recipe(path)
+        except ComposeError:
+            if name in wanted:
+                raise
+            continue
+        cs.store(group="recipe", name=name, node=node, package="_global_")
+
+
+def expand_sweeps(overrides: list[str]) -> list[list[str]]:
+    """One override list per combination of the sweep overrides (`k=a,b`, `k=range(1,4)`).
+
+    Raises ComposeError for an override that cannot be parsed.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
+    except HydraException as e:
+        raise ComposeError([error(_key_from_text(str(e)), _first_line(e), _OVERRIDE_FIX)]) from e
+    axes: list[list[str]] = []
+    for o in parsed:
+        key = o.get_key_element()
+        if o.is_sweep_override():
+            if o.is_glob():
+                raise ComposeError(
+                    [error(o.key_or_group, "glob sweeps are not supported", "list the values")]
+                )
+            axes.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+        else:
+            axes.append([o.input_line])
+    return [list(combo) for combo in itertools.product(*axes)] if axes else [[]]
+
+
+_OVERRIDE_FIX = "write overrides as key=value, +key=value (new key) or ~key; see `pdtool --help`"
+
+
+def compose_raw(overrides: list[str]) -> Any:
+    """The composed DictConfig (struct mode, interpolations unresolved). Raises ComposeError."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    _register(overrides)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            return compose(config_name="config", overrides=list(overrides))
+    except Exception as e:  # Hydra/OmegaConf raise many types; all are input errors here
+        raise ComposeError([_finding_from_exception(e)]) from e
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def to_typed(raw: Any) -> Config:
+    """DictConfig -> `Config` dataclass instance (resolves interpolations). Raises ComposeError."""
+    from omegaconf import OmegaConf
+
+    unknown = _unknown_keys(raw)
+    if unknown:
+        raise ComposeError(
+            [
+                error(k, f"'{k}' is not a pdtool setting", "remove it or check its spelling")
+                for k in unknown
+            ]
+        )
+    try:
+        obj = OmegaConf.to_object(raw)
+    except Exception as e:
+        raise ComposeError([_finding_from_exception(e)]) from e
+    if not isinstance(obj, Config):
+        raise ComposeError([error("<root>", "composed config is not a pdtool Config")])
+    return obj
+
+
+def load_config(overrides: list[str]) -> tuple[Config | None, list[Finding]]:
+    """Compose and type a config: `(cfg, [])` or `(None, findings)` naming what is wrong.
+
+    Only composition and typing problems are reported here; run `pdtool.rules.validate(cfg)`
+    for the deployment rules.
+    """
+    try:
+        return to_typed(compose_raw(overrides)), []
+    except ComposeError as e:
+        return None, e.findings
+
+
+def config_to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML (saved beside rendered scripts so a job is reproducible)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _unknown_keys(node: Any, prefix: str = "") -> list[str]:
+    """Keys added with `+key=...` (Hydra lets `+` bypass struct mode) that no schema has."""
+    import dataclasses
+
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    out: list[str] = []
+    if isinstance(node, DictConfig):
+        typ = OmegaConf.get_type(node)
+        names = {f.name for f in dataclasses.fields(typ)} if dataclasses.is_dataclass(typ) else None
+        for k in node:
+            key = f"{prefix}{k}"
+            if names is not None and k not in names:
+                out.append(key)
+                continue
+            child = node._get_node(k)
+            if isinstance(child, DictConfig | ListConfig):
+                out.extend(_unknown_keys(child, key + "."))
+    elif isinstance(node, ListConfig):
+        for i in range(len(node)):
+            child = node._get_node(i)
+            if isinstance(child, DictConfig | ListConfig):
+                out.extend(_unknown_keys(child, f"{prefix}{i}."))
+    return out
+
+
+# --- turning Hydra/OmegaConf exceptions into findings --------------------------------------
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def _key_from_text(text: str) -> str:
+    for pat in (
+        r"Could not find '([\w-]+)/",
+        r"argument '\+{0,2}([^=']+)=",
+        r"full_key:\s*([\w.\[\]-]+)",
+        r"[Kk]ey '([\w.\[\]/-]+)'",
+        r"override '([^']+)'",
+        r"Could not override '([^']+)'",
+        r"Could not append to config\. An item is already at '([^']+)'",
+        r"In '([\w/.-]+)'",
+    ):
+        m = re.search(pat, text)
+        if m:
+            return m.group(1)
+    return "<command line>"
+
+
+def _finding_from_exception(e: BaseException) -> Finding:
+    """The most specific key and message in an exception chain."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    chain: list[BaseException] = []
+    cur: BaseException | None = e
+    while cur is not None and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    text = "\n".join(str(c) for c in chain)
+    key = ""
+    for c in chain:
+        if isinstance(c, OmegaConfBaseException) and getattr(c, "full_key", None):
+            key = str(c.full_key)
+            break
+    key = key or _key_from_text(text)
+    msg = _first_line(e)
+    root = _first_line(chain[-1])
+    if root not in msg:
+        msg = f"{msg}: {root}"
+    m = re.search(r'in "([^"]+\.yaml)", line (\d+)', text)
+    if m:  # a YAML syntax error in a config file: name the file and line
+        return error(f"{m.group(1)}:{m.group(2)}", f"not valid YAML: {msg}", "fix the file")
+    low = text.lower()
+    if "missingmandatoryvalue" in type(e).__name__.lower() or "missing mandatory value" in low:
+        fix = f"set {key}=<value> (or choose a recipe/group option that sets it)"
+    elif "not in struct" in low or "key not found" in low or "could not override" in low:
+        fix = f"check the spelling of '{key}' (`pdtool plan --json` shows every key); "
+        fix += "use +key=value only to add a key the schema does not have"
+    elif "could not find" in low and "recipe" in low:
+        fix = "see `pdtool recipes` for the available names"
+    elif "could not find" in low:
+        fix = "see the options in conf/<group>/ (e.g. conf/cluster/)"
+    elif "ambiguous value" in low or "multirun" in low:
+        fix = "sweeps (k=a,b) need -m/--multirun"
+    elif "value '" in low and ("type" in low or "convert" in low or "invalid" in low):
+        fix = f"give {key} a value of the schema's type"
+    else:
+        fix = _OVERRIDE_FIX
+    return error(key, msg, fix)

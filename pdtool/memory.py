@@ -1,0 +1,101 @@
+"""GPU memory fit: weights per rank + the KV budget left over, and KV bytes per token/page.
+
+Weights: a MoE model's routed experts are sharded over every GPU of the instance's TP group
+(SGLang shards experts over `--tp` even with DP attention); everything else (attention,
+dense/shared MLPs, embeddings) is sharded over the attention TP group and, with DP attention,
+replicated in each of the `dp` groups. `mem_fraction` is SGLang's `--mem-fraction-static`:
+the share of GPU memory for weights + KV pool, so KV budget = memory x fraction - weights.
+
+Pure arithmetic on the typed config: no torch, no engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdtool.schema import (
+    DTYPE_BYTES,
+    ClusterConfig,
+    ModelConfig,
+    RoleConfig,
+    attn_tp,
+    kv_dtype,
+    kv_head_width,
+    kv_heads,
+    kv_parts,
+)
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """Memory of one GPU rank of a role (all ranks of a role are alike)."""
+
+    role: str
+    gpu_memory_gb: float
+    mem_fraction: float
+    dense_weights_gb: float  # attention/dense/embeddings share on this rank
+    expert_weights_gb: float  # routed-expert share on this rank
+    weights_gb: float
+    kv_budget_gb: float  # may be negative: weights do not fit
+    kv_dtype: str
+    kv_heads_per_rank: int
+    kv_bytes_per_token: int  # on this rank, all layers
+    kv_bytes_per_page: int  # on this rank, one page of all layers
+    kv_bytes_per_token_model: int  # whole model (all heads, all layers), before sharding
+    kv_tokens: int  # tokens the KV budget holds (0 if it does not fit)
+
+
+def kv_heads_per_rank(model: ModelConfig, rc: RoleConfig) -> int:
+    """KV heads one attention rank stores (replicated heads count once per rank)."""
+    t = max(attn_tp(rc), 1)
+    return max(1, kv_heads(model) // t)
+
+
+def kv_bytes_per_token(model: ModelConfig, rc: RoleConfig, *, per_rank: bool = True) -> int:
+    """KV-cache bytes for one token over all layers, on one rank (or for the whole model)."""
+    heads = kv_heads_per_rank(model, rc) if per_rank else kv_heads(model)
+    width = kv_head_width(model) * kv_parts(model)
+    return model.num_layers * heads * width * DTYPE_BYTES[kv_dtype(model, rc)]
+
+
+def weights_bytes_per_rank(model: ModelConfig, rc: RoleConfig) -> tuple[float, float]:
+    """(dense, expert) weight bytes held by one rank."""
+    b = DTYPE_BYTES[model.dtype]
+    experts = max(model.expert_params_b, 0.0) * 1e9 * b
+    dense = max(model.num_params_b - model.expert_params_b, 0.0) * 1e9 * b
+    return dense / max(attn_tp(rc), 1), experts / max(rc.tp, 1)
+
+
+def role_memory(
+    role: str, model: ModelConfig, cluster: ClusterConfig, rc: RoleConfig
+) -> RoleMemory:
+    dense, experts = weights_bytes_per_rank(model, rc)
+    weights = dense + experts
+    budget = cluster.gpu_memory_gb * GIB * rc.mem_fraction - weights
+    per_tok = kv_bytes_per_token(model, rc)
+    return RoleMemory(
+        role=role,
+        gpu_memory_gb=cluster.gpu_memory_gb,
+        mem_fraction=rc.mem_fraction,
+        dense_weights_gb=round(dense / GIB, 3),
+        expert_weights_gb=round(experts / GIB, 3),
+        weights_gb=round(weights / GIB, 3),
+        kv_budget_gb=round(budget / GIB, 3),
+        kv_dtype=kv_dtype(model, rc),
+        kv_heads_per_rank=kv_heads_per_rank(model, rc),
+        kv_bytes_per_token=per_tok,
+        kv_bytes_per_page=per_tok * rc.page_size,
+        kv_bytes_per_token_model=kv_bytes_per_token(model, rc, per_rank=False),
+        kv_tokens=int(budget // per_tok) if budget > 0 and per_tok > 0 else 0,
+    )
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -1,0 +1,283 @@
+"""Typed configuration schema: the dataclasses every YAML file under conf/ and recipes/ fills in.
+
+They are registered in Hydra's ConfigStore (`register()`) as `base_<group>` entries, and each
+YAML option starts with `defaults: [base_<group>]`, so a misspelt key or a value of the wrong
+type fails at compose time with the key's full name instead of surfacing later as odd behaviour.
+Value *ranges and choices* (tp >= 1, `attention` in mha|gqa|mla, ...) are checked by the rules in
+`pdtool.rules`, which can name the key and suggest a fix; OmegaConf only knows types.
+
+Keys are short and stable because users type them on the command line:
+`model.attention`, `prefill.tp`, `decode.instances`, `transfer.layout`, `launcher.partition`, ...
+
+Nothing here imports torch, SGLang or the libfabric binding: `pdtool validate` must stay fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+ATTENTION_KINDS = ("mha", "gqa", "mla")
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "fp8")
+KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+LAYOUTS = ("HND", "NHD")
+PROVIDERS = ("efa", "verbs;ofi_rxm", "tcp;ofi_rxm", "shm")
+NIC_KINDS = ("efa", "connectx", "tcp", "shm")
+DEVICES = ("cuda", "cpu")
+COMPLETION_MODES = ("cq_data", "counter")
+LAUNCHERS = ("local", "slurm")
+ENGINES = ("reference", "sglang")
+ROLES = ("prefill", "decode")
+
+#: Bytes per element of each dtype name used above.
+DTYPE_BYTES = {
+    "fp32": 4,
+    "bf16": 2,
+    "fp16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+}
+
+
+@dataclass
+class ModelConfig:
+    """The model's architecture, as far as sharding, KV size and memory fit need it.
+
+    `num_kv_heads` counts KV-cache heads: for MLA the cache holds one latent "head" of
+    `kv_lora_rank + qk_rope_head_dim` values per token, so it must be 1. `head_dim` is the
+    per-head dimension of K and V for MHA/GQA (ignored for the MLA cache).
+    MoE: `expert_params_b` is the parameter count (billions) in routed experts, which are
+    sharded over every GPU of an instance; the rest (attention, dense and shared-expert MLPs,
+    embeddings) is sharded over the attention TP group and replicated across DP-attention groups.
+    `hidden_size`, `num_q_heads`, `intermediate_size`, `vocab_size` and `seed` are what the
+    reference CPU engine builds its random-weight transformer from.
+    """
+
+    name: str = MISSING
+    path: str = ""  # HF id or local folder the engine loads ("" for the reference engine)
+    attention: str = "gqa"  # mha | gqa | mla
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    num_q_heads: int = MISSING
+    num_kv_heads: int = MISSING
+    head_dim: int = MISSING
+    kv_lora_rank: int = 0  # MLA latent width
+    qk_rope_head_dim: int = 0  # MLA decoupled RoPE key width
+    intermediate_size: int = MISSING  # dense MLP width (MoE: per-expert width in moe_*)
+    vocab_size: int = MISSING
+    context_length: int = 4096
+    dtype: str = "bf16"  # weight dtype: fp32 | bf16 | fp16 | fp8
+    num_params_b: float = MISSING  # total parameters, billions (for memory fit)
+    num_experts: int = 0  # routed experts per MoE layer (0: dense model)
+    num_shared_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    expert_params_b: float = 0.0  # billions of parameters in routed experts (all layers)
+    num_mtp_layers: int = 0  # multi-token-prediction / draft layers shipped with the model
+    seed: int = 0  # reference engine: weights are generated from this seed
+
+
+@dataclass
+class NicConfig:
+    """One network interface (libfabric domain) of a node.
+
+    `gpus` are the local GPU ids on the same PCIe switch (the NIC those ranks should use);
+    empty means the NIC is equally close to every GPU (a host NIC: shm, loopback TCP).
+    """
+
+    name: str = MISSING
+    kind: str = MISSING  # efa | connectx | tcp | shm
+    numa: int = 0
+    gpus: list[int] = field(default_factory=list)
+    gbps: int = 0
+
+
+@dataclass
+class ClusterConfig:
+    """The nodes a deployment runs on: all nodes are alike.
+
+    `gpus_per_node` counts accelerators (on `device: cpu`, worker slots of the local machine).
+    `gpu_numa[g]` is GPU g's NUMA node; `numa_cpus[n]` is NUMA node n's CPU list ("0-47,96-143").
+    `nodes` is how many nodes the deployment may use (Slurm requests only what the plan needs).
+    """
+
+    name: str = MISSING
+    nodes: int = 1
+    gpus_per_node: int = MISSING
+    gpu_type: str = ""
+    gpu_memory_gb: float = MISSING
+    device: str = "cuda"  # cuda | cpu
+    gpu_numa: list[int] = field(default_factory=list)
+    numa_cpus: list[str] = field(default_factory=list)
+    nics: list[NicConfig] = field(default_factory=list)
+
+
+@dataclass
+class RoleConfig:
+    """One side of the disaggregated deployment (prefill or decode).
+
+    GPUs per instance: `tp` with `dp_attention` (SGLang `--tp N --dp D --enable-dp-attention`:
+    D attention replicas of TP N/D inside the instance, experts sharded over all N GPUs),
+    otherwise `tp * dp` (D independent TP-N replicas). `nodes` is nodes per instance.
+    Ports are bases: instance i uses base + i. `bootstrap_port` is used by prefill only.
+    """
+
+    tp: int = 1
+    dp: int = 1
+    dp_attention: bool = False
+    nodes: int = 1
+    instances: int = 1
+    page_size: int = 64
+    kv_dtype: str = "auto"  # auto follows model.dtype (bf16 for fp8 weights)
+    kv_layout: str = "${transfer.layout}"
+    mem_fraction: float = 0.85
+    chunked_prefill_size: int = 8192
+    max_running_requests: int = 0  # 0: engine default
+    http_port: int = 30000
+    bootstrap_port: int = 8998
+    dist_init_port: int = 20000
+    extra_args: list[str] = field(default_factory=list)  # appended to the engine's launch line
+
+
+@dataclass
+class TransferConfig:
+    """The KV messenger: libfabric provider, page layout, completion counting, timeouts."""
+
+    provider: str = "shm"  # efa | verbs;ofi_rxm | tcp;ofi_rxm | shm
+    layout: str = "HND"  # HND | NHD
+    completion: str = "cq_data"  # cq_data (portable) | counter (FI_RMA_EVENT providers)
+    aux_writes: int = 1  # context copies per request and decode rank (e.g. last hidden state)
+    timeout_s: float = 60.0
+    connect_timeout_s: float = 30.0
+    backend_name: str = "pdtool"  # name given to SGLang's --disaggregation-transfer-backend
+
+
+@dataclass
+class EnvConfig:
+    """Environment variables per process kind; `all` goes to every process."""
+
+    all: dict[str, str] = field(default_factory=dict)
+    prefill: dict[str, str] = field(default_factory=dict)
+    decode: dict[str, str] = field(default_factory=dict)
+    router: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class LauncherConfig:
+    """How the deployment is started. Slurm fields are ignored by the local launcher."""
+
+    kind: str = "local"  # local | slurm
+    job_name: str = "pdtool"
+    output_dir: str = "outputs"  # one folder per job below it: script, config, plan, logs
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    time: str = "01:00:00"
+    exclusive: bool = True
+    sbatch_extra: list[str] = field(default_factory=list)  # extra "#SBATCH ..." option lines
+    container_image: str = ""  # pyxis/enroot --container-image
+    container_mounts: list[str] = field(default_factory=list)  # "src:dst[:ro]"
+    venv: str = ""  # virtualenv to activate before starting workers
+    setup: list[str] = field(default_factory=list)  # shell lines run before workers start
+    env: EnvConfig = field(default_factory=EnvConfig)
+    health_timeout_s: int = 900
+
+
+@dataclass
+class EngineConfig:
+    """The serving engine each worker runs."""
+
+    kind: str = "reference"  # reference (CPU, torch) | sglang
+    version: str = ""  # pinned engine version (sglang)
+    python: str = "python3"
+    extra_args: list[str] = field(default_factory=list)  # appended for both roles
+
+
+@dataclass
+class RouterConfig:
+    """The request router in front of the instances (runs on the job's first node)."""
+
+    port: int = 8000
+    policy: str = "round_robin"
+
+
+@dataclass
+class Config:
+    """The whole deployment. `recipe`/`description` are set by a recipe (or the default)."""
+
+    recipe: str = ""
+    description: str = ""
+    model: ModelConfig = MISSING
+    cluster: ClusterConfig = MISSING
+    prefill: RoleConfig = MISSING
+    decode: RoleConfig = MISSING
+    transfer: TransferConfig = MISSING
+    launcher: LauncherConfig = MISSING
+    engine: EngineConfig = MISSING
+    router: RouterConfig = field(default_factory=RouterConfig)
+
+
+#: group name -> schema class; YAML options in conf/<group>/ inherit `base_<group>`.
+GROUP_SCHEMAS: dict[str, type] = {
+    "model": ModelConfig,
+    "cluster": ClusterConfig,
+    "prefill": RoleConfig,
+    "decode": RoleConfig,
+    "transfer": TransferConfig,
+    "launcher": LauncherConfig,
+    "engine": EngineConfig,
+}
+
+
+def register(cs: Any) -> None:
+    """Store the schemas in a Hydra ConfigStore (`base_config` and `base_<group>`)."""
+    cs.store(name="base_config", node=Config)
+    for group, cls in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=f"base_{group}", node=cls)
+
+
+def role(cfg: Config, name: str) -> RoleConfig:
+    """The RoleConfig of `name` ('prefill' or 'decode')."""
+    return cfg.prefill if name == "prefill" else cfg.decode
+
+
+def gpus_per_instance(rc: RoleConfig) -> int:
+    """GPUs one instance occupies (see RoleConfig)."""
+    return rc.tp if rc.dp_attention else rc.tp * rc.dp
+
+
+def attn_tp(rc: RoleConfig) -> int:
+    """Attention TP degree of one attention replica."""
+    return rc.tp // rc.dp if rc.dp_attention else rc.tp
+
+
+def attn_groups(rc: RoleConfig) -> int:
+    """Attention replicas per instance (DP groups), each `attn_tp` GPUs wide."""
+    return rc.dp
+
+
+def kv_heads(model: ModelConfig) -> int:
+    """KV-cache heads: one latent head for MLA."""
+    return 1 if model.attention == "mla" else model.num_kv_heads
+
+
+def kv_parts(model: ModelConfig) -> int:
+    """Per-head KV parts in a page: K and V fused (2), or MLA's single latent (1)."""
+    return 1 if model.attention == "mla" else 2
+
+
+def kv_head_width(model: ModelConfig) -> int:
+    """Elements per head and part in a page row."""
+    if model.attention == "mla":
+        return model.kv_lora_rank + model.qk_rope_head_dim
+    return model.head_dim
+
+
+def kv_dtype(model: ModelConfig, rc: RoleConfig) -> str:
+    """The KV dtype a role really uses ('auto' resolved: fp8 weights keep a bf16 cache)."""
+    if rc.kv_dtype != "auto":
+        return rc.kv_dtype
+    return "bf16" if model.dtype == "fp8" else model.dtype
