@@ -578,7 +578,12 @@ def _pkg_config(flag: str) -> list[str]:
 
 
 def include_dirs() -> list[str]:
-    """Where to look for `rdma/fabric.h`: pkg-config, $CPATH/$C_INCLUDE_PATH, system dirs."""
+    """Where to look for `rdma/fabric.h`: $PDTOOL_FABRIC_INCLUDE alone when set (os.pathsep
+    separated; for a libfabric in an odd place), else pkg-config, $CPATH/$C_INCLUDE_PATH and the
+    system dirs (incl. the EFA installer's /opt/amazon/efa/include)."""
+    override = os.environ.get("PDTOOL_FABRIC_INCLUDE")
+    if override is not None:
+        return [d for d in override.split(os.pathsep) if d]
     dirs = [f[2:] for f in _pkg_config("--cflags-only-I") if f.startswith("-I")]
     for var in ("CPATH", "C_INCLUDE_PATH"):
         dirs += [d for d in os.environ.get(var, "").split(os.pathsep) if d]

@@ -516,13 +516,19 @@ class Endpoint:
             n = _lib.pd_take_errors(self._live(), buf, 64)
         for i in range(n):
             e = buf[i]
-            self._errors.append((int(e.tag), int(e.err), _ffi.string(e.msg).decode("replace")))
+            msg = _ffi.string(e.msg).decode(errors="replace")
+            self._errors.append((int(e.tag), int(e.err), msg))
         out, self._errors = self._errors, []
         return out
 
 
-def shm_leftovers(pid: int | None = None) -> list[str]:
-    """Files libfabric's shm provider left in /dev/shm (a SIGKILLed process leaves ~16 MiB)."""
+def shm_leftovers(pids: list[int] | None = None) -> list[str]:
+    """Files in /dev/shm that libfabric's shm provider left behind.
+
+    shm names its region `<pid>:<ep>:<n>` (the address `fi_shm://<pid>:...`). A clean close
+    removes it; a SIGKILLed process leaves ~16 MiB. With `pids`, those processes' files; without,
+    the files of processes that no longer exist.
+    """
     root = "/dev/shm"
     try:
         names = os.listdir(root)
@@ -530,9 +536,13 @@ def shm_leftovers(pid: int | None = None) -> list[str]:
         return []
     out = []
     for n in names:
-        if not (n.startswith("fi_") or n.startswith("shm_")):
+        head = n.split(":", 1)[0]
+        if ":" not in n or not head.isdigit():
             continue
-        if pid is not None and str(pid) not in n:
-            continue
-        out.append(os.path.join(root, n))
+        pid = int(head)
+        if pids is not None:
+            if pid in pids:
+                out.append(os.path.join(root, n))
+        elif not os.path.exists(f"/proc/{pid}"):
+            out.append(os.path.join(root, n))
     return out
