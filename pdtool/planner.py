@@ -309,6 +309,8 @@ def choose_nics(
     kinds = PROVIDER_NIC_KINDS.get(provider, ())
     cands: list[NicConfig] = [n for n in cluster.nics if n.kind in kinds]
     if not cands:
+        if provider == "shm":  # shared memory needs no NIC: every node has it
+            return ("shm",), "shm", "host"
         return (), "", "none"
     switch = [n for n in cands if gpu in n.gpus]
     if switch:

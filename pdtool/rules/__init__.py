@@ -1,5 +1,46 @@
-"""Validation rules: pure functions from a typed `Config` to `Finding` values."""
+"""Validation rules: pure functions from a typed `Config` to `Finding` values.
 
+`validate(cfg)` runs them in stages, each assuming the previous passed, so no rule ever sees
+a value it cannot compute with (tp=0, an unknown provider, an impossible placement):
+
+1. values     single settings: ranges and choices             (rules.values)
+2. shards     head split, prefill/decode TP, pages, chunking  (rules.shards)
+   arithmetic GPUs per instance vs nodes, launcher, engine     (rules.topology.ARITHMETIC)
+3. placed     idle GPUs, provider/NIC kinds, NIC per rank, ports, memory fit, NHD write count
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from pdtool.rules import memfit, ports, shards, topology, values
 from pdtool.rules.finding import Finding, error, has_errors, warning
+from pdtool.schema import Config
 
-__all__ = ["Finding", "error", "has_errors", "warning"]
+Rule = Callable[[Config], list[Finding]]
+
+STAGES: tuple[tuple[Rule, ...], ...] = (
+    values.ALL,
+    shards.ALL + topology.ARITHMETIC,
+    topology.PLACED + ports.ALL + memfit.ALL + (shards.check_nhd_writes,),
+)
+
+
+def run(rules: Iterable[Rule], cfg: Config) -> list[Finding]:
+    out: list[Finding] = []
+    for rule in rules:
+        out.extend(rule(cfg))
+    return out
+
+
+def validate(cfg: Config) -> list[Finding]:
+    """Every finding for `cfg`, errors first. No errors means `build_plan(cfg)` succeeds."""
+    found: list[Finding] = []
+    for stage in STAGES:
+        found.extend(run(stage, cfg))
+        if has_errors(found):
+            break
+    return sorted(found, key=lambda f: f.severity != "error")
+
+
+__all__ = ["STAGES", "Finding", "error", "has_errors", "validate", "warning"]

@@ -1,0 +1,77 @@
+"""Ports: every listening port in range and unique per machine; the router agrees with them.
+
+Instance i of a role binds `<role>.http_port + i`, `<role>.dist_init_port + i` (multi-node
+rendezvous) and, for prefill, `prefill.bootstrap_port + i` (the KV bootstrap server the router
+hands to decode) on its head node; the router binds `router.port` on node 0. With the local
+launcher every process shares one machine, so all of them must differ. The router's prefill
+entries (URL + bootstrap port) are derived from the same numbers in the plan, so they agree
+with the workers by construction; what can break is a collision with the router's own port.
+"""
+
+from __future__ import annotations
+
+from pdtool.planner import placements
+from pdtool.rules.finding import Finding, error
+from pdtool.schema import ROLES, Config, role
+
+LOW, HIGH = 1024, 65535
+
+
+def _bindings(cfg: Config) -> list[tuple[int, int, str, str]]:
+    """(host, port, config key, what) for every listening socket of the deployment."""
+    local = cfg.launcher.kind == "local"
+    places = placements(cfg)
+    out = [(0, cfg.router.port, "router.port", "router")]
+    for r in ROLES:
+        rc = role(cfg, r)
+        for i in range(rc.instances):
+            host = 0 if local else places[(r, i)][0][0]
+            name = f"{r}-{i}"
+            out.append((host, rc.http_port + i, f"{r}.http_port", f"{name} HTTP"))
+            out.append((host, rc.dist_init_port + i, f"{r}.dist_init_port", f"{name} dist-init"))
+            if r == "prefill":
+                out.append(
+                    (host, rc.bootstrap_port + i, f"{r}.bootstrap_port", f"{name} bootstrap")
+                )
+    return out
+
+
+def check_ports(cfg: Config) -> list[Finding]:
+    out: list[Finding] = []
+    reported: set[str] = set()
+    for _, port, key, what in _bindings(cfg):
+        if not LOW <= port <= HIGH and key not in reported:
+            reported.add(key)
+            out.append(
+                error(
+                    key,
+                    f"{what} would listen on port {port}, outside {LOW}..{HIGH}",
+                    f"set {key} to a free port in {LOW}..{HIGH - 64}",
+                )
+            )
+    if out:
+        return out
+    seen: dict[tuple[int, int], tuple[str, str]] = {}
+    for host, port, key, what in _bindings(cfg):
+        prev = seen.get((host, port))
+        if prev is None:
+            seen[(host, port)] = (key, what)
+            continue
+        pair = tuple(sorted((prev[0], key)))
+        if pair in reported:
+            continue
+        reported.add(pair)  # type: ignore[arg-type]
+        where = "this machine" if cfg.launcher.kind == "local" else f"node {host}"
+        free = max(p for _, p, _, _ in _bindings(cfg)) + 1
+        out.append(
+            error(
+                key,
+                f"{what} and {prev[1]} both listen on port {port} on {where} "
+                f"({key} vs {prev[0]}; instance i uses base + i)",
+                f"set {key}={free} (or another base whose range is free)",
+            )
+        )
+    return out
+
+
+ALL = (check_ports,)

@@ -1,0 +1,351 @@
+"""Value rules: ranges and choices of single settings, checked before anything is derived.
+
+OmegaConf already rejected wrong types and unknown keys at compose time; these catch values
+of the right type that make no sense (tp=0, attention=foo, a CPU list that does not parse).
+The later rules assume these passed, so `validate` stops after this stage on any error.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pdtool.planner import expand_cpus
+from pdtool.rules.finding import Finding, error, warning
+from pdtool.schema import (
+    ATTENTION_KINDS,
+    COMPLETION_MODES,
+    DEVICES,
+    ENGINES,
+    KV_DTYPES,
+    LAUNCHERS,
+    LAYOUTS,
+    NIC_KINDS,
+    PROVIDERS,
+    ROLES,
+    WEIGHT_DTYPES,
+    Config,
+    role,
+)
+
+ROUTER_POLICIES = ("round_robin", "random", "cache_aware", "power_of_two")
+_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$|^(infinite|UNLIMITED)$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> list[Finding]:
+    if value in choices:
+        return []
+    opts = " | ".join(choices)
+    return [error(key, f"{value!r} is not one of {opts}", f"set {key} to one of: {opts}")]
+
+
+def _at_least(key: str, value: float, low: float, what: str = "") -> list[Finding]:
+    if value >= low:
+        return []
+    extra = f" ({what})" if what else ""
+    return [error(key, f"must be >= {low:g}{extra}, got {value}", f"set {key}={low:g} or more")]
+
+
+def check_model(cfg: Config) -> list[Finding]:
+    m = cfg.model
+    out = _choice("model.attention", m.attention, ATTENTION_KINDS)
+    out += _choice("model.dtype", m.dtype, WEIGHT_DTYPES)
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "num_q_heads",
+        "num_kv_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+        "context_length",
+    ):
+        out += _at_least(f"model.{name}", getattr(m, name), 1)
+    for name in (
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "num_experts",
+        "num_shared_experts",
+        "experts_per_token",
+        "moe_intermediate_size",
+        "num_mtp_layers",
+    ):
+        out += _at_least(f"model.{name}", getattr(m, name), 0)
+    if m.num_params_b <= 0:
+        out.append(
+            error(
+                "model.num_params_b",
+                f"must be > 0 (billions of parameters), got {m.num_params_b}",
+                "set model.num_params_b to the model's parameter count in billions",
+            )
+        )
+    if not 0 <= m.expert_params_b <= max(m.num_params_b, 0):
+        out.append(
+            error(
+                "model.expert_params_b",
+                f"routed-expert parameters {m.expert_params_b}B must lie in "
+                f"[0, model.num_params_b={m.num_params_b}B]",
+                "set model.expert_params_b to the billions of parameters in routed experts",
+            )
+        )
+    if m.num_experts and m.experts_per_token > m.num_experts:
+        out.append(
+            error(
+                "model.experts_per_token",
+                f"{m.experts_per_token} active experts > model.num_experts={m.num_experts}",
+                f"set model.experts_per_token <= {m.num_experts}",
+            )
+        )
+    if m.num_experts > 0 and m.expert_params_b == 0:
+        out.append(
+            warning(
+                "model.expert_params_b",
+                f"a MoE model (model.num_experts={m.num_experts}) with expert_params_b=0: "
+                "memory fit treats every weight as attention/dense (sharded over attention TP)",
+                "set model.expert_params_b to the routed experts' parameter count in billions",
+            )
+        )
+    if out:
+        return out
+    if m.attention == "mla":
+        if m.kv_lora_rank < 1 or m.qk_rope_head_dim < 1:
+            out.append(
+                error(
+                    "model.kv_lora_rank",
+                    "MLA caches kv_lora_rank + qk_rope_head_dim values per token; got "
+                    f"kv_lora_rank={m.kv_lora_rank}, qk_rope_head_dim={m.qk_rope_head_dim}",
+                    "set model.kv_lora_rank and model.qk_rope_head_dim (DeepSeek-V3/R1: 512, 64)",
+                )
+            )
+        if m.num_kv_heads != 1:
+            out.append(
+                error(
+                    "model.num_kv_heads",
+                    f"MLA caches one latent head per token, got num_kv_heads={m.num_kv_heads}",
+                    "set model.num_kv_heads=1",
+                )
+            )
+    elif m.attention == "mha" and m.num_kv_heads != m.num_q_heads:
+        out.append(
+            error(
+                "model.num_kv_heads",
+                f"MHA has one KV head per query head: num_kv_heads={m.num_kv_heads} != "
+                f"num_q_heads={m.num_q_heads}",
+                f"set model.num_kv_heads={m.num_q_heads}, or model.attention=gqa",
+            )
+        )
+    elif m.attention == "gqa" and m.num_q_heads % m.num_kv_heads:
+        out.append(
+            error(
+                "model.num_kv_heads",
+                f"GQA groups query heads evenly: num_q_heads={m.num_q_heads} is not a "
+                f"multiple of num_kv_heads={m.num_kv_heads}",
+                "set model.num_kv_heads to a divisor of model.num_q_heads",
+            )
+        )
+    return out
+
+
+def check_cluster(cfg: Config) -> list[Finding]:
+    c = cfg.cluster
+    out = _choice("cluster.device", c.device, DEVICES)
+    out += _at_least("cluster.nodes", c.nodes, 1)
+    out += _at_least("cluster.gpus_per_node", c.gpus_per_node, 1)
+    if c.gpu_memory_gb <= 0:
+        out.append(
+            error(
+                "cluster.gpu_memory_gb",
+                f"must be > 0, got {c.gpu_memory_gb}",
+                "set the GPU memory in GiB",
+            )
+        )
+    if not c.numa_cpus:
+        out.append(
+            error(
+                "cluster.numa_cpus",
+                "no NUMA node listed",
+                'list each NUMA node\'s CPUs, e.g. cluster.numa_cpus=["0-47,96-143"]',
+            )
+        )
+    for i, spec in enumerate(c.numa_cpus):
+        try:
+            if not expand_cpus(spec):
+                raise ValueError("empty")
+        except ValueError:
+            out.append(
+                error(
+                    f"cluster.numa_cpus.{i}",
+                    f"{spec!r} is not a CPU list",
+                    'write CPU lists like "0-47,96-143"',
+                )
+            )
+    if c.gpus_per_node >= 1 and len(c.gpu_numa) != c.gpus_per_node:
+        out.append(
+            error(
+                "cluster.gpu_numa",
+                f"lists {len(c.gpu_numa)} GPUs, cluster.gpus_per_node={c.gpus_per_node}",
+                "give the NUMA node of every GPU (nvidia-smi topo -m shows it)",
+            )
+        )
+    for g, n in enumerate(c.gpu_numa):
+        if not 0 <= n < max(len(c.numa_cpus), 1):
+            out.append(
+                error(
+                    f"cluster.gpu_numa.{g}",
+                    f"GPU {g} is on NUMA node {n}, but cluster.numa_cpus lists "
+                    f"{len(c.numa_cpus)} node(s)",
+                    "fix the NUMA node or add its CPU list to cluster.numa_cpus",
+                )
+            )
+    seen: set[str] = set()
+    for i, nic in enumerate(c.nics):
+        k = f"cluster.nics.{i}"
+        out += _choice(f"{k}.kind", nic.kind, NIC_KINDS)
+        if not nic.name:
+            out.append(error(f"{k}.name", "NIC has no name", "set its libfabric domain name"))
+        elif nic.name in seen:
+            out.append(error(f"{k}.name", f"NIC {nic.name!r} listed twice", "remove one"))
+        seen.add(nic.name)
+        if not 0 <= nic.numa < max(len(c.numa_cpus), 1):
+            out.append(
+                error(
+                    f"{k}.numa",
+                    f"NIC {nic.name} on NUMA node {nic.numa}, but only "
+                    f"{len(c.numa_cpus)} NUMA node(s) are listed",
+                    "fix the NUMA node of the NIC",
+                )
+            )
+        bad = [g for g in nic.gpus if not 0 <= g < c.gpus_per_node]
+        if bad:
+            out.append(
+                error(
+                    f"{k}.gpus",
+                    f"NIC {nic.name} lists GPUs {bad} outside 0..{c.gpus_per_node - 1}",
+                    "list local GPU ids of the NIC's PCIe switch",
+                )
+            )
+    return out
+
+
+def check_roles(cfg: Config) -> list[Finding]:
+    out: list[Finding] = []
+    for r in ROLES:
+        rc = role(cfg, r)
+        for name in ("tp", "dp", "nodes", "instances", "page_size", "chunked_prefill_size"):
+            out += _at_least(f"{r}.{name}", getattr(rc, name), 1)
+        out += _at_least(f"{r}.max_running_requests", rc.max_running_requests, 0)
+        out += _choice(f"{r}.kv_dtype", rc.kv_dtype, KV_DTYPES)
+        out += _choice(f"{r}.kv_layout", rc.kv_layout, LAYOUTS)
+        if not 0 < rc.mem_fraction <= 1:
+            out.append(
+                error(
+                    f"{r}.mem_fraction",
+                    f"share of GPU memory for weights + KV must be in (0, 1], got "
+                    f"{rc.mem_fraction}",
+                    f"set {r}.mem_fraction=0.85 (SGLang's usual static fraction)",
+                )
+            )
+        if rc.tp >= 1 and rc.dp >= 1 and rc.dp_attention and rc.tp % rc.dp:
+            out.append(
+                error(
+                    f"{r}.dp",
+                    f"DP attention splits the {rc.tp} GPUs of {r}.tp into {r}.dp={rc.dp} "
+                    f"groups: {rc.tp} % {rc.dp} = {rc.tp % rc.dp}",
+                    f"set {r}.dp to a divisor of {rc.tp} (e.g. {r}.dp={rc.tp})",
+                )
+            )
+    return out
+
+
+def check_transfer(cfg: Config) -> list[Finding]:
+    t = cfg.transfer
+    out = _choice("transfer.provider", t.provider, PROVIDERS)
+    out += _choice("transfer.layout", t.layout, LAYOUTS)
+    out += _choice("transfer.completion", t.completion, COMPLETION_MODES)
+    out += _at_least("transfer.aux_writes", t.aux_writes, 0)
+    for name in ("timeout_s", "connect_timeout_s"):
+        v = getattr(t, name)
+        if v <= 0:
+            out.append(error(f"transfer.{name}", f"must be > 0, got {v}", f"set transfer.{name}"))
+    if t.completion == "counter" and t.provider in PROVIDERS and t.provider != "shm":
+        out.append(
+            error(
+                "transfer.completion",
+                f"provider {t.provider!r} has no FI_RMA_EVENT: a remote-write counter never "
+                "moves there",
+                "set transfer.completion=cq_data (immediate data counted per transfer)",
+            )
+        )
+    if not t.backend_name or not re.fullmatch(r"[a-z][a-z0-9_-]*", t.backend_name):
+        out.append(
+            error(
+                "transfer.backend_name",
+                f"{t.backend_name!r} is not a backend name (lowercase letters, digits, - or _)",
+                "set transfer.backend_name=pdtool",
+            )
+        )
+    return out
+
+
+def check_launcher(cfg: Config) -> list[Finding]:
+    lc = cfg.launcher
+    out = _choice("launcher.kind", lc.kind, LAUNCHERS)
+    if not lc.job_name.strip():
+        out.append(error("launcher.job_name", "empty job name", "set launcher.job_name=pdtool"))
+    if not lc.output_dir.strip():
+        out.append(error("launcher.output_dir", "empty output folder", "set launcher.output_dir"))
+    if lc.kind == "slurm" and not _SLURM_TIME.match(lc.time):
+        out.append(
+            error(
+                "launcher.time",
+                f"{lc.time!r} is not a Slurm time limit",
+                'use MM, HH:MM:SS or D-HH:MM:SS, e.g. launcher.time="04:00:00"',
+            )
+        )
+    for i, line in enumerate(lc.sbatch_extra):
+        if not line.startswith("-"):
+            out.append(
+                error(
+                    f"launcher.sbatch_extra.{i}",
+                    f"{line!r} is not an sbatch option",
+                    "write the option without '#SBATCH', e.g. --constraint=h200",
+                )
+            )
+    if lc.container_image and lc.venv:
+        out.append(
+            error(
+                "launcher.venv",
+                "both launcher.container_image and launcher.venv are set",
+                "use the container or the virtualenv, not both",
+            )
+        )
+    for i, m in enumerate(lc.container_mounts):
+        if ":" not in m:
+            out.append(
+                error(
+                    f"launcher.container_mounts.{i}",
+                    f"{m!r} is not SRC:DST[:FLAGS]",
+                    "write mounts as /host/path:/container/path[:ro]",
+                )
+            )
+    for scope in ("all", "prefill", "decode", "router"):
+        for name in getattr(lc.env, scope):
+            if not _ENV_NAME.match(name):
+                out.append(
+                    error(
+                        f"launcher.env.{scope}.{name}",
+                        f"{name!r} is not a valid environment variable name",
+                        "use letters, digits and _ (not starting with a digit)",
+                    )
+                )
+    out += _at_least("launcher.health_timeout_s", lc.health_timeout_s, 1)
+    return out
+
+
+def check_engine_router(cfg: Config) -> list[Finding]:
+    out = _choice("engine.kind", cfg.engine.kind, ENGINES)
+    out += _choice("router.policy", cfg.router.policy, ROUTER_POLICIES)
+    return out
+
+
+ALL = (check_model, check_cluster, check_roles, check_transfer, check_launcher, check_engine_router)
