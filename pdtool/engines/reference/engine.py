@@ -145,9 +145,9 @@ class PrefillEngine:
         return bool(self.waiting or self.running or self.sending)
 
     def step(self, new: list[dict] | None = None) -> bool:
-        """One scheduler iteration on every rank; `new` is read on the lead rank only.
-        Returns True when a forward pass ran."""
-        new = self.coord.broadcast(new if self.coord.leader else None) or []
+        """One scheduler iteration on every rank; `new` (already broadcast by the serving loop)
+        must be the same on every rank. Returns True when a forward pass ran."""
+        new = new or []
         for m in new:
             toks = list(m["tokens"])
             if len(toks) < 2:
@@ -251,15 +251,18 @@ class DecodeEngine:
         self.running: list[_DReq] = []
         self.prompt_tokens_seen = 0  # prompt tokens the decoder's forward passes processed
         self.requests_started = 0
+        self.ran = False
 
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.transfer or self.running)
 
     def step(self, new: list[dict] | None = None) -> list[Event]:
-        """One iteration on every rank; `new` ({"rid", "tokens", "max_tokens", "peer"}) is read
-        on the lead rank only. Returns the events (identical on every rank)."""
-        new = self.coord.broadcast(new if self.coord.leader else None) or []
+        """One iteration on every rank; `new` ({"rid", "tokens", "max_tokens", "peer"}, already
+        broadcast by the serving loop) must be the same on every rank. Returns the events
+        (identical on every rank); `self.ran` says whether a forward pass ran."""
+        new = new or []
+        self.ran = False
         events: list[Event] = []
         for m in new:
             toks = list(m["tokens"])
@@ -271,6 +274,7 @@ class DecodeEngine:
         self._collect_transfers(events)
         if self.running:
             self._decode(events)
+            self.ran = True
         return events
 
     def _admit(self) -> None:

@@ -1,0 +1,352 @@
+"""The front: OpenAI-style HTTP `/v1/completions` spread over the decode instances.
+
+Standard library only (`http.server` with a thread per connection). One dispatcher thread owns
+every ZeroMQ socket (sockets are not thread-safe): HTTP threads hand it requests through an
+inproc socket and wait on a per-request queue. Each decode instance pairs with its prefill
+instance itself (the plan says which), so the front only picks the decode instance with the
+fewest requests in flight.
+
+Responses carry the OpenAI fields plus a `pdtool` object: token ids (byte tokens may not be
+valid UTF-8 on their own), time to first token and time per output token measured here, the
+decode instance, and the MTP draft verified in the first decode step.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import zmq
+
+from .oracle import decode as detok
+from .oracle import encode
+from .wire import Wire, dealer
+
+log = logging.getLogger("pdtool.reference.front")
+REQUEST_TIMEOUT_S = 300.0
+MAX_BODY = 1 << 20
+
+
+class BadRequest(ValueError):
+    """A request the front refuses with HTTP 400; the text names the field."""
+
+
+@dataclass
+class _Pending:
+    q: queue.Queue = field(default_factory=queue.Queue)
+    instance: int = 0
+
+
+def parse_request(body: bytes) -> dict[str, Any]:
+    """Validate a /v1/completions body; returns prompt tokens, max_tokens, stream."""
+    try:
+        req = json.loads(body or b"{}")
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"body: not valid JSON ({exc.msg})") from None
+    if not isinstance(req, dict):
+        raise BadRequest("body: expected a JSON object")
+    prompt = req.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        tokens = encode(prompt)
+    elif isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 256 for t in prompt
+    ):
+        tokens = list(prompt)
+    else:
+        raise BadRequest("prompt: expected a string or a list of byte token ids (0..255)")
+    if not tokens:
+        raise BadRequest("prompt: must not be empty")
+    max_tokens = req.get("max_tokens", 16)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not (
+        1 <= max_tokens <= 4096
+    ):
+        raise BadRequest("max_tokens: expected an integer in [1, 4096]")
+    stream = req.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream: expected true or false")
+    return {"tokens": tokens, "max_tokens": max_tokens, "stream": stream,
+            "model": str(req.get("model", "reference"))}
+
+
+class Front:
+    """Dispatcher + HTTP server. `start()` returns once the HTTP socket listens."""
+
+    def __init__(
+        self,
+        decoders: list[str],
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        model_name: str = "reference",
+    ) -> None:
+        if not decoders:
+            raise ValueError("front: needs at least one decode instance address")
+        self.decoders = decoders
+        self.wire = Wire(secret)
+        self.model_name = model_name
+        self.pending: dict[str, _Pending] = {}
+        self.inflight = [0] * len(decoders)
+        self.up = [False] * len(decoders)
+        self._rr = itertools.count()
+        self._lock = threading.Lock()
+        self._ctx = zmq.Context()
+        self._inbox = f"inproc://front-{uuid.uuid4().hex}"
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(self._inbox)
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.connect(self._inbox)
+        self._stop = threading.Event()
+        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        for target in (self._dispatch, self.httpd.serve_forever):
+            t = threading.Thread(target=target, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        with self._lock:
+            self._push.send_pyobj(None)
+        for t in self._threads:
+            t.join(timeout=5)
+
+    @property
+    def ready(self) -> bool:
+        return all(self.up)
+
+    # -- dispatcher thread (owns the dealers) ---------------------------------------------
+    def _dispatch(self) -> None:
+        socks = [dealer(self._ctx, a) for a in self.decoders]
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        for s in socks:
+            poller.register(s, zmq.POLLIN)
+        next_ping = 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if not all(self.up) and now >= next_ping:
+                    for i, s in enumerate(socks):
+                        if not self.up[i]:
+                            s.send_multipart(self.wire.pack("PING", {"rid": "ping", "tokens": []}))
+                    next_ping = now + 0.2
+                events = dict(poller.poll(200 if not all(self.up) else 1000))
+                if self._pull in events:
+                    while True:
+                        try:
+                            item = self._pull.recv_pyobj(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        if item is None:
+                            return
+                        idx, body = item
+                        socks[idx].send_multipart(self.wire.pack("GEN", body))
+                for i, s in enumerate(socks):
+                    if s in events:
+                        self._drain(i, s)
+        finally:
+            for s in socks:
+                s.close(0)
+
+    def _drain(self, idx: int, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            got = self.wire.unpack(frames, ("OUT", "PONG"))
+            if got is None:
+                continue
+            kind, body = got
+            if kind == "PONG":
+                self.up[idx] = True
+                continue
+            p = self.pending.get(body["rid"])
+            if p is not None:
+                p.q.put((time.perf_counter(), body))
+
+    # -- called from HTTP threads ------------------------------------------------------------
+    def submit(self, tokens: list[int], max_tokens: int) -> tuple[str, _Pending]:
+        rid = uuid.uuid4().hex
+        with self._lock:
+            turn = next(self._rr)
+            n = len(self.decoders)
+            idx = min(range(n), key=lambda i: (self.inflight[i], (i - turn) % n))
+            self.inflight[idx] += 1
+            p = _Pending(instance=idx)
+            self.pending[rid] = p
+            self._push.send_pyobj((idx, {"rid": rid, "tokens": tokens, "max_tokens": max_tokens}))
+        return rid, p
+
+    def finish(self, rid: str) -> None:
+        with self._lock:
+            p = self.pending.pop(rid, None)
+            if p is not None:
+                self.inflight[p.instance] -= 1
+
+    def generate(self, tokens: list[int], max_tokens: int):
+        """Yield (time, OUT body) for one request until done (raises TimeoutError)."""
+        rid, p = self.submit(tokens, max_tokens)
+        try:
+            deadline = time.monotonic() + REQUEST_TIMEOUT_S
+            while True:
+                try:
+                    t, body = p.q.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise TimeoutError(f"no answer from decode instance {p.instance}") from None
+                body["instance"] = p.instance
+                yield t, body
+                if body["done"]:
+                    return
+        finally:
+            self.finish(rid)
+
+
+def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "pdtool-reference"
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            log.debug("%s " + fmt, self.address_string(), *args)
+
+        def _json(self, code: int, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, code: int, msg: str, kind: str = "invalid_request_error") -> None:
+            self._json(code, {"error": {"message": msg, "type": kind}})
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                up = sum(front.up)
+                code = 200 if front.ready else 503
+                self._json(code, {"status": "ok" if code == 200 else "starting",
+                                  "decode_instances": len(front.up), "decode_up": up})
+            elif self.path == "/v1/models":
+                self._json(200, {"object": "list", "data": [
+                    {"id": front.model_name, "object": "model", "owned_by": "pdtool"}]})
+            else:
+                self._error(404, f"no route {self.path}")
+
+        def do_POST(self) -> None:
+            if self.path != "/v1/completions":
+                self._error(404, f"no route {self.path}")
+                return
+            try:
+                n = int(self.headers.get("Content-Length") or 0)
+                if n > MAX_BODY:
+                    raise BadRequest(f"body: larger than {MAX_BODY} bytes")
+                req = parse_request(self.rfile.read(n))
+            except (BadRequest, ValueError) as exc:
+                self._error(400, str(exc))
+                return
+            t0 = time.perf_counter()
+            try:
+                if req["stream"]:
+                    self._stream(req, t0)
+                else:
+                    self._whole(req, t0)
+            except TimeoutError as exc:
+                self._error(504, str(exc), "timeout")
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+        def _whole(self, req: dict, t0: float) -> None:
+            toks, times, info, inst = [], [], {}, 0
+            for t, body in front.generate(req["tokens"], req["max_tokens"]):
+                if body["tokens"]:
+                    times.append(t)
+                toks += body["tokens"]
+                info, inst = body["info"], body["instance"]
+            if "error" in info:
+                self._error(500, f"decode instance {inst}: {info['error']}", "server_error")
+                return
+            self._json(200, _completion(front, req, toks, _timing(t0, times, len(toks)),
+                                        info, inst))
+
+        def _stream(self, req: dict, t0: float) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.end_headers()
+            dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            toks: list[int] = []
+            times: list[float] = []
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            for t, body in front.generate(req["tokens"], req["max_tokens"]):
+                if body["tokens"]:
+                    times.append(t)
+                toks += body["tokens"]
+                text = dec.decode(bytes(x for x in body["tokens"] if x < 256), final=body["done"])
+                chunk = {"id": rid, "object": "text_completion", "created": int(time.time()),
+                         "model": req["model"], "choices": [{"index": 0, "text": text,
+                         "finish_reason": None, "logprobs": None}],
+                         "pdtool": {"token_ids": body["tokens"]}}
+                if body["done"]:
+                    info = body["info"]
+                    chunk["choices"][0]["finish_reason"] = _finish(req, toks)
+                    chunk["pdtool"].update(_timing(t0, times, len(toks)), **info,
+                                           decode_instance=body["instance"])
+                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+
+    return Handler
+
+
+def _finish(req: dict, toks: list[int]) -> str:
+    return "length" if len(toks) >= req["max_tokens"] else "stop"
+
+
+def _timing(t0: float, times: list[float], n: int) -> dict:
+    if not times:
+        return {"ttft_s": None, "tpot_s": None}
+    tpot = (times[-1] - times[0]) / (n - 1) if n > 1 else None
+    return {"ttft_s": times[0] - t0, "tpot_s": tpot}
+
+
+def _completion(front: Front, req: dict, toks: list[int], timing: dict, info: dict,
+                inst: int) -> dict:
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": req["model"],
+        "choices": [{"index": 0, "text": detok(toks), "finish_reason": _finish(req, toks),
+                     "logprobs": None}],
+        "usage": {"prompt_tokens": len(req["tokens"]), "completion_tokens": len(toks),
+                  "total_tokens": len(req["tokens"]) + len(toks)},
+        "pdtool": {"token_ids": toks, "decode_instance": inst, **timing, **info},
+    }
+
+
+def serve_front(front: Front, stop: threading.Event) -> None:
+    """Run until `stop` is set (the worker entry's SIGTERM handler sets it)."""
+    front.start()
+    with contextlib.suppress(KeyboardInterrupt):
+        stop.wait()
+    front.stop()

@@ -1,0 +1,50 @@
+"""A tiny HTTP side door per instance leader: `/health` for the launcher, `/stats` for tests.
+
+The launcher waits for `GET http://host:http_port/health` of every instance's rank 0 (see
+pdtool.launch.spec); the body also tells the front where the decode leader's request socket
+listens, so no second port has to be planned. `/stats` returns the engine's counters (free
+pages, tokens its forward passes saw) so tests check leaks on live processes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+class HealthServer:
+    def __init__(self, host: str, port: int, info: Callable[[], dict[str, Any]],
+                 stats: Callable[[], dict[str, Any]]) -> None:
+        self.ready = False
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, fmt: str, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    code, body = (200, {"status": "ok", **info()}) if outer.ready else (
+                        503, {"status": "starting"})
+                elif self.path == "/stats":
+                    code, body = 200, stats()
+                else:
+                    code, body = 404, {"error": f"no route {self.path}"}
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

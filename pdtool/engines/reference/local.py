@@ -1,0 +1,107 @@
+"""Start a reference-engine deployment from RankSpecs as local processes (the engine's tests).
+
+`pdtool launch` is the user's way (plan → launch spec → `pdtool.worker`); this module starts the
+same serving code straight from specs so the engine's tests can pick TP degrees, faults and
+pairings without a config tree, and read each leader's `/stats` and final `STATS` line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict
+from pathlib import Path
+
+from .serve import RankSpec
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, body: dict | None = None, timeout: float = 120.0) -> tuple[int, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+class Deployment:
+    """Processes started from specs; `stop()` sends SIGTERM and collects their STATS lines."""
+
+    def __init__(self, specs: list[RankSpec], log_dir: Path) -> None:
+        self.specs = specs
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+        self.stats: list[dict] = []
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        for i, spec in enumerate(self.specs):
+            path = self.log_dir / f"{i}-{spec.role}-{spec.instance}-{spec.rank}.log"
+            with open(path, "w") as log:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "pdtool.engines.reference.serve", "--spec",
+                     json.dumps(asdict(spec))], stdout=log, stderr=subprocess.STDOUT, env=env))
+        deadline = time.monotonic() + timeout_s
+        for spec in self.specs:
+            if spec.rank != 0:
+                continue
+            while True:
+                self._check_alive()
+                try:
+                    code, _ = get_json(f"http://{spec.host}:{spec.http_port}/health", timeout=2)
+                    if code == 200:
+                        break
+                except (urllib.error.URLError, OSError, ValueError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{spec.role}-{spec.instance} not healthy; logs in "
+                                       f"{self.log_dir}")
+                time.sleep(0.1)
+
+    def _check_alive(self) -> None:
+        for p, spec in zip(self.procs, self.specs, strict=True):
+            if p.poll() is not None:
+                raise RuntimeError(f"{spec.role}-{spec.instance} rank {spec.rank} exited "
+                                   f"with {p.returncode}; logs in {self.log_dir}\n" + self.logs())
+
+    def logs(self) -> str:
+        return "\n".join(f"== {f.name}\n{f.read_text()[-3000:]}"
+                         for f in sorted(self.log_dir.glob("*.log")))
+
+    def stop(self, timeout_s: float = 30.0) -> list[dict]:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.stats = []
+        for f in sorted(self.log_dir.glob("*.log")):
+            for line in f.read_text().splitlines():
+                if line.startswith("STATS "):
+                    self.stats.append(json.loads(line[6:]))
+        return self.stats
+
+
+def new_secret() -> str:
+    return secrets.token_hex(32)

@@ -1,0 +1,358 @@
+"""Serving processes of the reference engine: prefill ranks, decode ranks and the front.
+
+Entry points for the worker entry (`pdtool.worker`): `run_prefill(plan, rank_info)`,
+`run_decode(plan, rank_info)`, `run_front(plan, rank_info)`. Each turns the plan into a
+`RankSpec` (plain data, also accepted as JSON by `python -m pdtool.engines.reference.serve`, which
+the engine's own tests use) and serves until SIGTERM/SIGINT.
+
+Per instance, TP ranks form one gloo process group (rendezvous on rank 0's host at the
+instance's `dist_init_port`). Rank 0 leads: it takes new requests (the front's, or the
+messenger's on prefill), broadcasts them with a stop flag each iteration, and serves `/health`
+and `/stats` on the instance's `http_port`. A decode leader also listens for the front on a
+ZeroMQ socket whose address it publishes in `/health`, so no extra port has to be planned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from .cache import PagedKV
+from .engine import Coord, DecodeEngine, Event, Faults, PrefillEngine
+from .health import HealthServer
+from .model import TP, TinyConfig, TinyModel
+from .wire import Wire, router
+
+log = logging.getLogger("pdtool.reference.serve")
+
+IDLE_WAIT_S = 0.05  # leader's longest sleep between iterations when nothing is running
+BUSY_WAIT_S = 0.0005  # while transfers are in flight but nothing can be computed
+DEFAULT_PAGES = 4096
+_KV_DTYPES = {"fp32": "float32", "float32": "float32", "fp64": "float64", "float64": "float64"}
+
+
+@dataclass
+class RankSpec:
+    """Everything one reference-engine rank needs (pure data, JSON round-trips)."""
+
+    role: str  # prefill | decode | front
+    instance: int = 0
+    tp: int = 1
+    rank: int = 0
+    host: str = "127.0.0.1"  # this process binds here
+    leader_host: str = "127.0.0.1"  # the instance's rank 0 (gloo rendezvous)
+    dist_port: int = 0
+    http_port: int = 0
+    page_size: int = 4
+    num_pages: int = DEFAULT_PAGES
+    chunk: int = 16
+    max_running: int = 64
+    model: dict[str, Any] = field(default_factory=dict)  # TinyConfig fields
+    secret_hex: str = ""
+    messenger: dict[str, Any] = field(default_factory=dict)  # passed to the messenger adapter
+    peer: int = 0  # decode: the prefill instance it pairs with
+    decoders: list[str] = field(default_factory=list)  # front: decode leaders' /health URLs
+    faults: dict[str, Any] = field(default_factory=dict)  # decode: test hooks (Faults)
+
+    @property
+    def cfg(self) -> TinyConfig:
+        return TinyConfig(**self.model)
+
+    @property
+    def secret(self) -> bytes:
+        return bytes.fromhex(self.secret_hex)
+
+
+# -- plumbing -------------------------------------------------------------------------------------
+
+
+def _init(spec: RankSpec) -> tuple[Coord, TP]:
+    torch.set_num_threads(1)
+    if spec.tp > 1:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{spec.leader_host}:{spec.dist_port}",
+            world_size=spec.tp,
+            rank=spec.rank,
+            timeout=timedelta(minutes=10),
+        )
+    return Coord(spec.tp, spec.rank), TP(spec.tp, spec.rank, None)
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.is_set():  # second signal: a follower stuck waiting for a dead leader
+            os._exit(128 + signum)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    return stop
+
+
+def make_link(spec: RankSpec, kv: PagedKV, model: TinyModel) -> Any:
+    """The messenger adapter for this rank (imported late: it needs the libfabric binding).
+
+    `messenger.kind: none` gives a link that refuses every transfer: a decoder then serves
+    one-token prompts only (used to test the front and decode loop on their own)."""
+    if spec.messenger.get("kind") == "none":
+        return NoLink()
+    from .link import messenger_link
+
+    return messenger_link(spec, kv, model)
+
+
+class NoLink:
+    """No messenger: prompts longer than one token fail instead of waiting forever."""
+
+    def __init__(self) -> None:
+        self._failed: set[str] = set()
+
+    def submit(self, rid: str, tokens: list[int], pages: list[int], peer: int) -> None:
+        self._failed.add(rid)
+
+    def ready(self) -> set[str]:
+        return set()
+
+    def failed(self) -> set[str]:
+        return set(self._failed)
+
+    def release(self, rid: str) -> None:
+        self._failed.discard(rid)
+
+    def recv(self) -> list[dict]:
+        return []
+
+
+# -- decode ---------------------------------------------------------------------------------------
+
+
+def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dict[str, Any]:
+    coord, tp = _init(spec)
+    cfg = spec.cfg
+    model = TinyModel(cfg, tp)
+    kv = PagedKV(cfg, len(model.kv_heads), spec.num_pages, spec.page_size)
+    link = link if link is not None else make_link(spec, kv, model)
+    engine = DecodeEngine(model, kv, link, coord, spec.max_running, Faults(**{
+        k: tuple(v) if isinstance(v, list) else v for k, v in spec.faults.items()}))
+
+    def stats() -> dict[str, Any]:
+        return {"role": "decode", "instance": spec.instance, "rank": spec.rank,
+                "pages_total": kv.pages.num_pages, "pages_free": kv.pages.num_free,
+                "tokens_seen": model.tokens_seen, "prompt_tokens_seen": engine.prompt_tokens_seen,
+                "requests_started": engine.requests_started, "running": len(engine.running),
+                "in_transfer": len(engine.transfer), "waiting": len(engine.waiting)}
+
+    sock = health = None
+    wire = Wire(spec.secret)
+    owner: dict[str, bytes] = {}
+    if coord.leader:
+        ctx = zmq.Context.instance()
+        sock = router(ctx, spec.host, 0)
+        address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        health = HealthServer(spec.host, spec.http_port,
+                              lambda: {"role": "decode", "engine": address}, stats)
+        health.ready = True
+    try:
+        while True:
+            new: list[dict] = []
+            if coord.leader:
+                if not engine.ran:  # sleeps in the kernel until the front sends or time is up
+                    sock.poll(1 if engine.busy else int(IDLE_WAIT_S * 1000))
+                new = _take_requests(sock, wire, owner, spec.peer)
+                cmd = (new, stop.is_set())
+            else:
+                cmd = None
+            new, stopping = coord.broadcast(cmd)
+            if stopping:
+                break
+            events = engine.step(new)
+            if coord.leader:
+                _send_events(sock, wire, owner, events)
+    finally:
+        if health:
+            health.close()
+        if sock is not None:
+            sock.close(0)
+        _close_link(link)
+    return stats()
+
+
+def _take_requests(sock: zmq.Socket, wire: Wire, owner: dict[str, bytes],
+                   peer: int) -> list[dict]:
+    new = []
+    while True:
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return new
+        if len(frames) < 2:
+            continue
+        got = wire.unpack(frames[1:], ("GEN", "PING"))
+        if got is None:
+            continue
+        kind, body = got
+        if kind == "PING":
+            sock.send_multipart([frames[0], *wire.pack("PONG", {"rid": body["rid"],
+                                                                  "tokens": []})])
+        elif body["rid"] in owner:
+            log.warning("duplicate request id %s refused", body["rid"])
+        else:
+            owner[body["rid"]] = frames[0]
+            new.append({"rid": body["rid"], "tokens": body["tokens"],
+                        "max_tokens": body["max_tokens"], "peer": peer})
+
+
+def _send_events(sock: zmq.Socket, wire: Wire, owner: dict[str, bytes],
+                 events: list[Event]) -> None:
+    for ev in events:
+        ident = owner.pop(ev.rid) if ev.done else owner.get(ev.rid)
+        if ident is None:
+            continue
+        body = {"rid": ev.rid, "tokens": ev.tokens, "done": ev.done, "info": ev.info}
+        sock.send_multipart([ident, *wire.pack("OUT", body)])
+
+
+# -- prefill --------------------------------------------------------------------------------------
+
+
+def serve_prefill(spec: RankSpec, stop: threading.Event, link: Any = None) -> dict[str, Any]:
+    coord, tp = _init(spec)
+    cfg = spec.cfg
+    model = TinyModel(cfg, tp)
+    kv = PagedKV(cfg, len(model.kv_heads), spec.num_pages, spec.page_size)
+    link = link if link is not None else make_link(spec, kv, model)
+    engine = PrefillEngine(model, kv, link, coord, spec.chunk)
+
+    def stats() -> dict[str, Any]:
+        return {"role": "prefill", "instance": spec.instance, "rank": spec.rank,
+                "pages_total": kv.pages.num_pages, "pages_free": kv.pages.num_free,
+                "tokens_seen": model.tokens_seen, "running": len(engine.running),
+                "sending": len(engine.sending), "waiting": len(engine.waiting)}
+
+    health = None
+    if coord.leader:
+        health = HealthServer(spec.host, spec.http_port, lambda: {"role": "prefill"}, stats)
+        health.ready = True
+    ran = False
+    try:
+        while True:
+            cmd = None
+            if coord.leader:
+                if not ran:
+                    _idle(link, BUSY_WAIT_S if engine.busy else IDLE_WAIT_S)
+                cmd = (link.recv(), stop.is_set())
+            new, stopping = coord.broadcast(cmd)
+            if stopping:
+                break
+            ran = engine.step(new)
+    finally:
+        if health:
+            health.close()
+        _close_link(link)
+    return stats()
+
+
+def _idle(link: Any, seconds: float) -> None:
+    """Sleep until the link has news or `seconds` passed (links may offer a blocking wait)."""
+    wait = getattr(link, "wait", None)
+    if wait is not None:
+        wait(seconds)
+    else:
+        time.sleep(seconds)
+
+
+def _close_link(link: Any) -> None:
+    close = getattr(link, "close", None)
+    if close is not None:
+        close()
+
+
+# -- front ----------------------------------------------------------------------------------------
+
+
+def discover(health_urls: list[str], timeout_s: float = 300.0) -> list[str]:
+    """Wait for every decode leader's /health and read its request socket address."""
+    import urllib.error
+    import urllib.request
+
+    out: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    for url in health_urls:
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    out.append(json.loads(r.read())["engine"])
+                    break
+            except (urllib.error.URLError, OSError, KeyError, ValueError):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"decode instance at {url} not healthy after "
+                                       f"{timeout_s:.0f} s") from None
+                time.sleep(0.1)
+    return out
+
+
+def serve_front(spec: RankSpec, stop: threading.Event) -> None:
+    from .front import Front
+
+    addresses = discover(spec.decoders)
+    front = Front(addresses, spec.secret, spec.host, spec.http_port)
+    front.start()
+    log.info("front on http://%s:%d over %d decode instances", spec.host, front.port,
+             len(addresses))
+    try:
+        stop.wait()
+    finally:
+        front.stop()
+
+
+# -- entry points ---------------------------------------------------------------------------------
+
+
+def run(spec: RankSpec) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    stop = _stop_on_signals()
+    if spec.role == "decode":
+        stats = serve_decode(spec, stop)
+    elif spec.role == "prefill":
+        stats = serve_prefill(spec, stop)
+    elif spec.role == "front":
+        serve_front(spec, stop)
+        return 0
+    else:
+        raise ValueError(f"role: expected prefill, decode or front, got {spec.role!r}")
+    print("STATS " + json.dumps(stats), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="run one reference-engine process from a spec")
+    ap.add_argument("--spec", required=True, help="RankSpec as JSON")
+    args = ap.parse_args(argv)
+    raw = json.loads(args.spec)
+    names = {f.name for f in dataclasses.fields(RankSpec)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        print(f"--spec: unknown keys {unknown}", file=sys.stderr)
+        return 2
+    return run(RankSpec(**raw))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

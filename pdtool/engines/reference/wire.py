@@ -1,0 +1,108 @@
+"""Front ↔ decode-leader messages: msgpack over ZeroMQ, HMAC-SHA256 signed.
+
+Same rules as the messenger's control plane (transfer/control.py): the MAC is checked before a
+byte of the body is decoded, then every field is checked, and a refused message is dropped and
+counted, never raised into the serving loop. Only two kinds travel here:
+  * GEN (front → decoder): {"rid": str, "tokens": [int 0..255], "max_tokens": int}
+  * OUT (decoder → front): {"rid": str, "tokens": [int], "done": bool, "info": {...}}
+  * PING (front → decoder) / PONG (decoder → front): {"rid": str, "tokens": []}, so the front
+    knows which decode instances are up (its /health) without the decoder knowing the front.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from typing import Any
+
+import msgpack
+import zmq
+
+from transfer.control import check_secret
+
+log = logging.getLogger("pdtool.reference.wire")
+MAX_BYTES = 4 << 20
+MAX_PROMPT = 1 << 16
+
+
+class WireError(ValueError):
+    """A message refused by the receiver; the text names the field."""
+
+
+def _check(kind: str, body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise WireError(f"{kind}: body must be a map")
+    rid = body.get("rid")
+    if not isinstance(rid, str) or not 0 < len(rid) <= 128:
+        raise WireError(f"{kind}.rid: expected a non-empty string")
+    toks = body.get("tokens")
+    if not isinstance(toks, list) or len(toks) > MAX_PROMPT or not all(
+        isinstance(t, int) and 0 <= t < 512 for t in toks
+    ):
+        raise WireError(f"{kind}.tokens: expected a list of token ids")
+    if kind == "GEN":
+        mt = body.get("max_tokens")
+        if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= 1 << 16:
+            raise WireError("GEN.max_tokens: expected an int in [1, 65536]")
+        if not toks or any(t > 255 for t in toks):
+            raise WireError("GEN.tokens: expected 1 or more byte values (0..255)")
+    elif kind in ("PING", "PONG"):
+        pass
+    elif kind == "OUT":
+        if not isinstance(body.get("done"), bool) or not isinstance(body.get("info"), dict):
+            raise WireError("OUT.done/info: expected a bool and a map")
+    else:
+        raise WireError(f"kind: unknown message kind {kind!r}")
+    return body
+
+
+class Wire:
+    """Encode/verify signed messages for one deployment secret."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = check_secret(secret)
+        self.rejected = 0
+
+    def __repr__(self) -> str:  # never show the secret
+        return "Wire()"
+
+    def pack(self, kind: str, body: dict) -> list[bytes]:
+        payload = msgpack.packb({"k": kind, "b": _check(kind, body)}, use_bin_type=True)
+        return [payload, hmac.new(self._secret, payload, hashlib.sha256).digest()]
+
+    def unpack(self, frames: list[bytes], kinds: tuple[str, ...]) -> tuple[str, dict] | None:
+        """(kind, checked body), or None (logged and counted) if the message is refused."""
+        try:
+            if len(frames) != 2 or len(frames[0]) > MAX_BYTES:
+                raise WireError("frames: expected [payload, mac] within the size limit")
+            mac = hmac.new(self._secret, frames[0], hashlib.sha256).digest()
+            if not hmac.compare_digest(mac, frames[1]):
+                raise WireError("mac: signature does not match the deployment secret")
+            try:
+                raw = msgpack.unpackb(frames[0], raw=False)
+            except Exception as exc:  # msgpack raises several types on malformed input
+                raise WireError(f"payload: not msgpack ({type(exc).__name__})") from None
+            if not isinstance(raw, dict) or raw.get("k") not in kinds:
+                raise WireError(f"kind: expected one of {kinds}")
+            return raw["k"], _check(raw["k"], raw.get("b"))
+        except WireError as exc:
+            self.rejected += 1
+            log.warning("refused a message: %s", exc)
+            return None
+
+
+def router(ctx: zmq.Context, host: str, port: int) -> zmq.Socket:
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_BYTES + 1024)
+    sock.bind(f"tcp://{host}:{port}")
+    return sock
+
+
+def dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_BYTES + 1024)
+    sock.connect(address)
+    return sock
