@@ -19,7 +19,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sinfo", "sbatch", "scontrol")
@@ -235,24 +235,18 @@ def _username() -> str:
 def _reap(procs: list[subprocess.Popen], grace: float) -> None:
     deadline = time.monotonic() + grace
     for p in procs:
-        try:
+        with suppress(subprocess.TimeoutExpired):
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
     for p in procs:
         if p.poll() is None:
-            try:
+            with suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
     for p in procs:
         try:
             p.wait(timeout=3)
         except subprocess.TimeoutExpired:
-            try:
+            with suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             p.wait(timeout=3)
 
 

@@ -1,0 +1,1 @@
+"""Launchers: the launch spec (processes and command lines), Slurm submission, local supervisor."""

@@ -1,0 +1,127 @@
+"""Wait until every endpoint answers its health check, while watching the processes behind them.
+
+Used by the rendered scripts (`python -m pdtool.launch.health --timeout T --watch NAME:PID:LOG
+NAME=URL ...`) and in-process by the local supervisor. A worker that exits before it is healthy
+fails the wait at once with its name, status and the end of its log, instead of the job sitting
+until the timeout; a timeout names every endpoint that never answered. Progress is printed every
+few seconds so a user watching a slow model load sees what is still pending.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TextIO
+
+#: exit codes of the command line
+EXIT_DIED, EXIT_TIMEOUT = 2, 3
+
+
+def probe(url: str, timeout: float = 2.0) -> bool:
+    """True when `url` answers 2xx."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return 200 <= r.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, dead but not yet reaped by its parent, counts as dead)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+
+
+def log_tail(path: str | Path, lines: int = 20) -> str:
+    try:
+        text = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return f"    (no log at {path})"
+    return "\n".join("    " + s for s in text[-lines:]) or "    (log is empty)"
+
+
+class HealthFailure(RuntimeError):
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def wait_healthy(
+    endpoints: Mapping[str, str],
+    dead: Callable[[], list[tuple[str, str, str]]],
+    timeout: float,
+    out: TextIO = sys.stdout,
+    every: float = 5.0,
+    poll: float = 0.5,
+) -> float:
+    """Block until all endpoints are healthy; returns the seconds it took.
+
+    `dead()` returns (name, status, log path) for watched processes that have exited.
+    Raises HealthFailure (with the log tail of the culprits) on a dead process or a timeout.
+    """
+    start = time.monotonic()
+    pending = dict(endpoints)
+    last = start
+    print(f"waiting for {len(pending)} endpoint(s) to become healthy "
+          f"(timeout {timeout:.0f}s): {', '.join(pending)}", file=out, flush=True)
+    while pending:
+        for name, url in list(pending.items()):
+            if probe(url):
+                del pending[name]
+                print(f"  healthy: {name} ({url}) after {time.monotonic() - start:.1f}s",
+                      file=out, flush=True)
+        if not pending:
+            break
+        gone = dead()
+        if gone:
+            parts = [f"{n} exited ({st}) before the deployment was healthy; last lines of {log}:"
+                     f"\n{log_tail(log)}" for n, st, log in gone]
+            raise HealthFailure("\n".join(parts), EXIT_DIED)
+        now = time.monotonic()
+        if now - start > timeout:
+            raise HealthFailure(
+                f"timed out after {timeout:.0f}s: never healthy: "
+                + ", ".join(f"{n} ({u})" for n, u in pending.items()), EXIT_TIMEOUT)
+        if now - last >= every:
+            last = now
+            print(f"  still waiting ({now - start:.0f}s/{timeout:.0f}s) for: "
+                  f"{', '.join(pending)}", file=out, flush=True)
+        time.sleep(poll)
+    return time.monotonic() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pdtool.launch.health", description=__doc__)
+    ap.add_argument("--timeout", type=float, required=True)
+    ap.add_argument("--every", type=float, default=10.0, help="seconds between progress lines")
+    ap.add_argument("--watch", action="append", default=[], metavar="NAME:PID:LOG")
+    ap.add_argument("endpoints", nargs="+", metavar="NAME=URL")
+    args = ap.parse_args(argv)
+    watched = []
+    for w in args.watch:
+        name, pid, log = w.split(":", 2)
+        watched.append((name, int(pid), log))
+    endpoints = dict(e.split("=", 1) for e in args.endpoints)
+
+    def dead() -> list[tuple[str, str, str]]:
+        return [(n, f"pid {p}", log) for n, p, log in watched if not pid_alive(p)]
+
+    try:
+        took = wait_healthy(endpoints, dead, args.timeout, every=args.every)
+    except HealthFailure as e:
+        print(f"pdtool: ERROR: {e}", file=sys.stderr, flush=True)
+        return e.code
+    print(f"all {len(endpoints)} endpoint(s) healthy after {took:.1f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""SGLang launch lines (DESIGN.md §6), checked against SGLang 0.5.23's own parser in the tests.
+
+Pure functions of the config and plan; hosts are shell variables (`HOSTS[k]`) because node
+addresses exist only inside the allocation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from pdtool.launch.shell import Var, Word, word
+from pdtool.planner import InstancePlan, Plan, RankPlan
+from pdtool.schema import Config
+
+#: pdtool KV dtype names -> SGLang --kv-cache-dtype choices
+KV_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
+             "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
+def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPlan],
+                node_host: Var, head_host: Var) -> list[str | Word]:
+    """`python -m sglang.launch_server ...` for the ranks of `inst` on one node."""
+    rc = cfg.prefill if inst.role == "prefill" else cfg.decode
+    model = cfg.model
+    argv: list[str | Word] = [
+        cfg.engine.python, "-m", "sglang.launch_server",
+        "--model-path", model.path or model.name,
+        "--served-model-name", model.name,
+        "--disaggregation-mode", inst.role,
+        "--disaggregation-transfer-backend", plan.transfer.backend_name,
+        "--host", node_host,
+        "--port", str(inst.http_port),
+        "--tp", str(inst.tp),
+        "--page-size", str(inst.page_size),
+        "--mem-fraction-static", str(inst.mem_fraction),
+        "--chunked-prefill-size", str(inst.chunked_prefill_size),
+    ]
+    if inst.bootstrap_port is not None:
+        argv += ["--disaggregation-bootstrap-port", str(inst.bootstrap_port)]
+    if inst.dp > 1:
+        argv += ["--dp", str(inst.dp)]
+        if inst.dp_attention:
+            argv += ["--enable-dp-attention"]
+    if len(inst.nodes) > 1:
+        argv += ["--dist-init-addr", word(head_host, f":{inst.dist_init_port}"),
+                 "--nnodes", str(len(inst.nodes)), "--node-rank", str(ranks[0].node_rank)]
+    else:
+        # several single-node instances may share a node: keep their NCCL ports apart
+        argv += ["--nccl-port", str(inst.dist_init_port)]
+    first_gpu = min(r.gpu for r in ranks)
+    if first_gpu:
+        argv += ["--base-gpu-id", str(first_gpu)]
+    if rc.kv_dtype != "auto":
+        argv += ["--kv-cache-dtype", KV_DTYPES.get(inst.kv_dtype, inst.kv_dtype)]
+    if rc.max_running_requests:
+        argv += ["--max-running-requests", str(rc.max_running_requests)]
+    ib = {str(r.gpu): ",".join(r.nics) for r in ranks if r.nics}
+    if ib:
+        argv += ["--disaggregation-ib-device", json.dumps(ib, separators=(",", ":"))]
+    if cfg.cluster.device == "cuda" and any(r.cpus for r in ranks):
+        argv += ["--numa-node", *(str(r.numa) for r in ranks)]
+    if cfg.cluster.device != "cuda":
+        argv += ["--device", cfg.cluster.device]
+    argv += [*cfg.engine.extra_args, *rc.extra_args]
+    return argv
+
+
+def router_argv(cfg: Config, plan: Plan, host: Callable[[int], Var]) -> list[str | Word]:
+    """`python -m sglang_router.launch_router --pd-disaggregation ...`: every prefill URL with
+    its bootstrap port, every decode URL."""
+    rp = plan.router
+    argv: list[str | Word] = [cfg.engine.python, "-m", "sglang_router.launch_router",
+                              "--pd-disaggregation"]
+    for t in rp.prefill:
+        argv += ["--prefill", word("http://", host(t.node), f":{t.http_port}"),
+                 str(t.bootstrap_port)]
+    for t in rp.decode:
+        argv += ["--decode", word("http://", host(t.node), f":{t.http_port}")]
+    argv += ["--host", host(rp.node), "--port", str(rp.port), "--policy", rp.policy]
+    return argv

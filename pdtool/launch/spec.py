@@ -1,0 +1,273 @@
+"""The launch spec: which processes a deployment runs and their exact command lines (pure data).
+
+Built from the config and the plan at render time; the Slurm and local templates only print
+it, the local supervisor runs it, `--dry-run` shows it. Command lines are lists of shell words
+(`pdtool.launch.shell`): literals are quoted when rendered, and the few values that exist only at
+run time are shell variables: `RUN_DIR` (the job folder), `LOG_DIR` (this run's logs),
+`HOSTS[k]` (address of allocation node k) and `NODE_NAMES[k]` (its Slurm name).
+
+Process granularity follows the engine:
+* SGLang spawns one scheduler per GPU itself, so there is one process per (instance, node),
+  with `--disaggregation-ib-device` mapping each GPU to its NICs and `--numa-node` per GPU;
+* the reference engine runs one process per rank (one "GPU" each), bound with `numactl`.
+Every worker starts through `python -m pdtool.worker`, which loads the plan, resolves its rank,
+NIC and fabric environment, then starts the engine (exec for SGLang).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdtool.launch.sglang import router_argv, server_argv
+from pdtool.launch.shell import Var, Word, word
+from pdtool.planner import InstancePlan, Plan, RankPlan
+from pdtool.schema import Config
+
+#: engines whose one process drives all GPUs of its node
+PER_NODE_ENGINES = ("sglang",)
+
+RUN_DIR = Var("RUN_DIR")
+LOG_DIR = Var("LOG_DIR")
+
+
+def host(node: int) -> Var:
+    return Var(f"HOSTS[{node}]")
+
+
+def node_name(node: int) -> Var:
+    return Var(f"NODE_NAMES[{node}]")
+
+
+@dataclass
+class Proc:
+    """One process of the deployment."""
+
+    name: str  # file-name safe: "prefill-0.n0", "decode-1.r3", "router"
+    role: str  # prefill | decode | router
+    instance: int
+    node: int  # allocation node index (plan)
+    ranks: tuple[int, ...]  # instance ranks this process drives (empty for the router)
+    comment: str  # one line for the script, built from numbers and config names only
+    argv: list[str | Word] = field(default_factory=list)  # full command, launcher wrapping incl.
+    engine_argv: list[str | Word] = field(default_factory=list)  # the engine's own line
+    health: Word | None = None  # URL polled by the health wait
+
+    @property
+    def log(self) -> Word:
+        return word(LOG_DIR, f"/{self.name}.log")
+
+
+@dataclass
+class JobSpec:
+    """The Slurm allocation (ignored by the local launcher)."""
+
+    name: str
+    nodes: int
+    ntasks_per_node: int
+    time: str
+    batch_log: str
+    sbatch_options: list[str]
+    sbatch_extra: list[str]
+    node_roles: list[str]  # one log line per node: what the plan put there
+
+
+@dataclass
+class LaunchSpec:
+    launcher: str  # local | slurm
+    engine: str
+    python: str
+    procs: list[Proc]
+    router: list[Proc]
+    job: JobSpec
+    router_url: Word
+
+    def health(self) -> list[Word]:
+        return [word(f"{p.name}=", *p.health.parts) for p in self.procs if p.health]
+
+    def router_health(self) -> list[Word]:
+        return [word(f"{p.name}=", *p.health.parts) for p in self.router if p.health]
+
+    def all(self) -> list[Proc]:
+        return self.procs + self.router
+
+
+class LaunchError(ValueError):
+    """The config cannot be turned into launch artifacts; the message names the key."""
+
+
+def _url(node: int, port: int, path: str = "/health") -> Word:
+    return word("http://", host(node), f":{port}{path}")
+
+
+def _role_env(cfg: Config, rname: str) -> dict[str, str]:
+    env = dict(cfg.launcher.env.all)
+    env.update(getattr(cfg.launcher.env, rname))
+    return env
+
+
+def _common_env(ranks: list[RankPlan]) -> dict[str, str]:
+    """Fabric variables that are the same for every rank of a process (per-node engines)."""
+    first = dict(ranks[0].env)
+    return {k: v for k, v in first.items() if all(r.env.get(k) == v for r in ranks[1:])}
+
+
+def _env_words(env: dict[str, str], key_prefix: str) -> list[str]:
+    for k in env:
+        if not k.replace("_", "a").isalnum() or k[0].isdigit():
+            raise LaunchError(f"{key_prefix}: {k!r} is not a valid environment variable name")
+    return [f"{k}={v}" for k, v in env.items()]
+
+
+def _worker_argv(cfg: Config, spec_launcher: str, inst: InstancePlan, node: int,
+                 select: list[str], engine_argv: list[str | Word]) -> list[str | Word]:
+    argv: list[str | Word] = [
+        cfg.engine.python, "-m", "pdtool.worker",
+        "--plan", word(RUN_DIR, "/plan.json"),
+        "--role", inst.role, "--instance", str(inst.index), *select,
+        "--host", host(node),
+    ]
+    if spec_launcher == "slurm":
+        argv += ["--expect-node", node_name(node)]
+    if engine_argv:
+        argv += ["--", *engine_argv]
+    return argv
+
+
+def _srun(cfg: Config, p: Proc) -> list[str | Word]:
+    """srun prefix placing one process on allocation node `p.node` as its own job step."""
+    argv: list[str | Word] = [
+        "srun", "--nodes=1", "--ntasks=1", f"--relative={p.node}", "--overlap",
+        "--kill-on-bad-exit=1", f"--job-name={p.name}", word("--output=", *p.log.parts),
+    ]
+    lc = cfg.launcher
+    if lc.container_image:
+        mounts = [*lc.container_mounts]
+        argv += [f"--container-image={lc.container_image}",
+                 word("--container-mounts=", RUN_DIR, ":", RUN_DIR,
+                      "".join("," + m for m in mounts))]
+    return argv
+
+
+def _wrap(cfg: Config, launcher: str, p: Proc, env: dict[str, str], numa: list[str],
+          argv: list[str | Word]) -> list[str | Word]:
+    inner: list[str | Word] = []
+    if env:
+        inner += ["env", *_env_words(env, f"launcher.env.{p.role}")]
+    inner += numa + argv
+    return (_srun(cfg, p) if launcher == "slurm" else []) + inner
+
+
+def _numactl(ranks: list[RankPlan]) -> list[str]:
+    r = ranks[0]
+    if not r.cpus:
+        return []
+    return ["numactl", f"--physcpubind={r.cpus}", f"--membind={r.numa}"]
+
+
+def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str) -> list[Proc]:
+    env_user = _role_env(cfg, inst.role)
+    procs: list[Proc] = []
+    per_node = cfg.engine.kind in PER_NODE_ENGINES
+    groups: list[tuple[str, list[RankPlan]]]
+    if per_node:
+        by_node: dict[int, list[RankPlan]] = {}
+        for r in inst.ranks:
+            by_node.setdefault(r.node_rank, []).append(r)
+        groups = [(f"n{k}", rs) for k, rs in sorted(by_node.items())]
+    else:
+        groups = [(f"r{r.rank}", [r]) for r in inst.ranks]
+    for tag, ranks in groups:
+        node = ranks[0].node
+        name = f"{inst.name}.{tag}"
+        is_head = ranks[0].rank == 0
+        gpus = ",".join(str(r.gpu) for r in ranks)
+        nics = ",".join(sorted({n for r in ranks for n in r.nics})) or "none"
+        p = Proc(
+            name=name, role=inst.role, instance=inst.index, node=node,
+            ranks=tuple(r.rank for r in ranks),
+            comment=(f"{inst.name}: node {node} (instance node {ranks[0].node_rank}), "
+                     f"ranks {ranks[0].rank}-{ranks[-1].rank}, GPUs {gpus}, NICs {nics}, "
+                     f"NUMA {','.join(sorted({str(r.numa) for r in ranks}))}"),
+            health=_url(node, inst.http_port) if is_head else None,
+        )
+        if per_node:
+            p.engine_argv = server_argv(cfg, plan, inst, ranks, host(node),
+                                        host(inst.head_node))
+            select = ["--node-rank", str(ranks[0].node_rank)]
+            numa: list[str] = []
+            env = {**_common_env(ranks), **env_user}
+        else:
+            p.engine_argv = []
+            select = ["--rank", str(ranks[0].rank)]
+            numa = _numactl(ranks)
+            env = {**ranks[0].env, **env_user}
+        p.argv = _wrap(cfg, launcher, p, env,  numa,
+                       _worker_argv(cfg, launcher, inst, node, select, p.engine_argv))
+        procs.append(p)
+    return procs
+
+
+def _router_proc(cfg: Config, plan: Plan, launcher: str) -> Proc:
+    rp = plan.router
+    p = Proc(name="router", role="router", instance=0, node=rp.node, ranks=(),
+             comment=(f"router: node {rp.node}, port {rp.port}, "
+                      f"{len(rp.prefill)} prefill + {len(rp.decode)} decode instances"),
+             health=_url(rp.node, rp.port))
+    env = _role_env(cfg, "router")
+    if cfg.engine.kind == "sglang":
+        p.engine_argv = router_argv(cfg, plan, host)
+        inner = p.engine_argv
+    else:
+        inner = [cfg.engine.python, "-m", "pdtool.worker", "--plan", word(RUN_DIR, "/plan.json"),
+                 "--role", "router", "--host", host(rp.node)]
+        if launcher == "slurm":
+            inner += ["--expect-node", node_name(rp.node)]
+    p.argv = _wrap(cfg, launcher, p, env, [], inner)
+    return p
+
+
+def _job(cfg: Config, plan: Plan, run_dir: str, procs: list[Proc]) -> JobSpec:
+    lc = cfg.launcher
+    opts = []
+    for key, flag in (("partition", "--partition"), ("account", "--account"), ("qos", "--qos")):
+        val = getattr(lc, key)
+        if val:
+            opts.append(f"{flag}={val}")
+    if lc.exclusive:
+        opts.append("--exclusive")
+    for key, val in (("launcher.job_name", lc.job_name), ("launcher.time", lc.time),
+                     *((f"launcher.{k}", getattr(lc, k)) for k in ("partition", "account", "qos")),
+                     *(("launcher.sbatch_extra", x) for x in lc.sbatch_extra)):
+        if any(c in str(val) for c in "\n\r\0"):
+            raise LaunchError(f"{key}: a line break cannot go into an #SBATCH line: {val!r}")
+    for x in lc.sbatch_extra:
+        if not x.strip().startswith("-"):
+            raise LaunchError(f"launcher.sbatch_extra: {x!r} is not an sbatch option "
+                              "(write e.g. '--constraint=h200')")
+    roles: dict[int, list[str]] = {}
+    for p in procs:
+        roles.setdefault(p.node, [])
+        if p.name.split(".")[0] not in roles[p.node]:
+            roles[p.node].append(p.name.split(".")[0])
+    per_node = max(sum(1 for p in procs if p.node == n) for n in range(plan.nodes))
+    return JobSpec(
+        name=lc.job_name, nodes=plan.nodes, ntasks_per_node=max(per_node, 1), time=lc.time,
+        batch_log=f"{run_dir}/logs/slurm-%j.out", sbatch_options=opts,
+        sbatch_extra=list(lc.sbatch_extra),
+        node_roles=[f"node {n}: {' '.join(roles.get(n, []))}" for n in range(plan.nodes)],
+    )
+
+
+def build_launch(cfg: Config, plan: Plan, run_dir: str) -> LaunchSpec:
+    """The launch spec of a planned deployment; `run_dir` is the absolute job folder."""
+    launcher = cfg.launcher.kind
+    if launcher not in ("local", "slurm"):
+        raise LaunchError(f"launcher.kind: unknown launcher {launcher!r} (local | slurm)")
+    if cfg.engine.kind not in ("sglang", "reference"):
+        raise LaunchError(f"engine.kind: unknown engine {cfg.engine.kind!r} (sglang | reference)")
+    procs = [p for inst in plan.instances for p in _instance_procs(cfg, plan, inst, launcher)]
+    router = _router_proc(cfg, plan, launcher)
+    job = _job(cfg, plan, run_dir, [*procs, router])
+    return LaunchSpec(launcher=launcher, engine=cfg.engine.kind, python=cfg.engine.python,
+                      procs=procs, router=[router], job=job,
+                      router_url=word("http://", host(plan.router.node), f":{plan.router.port}"))

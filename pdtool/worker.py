@@ -1,0 +1,286 @@
+"""Worker entry: `python -m pdtool.worker --plan plan.json --role R --instance I [--rank N |
+--node-rank N] [--host ADDR] [-- ENGINE ARGV...]`.
+
+Every process of a deployment starts here, on Slurm (one `srun` step each) or locally:
+1. load the plan saved beside the job script;
+2. resolve which ranks this process is: from the arguments, else from Slurm's task variables
+   (`SLURM_PROCID` for per-rank engines, `SLURM_NODEID` for per-node engines, counted within
+   the step that spans the instance), else `PDTOOL_RANK` / `PDTOOL_NODE_RANK`;
+3. check it landed on the node the plan chose (`--expect-node` against `SLURMD_NODENAME`);
+4. set the fabric environment of its ranks (libfabric provider, NIC domains) and the
+   `PDTOOL_*` variables the messenger and the SGLang plugin read;
+5. start the engine: one function per engine (`ENGINES`). SGLang is exec'd with the rendered
+   line after `--`; the reference engine runs in this process.
+
+Errors (bad plan path, rank out of range, wrong node) print one clear line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
+
+PER_NODE_ENGINES = ("sglang",)
+
+
+class WorkerError(RuntimeError):
+    """A start-up problem the user must fix; printed as one line, exit status 2."""
+
+
+@dataclass
+class WorkerContext:
+    """What an engine function receives: the plan and this process's place in it."""
+
+    plan: Any  # pdtool.planner.Plan
+    plan_path: Path
+    role: str  # prefill | decode | router
+    instance: Any  # InstancePlan (None for the router)
+    ranks: list[Any]  # RankPlan records this process drives (empty for the router)
+    host: str  # address to bind (the node's address in the allocation)
+    port: int | None  # HTTP port this process serves, if any (instance head / router)
+    engine_argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # what was added to os.environ
+
+    @property
+    def name(self) -> str:
+        if self.instance is None:
+            return "router"
+        return f"{self.instance.name}.ranks{'-'.join(str(r.rank) for r in self.ranks)}"
+
+
+def _env_int(*names: str) -> int | None:
+    for n in names:
+        v = os.environ.get(n)
+        if v not in (None, ""):
+            try:
+                return int(v)
+            except ValueError:
+                raise WorkerError(f"{n}={v!r} is not an integer") from None
+    return None
+
+
+def load_plan(path: Path) -> Any:
+    from pdtool.planner import PlanError, from_json
+
+    try:
+        return from_json(path.read_text())
+    except OSError as e:
+        raise WorkerError(f"cannot read the plan {path}: {e.strerror}") from None
+    except (ValueError, TypeError, KeyError, PlanError) as e:
+        raise WorkerError(f"{path} is not a pdtool plan: {e}") from None
+
+
+def resolve(args: argparse.Namespace) -> WorkerContext:
+    """Load the plan and find this process's ranks, host and port in it."""
+    plan_arg = args.plan or os.environ.get("PDTOOL_PLAN")
+    if not plan_arg:
+        raise WorkerError("no plan: pass --plan PATH or set PDTOOL_PLAN")
+    plan_path = Path(plan_arg).resolve()
+    plan = load_plan(plan_path)
+    role = args.role or os.environ.get("PDTOOL_ROLE", "")
+    if role == "router":
+        return WorkerContext(plan=plan, plan_path=plan_path, role=role, instance=None, ranks=[],
+                             host=args.host or "127.0.0.1", port=plan.router.port,
+                             engine_argv=args.engine_argv)
+    if role not in ("prefill", "decode"):
+        raise WorkerError(f"--role: {role!r} is not prefill, decode or router")
+    index = args.instance if args.instance is not None else _env_int("PDTOOL_INSTANCE")
+    insts = plan.role_instances(role)
+    if index is None or not 0 <= index < len(insts):
+        raise WorkerError(f"--instance: {index!r} is not one of the plan's {len(insts)} "
+                          f"{role} instances")
+    inst = insts[index]
+    if plan.engine in PER_NODE_ENGINES:
+        node_rank = (args.node_rank if args.node_rank is not None
+                     else _env_int("SLURM_NODEID", "PDTOOL_NODE_RANK"))
+        ranks = [r for r in inst.ranks if r.node_rank == node_rank]
+        if not ranks:
+            raise WorkerError(f"--node-rank: {node_rank!r} is not a node of {inst.name} "
+                              f"(it spans {len(inst.nodes)} node(s))")
+    else:
+        rank = args.rank if args.rank is not None else _env_int("SLURM_PROCID", "PDTOOL_RANK")
+        if rank is None or not 0 <= rank < len(inst.ranks):
+            raise WorkerError(f"--rank: {rank!r} is not a rank of {inst.name} "
+                              f"(ranks 0-{len(inst.ranks) - 1})")
+        ranks = [inst.ranks[rank]]
+    port = inst.http_port if ranks[0].rank == 0 else None
+    return WorkerContext(plan=plan, plan_path=plan_path, role=role, instance=inst, ranks=ranks,
+                         host=args.host or "127.0.0.1", port=port,
+                         engine_argv=args.engine_argv)
+
+
+def check_node(expect: str | None) -> str:
+    """This node's Slurm name; WorkerError if Slurm put us elsewhere than the plan said."""
+    actual = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    if expect and os.environ.get("SLURMD_NODENAME") and actual != expect:
+        raise WorkerError(f"started on node {actual}, but the plan put this process on {expect}")
+    return actual
+
+
+def fabric_env(ctx: WorkerContext) -> dict[str, str]:
+    """Environment for this process: its ranks' fabric variables plus the PDTOOL_* identity."""
+    env: dict[str, str] = {}
+    if ctx.ranks:
+        first = ctx.ranks[0].env
+        env.update({k: v for k, v in first.items()
+                    if all(r.env.get(k) == v for r in ctx.ranks)})
+    env["PDTOOL_PLAN"] = str(ctx.plan_path)
+    env["PDTOOL_ROLE"] = ctx.role
+    if ctx.instance is not None:
+        env["PDTOOL_INSTANCE"] = str(ctx.instance.index)
+        env["PDTOOL_RANKS"] = ",".join(str(r.rank) for r in ctx.ranks)
+        env["PDTOOL_NODE_RANK"] = str(ctx.ranks[0].node_rank)
+        # per-GPU NIC map for engines driving several GPUs (same shape as SGLang's ib map)
+        env["PDTOOL_NICS"] = json.dumps({str(r.gpu): ",".join(r.nics) for r in ctx.ranks},
+                                        separators=(",", ":"))
+    return env
+
+
+def startup_line(ctx: WorkerContext, node: str) -> str:
+    """One greppable line saying what this process resolved (tests read it from the logs)."""
+    parts = [f"role={ctx.role}", f"node={node}", f"host={ctx.host}", f"engine={ctx.plan.engine}"]
+    if ctx.instance is not None:
+        rs = ctx.ranks
+        parts += [
+            f"instance={ctx.instance.index}",
+            f"plan_node={rs[0].node}",
+            f"node_rank={rs[0].node_rank}",
+            f"ranks={','.join(str(r.rank) for r in rs)}",
+            f"gpus={','.join(str(r.gpu) for r in rs)}",
+            f"nics={';'.join(','.join(r.nics) or '-' for r in rs)}",
+            f"numa={','.join(str(r.numa) for r in rs)}",
+            f"cpus={rs[0].cpus or '-'}",
+            f"FI_PROVIDER={os.environ.get('FI_PROVIDER', '-')}",
+        ]
+    else:
+        parts.append(f"plan_node={ctx.plan.router.node}")
+    if ctx.port is not None:
+        parts.append(f"port={ctx.port}")
+    return "pdtool-worker: start " + " ".join(parts)
+
+
+# --- engines ---------------------------------------------------------------------------------
+
+
+def run_sglang(ctx: WorkerContext) -> int:
+    """Replace this process with the SGLang server line rendered after `--` (the plan and the
+    fabric environment are already in os.environ for pdtool's SGLang transfer backend)."""
+    if not ctx.engine_argv:
+        raise WorkerError("engine=sglang needs its launch line after `--`")
+    print("pdtool-worker: exec " + " ".join(ctx.engine_argv[:3]) + " ...", flush=True)
+    try:
+        os.execvp(ctx.engine_argv[0], ctx.engine_argv)
+    except OSError as e:
+        raise WorkerError(f"cannot start {ctx.engine_argv[0]!r}: {e.strerror}") from None
+    return 1  # not reached
+
+
+def run_reference(ctx: WorkerContext) -> int:
+    """The reference CPU engine (pdtool.engines.reference, the end-to-end issue) plugs in here.
+
+    Until its serving entry exists, this is the worker's own start-up path: the process serves
+    `GET /health` on its port (instance head or router) once rank, NIC and environment are
+    resolved, and stays up until SIGTERM/SIGINT.
+    """
+    return serve_health_until_stopped(ctx)
+
+
+ENGINES: dict[str, Callable[[WorkerContext], int]] = {
+    "sglang": run_sglang,
+    "reference": run_reference,
+}
+
+
+class _Health(BaseHTTPRequestHandler):
+    info: ClassVar[dict[str, Any]] = {}
+
+    def do_GET(self) -> None:
+        if self.path.split("?")[0] not in ("/health", "/"):
+            self.send_error(404)
+            return
+        body = json.dumps({"status": "ok", **self.info}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, fmt: str, *args: Any) -> None:  # keep the log to start-up lines
+        pass
+
+
+def serve_health_until_stopped(ctx: WorkerContext) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server = None
+    if ctx.port is not None:
+        handler = type("Health", (_Health,), {"info": {"role": ctx.role, "name": ctx.name}})
+        try:
+            server = ThreadingHTTPServer((ctx.host, ctx.port), handler)
+        except OSError as e:
+            raise WorkerError(f"cannot serve health on {ctx.host}:{ctx.port}: {e.strerror}"
+                              " (is another process using that port?)") from None
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        print(f"pdtool-worker: healthy: http://{ctx.host}:{ctx.port}/health", flush=True)
+    else:
+        print("pdtool-worker: ready (no HTTP port on this rank)", flush=True)
+    stop.wait()
+    if server is not None:
+        server.shutdown()
+        server.server_close()
+    print("pdtool-worker: stopped", flush=True)
+    return 0
+
+
+# --- entry -----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    engine_argv: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, engine_argv = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(prog="python -m pdtool.worker",
+                                 description="Start one pdtool worker from a rendered plan.")
+    ap.add_argument("--plan", help="plan.json of the job (default: $PDTOOL_PLAN)")
+    ap.add_argument("--role", help="prefill | decode | router (default: $PDTOOL_ROLE)")
+    ap.add_argument("--instance", type=int, help="instance index within the role")
+    ap.add_argument("--rank", type=int, help="rank within the instance (per-rank engines)")
+    ap.add_argument("--node-rank", type=int, help="node within the instance (per-node engines)")
+    ap.add_argument("--host", help="address to bind (this node's address)")
+    ap.add_argument("--expect-node", help="Slurm node name the plan put this process on")
+    args = ap.parse_args(argv)
+    args.engine_argv = engine_argv
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        ctx = resolve(args)
+        node = check_node(args.expect_node)
+        ctx.env = fabric_env(ctx)
+        os.environ.update(ctx.env)
+        print(startup_line(ctx, node), flush=True)
+        engine = ENGINES.get(ctx.plan.engine)
+        if engine is None:
+            raise WorkerError(f"engine {ctx.plan.engine!r} is not one of {sorted(ENGINES)}")
+        return engine(ctx)
+    except WorkerError as e:
+        print(f"pdtool-worker: ERROR: {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
