@@ -37,7 +37,12 @@ from transfer.routes import ShardSpec
 
 EOS = 256
 VOCAB = 257
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 @dataclass(frozen=True)

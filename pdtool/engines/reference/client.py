@@ -1,0 +1,69 @@
+"""A minimal OpenAI `/v1/completions` streaming client that measures TTFT and TPOT.
+
+Used by `pdtool launch --smoke`: it only speaks the OpenAI wire format (SSE `data:` lines), so
+it works against the reference front and an SGLang router alike. Times are measured here, on
+the client, from sending the request to each chunk that carries text.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: int  # chunks that carried text (one token each with the reference engine)
+    ttft_s: float
+    tpot_s: float | None
+    total_s: float
+
+    def summary(self) -> str:
+        tpot = f"{self.tpot_s * 1000:.1f} ms" if self.tpot_s is not None else "n/a"
+        return (f"{self.tokens} tokens, TTFT {self.ttft_s * 1000:.1f} ms, TPOT {tpot}, "
+                f"total {self.total_s * 1000:.1f} ms")
+
+
+class SmokeError(RuntimeError):
+    """The deployment did not answer a completion; the text says what happened."""
+
+
+def complete(base_url: str, prompt: str, max_tokens: int = 32, model: str = "reference",
+             timeout_s: float = 120.0) -> Completion:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                       "stream": True}).encode()
+    req = urllib.request.Request(f"{base_url.rstrip('/')}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    parts: list[str] = []
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            for raw in resp:
+                line = raw.decode("utf-8", errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise SmokeError(f"the front answered an error: {chunk['error']}")
+                text = chunk["choices"][0].get("text", "")
+                n = len(chunk.get("pdtool", {}).get("token_ids", [])) or (1 if text else 0)
+                stamps += [time.perf_counter()] * n
+                parts.append(text)
+    except urllib.error.HTTPError as exc:
+        raise SmokeError(f"HTTP {exc.code} from {req.full_url}: "
+                         f"{exc.read().decode(errors='replace')[:300]}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise SmokeError(f"no answer from {req.full_url}: {exc}") from None
+    end = time.perf_counter()
+    if not stamps:
+        raise SmokeError("the completion carried no tokens")
+    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
+    return Completion("".join(parts), len(stamps), stamps[0] - t0, tpot, end - t0)
