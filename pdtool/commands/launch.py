@@ -1,0 +1,66 @@
+"""`pdtool launch [+recipe=NAME] [overrides...]`: render a job folder and start it.
+
+launcher=slurm submits the batch script with sbatch and prints the job id and the log folder;
+launcher=local runs every process under pdtool's supervisor on this machine, streams status,
+waits for health and stops everything on Ctrl-C or when a process dies. `--dry-run` renders
+and prints what would run, starting nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+NAME = "launch"
+HELP = "render a deployment and start it (sbatch, or processes on this machine)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", metavar="OVERRIDE",
+                   help="Hydra overrides: +recipe=NAME, key=value, group=option")
+    p.add_argument("--out", type=Path,
+                   help="job folder (default: <launcher.output_dir>/<job_name>-<timestamp>)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="render and print the processes and command lines; start nothing")
+    p.add_argument("--exit-when-healthy", action="store_true",
+                   help="start, wait until every process is healthy, then stop (a start check)")
+
+
+def print_dry_run(rendered) -> None:
+    from pdtool.launch.shell import display
+
+    spec = rendered.spec
+    print(f"would run {rendered.script} (launcher={spec.launcher}, {spec.job.nodes} node(s)):")
+    for p in spec.all():
+        print(f"\n# {p.name}: {p.comment}")
+        print(display(p.argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdtool.commands.render import render_or_explain
+
+    rendered, code = render_or_explain(args.overrides, args.out)
+    if rendered is None:
+        return code
+    if args.dry_run:
+        print_dry_run(rendered)
+        return 0
+    if rendered.spec.launcher == "slurm":
+        from pdtool.launch.slurm import SubmitError, submit
+
+        try:
+            sub = submit(rendered.script, exit_when_healthy=args.exit_when_healthy)
+        except SubmitError as e:
+            print(f"pdtool: ERROR: {e}")
+            return 1
+        print(f"submitted job {sub.job_id}"
+              + (f" on cluster {sub.cluster}" if sub.cluster else ""))
+        print(f"  job folder: {rendered.out}")
+        print(f"  batch log:  {sub.batch_log}")
+        print(f"  process logs: {sub.log_dir}/<process>.log")
+        return 0
+    from pdtool.launch.local import Supervisor
+
+    sup = Supervisor(rendered.spec, rendered.out,
+                     health_timeout=rendered.cfg.launcher.health_timeout_s)
+    return sup.run(exit_when_healthy=args.exit_when_healthy)

@@ -1,0 +1,173 @@
+"""Local supervisor: run a rendered deployment on this machine and keep it in one piece.
+
+Each process starts in its own session (process group), so stopping it also stops whatever it
+spawned (SGLang's schedulers, the reference engine's TP ranks). The supervisor streams status
+(starts, health progress, exits), waits for every instance and then the router to be healthy,
+and stops everything — SIGTERM to each group, SIGKILL after a grace period — on Ctrl-C,
+SIGTERM, or as soon as any process exits on its own. It runs the same launch spec the rendered
+`run_local.sh` prints, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from pdtool.launch.health import HealthFailure, log_tail, wait_healthy
+from pdtool.launch.shell import resolve
+from pdtool.launch.spec import LaunchSpec, Proc
+
+
+class Stop(Exception):
+    """Raised in the supervisor's thread by SIGINT/SIGTERM."""
+
+    def __init__(self, signame: str) -> None:
+        super().__init__(signame)
+        self.signame = signame
+
+
+@dataclass
+class Running:
+    proc: Proc
+    popen: subprocess.Popen
+    log: Path
+
+
+class Supervisor:
+    def __init__(self, spec: LaunchSpec, run_dir: Path, out: TextIO = sys.stdout,
+                 stop_grace: float = 10.0, health_timeout: float = 900.0) -> None:
+        self.spec = spec
+        self.run_dir = Path(run_dir).resolve()
+        self.out = out
+        self.stop_grace = stop_grace
+        self.health_timeout = health_timeout
+        self.running: list[Running] = []
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.log_dir = self.run_dir / "logs" / f"local-{stamp}-{os.getpid()}"
+        self.vars = {"RUN_DIR": str(self.run_dir), "LOG_DIR": str(self.log_dir)}
+        for k in range(spec.job.nodes):
+            self.vars[f"HOSTS[{k}]"] = "127.0.0.1"
+            self.vars[f"NODE_NAMES[{k}]"] = "localhost"
+
+    def say(self, msg: str) -> None:
+        print(f"[pdtool {time.strftime('%H:%M:%S')}] {msg}", file=self.out, flush=True)
+
+    # -- processes -------------------------------------------------------------------------
+    def start(self, p: Proc) -> Running:
+        argv = resolve(p.argv, self.vars)
+        log = Path(resolve([p.log], self.vars)[0])
+        env = dict(os.environ)
+        env["PDTOOL_RUN_DIR"] = str(self.run_dir)
+        env["PDTOOL_SECRET_FILE"] = str(self.run_dir / "secret.key")
+        with open(log, "ab") as fh:
+            try:
+                popen = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env,
+                                         start_new_session=True, cwd=self.run_dir)
+            except OSError as e:
+                raise HealthFailure(f"cannot start {p.name}: {argv[0]}: {e.strerror}", 1) from e
+        r = Running(p, popen, log)
+        self.running.append(r)
+        self.say(f"started {p.name} (pid {popen.pid}, log {log})")
+        return r
+
+    def dead(self) -> list[tuple[str, str, str]]:
+        out = []
+        for r in self.running:
+            rc = r.popen.poll()
+            if rc is not None:
+                out.append((r.proc.name, _status(rc), str(r.log)))
+        return out
+
+    def stop_all(self) -> None:
+        alive = [r for r in self.running if r.popen.poll() is None]
+        if not alive:
+            return
+        self.say(f"stopping {len(alive)} process(es)")
+        for r in alive:
+            _signal_group(r.popen, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace
+        for r in alive:
+            try:
+                r.popen.wait(timeout=max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.say(f"{r.proc.name} ignored SIGTERM for {self.stop_grace:.0f}s: SIGKILL")
+                _signal_group(r.popen, signal.SIGKILL)
+                r.popen.wait(timeout=5)
+        for r in self.running:  # children that outlived their leader
+            _signal_group(r.popen, signal.SIGKILL)
+
+    # -- the run ---------------------------------------------------------------------------
+    def _health(self, procs: list[Proc]) -> None:
+        endpoints = {p.name: resolve([p.health], self.vars)[0] for p in procs if p.health}
+        wait_healthy(endpoints, self.dead, self.health_timeout, out=self.out)
+
+    def run(self, exit_when_healthy: bool = False) -> int:
+        """Start, wait for health, then supervise until a signal or a process exits."""
+        old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def raise_stop(signum, _frame):
+            raise Stop(signal.Signals(signum).name)
+
+        for s in old:
+            signal.signal(s, raise_stop)
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self.say(f"logs in {self.log_dir}")
+            for p in self.spec.procs:
+                self.start(p)
+            self._health(self.spec.procs)
+            for p in self.spec.router:
+                self.start(p)
+            self._health(self.spec.router)
+            url = resolve([self.spec.router_url], self.vars)[0]
+            self.say(f"deployment ready: router at {url}; {len(self.running)} processes "
+                     "(Ctrl-C stops everything)")
+            if exit_when_healthy:
+                self.say("stopping after a healthy start (--exit-when-healthy)")
+                return 0
+            return self.watch()
+        except HealthFailure as e:
+            print(f"pdtool: ERROR: {e}", file=sys.stderr, flush=True)
+            return 1
+        except Stop as e:
+            self.say(f"received {e.signame}: shutting the deployment down")
+            return 130
+        finally:
+            try:
+                self.stop_all()
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+    def watch(self, poll: float = 0.5) -> int:
+        """Block until a process exits; report it (the others are stopped by `run`)."""
+        while True:
+            gone = self.dead()
+            if gone:
+                for name, status, log in gone:
+                    print(f"pdtool: ERROR: {name} exited ({status}); last lines of {log}:\n"
+                          f"{log_tail(log)}", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(poll)
+
+
+def _status(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit status {rc}"
+
+
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(popen.pid, sig)
