@@ -93,6 +93,7 @@ def expand_sweeps(overrides: list[str]) -> list[list[str]]:
     Raises ComposeError for an override that cannot be parsed.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
     from hydra.errors import HydraException
 
     try:
@@ -103,9 +104,16 @@ def expand_sweeps(overrides: list[str]) -> list[list[str]]:
     for o in parsed:
         key = o.get_key_element()
         if o.is_sweep_override():
-            if o.is_glob():
+            if not o.is_discrete_sweep() or o.value_type == ValueType.GLOB_CHOICE_SWEEP:
                 raise ComposeError(
-                    [error(o.key_or_group, "glob sweeps are not supported", "list the values")]
+                    [
+                        error(
+                            o.key_or_group,
+                            f"{o.input_line!r}: only lists, choice() and range() sweeps are "
+                            "supported",
+                            "list the values, e.g. decode.instances=1,2,3",
+                        )
+                    ]
                 )
             axes.append([f"{key}={v}" for v in o.sweep_string_iterator()])
         else:

@@ -1,0 +1,215 @@
+"""`pdtool plan`: the resolved deployment — instances, ranks with node/GPU/NIC/NUMA/CPUs,
+ports, memory and KV sizes, and the KV transfer routes with the writes each decoder counts.
+
+Refuses (exit 1, findings printed) when the config has validation errors; `--json` prints the
+plan exactly as `pdtool.planner.plan_to_dict` returns it (what render and the workers read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from pdtool.commands._common import (
+    EXIT_ERRORS,
+    EXIT_OK,
+    add_config_arguments,
+    console,
+    dump_json,
+    exit_code,
+    load_runs,
+    print_findings,
+    run_header,
+)
+
+NAME = "plan"
+HELP = "show the resolved deployment: ranks, NICs, ports, memory and KV transfer routes"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="prompt length for the per-request write counts (default 4096)",
+    )
+    p.add_argument(
+        "--no-ranks",
+        action="store_true",
+        help="leave out the per-rank table (large deployments)",
+    )
+
+
+def _heads(lo: int, n: int) -> str:
+    return f"head {lo}" if n == 1 else f"heads {lo}-{lo + n - 1}"
+
+
+def _sources(cands: tuple[int, ...]) -> str:
+    if len(cands) == 1:
+        return f"prefill rank {cands[0]}"
+    return f"any of prefill ranks {cands[0]}-{cands[-1]} ({len(cands)} replicas)"
+
+
+def _nics(names: tuple[str, ...], kind: str) -> str:
+    shown = ",".join(names) if len(names) <= 2 else f"{names[0]}..{names[-1]} ({len(names)})"
+    return f"{shown or 'none'} {kind}".strip()
+
+
+def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
+    from rich.table import Table
+
+    from pdtool.memory import human_bytes
+
+    m, c, t = plan.model, plan.cluster, plan.transfer
+    con.print(f"[bold]{plan.recipe}[/]: {plan.description}")
+    heads = (
+        f"MLA latent {m.kv_lora_rank}+{m.qk_rope_head_dim}"
+        if m.attention == "mla"
+        else f"{m.num_kv_heads} KV heads x {m.head_dim}"
+    )
+    con.print(
+        f"model [cyan]{m.name}[/] ({m.attention}, {m.num_layers} layers, {heads}, {m.dtype}, "
+        f"{m.num_params_b:g}B params) | cluster [cyan]{c.name}[/] ({c.gpus_per_node}x "
+        f"{c.gpu_type}, {c.device}) | {plan.nodes} node(s) | launcher [cyan]{plan.launcher}[/]"
+        f" | engine [cyan]{plan.engine}[/]"
+    )
+
+    it = Table(title="instances", title_justify="left")
+    for col in ("instance", "TP", "DP", "GPUs", "nodes", "HTTP", "bootstrap", "dist-init"):
+        it.add_column(col, no_wrap=True)
+    for i in plan.instances:
+        dp = f"{i.dp}" + (" (attn)" if i.dp_attention else "")
+        it.add_row(
+            i.name,
+            str(i.tp),
+            dp,
+            str(i.gpus),
+            ",".join(map(str, i.nodes)),
+            str(i.http_port),
+            str(i.bootstrap_port or "-"),
+            str(i.dist_init_port),
+        )
+    con.print(it)
+    r = plan.router
+    con.print(
+        f"router on node {r.node}:{r.port} ({r.policy}): prefill "
+        + ", ".join(
+            f"{x.instance}@node{x.node}:{x.http_port}+{x.bootstrap_port}" for x in r.prefill
+        )
+        + " | decode "
+        + ", ".join(f"{x.instance}@node{x.node}:{x.http_port}" for x in r.decode)
+    )
+
+    if show_ranks:
+        rt = Table(title="ranks", title_justify="left")
+        for col in ("instance", "rank", "dp/tp", "node", "GPU", "NUMA", "CPUs", "NIC", "near"):
+            rt.add_column(col, no_wrap=True)
+        for x in plan.all_ranks():
+            rt.add_row(
+                f"{x.role}-{x.instance}",
+                str(x.rank),
+                f"{x.dp_rank}/{x.tp_rank}",
+                str(x.node),
+                str(x.gpu),
+                str(x.numa),
+                x.cpus,
+                _nics(x.nics, x.nic_kind),
+                x.nic_affinity,
+            )
+        con.print(rt)
+
+    mt = Table(title="memory per GPU", title_justify="left")
+    for col in ("role", "weights", "KV budget", "KV/token", "KV/page", "tokens", "KV dtype"):
+        mt.add_column(col, no_wrap=True)
+    for mm in plan.memory:
+        mt.add_row(
+            mm.role,
+            f"{mm.weights_gb:.1f} GiB",
+            f"{mm.kv_budget_gb:.1f} GiB",
+            human_bytes(mm.kv_bytes_per_token),
+            human_bytes(mm.kv_bytes_per_page),
+            f"{mm.kv_tokens:,}",
+            mm.kv_dtype,
+        )
+    con.print(mt)
+
+    con.print(
+        f"transfer: provider [cyan]{t.provider}[/], layout [cyan]{t.layout}[/], page "
+        f"{t.page_size} tokens, completion {t.completion}; prefill attention TP "
+        f"{t.prefill.attn_tp} ({t.prefill.heads_per_rank} head(s)/rank"
+        f"{', replicated' if t.prefill.replicated else ''}) -> decode attention TP "
+        f"{t.decode.attn_tp} ({t.decode.heads_per_rank} head(s)/rank"
+        f"{', replicated' if t.decode.replicated else ''})"
+    )
+    con.print(f"routes: {t.summary}")
+    ct = Table(
+        title=f"routes for a {t.tokens}-token request ({t.pages_per_request} pages x "
+        f"{m.num_layers} layers + {t.aux_writes} aux)",
+        title_justify="left",
+    )
+    for col in ("decode rank", "receives", "writes/page", "writes/request"):
+        ct.add_column(col, overflow="fold")
+    for route in t.routes:
+        recv = "; ".join(
+            f"{_heads(s.head_lo, s.num_heads)} from {_sources(s.src_candidates)}"
+            + (f" [{s.writes_per_page}/page]" if len(route.slices) > 1 else "")
+            for s in route.slices
+        )
+        ct.add_row(
+            str(route.dst_rank), recv, str(route.writes_per_page), f"{route.writes_per_request:,}"
+        )
+    con.print(ct)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdtool.planner import PlanError, build_plan, plan_to_dict
+
+    if args.tokens < 1:
+        print("pdtool plan: --tokens must be >= 1", file=sys.stderr)
+        return 2
+    runs = load_runs(args)
+    con = console()
+    err = console(stderr=True)
+    out: list[dict[str, Any]] = []
+    codes = []
+    for i, r in enumerate(runs):
+        if not args.json:
+            run_header(con, runs, i)
+        if not r.ok:
+            target = err if args.json else con
+            if args.json:
+                out.append(
+                    {
+                        "overrides": r.overrides,
+                        "plan": None,
+                        "findings": [f.to_dict() for f in r.all_findings],
+                    }
+                )
+            else:
+                target.print("[bold red]not planned: the config has errors[/]")
+                print_findings(target, r.all_findings)
+            codes.append(r.exit_code)
+            continue
+        try:
+            plan = build_plan(r.cfg, tokens=args.tokens)
+        except PlanError as e:  # the validator should have caught it: report, not crash
+            err.print(f"[bold red]cannot plan:[/] {e}")
+            codes.append(EXIT_ERRORS)
+            continue
+        warnings = [f for f in r.findings if f.severity == "warning"]
+        if args.json:
+            if args.multirun:
+                out.append({"overrides": r.overrides, "plan": plan_to_dict(plan)})
+            else:
+                out.append(plan_to_dict(plan))
+            print_findings(err, warnings)
+        else:
+            print_findings(con, warnings)
+            print_plan(con, plan, show_ranks=not args.no_ranks)
+        codes.append(EXIT_OK)
+    if args.json:
+        dump_json(out if args.multirun else out[0])
+    return max([*codes, exit_code(runs)])

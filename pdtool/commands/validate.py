@@ -1,0 +1,96 @@
+"""`pdtool validate`: compose a config and report every problem, with the key and the fix.
+
+Exit 0 when there are no errors (warnings allowed), 1 on errors, 2 when the command line or
+the config cannot be composed. Also prints per-role memory fit and KV bytes per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pdtool.commands._common import (
+    Run,
+    add_config_arguments,
+    console,
+    dump_json,
+    exit_code,
+    load_runs,
+    print_findings,
+    run_header,
+)
+
+NAME = "validate"
+HELP = "check a deployment config (shards, nodes, ports, NICs, memory) and explain problems"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_arguments(p)
+
+
+def memory_rows(run: Run) -> list[Any] | None:
+    """Per-role memory fit, when the values are sane enough to compute it."""
+    from pdtool.memory import role_memory
+    from pdtool.rules import has_errors, values
+    from pdtool.rules import run as run_rules
+    from pdtool.schema import ROLES, role
+
+    cfg = run.cfg
+    if cfg is None or has_errors(run_rules(values.ALL, cfg)):
+        return None
+    return [role_memory(r, cfg.model, cfg.cluster, role(cfg, r)) for r in ROLES]
+
+
+def _result(run: Run) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    mem = memory_rows(run)
+    errors = sum(f.severity == "error" for f in run.all_findings)
+    return {
+        "overrides": run.overrides,
+        "recipe": run.cfg.recipe if run.cfg is not None else None,
+        "ok": run.ok,
+        "composed": run.composed,
+        "errors": errors,
+        "warnings": len(run.all_findings) - errors,
+        "findings": [f.to_dict() for f in run.all_findings],
+        "memory": [asdict(m) for m in mem] if mem else None,
+    }
+
+
+def _print_run(con: Any, run: Run) -> None:
+    from pdtool.memory import human_bytes
+
+    if not run.composed:
+        con.print("[bold red]config does not compose:[/]")
+        print_findings(con, run.compose_findings)
+        return
+    cfg = run.cfg
+    con.print(f"[bold]{cfg.recipe}[/]: {cfg.description}")
+    print_findings(con, run.findings)
+    mem = memory_rows(run)
+    for m in mem or []:
+        con.print(
+            f"  {m.role:8s} weights {m.weights_gb:.1f} GiB/GPU, KV budget {m.kv_budget_gb:.1f} "
+            f"GiB ({m.kv_tokens:,} tokens), KV {human_bytes(m.kv_bytes_per_token)}/token and "
+            f"{human_bytes(m.kv_bytes_per_page)}/page per rank ({m.kv_dtype})"
+        )
+    errors = sum(f.severity == "error" for f in run.findings)
+    warnings = len(run.findings) - errors
+    if errors:
+        con.print(f"[bold red]✗ {errors} error(s)[/], {warnings} warning(s)")
+    else:
+        con.print(f"[bold green]✓ valid[/] ({warnings} warning(s))")
+
+
+def run(args: argparse.Namespace) -> int:
+    runs = load_runs(args)
+    if args.json:
+        results = [_result(r) for r in runs]
+        dump_json(results if args.multirun else results[0])
+        return exit_code(runs)
+    con = console()
+    for i, r in enumerate(runs):
+        run_header(con, runs, i)
+        _print_run(con, r)
+    return exit_code(runs)
