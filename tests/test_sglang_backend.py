@@ -1,0 +1,325 @@
+"""The `pdtool` SGLang transfer backend driven through SGLang 0.5.23's own classes.
+
+Real pieces only: the pinned SGLang (bootstrap HTTP server, rank mapping, KVPoll bookkeeping,
+heartbeats), libfabric (shm / tcp;ofi_rxm) and separate OS processes per rank. KV buffers are CPU
+tensors shaped like SGLang's pools: MHA `[slots, heads, head_dim]` per layer with separate K and
+V buffers, MLA `[slots, 1, kv_lora_rank + rope]`; aux buffers like its MetadataBuffers rows.
+
+Every rank's buffers are slices of one global tensor per buffer seeded from its index, so the
+test recomputes what each decode page must hold and compares bytes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("sglang")  # CI installs it (scripts/install.sh); never skipped there
+
+PAGE = 4
+SLOTS = 16 * PAGE  # 16 pages per buffer
+LAYERS = 3
+HEAD_DIM = 8
+AUX = [(8, 16, np.int32), (8, 4, np.float32)]  # (rows, cols, dtype) like MetadataBuffers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def global_buffers(mla: bool, heads: int) -> list[np.ndarray]:
+    """All heads of every layer buffer, [slots, heads, dim] in bf16-sized (uint16) words."""
+    n = LAYERS if mla else 2 * LAYERS  # SGLang order: K of every layer, then V of every layer
+    shape = (SLOTS, 1, 64) if mla else (SLOTS, heads, HEAD_DIM)
+    return [np.random.default_rng(100 + i).integers(0, 1 << 16, shape, dtype=np.uint16)
+            for i in range(n)]
+
+
+def aux_source() -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    return [rng.integers(1, 1 << 20, (r, c)).astype(t) for r, c, t in AUX]
+
+
+def _rank_heads(heads: int, tp: int, rank: int) -> slice:
+    per = max(1, heads // tp)
+    first = rank * per if heads >= tp else rank // (tp // heads)
+    return slice(first, first + per)
+
+
+def _setup(role: str, cfg: dict[str, Any], rank: int) -> tuple[Any, Any, list, list]:
+    """Publish SGLang's config for this rank and build its KVArgs + buffers (child process)."""
+    import torch
+    from sglang.srt.disaggregation.base import KVArgs
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+
+    tp = cfg[f"{role}_tp"]
+    sa = ServerArgs(model_path="dummy", disaggregation_mode=role,
+                    disaggregation_transfer_backend="pdtool",
+                    disaggregation_bootstrap_port=cfg["bootstrap_port"], host="127.0.0.1",
+                    port=cfg["http_port"], tp_size=tp, device="cpu", page_size=PAGE)
+    publish(sa, role="test", ranks=SpawnRanks(world_rank=rank))
+    get_parallel().override_permanently(pp_group=None)  # no torch.distributed groups here
+
+    mla, heads = cfg["mla"], cfg["heads"]
+    if role == "prefill":
+        glob = global_buffers(mla, heads)
+        sl = slice(0, 1) if mla else _rank_heads(heads, tp, rank)
+        bufs = [torch.from_numpy(np.ascontiguousarray(g[:, sl])) for g in glob]
+        aux = [torch.from_numpy(a.copy()) for a in aux_source()]
+    else:
+        local = 1 if mla else max(1, heads // tp)
+        shape = (SLOTS, 1, 64) if mla else (SLOTS, local, HEAD_DIM)
+        n = LAYERS if mla else 2 * LAYERS
+        bufs = [torch.zeros(shape, dtype=torch.uint16) for _ in range(n)]
+        aux = [torch.zeros((r, c), dtype=getattr(torch, np.dtype(t).name)) for r, c, t in AUX]
+
+    args = KVArgs()
+    args.engine_rank = rank
+    args.kv_data_ptrs = [b.data_ptr() for b in bufs]
+    args.kv_data_lens = [b.numel() * b.element_size() for b in bufs]
+    args.kv_item_lens = [b[0].numel() * b.element_size() * PAGE for b in bufs]
+    args.kv_layer_ids = list(range(LAYERS)) * (1 if mla else 2)
+    args.kv_cache_dtype_str = "bfloat16"
+    args.aux_data_ptrs = [a.data_ptr() for a in aux]
+    args.aux_data_lens = [a.numel() * a.element_size() for a in aux]
+    args.aux_item_lens = [a[0].numel() * a.element_size() for a in aux]
+    args.state_types, args.state_data_ptrs, args.state_data_lens = [], [], []
+    args.state_item_lens, args.state_layer_ids = [], []
+    args.system_dp_rank, args.pp_rank, args.prefill_start_layer = 0, 0, 0
+    args.page_size, args.gpu_id, args.ib_device, args.rust_http_port = PAGE, 0, None, None
+    if not mla:
+        args.kv_head_num = bufs[0].shape[1]
+        args.total_kv_head_num = heads
+    return sa, args, bufs, aux
+
+
+def prefill_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
+    """One prefill scheduler rank: (rank 0) bootstrap server, manager, one sender per room."""
+    os.environ.update(cfg["env"])
+    from sglang.srt.disaggregation.base import KVPoll
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from transfer.sglang.conn import PdtoolKVBootstrapServer, PdtoolKVManager, PdtoolKVSender
+
+    server = None
+    if rank == 0:
+        server = PdtoolKVBootstrapServer("127.0.0.1", cfg["bootstrap_port"])
+    sa, args, _bufs, _aux = _setup("prefill", cfg, rank)
+    mgr = PdtoolKVManager(args, DisaggregationMode.PREFILL, sa, cfg["mla"])
+    conn.send("ready")
+    results = {}
+    for room, req in cfg["rooms"].items():
+        sender = PdtoolKVSender(mgr, f"127.0.0.1:{cfg['bootstrap_port']}", room)
+        deadline = time.time() + 60
+        while sender.poll() == KVPoll.Bootstrapping and time.time() < deadline:
+            time.sleep(0.01)
+        if cfg.get("hold"):
+            conn.send(("waiting", room))
+            time.sleep(3600)  # the test kills this process here
+        src = np.asarray(req["src_pages"], dtype=np.int32)
+        sender.init(len(src), req["aux_index"])
+        for lo in range(0, len(src), req["chunk"]):  # chunked prefill: one send per chunk
+            sender.send(src[lo: lo + req["chunk"]])
+        while sender.poll() not in (KVPoll.Success, KVPoll.Failed) and time.time() < deadline:
+            time.sleep(0.005)
+        results[room] = int(sender.poll())
+    conn.send(("done", results, mgr.ep.remote_writes))
+    conn.recv()  # keep the endpoint and bootstrap server alive until decode finished
+    mgr.teardown()
+    del server
+
+
+def decode_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
+    """One decode scheduler rank: manager + one receiver per room, polled like the scheduler."""
+    os.environ.update(cfg["env"])
+    from sglang.srt.disaggregation.base import KVPoll
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from transfer.sglang.conn import PdtoolKVManager, PdtoolKVReceiver
+
+    sa, args, bufs, aux = _setup("decode", cfg, rank)
+    mgr = PdtoolKVManager(args, DisaggregationMode.DECODE, sa, cfg["mla"])
+    addr = f"127.0.0.1:{cfg['bootstrap_port']}"
+    deadline = time.time() + 60
+    while not mgr.try_ensure_parallel_info(addr):
+        assert time.time() < deadline, "prefill never registered with the bootstrap server"
+        time.sleep(0.2)
+    out: dict[int, Any] = {}
+    for room, req in cfg["rooms"].items():
+        recv = PdtoolKVReceiver(mgr, addr, room)
+        recv.init(0)
+        recv.send_metadata(np.asarray(req["dst_pages"], dtype=np.int32), req["dst_aux"])
+        states = [int(recv.poll())]
+        deadline = time.time() + cfg.get("wait", 60)
+        while states[-1] not in (KVPoll.Success, KVPoll.Failed) and time.time() < deadline:
+            time.sleep(0.005)
+            st = int(recv.poll())
+            if st != states[-1]:
+                states.append(st)
+        error = None
+        if states[-1] == KVPoll.Failed:
+            try:
+                recv.failure_exception()
+            except Exception as exc:  # SGLang's KVTransferError
+                error = f"{type(exc).__name__}: {exc}"
+        out[room] = {"states": states, "error": error,
+                     "count": int(mgr.ep.recv_counts[recv.slot]) if recv.slot is not None else 0}
+        recv.clear()
+    conn.send(("done", out, [b.numpy().copy() for b in bufs], [a.numpy().copy() for a in aux],
+               mgr.ep.remote_writes, mgr.ep.stale_writes))
+    conn.recv()
+    mgr.teardown()
+
+
+def run_pair(cfg: dict[str, Any], kill_prefill: bool = False) -> dict[str, Any]:
+    """Start prefill ranks, then decode ranks, collect what each saw; always reap children."""
+    ctx = mp.get_context("spawn")
+    cfg = {"bootstrap_port": _free_port(), "http_port": _free_port(), **cfg}
+    cfg["env"] = {"PDTOOL_FI_PROVIDER": cfg.get("provider", "shm"), "PDTOOL_SECRET": "t0p",
+                  "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
+                  "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1",
+                  "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"}
+    procs, pre, dec = [], [], []
+    try:
+        for r in range(cfg["prefill_tp"]):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=prefill_rank, args=(cfg, r, b), daemon=True)
+            p.start()
+            procs.append(p)
+            pre.append((p, a))
+        for _, a in pre:
+            assert a.poll(120), "prefill rank did not start"
+            assert a.recv() == "ready"
+        for r in range(cfg["decode_tp"]):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=decode_rank, args=(cfg, r, b), daemon=True)
+            p.start()
+            procs.append(p)
+            dec.append((p, a))
+        if kill_prefill:
+            for p, a in pre:
+                assert a.poll(120) and a.recv()[0] == "waiting"
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(10)
+        dec_out = []
+        for _, a in dec:
+            assert a.poll(180), "decode rank did not finish"
+            dec_out.append(a.recv())
+        pre_out = [] if kill_prefill else [a.recv() for _, a in pre]
+        for _, a in pre + dec:
+            if not kill_prefill or (_, a) in dec:
+                try:
+                    a.send("bye")
+                except OSError:
+                    pass
+        return {"prefill": pre_out, "decode": dec_out, "pids": [p.pid for p in procs]}
+    finally:
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for pid in [p.pid for p in procs]:
+            for f in _shm_files(pid):
+                os.unlink(f)
+
+
+def _shm_files(pid: int) -> list[str]:
+    from transfer.fabric import shm_leftovers
+
+    return shm_leftovers(pid)
+
+
+def expected_decode(cfg: dict[str, Any], rank: int, room: int) -> list[np.ndarray]:
+    """What decode rank `rank` must hold in each buffer's destination pages after `room`."""
+    req = cfg["rooms"][room]
+    glob = global_buffers(cfg["mla"], cfg["heads"])
+    hs = slice(0, 1) if cfg["mla"] else _rank_heads(cfg["heads"], cfg["decode_tp"], rank)
+    out = []
+    for g in glob:
+        pages = g[:, hs].reshape(SLOTS // PAGE, PAGE, *g[:, hs].shape[1:])
+        out.append(pages[np.asarray(req["src_pages"])])
+    return out
+
+
+def check_bytes(cfg: dict[str, Any], res: dict[str, Any]) -> None:
+    for rank, (tag, out, bufs, aux, _writes, _stale) in enumerate(res["decode"]):
+        assert tag == "done"
+        for room, req in cfg["rooms"].items():
+            assert out[room]["states"][-1] == 4, out[room]  # KVPoll.Success
+            for buf, want in zip(bufs, expected_decode(cfg, rank, room), strict=True):
+                got = buf.reshape(SLOTS // PAGE, PAGE, *buf.shape[1:])[req["dst_pages"]]
+                assert np.array_equal(got, want), f"room {room} rank {rank}: pages differ"
+            for a, src in zip(aux, aux_source(), strict=True):
+                assert np.array_equal(a[req["dst_aux"]], src[req["aux_index"]])
+
+
+ROOMS = {
+    # scattered, non-monotonic pages; chunked prefill sends 3 pages at a time
+    11: {"src_pages": [3, 9, 4, 12, 5, 1, 7], "dst_pages": [14, 2, 8, 6, 1, 11, 10],
+         "aux_index": 2, "dst_aux": 5, "chunk": 3},
+    12: {"src_pages": [0, 15], "dst_pages": [3, 4], "aux_index": 6, "dst_aux": 0, "chunk": 2},
+}
+
+
+@pytest.mark.timeout(400)
+def test_mha_equal_tp_pages_arrive_byte_exact_and_counted() -> None:
+    cfg = {"mla": False, "heads": 2, "prefill_tp": 1, "decode_tp": 1, "rooms": ROOMS}
+    res = run_pair(cfg)
+    check_bytes(cfg, res)
+    (_, _out, _, _, remote_writes, stale), = res["decode"]
+    # one write per (page, layer buffer) + one per aux buffer, counted per slot
+    per_room = {r: len(q["dst_pages"]) * 2 * LAYERS + len(AUX) for r, q in ROOMS.items()}
+    assert {r: o["count"] for r, o in _out.items()} == per_room
+    assert remote_writes == sum(per_room.values()) and stale == 0
+    # the prefill sender reached Success on its own local completions
+    assert res["prefill"][0][1] == {11: 4, 12: 4}
+    # the scheduler's view went Bootstrapping/WaitingForInput -> ... -> Success
+    assert all(o["states"][0] in (1, 2, 3) for o in _out.values())
+
+
+@pytest.mark.timeout(400)
+def test_mla_pool_over_tcp_rxm() -> None:
+    cfg = {"mla": True, "heads": 1, "prefill_tp": 1, "decode_tp": 1, "rooms": ROOMS,
+           "provider": "tcp;ofi_rxm"}
+    res = run_pair(cfg)
+    check_bytes(cfg, res)
+    (_, out, _, _, remote_writes, _), = res["decode"]
+    assert remote_writes == sum(len(q["dst_pages"]) * LAYERS + len(AUX) for q in ROOMS.values())
+
+
+@pytest.mark.timeout(400)
+def test_mha_prefill_tp2_to_decode_tp1_reassembles_heads() -> None:
+    """TP mismatch on NHD pools: each prefill rank writes its head slice token by token."""
+    cfg = {"mla": False, "heads": 4, "prefill_tp": 2, "decode_tp": 1, "rooms": {11: ROOMS[11]}}
+    res = run_pair(cfg)
+    check_bytes(cfg, res)
+    (_, out, _, _, remote_writes, _), = res["decode"]
+    pages = len(ROOMS[11]["dst_pages"])
+    want = pages * 2 * LAYERS * PAGE * 2 + len(AUX)  # per token, from both prefill ranks
+    assert out[11]["count"] == want == remote_writes
+    # only the rank holding the first head slice wrote the metadata rows
+    writes = [p[2] for p in res["prefill"]]
+    assert writes == [0, 0]  # prefill endpoints receive nothing
+
+
+@pytest.mark.timeout(400)
+def test_killed_prefill_fails_the_request_with_a_reason() -> None:
+    cfg = {"mla": False, "heads": 2, "prefill_tp": 1, "decode_tp": 1, "hold": True,
+           "rooms": {11: ROOMS[11]}, "wait": 40}
+    res = run_pair(cfg, kill_prefill=True)
+    (_, out, bufs, _, remote_writes, _), = res["decode"]
+    assert out[11]["states"][-1] == 0  # KVPoll.Failed
+    assert "Lost connection with prefill instance" in out[11]["error"]
+    assert "KVTransferError" in out[11]["error"]
+    assert remote_writes == 0 and not any(b.any() for b in bufs)
