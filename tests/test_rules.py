@@ -1,0 +1,377 @@
+"""Each validation rule, with a config that breaks it: the finding names the key to change."""
+
+from __future__ import annotations
+
+import pytest
+from pdtool_cfg import assert_error, assert_warning, compose, recipe
+
+from pdtool.rules import validate
+from pdtool.schema import NicConfig
+
+# --- values ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "key", "fragment"),
+    [
+        ("model.attention", "sparse", "model.attention", "mha | gqa | mla"),
+        ("model.dtype", "int3", "model.dtype", "not one of"),
+        ("model.num_layers", 0, "model.num_layers", ">= 1"),
+        ("model.head_dim", -1, "model.head_dim", ">= 1"),
+        ("model.num_params_b", 0.0, "model.num_params_b", "> 0"),
+        ("model.expert_params_b", 1.0, "model.expert_params_b", "must lie in"),
+        ("prefill.tp", 0, "prefill.tp", ">= 1"),
+        ("decode.instances", 0, "decode.instances", ">= 1"),
+        ("decode.page_size", 0, "decode.page_size", ">= 1"),
+        ("prefill.mem_fraction", 1.5, "prefill.mem_fraction", "(0, 1]"),
+        ("decode.kv_dtype", "int4", "decode.kv_dtype", "not one of"),
+        ("decode.kv_layout", "HDN", "decode.kv_layout", "not one of"),
+        ("transfer.provider", "ucx", "transfer.provider", "efa | verbs;ofi_rxm"),
+        ("transfer.layout", "NDH", "transfer.layout", "HND | NHD"),
+        ("transfer.completion", "poll", "transfer.completion", "not one of"),
+        ("transfer.timeout_s", 0.0, "transfer.timeout_s", "> 0"),
+        ("transfer.backend_name", "Bad Name", "transfer.backend_name", "not a backend"),
+        ("launcher.kind", "k8s", "launcher.kind", "local | slurm"),
+        ("launcher.job_name", " ", "launcher.job_name", "empty"),
+        ("engine.kind", "vllm", "engine.kind", "reference | sglang"),
+        ("router.policy", "fastest", "router.policy", "round_robin"),
+        ("cluster.device", "tpu", "cluster.device", "cuda | cpu"),
+        ("cluster.gpus_per_node", 0, "cluster.gpus_per_node", ">= 1"),
+        ("cluster.gpu_memory_gb", 0.0, "cluster.gpu_memory_gb", "> 0"),
+    ],
+)
+def test_value_rules_name_the_key(path, value, key, fragment):
+    cfg = compose()
+    obj = cfg
+    *parents, leaf = path.split(".")
+    for p in parents:
+        obj = getattr(obj, p)
+    setattr(obj, leaf, value)
+    assert_error(cfg, key, fragment)
+
+
+def test_expert_params_warning_for_moe_without_expert_count():
+    cfg = recipe("qwen3-coder-480b")
+    cfg.model.expert_params_b = 0.0
+    # everything is then sharded as dense: still fits on H200, but the estimate is flagged
+    assert_warning(cfg, "model.expert_params_b", "MoE")
+
+
+def test_experts_per_token_above_experts():
+    cfg = recipe("deepseek-r1")
+    cfg.model.experts_per_token = 300
+    assert_error(cfg, "model.experts_per_token", "300 active experts")
+
+
+def test_mla_needs_latent_dims_and_one_head():
+    cfg = recipe("deepseek-r1")
+    cfg.model.kv_lora_rank = 0
+    assert_error(cfg, "model.kv_lora_rank", "kv_lora_rank=0")
+    cfg = recipe("deepseek-r1")
+    cfg.model.num_kv_heads = 128
+    assert_error(cfg, "model.num_kv_heads", "one latent head")
+
+
+def test_mha_kv_heads_equal_q_heads():
+    cfg = compose("model.attention=mha")
+    assert_error(cfg, "model.num_kv_heads", "num_q_heads=4")
+
+
+def test_gqa_groups_evenly():
+    cfg = compose("model.num_kv_heads=3")
+    assert_error(cfg, "model.num_kv_heads", "not a multiple of num_kv_heads=3")
+
+
+def test_cluster_numa_tables():
+    cfg = recipe("deepseek-r1")
+    cfg.cluster.gpu_numa = [0, 0, 1]
+    assert_error(cfg, "cluster.gpu_numa", "lists 3 GPUs")
+    cfg = recipe("deepseek-r1")
+    cfg.cluster.numa_cpus = ["0-47", "48-x"]
+    assert_error(cfg, "cluster.numa_cpus.1", "not a CPU list")
+    cfg = recipe("deepseek-r1")
+    cfg.cluster.gpu_numa[7] = 5
+    assert_error(cfg, "cluster.gpu_numa.7", "NUMA node 5")
+
+
+def test_cluster_nic_entries():
+    cfg = recipe("deepseek-r1")
+    cfg.cluster.nics[3].kind = "infiniband"
+    assert_error(cfg, "cluster.nics.3.kind", "not one of")
+    cfg = recipe("deepseek-r1")
+    cfg.cluster.nics[1].name = cfg.cluster.nics[0].name
+    assert_error(cfg, "cluster.nics.1.name", "listed twice")
+    cfg = recipe("deepseek-r1")
+    cfg.cluster.nics[0].gpus = [9]
+    assert_error(cfg, "cluster.nics.0.gpus", "outside 0..7")
+    cfg = recipe("deepseek-r1")
+    cfg.cluster.nics[0].numa = 4
+    assert_error(cfg, "cluster.nics.0.numa", "NUMA node 4")
+
+
+def test_dp_attention_must_divide_tp():
+    cfg = recipe("deepseek-r1-dp-attention", "decode.dp=3")
+    assert_error(cfg, "decode.dp", "8 % 3 = 2")
+
+
+def test_counter_completion_needs_rma_event():
+    cfg = recipe("deepseek-r1", "transfer.completion=counter")
+    assert_error(cfg, "transfer.completion", "FI_RMA_EVENT")
+    # shm has FI_RMA_EVENT: the counter fast path is allowed there
+    assert not validate(compose("transfer.completion=counter"))
+
+
+def test_launcher_fields():
+    cfg = recipe("deepseek-r1", "launcher.time=4h")
+    assert_error(cfg, "launcher.time", "not a Slurm time limit")
+    cfg = recipe("deepseek-r1")
+    cfg.launcher.sbatch_extra = ["--constraint=h200", "#SBATCH --exclusive"]
+    assert_error(cfg, "launcher.sbatch_extra.1", "not an sbatch option")
+    cfg = recipe("deepseek-r1", "launcher.container_image=img", "launcher.venv=/v")
+    assert_error(cfg, "launcher.venv", "both")
+    cfg = recipe("deepseek-r1")
+    cfg.launcher.container_mounts = ["/fsx"]
+    assert_error(cfg, "launcher.container_mounts.0", "SRC:DST")
+    cfg = recipe("deepseek-r1", "+launcher.env.decode.NCCL_DEBUG=INFO")
+    assert not validate(cfg)
+    cfg.launcher.env.decode["1BAD"] = "x"
+    assert_error(cfg, "launcher.env.decode.1BAD", "not a valid environment variable")
+
+
+# --- shards ---------------------------------------------------------------------------------
+
+
+def test_heads_not_divisible_by_tp():
+    cfg = compose("prefill.tp=3")
+    assert_error(cfg, "prefill.tp", "2 KV heads", "attention TP 3")
+
+
+def test_heads_split_under_dp_attention_names_dp():
+    cfg = recipe("qwen3-coder-480b", "decode.dp_attention=true", "decode.dp=1")
+    assert not [f for f in validate(cfg) if f.severity == "error"]
+    # 8 KV heads over attention TP 8/ 8 = 1 is fine; over TP 24 / 8 = 3 is not
+    cfg = recipe("qwen3-coder-480b", "decode.dp_attention=true", "decode.tp=24", "decode.dp=8")
+    cfg.decode.nodes = 3
+    assert_error(cfg, "decode.dp", "attention TP 3")
+
+
+def test_prefill_decode_tp_must_divide():
+    cfg = compose(
+        "model.num_q_heads=48",
+        "model.num_kv_heads=24",
+        "prefill.tp=6",
+        "decode.tp=4",
+        "decode.instances=1",
+    )
+    assert_error(cfg, "decode.tp", "one must divide the other", "6 % 4 = 2")
+
+
+def test_page_size_must_match():
+    cfg = compose("decode.page_size=8", "decode.chunked_prefill_size=16")
+    f = assert_error(cfg, "decode.page_size", "prefill.page_size=4 != decode.page_size=8")
+    assert f.fix == "set decode.page_size=4"
+
+
+def test_kv_dtype_must_match():
+    cfg = compose("decode.kv_dtype=bf16")
+    assert_error(cfg, "decode.kv_dtype", "fp32 != decode bf16")
+
+
+def test_kv_layout_must_match():
+    cfg = compose("decode.kv_layout=NHD")
+    assert_error(cfg, "decode.kv_layout", "transfer.layout=HND")
+    # the role layouts follow transfer.layout by default
+    assert not validate(compose("transfer.layout=NHD"))
+
+
+def test_chunk_must_be_whole_pages():
+    cfg = compose("prefill.chunked_prefill_size=18")
+    f = assert_error(cfg, "prefill.chunked_prefill_size", "18 % prefill.page_size=4 = 2")
+    assert "prefill.chunked_prefill_size=16" in f.fix
+
+
+def test_nhd_with_tp_mismatch_warns_with_op_count():
+    cfg = recipe("llama-3.1-70b", "transfer.layout=NHD")
+    f = assert_warning(cfg, "transfer.layout", "prefill attention TP 8 -> decode 4")
+    # 64 tokens x 2 source slices per page; 4096 tokens = 64 pages x 80 layers, + 1 aux write
+    assert "128 writes per page and layer (HND: 2)" in f.message
+    assert f"costs {64 * 80 * 128 + 1} writes instead of {64 * 80 * 2 + 1}" in f.message
+    # equal TP: an NHD page of all local heads is still one write: no warning
+    assert not validate(recipe("qwen3-coder-480b", "transfer.layout=NHD"))
+
+
+# --- topology -------------------------------------------------------------------------------
+
+
+def test_multi_node_instance_must_fill_its_nodes():
+    cfg = recipe("deepseek-r1", "prefill.tp=12", "prefill.nodes=2")
+    f = assert_error(cfg, "prefill.tp", "12 / 2 = 6 GPUs per node", "2 GPUs idle on each node")
+    assert "prefill.tp=16" in f.fix
+
+
+def test_instance_larger_than_a_node():
+    cfg = recipe("deepseek-r1", "decode.tp=16")
+    f = assert_error(cfg, "decode.nodes", "needs 16 GPUs")
+    assert "decode.nodes=2" in f.fix
+
+
+def test_instance_gpus_not_spread_evenly():
+    cfg = recipe("deepseek-r1", "prefill.tp=16", "prefill.nodes=3")
+    assert_error(cfg, "prefill.nodes", "cannot be spread evenly")
+
+
+def test_idle_gpus_are_reported():
+    cfg = recipe("llama-3.1-70b", "decode.instances=3", "cluster.nodes=3")
+    f = assert_warning(cfg, "decode.instances", "4 GPUs idle on the last decode node")
+    assert "decode.instances=4" in f.fix
+    cfg = recipe(
+        "tiny-local-mla",
+        "launcher=slurm",
+        "cluster=p5en",
+        "transfer=efa",
+        "prefill.tp=3",
+        "decode.tp=3",
+    )
+    assert_warning(cfg, "prefill.tp", "2 idle on every prefill node")
+
+
+def test_nodes_must_fit_the_cluster():
+    cfg = recipe("deepseek-r1", "decode.instances=4")
+    f = assert_error(cfg, "cluster.nodes", "1 prefill + 4 decode = 5 nodes", "cluster.nodes=4")
+    assert "cluster.nodes=5" in f.fix
+
+
+def test_local_launcher_is_one_machine():
+    cfg = compose("decode.instances=8")
+    assert_error(cfg, "launcher.kind", "= 9 workers > cluster.gpus_per_node=8")
+    cfg = compose("prefill.nodes=2", "prefill.tp=16")
+    assert_error(cfg, "prefill.nodes", "launcher=local")
+
+
+def test_engine_must_suit_device():
+    assert_error(compose("engine=sglang"), "engine.kind", "need GPUs")
+    cfg = recipe("deepseek-r1", "engine=reference")
+    assert_warning(cfg, "engine.kind", "runs on CPUs")
+
+
+def test_provider_needs_nics_of_its_kind():
+    cfg = recipe("deepseek-r1", "transfer=tcp")
+    f = assert_error(cfg, "transfer.provider", "'tcp;ofi_rxm'", "NIC kinds efa")
+    assert "efa" in f.fix
+    cfg = recipe("qwen3-coder-480b", "transfer=efa")
+    assert_error(cfg, "transfer.provider", "NIC kinds connectx")
+
+
+def test_shm_only_within_one_node():
+    cfg = recipe("deepseek-r1", "transfer=shm")
+    assert_error(cfg, "transfer.provider", "shm moves pages within one machine")
+    # one p5en box with the local launcher: shm is fine
+    cfg = recipe(
+        "deepseek-r1-dp-attention",
+        "launcher=local",
+        "transfer=shm",
+        "prefill.dp=4",
+        "prefill.tp=4",
+        "decode.tp=4",
+        "decode.dp=4",
+        "decode.instances=1",
+        "model=tiny",
+        "engine=reference",
+    )
+    assert not [f for f in validate(cfg) if f.severity == "error"]
+
+
+def test_nic_off_switch_and_off_numa_warn():
+    cfg = recipe("deepseek-r1")
+    for nic in cfg.cluster.nics:  # GPU 3's EFAs wrongly listed under GPU 2
+        nic.gpus = [2 if g == 3 else g for g in nic.gpus]
+    f = assert_warning(cfg, "cluster.nics", "GPU 3 has no efa NIC on its PCIe switch")
+    assert "same NUMA node 0" in f.message
+    cfg = recipe("llama-3.1-70b")
+    cfg.cluster.nics = [NicConfig(name="rdmap200s0", kind="efa", numa=1, gpus=[], gbps=100)]
+    # a host NIC serves every GPU: fine
+    assert not validate(cfg)
+    cfg.cluster.nics = [
+        NicConfig(name="rdmap200s0", kind="efa", numa=1, gpus=[7], gbps=100),
+    ]
+    f = assert_warning(cfg, "cluster.nics", "crosses the socket link")
+
+
+def test_nic_numa_disagrees_with_its_gpus():
+    cfg = recipe("deepseek-r1")
+    cfg.cluster.nics[0].numa = 1
+    assert_warning(cfg, "cluster.nics.0.numa", "serves GPUs [0] of another NUMA node")
+
+
+# --- ports ----------------------------------------------------------------------------------
+
+
+def test_port_collision_on_one_machine():
+    cfg = compose("decode.http_port=30000")
+    f = assert_error(cfg, "decode.http_port", "both listen on port 30000 on this machine")
+    assert "prefill-0 HTTP" in f.message
+
+
+def test_port_ranges_overlap_through_instance_offsets():
+    cfg = compose("prefill.instances=2", "prefill.bootstrap_port=30001")
+    # prefill-1's HTTP port (30000 + 1) lands on prefill-0's bootstrap port: both keys named
+    assert_error(
+        cfg, "prefill.http_port", "port 30001", "prefill.bootstrap_port", "instance i uses base + i"
+    )
+
+
+def test_router_port_collision():
+    cfg = compose("router.port=31001")
+    assert_error(cfg, "decode.http_port", "router", "31001")
+
+
+def test_port_out_of_range():
+    assert_error(compose("prefill.http_port=80"), "prefill.http_port", "outside 1024..65535")
+    assert_error(
+        compose("decode.dist_init_port=65535", "decode.instances=2"),
+        "decode.dist_init_port",
+        "65536",
+    )
+
+
+def test_same_ports_on_different_nodes_are_fine():
+    cfg = recipe("deepseek-r1", "decode.http_port=30000", "decode.dist_init_port=20000")
+    assert not validate(cfg)
+
+
+# --- memory ---------------------------------------------------------------------------------
+
+
+def test_weights_do_not_fit():
+    cfg = recipe("llama-3.1-70b", "decode.tp=1", "decode.instances=8")
+    f = assert_error(cfg, "decode.mem_fraction", "weights need 131.5 GiB per GPU")
+    assert "80 = 68.0 GiB" in f.message
+
+
+def test_moe_weights_shard_experts_over_tp_and_replicate_attention_under_dp():
+    dense = recipe("deepseek-r1")
+    dpa = recipe("deepseek-r1-dp-attention")
+    # experts sharded over 8 GPUs either way; attention/dense replicated per DP group
+    from pdtool.memory import role_memory
+
+    a = role_memory("decode", dense.model, dense.cluster, dense.decode)
+    b = role_memory("decode", dpa.model, dpa.cluster, dpa.decode)
+    assert a.expert_weights_gb == b.expert_weights_gb
+    assert b.dense_weights_gb == pytest.approx(a.dense_weights_gb * 8, rel=1e-3)
+    # and on 80 GB H100s R1 no longer fits at TP8
+    cfg = recipe("deepseek-r1", "cluster=p5")
+    assert_error(cfg, "prefill.mem_fraction", "leaves no room for the KV cache")
+
+
+def test_kv_budget_smaller_than_a_chunk_and_than_a_context():
+    cfg = recipe("deepseek-r1", "prefill.mem_fraction=0.56", "decode.mem_fraction=0.56")
+    assert_error(cfg, "prefill.mem_fraction", "fewer than one prefill chunk (16384 tokens)")
+    cfg = recipe("deepseek-r1", "decode.mem_fraction=0.6")
+    assert_warning(cfg, "decode.mem_fraction", "model.context_length=163840")
+
+
+def test_validate_orders_errors_first_and_stops_on_bad_values():
+    cfg = compose("prefill.tp=0")
+    cfg.decode.http_port = cfg.prefill.http_port  # would be a port error in a later stage
+    found = validate(cfg)
+    assert [f.key for f in found] == ["prefill.tp"]
