@@ -35,9 +35,9 @@ def _request_body(**over):
                    "page_size": 16, "head_dim": 64, "itemsize": 2},
         "num_layers": 2, "buffers_per_layer": 1, "fabric_name": b"name",
         "regions": [{"base": 1, "key": 2, "length": 3}] * 2, "aux_regions": [],
-        "aux_row": 1, "slices": [{"head_lo": 0, "num_heads": 2, "src_head_off": 0,
+        "aux_row": 1, "slices": [{"src_rank": 0, "head_lo": 0, "num_heads": 2, "src_head_off": 0,
                                   "dst_head_off": 0}],
-        "send_aux": False, "expected": 2, "timeout_s": 5.0,
+        "aux_rank": 0, "expected": [2, 0], "timeout_s": 5.0,
     }
     body.update(over)
     return body

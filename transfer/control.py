@@ -196,11 +196,11 @@ _SPEC = map_field({"num_kv_heads": int_field(1, 1 << 16), "tp": int_field(1, 1 <
 _LAYOUT = map_field({"kind": str_field(8, ("HND", "NHD")), "num_pages": _POS,
                      "heads_local": _POS, "kv_parts": int_field(1, 2), "page_size": _POS,
                      "head_dim": _POS, "itemsize": int_field(1, 16)})
-_SLICE = map_field({"head_lo": _NAT, "num_heads": _POS, "src_head_off": _NAT,
+_SLICE = map_field({"src_rank": _NAT, "head_lo": _NAT, "num_heads": _POS, "src_head_off": _NAT,
                     "dst_head_off": _NAT})
 
 SCHEMAS: dict[str, Check] = {
-    # decode rank -> prefill rank: one part of a request (see messenger.decode for who sends it)
+    # decode rank -> prefill lead: this decode rank's part of a request (messenger.decode)
     "REQUEST": map_field({
         "rid": _RID,
         "token_ids": bytes_field(4 << 20, 4),      # uint32 LE; only decode rank 0's part has them
@@ -214,9 +214,9 @@ SCHEMAS: dict[str, Check] = {
         "regions": list_field(_REGION, 8192),
         "aux_regions": list_field(_AUX_REGION, 64),
         "aux_row": _NAT,
-        "slices": list_field(_SLICE, 4096),
-        "send_aux": bool_field(),
-        "expected": _NAT,                          # writes this prefill rank must issue
+        "slices": list_field(_SLICE, 4096),        # what each prefill rank sends this rank
+        "aux_rank": _NAT,                          # the prefill rank that sends the aux rows
+        "expected": list_field(_NAT, 1 << 16),     # writes each prefill rank issues to it
         "timeout_s": float_field(0.001, 86400.0),
     }),
     # decode -> prefill: stop writing for this transfer and confirm with ABORTED

@@ -1,0 +1,301 @@
+"""Shared pieces of both messengers: configuration, states, and the single-thread worker.
+
+Threading model (both sides). The engine calls the public methods from its own thread; they only
+validate arguments, append a command to a deque and return (or read a snapshot). ONE messenger
+thread owns everything else — the libfabric endpoint, the ZeroMQ sockets, the slot/tag tables —
+and loops: drain the CQ, run commands, read control messages, watch the progress counter, check
+counts, and every few milliseconds run timers (timeouts, heartbeats, quarantine). Keeping every
+poll in one place matters on small machines: two busy-polling threads per process halve the
+throughput (DESIGN §5). While nothing is in flight the thread sleeps on its sockets
+(`idle_sleep_s`); while transfers are in flight it spins, pausing `busy_sleep_s` per loop (0 on
+dedicated cores; tests on 2 cores use a little).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets as _secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import zmq
+
+from ..control import check_bind_host, check_secret
+from ..routes import RouteError, ShardSpec
+
+log = logging.getLogger("transfer.messenger")
+
+PASS_SHIFT = 16          # progress word = (pass_id << 16) | layers_done
+LAYER_MASK = (1 << PASS_SHIFT) - 1
+
+
+class MessengerError(RuntimeError):
+    """The messenger thread could not start or died; the text says why."""
+
+
+def _positive(name: str, v: Any, *, allow_zero: bool = False) -> None:
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and (v >= 0 if allow_zero
+                                                                      else v > 0)
+    if not ok:
+        raise ValueError(f"{name}: expected a {'non-negative' if allow_zero else 'positive'} "
+                         f"number, got {v!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommonConfig:
+    """Settings both sides share. `spec` is this side's sharding, `peer_spec` the other's.
+
+    `rank` is this process's attention-TP rank inside its instance (0 = lead). Timeouts:
+    `timeout_s` bounds one transfer end to end; a peer silent for `peer_timeout_s` is dead;
+    heartbeats go every `heartbeat_s`.
+    """
+
+    secret: bytes
+    spec: ShardSpec
+    peer_spec: ShardSpec
+    rank: int = 0
+    provider: str = "shm"
+    buffers_per_layer: int = 1
+    timeout_s: float = 60.0
+    heartbeat_s: float = 0.5
+    peer_timeout_s: float = 5.0
+    busy_sleep_s: float = 0.0
+    idle_sleep_s: float = 0.002
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        check_secret(self.secret)
+        for name in ("spec", "peer_spec"):
+            spec = getattr(self, name)
+            if not isinstance(spec, ShardSpec):
+                raise ValueError(f"{name}: expected a transfer.routes.ShardSpec")
+            try:
+                spec.check()
+            except RouteError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        if self.spec.num_kv_heads != self.peer_spec.num_kv_heads:
+            raise ValueError(f"spec.num_kv_heads={self.spec.num_kv_heads} differs from "
+                             f"peer_spec.num_kv_heads={self.peer_spec.num_kv_heads}")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.spec.attn_tp:
+            raise ValueError(f"rank: expected 0..{self.spec.attn_tp - 1}, got {self.rank!r}")
+        if self.buffers_per_layer not in (1, 2):
+            raise ValueError(f"buffers_per_layer: 1 (fused K/V) or 2 (separate), got "
+                             f"{self.buffers_per_layer!r}")
+        for name in ("timeout_s", "heartbeat_s", "peer_timeout_s"):
+            _positive(name, getattr(self, name))
+        for name in ("busy_sleep_s", "idle_sleep_s"):
+            _positive(name, getattr(self, name), allow_zero=True)
+        if self.peer_timeout_s <= self.heartbeat_s:
+            raise ValueError(f"peer_timeout_s ({self.peer_timeout_s}) must exceed heartbeat_s "
+                             f"({self.heartbeat_s})")
+
+    def identity(self, role: str) -> str:
+        """A routing id unique per process (a restarted peer is a new peer)."""
+        base = self.name or f"{role}-r{self.rank}"
+        return f"{base}-{os.getpid()}-{_secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillConfig(CommonConfig):
+    """Prefill side: where its control socket listens (a configured interface, never every
+    interface unless `allow_any_interface`), and how many requests may be bound at once
+    (`max_requests`: each needs one fabric tag per destination rank)."""
+
+    bind_host: str = "127.0.0.1"
+    port: int = 0
+    allow_any_interface: bool = False
+    max_requests: int = 4096
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_bind_host(self.bind_host, self.allow_any_interface)
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"port: expected 0..65535, got {self.port!r}")
+        _positive("max_requests", self.max_requests)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeConfig(CommonConfig):
+    """Decode side: the prefill instances it may use, each a list of its attention ranks'
+    control addresses (`tcp://host:port`, rank 0 first); `max_inflight` transfer slots (aux rows
+    must be at least this many); `quarantine_grace_s`: see transfer.slots."""
+
+    prefill_endpoints: tuple[tuple[str, ...], ...]
+    max_inflight: int = 256
+    quarantine_grace_s: float = 5.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.prefill_endpoints:
+            raise ValueError("prefill_endpoints: at least one prefill instance is needed")
+        for i, group in enumerate(self.prefill_endpoints):
+            if len(group) != self.peer_spec.attn_tp:
+                raise ValueError(f"prefill_endpoints[{i}]: {len(group)} addresses for "
+                                 f"{self.peer_spec.attn_tp} prefill attention ranks")
+            for j, addr in enumerate(group):
+                if not isinstance(addr, str) or not addr.startswith("tcp://"):
+                    raise ValueError(f"prefill_endpoints[{i}][{j}]: expected tcp://host:port, "
+                                     f"got {addr!r}")
+        if not isinstance(self.max_inflight, int) or not 0 < self.max_inflight <= 1 << 16:
+            raise ValueError(f"max_inflight: expected 1..65536, got {self.max_inflight!r}")
+        _positive("quarantine_grace_s", self.quarantine_grace_s)
+
+
+class TransferStatus(StrEnum):
+    """Decode-side life of one request's transfer.
+
+    PENDING: sent (or waiting for a slot); TRANSFERRING: writes are being counted;
+    SUCCESS: every expected write landed, the engine may schedule it;
+    ABORTING: it failed (reason set) but its pages are quarantined — do NOT free them yet;
+    FAILED: failed and the pages are safe to free.
+    """
+
+    PENDING = "pending"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    ABORTING = "aborting"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class TransferState:
+    rid: str
+    status: TransferStatus
+    reason: str = ""
+    received: int = 0
+    expected: int = 0
+    slot: int = -1
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """Prefill-side outcome of one request on this rank: its pages may be freed."""
+
+    rid: str
+    ok: bool
+    reason: str = ""
+    writes: int = 0
+
+
+@dataclass
+class PeerClock:
+    """Last time each peer was heard from; who has been silent too long."""
+
+    timeout_s: float
+    last: dict[Any, float] = field(default_factory=dict)
+    dead: set[Any] = field(default_factory=set)
+
+    def heard(self, peer: Any, now: float) -> bool:
+        """Record a sign of life; True when the peer had been declared dead."""
+        self.last[peer] = now
+        if peer in self.dead:
+            self.dead.discard(peer)
+            return True
+        return False
+
+    def newly_dead(self, now: float) -> list[Any]:
+        out = [p for p, t in self.last.items()
+               if p not in self.dead and now - t > self.timeout_s]
+        self.dead.update(out)
+        return out
+
+
+class Worker:
+    """Runs `_setup`, then `_step` in a loop on the messenger thread, then `_teardown`."""
+
+    role = "worker"
+    TIMER_S = 0.005
+
+    def __init__(self, config: CommonConfig) -> None:
+        self.config = config
+        self._cmds: deque[tuple[Any, ...]] = deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._fatal = ""
+        self._ctx: zmq.Context | None = None
+        self._thread = threading.Thread(target=self._main, name=f"pdtool-{self.role}",
+                                         daemon=True)
+
+    def _start(self, timeout: float = 60.0) -> None:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            self._stop.set()
+            raise MessengerError(f"{self.role} messenger did not start within {timeout:.0f} s")
+        if self._error is not None:
+            self._thread.join(5)
+            raise MessengerError(f"{self.role} messenger failed to start: {self._error}") \
+                from self._error
+
+    def _check_alive(self) -> None:
+        if self._fatal:
+            raise MessengerError(f"{self.role} messenger thread died: {self._fatal}")
+        if self._stop.is_set():
+            raise MessengerError(f"{self.role} messenger is closed")
+
+    # -- thread ------------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self._ctx = zmq.Context()
+            self._setup()
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+            self._safe_teardown()
+            return
+        self._ready.set()
+        next_timer = 0.0
+        cfg = self.config
+        try:
+            while not self._stop.is_set():
+                busy = self._step()
+                now = time.monotonic()
+                if now >= next_timer:
+                    self._timers(now)
+                    next_timer = now + self.TIMER_S
+                if not busy:
+                    self._idle_wait(cfg.idle_sleep_s)
+                elif cfg.busy_sleep_s:
+                    time.sleep(cfg.busy_sleep_s)
+        except Exception as exc:  # a bug or a fatal provider error: fail loudly, clean up
+            log.exception("%s messenger thread died", self.role)
+            self._fatal = f"{type(exc).__name__}: {exc}"
+            self._on_fatal(self._fatal)
+        finally:
+            self._safe_teardown()
+
+    def _safe_teardown(self) -> None:
+        try:
+            self._teardown()
+        except Exception:
+            log.exception("%s messenger teardown", self.role)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread and free the endpoint and sockets (engine thread; idempotent)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- to implement ------------------------------------------------------------------------
+    def _setup(self) -> None: ...
+    def _step(self) -> bool: ...
+    def _timers(self, now: float) -> None: ...
+    def _idle_wait(self, seconds: float) -> None: ...
+    def _teardown(self) -> None: ...
+    def _on_fatal(self, reason: str) -> None: ...

@@ -1,0 +1,458 @@
+"""Decode side of the KV messenger (DESIGN §4 steps 1 and 5).
+
+Per decode attention rank, one `DecodeMessenger`. For each request whose pages the engine has
+allocated (non-evictable), the engine calls `submit`; the messenger
+
+1. takes a transfer slot `(slot, gen)` (transfer.slots) and arms the endpoint to count writes
+   carrying `encode_imm(slot, gen)`;
+2. picks the prefill instance (the engine's `peer`, else a hash of the request id, so every
+   decode rank of the instance picks the same one) and, per head run it needs, the prefill rank
+   that sends it (routes.routes_for; where the cache is replicated — MLA, or more TP ranks than
+   KV heads — one replica at random, so every prefill GPU and NIC is used, and only that one
+   sends the slice because this rank alone decides who sends its slices);
+3. sends its REQUEST part to the prefill instance's LEAD rank only. Why the lead: the prefill TP
+   ranks run one scheduler whose lead broadcasts new requests to the other ranks anyway; the lead
+   hands out a request once every decode rank's part arrived, the engine's broadcast carries the
+   parts to every prefill rank, and each rank's `bind` picks out what it must send — no extra
+   control hop, no race between a request reaching a rank and its routing data. ABORT and PING
+   go to every prefill rank directly, because each rank has its own writes in flight;
+4. computes how many writes will land here (routes.expected_writes: pages × layers × buffers ×
+   writes per page summed over its source slices, plus one per aux buffer) and hands the request
+   to the engine (`ready()`) exactly when `recv_counts[slot]` reaches it. No completion message.
+
+Failure handling. A transfer fails on its timeout, on an ABORTED from any prefill rank, on a
+prefill rank silent for `peer_timeout_s` (its lease: this side stops being sure it is alive),
+or on `cancel`. It then goes ABORTING: an ABORT goes to every prefill rank of the instance
+(re-sent until answered), and the destination pages plus the slot's aux row stay quarantined —
+see transfer.slots for when they are released. Only then is the request FAILED and in `failed()`:
+the engine must not free or reuse the pages before that.
+
+Thread contract: `submit`, `cancel`, `release`, `status`, `ready`, `failed`, `aux` are called by
+the engine's thread; they never block on the network. Everything else runs on the messenger
+thread (the only one touching the endpoint and sockets).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from ..control import Channel, Codec
+from ..layout import AuxSpec, KVLayout, LayoutError, as_buffer, aux_spec
+from ..routes import Slice, expected_writes, pages_for, routes_for, writes_per_page
+from ..slots import SlotTable
+from .common import DecodeConfig, MessengerError, PeerClock, TransferState, TransferStatus, Worker
+
+log = logging.getLogger("transfer.messenger.decode")
+_U32 = np.dtype("<u4")
+
+
+@dataclass
+class _Xfer:
+    rid: str
+    tokens: np.ndarray
+    pages: np.ndarray
+    peer: int | None
+    submitted: float
+    status: TransferStatus = TransferStatus.PENDING
+    reason: str = ""
+    group: int = -1
+    slot: int = -1
+    gen: int = -1
+    expected: int = 0
+    confirmed: dict[int, int] = field(default_factory=dict)  # prefill rank -> writes it issued
+    last_abort: float = 0.0
+
+
+class DecodeMessenger(Worker):
+    """See the module docstring. `kv_buffers`: one tensor per layer (or per layer and K/V with
+    `buffers_per_layer=2`), all of the documented 5-D `layout`; `aux_buffers`: tensors of
+    `[rows >= max_inflight, ...]` receiving context rows (hidden states, logits) — row = slot.
+    The caller keeps every buffer alive until `close()`."""
+
+    role = "decode"
+
+    def __init__(self, config: DecodeConfig, kv_buffers: Sequence[Any], layout: str = "HND",
+                 aux_buffers: Sequence[Any] = ()) -> None:
+        super().__init__(config)
+        self.config: DecodeConfig = config
+        if not kv_buffers or len(kv_buffers) % config.buffers_per_layer:
+            raise LayoutError(f"kv_buffers: need a positive multiple of buffers_per_layer="
+                              f"{config.buffers_per_layer}, got {len(kv_buffers)}")
+        self.layout = KVLayout.from_tensor(kv_buffers[0], layout)
+        for i, b in enumerate(kv_buffers):
+            if KVLayout.from_tensor(b, layout) != self.layout:
+                raise LayoutError(f"kv_buffers[{i}]: shape differs from kv_buffers[0]")
+        want_heads = config.spec.heads_per_rank
+        if self.layout.heads_local != want_heads:
+            raise LayoutError(f"kv_buffers: {self.layout.heads_local} local heads, but spec "
+                              f"{config.spec} gives {want_heads} per rank")
+        self.num_layers = len(kv_buffers) // config.buffers_per_layer
+        self._kv = [as_buffer(b) for b in kv_buffers]
+        self._aux_objs = list(aux_buffers)
+        self._aux: list[AuxSpec] = [aux_spec(a) for a in aux_buffers]
+        for i, a in enumerate(self._aux):
+            if a.rows < config.max_inflight:
+                raise LayoutError(f"aux_buffers[{i}]: {a.rows} rows, need max_inflight="
+                                  f"{config.max_inflight}")
+        self._aux_raw = [np.frombuffer(_view(a), dtype=np.uint8).reshape(s.rows, s.row_bytes)
+                         for a, s in zip(aux_buffers, self._aux, strict=True)]
+        self._keep = (list(kv_buffers), list(aux_buffers))
+        self._rng = random.Random(config.seed)
+        self._states: dict[str, TransferState] = {}
+        self._counts: np.ndarray | None = None
+        self.identity = config.identity("decode")
+        self._start()
+
+    # ================================================================ engine-thread API
+    def submit(self, rid: str, token_ids: Sequence[int] | np.ndarray,
+               dst_pages: Sequence[int] | np.ndarray, peer: int | None = None) -> None:
+        """Engine thread, once per request after allocating its non-evictable pages:
+        `dst_pages[i]` receives page i of the prompt (`pages_for(len(token_ids))` pages).
+        The request stays blocked until `status(rid)` is SUCCESS (then `ready()` has it)."""
+        self._check_alive()
+        if not isinstance(rid, str) or not 0 < len(rid) <= 256:
+            raise ValueError(f"rid: expected a non-empty string of at most 256 chars, got "
+                             f"{rid!r}")
+        tokens = np.asarray(token_ids)
+        if tokens.ndim != 1 or (tokens.size and (not np.issubdtype(tokens.dtype, np.integer)
+                                                 or tokens.min() < 0
+                                                 or tokens.max() >= 1 << 32)):
+            raise ValueError(f"token_ids of {rid}: expected a list of uint32 token ids")
+        n = pages_for(len(tokens), self.layout.page_size)
+        pages = self.layout.check_pages(np.asarray(dst_pages, dtype=np.int64).reshape(-1),
+                                        f"dst_pages of {rid}")
+        if len(pages) != n:
+            raise ValueError(f"dst_pages of {rid}: {len(pages)} pages for {len(tokens)} tokens; "
+                             f"prefill sends pages_for(tokens)={n}")
+        if peer is not None and not 0 <= peer < len(self.config.prefill_endpoints):
+            raise ValueError(f"peer: prefill instance {peer} does not exist (have "
+                             f"{len(self.config.prefill_endpoints)})")
+        with self._lock:
+            if rid in self._states:
+                raise ValueError(f"rid: {rid!r} is already being transferred")
+            self._states[rid] = TransferState(rid, TransferStatus.PENDING)
+        self._cmds.append(("submit", _Xfer(rid, tokens.astype(_U32), pages.astype(_U32), peer,
+                                           time.monotonic())))
+
+    def status(self, rid: str) -> TransferState:
+        """Any thread: the latest state; `received` is read live from the counters."""
+        with self._lock:
+            st = self._states.get(rid)
+        if st is None:
+            raise KeyError(f"rid: unknown request {rid!r}")
+        if st.slot >= 0 and self._counts is not None and st.status in (
+                TransferStatus.PENDING, TransferStatus.TRANSFERRING):
+            received = int(self._counts[st.slot])
+            status = TransferStatus.TRANSFERRING if received else st.status
+            return TransferState(rid, status, st.reason, received, st.expected, st.slot)
+        return st
+
+    def ready(self) -> set[str]:
+        """Level-triggered: requests whose every expected write landed (until `release`)."""
+        with self._lock:
+            return {r for r, s in self._states.items() if s.status is TransferStatus.SUCCESS}
+
+    def failed(self) -> set[str]:
+        """Level-triggered: failed requests whose pages are safe to free (until `release`)."""
+        with self._lock:
+            return {r for r, s in self._states.items() if s.status is TransferStatus.FAILED}
+
+    def aux(self, rid: str, index: int) -> np.ndarray:
+        """The aux row `index` of a SUCCESS request, as a uint8 view (copy it before
+        `release`: the row goes back with the slot)."""
+        st = self.status(rid)
+        if st.status is not TransferStatus.SUCCESS:
+            raise ValueError(f"aux of {rid}: transfer is {st.status.value}, not success")
+        return self._aux_raw[index][st.slot]
+
+    def cancel(self, rid: str, reason: str = "cancelled by the engine") -> None:
+        """Engine thread: give up on a transfer (client gone). It goes ABORTING, then FAILED
+        once its pages are safe; free them only after `failed()` lists it."""
+        self.status(rid)
+        self._cmds.append(("cancel", rid, reason))
+
+    def release(self, rid: str) -> None:
+        """Engine thread, once per SUCCESS or FAILED request when it leaves the transfer stage
+        (after copying its aux rows): the messenger forgets it and reuses its slot. The engine
+        still owns (and frees) the KV pages."""
+        st = self.status(rid)
+        if st.status not in (TransferStatus.SUCCESS, TransferStatus.FAILED):
+            raise ValueError(f"release of {rid}: transfer is {st.status.value}; only success or "
+                             f"failed requests can be released (use cancel first)")
+        with self._lock:
+            self._states.pop(rid, None)
+        self._cmds.append(("release", rid, st.slot if st.status is TransferStatus.SUCCESS
+                           else -1))
+
+    @property
+    def stale_writes(self) -> int:
+        """Writes that arrived for a slot generation no longer current (fenced, not counted)."""
+        return self._stale
+
+    # ================================================================ messenger thread
+    def _setup(self) -> None:
+        from ..fabric import Endpoint  # imported here: validate/plan never need libfabric
+
+        cfg = self.config
+        self._ep = Endpoint(cfg.provider, max_slots=max(cfg.max_inflight, 1))
+        self._kv_mrs = [self._ep.register(b.addr, b.nbytes) for b in self._kv]
+        self._aux_mrs = [self._ep.register(*_addr_len(a)) for a in self._aux_objs]
+        self._regions = [m.descriptor().to_dict() for m in self._kv_mrs]
+        self._aux_regions = [{**m.descriptor().to_dict(), "row_bytes": s.row_bytes}
+                             for m, s in zip(self._aux_mrs, self._aux, strict=True)]
+        self._slots = SlotTable(cfg.max_inflight, self._ep.recv_counts, self._ep.recv_gen,
+                                cfg.quarantine_grace_s)
+        self._counts = self._ep.recv_counts
+        self._stale = 0
+        codec = Codec(cfg.secret, self.identity)
+        assert self._ctx is not None
+        self._chans = [[Channel.connect(self._ctx, codec, addr) for addr in group]
+                       for group in cfg.prefill_endpoints]
+        self._poller = zmq.Poller()
+        for group in self._chans:
+            for ch in group:
+                self._poller.register(ch.sock, zmq.POLLIN)
+        now = time.monotonic()
+        self._clock = PeerClock(cfg.peer_timeout_s)
+        for g, group in enumerate(self._chans):
+            for r in range(len(group)):
+                self._clock.heard((g, r), now)
+        self._next_ping = 0.0
+        self._waiting: list[_Xfer] = []      # submitted, no free slot yet
+        self._xfers: dict[str, _Xfer] = {}   # holding a slot (active, quarantined or done)
+        self._by_slot: dict[int, _Xfer] = {}
+
+    def _teardown(self) -> None:
+        for group in getattr(self, "_chans", []):
+            for ch in group:
+                ch.close()
+        ep = getattr(self, "_ep", None)
+        if ep is not None:
+            self._counts = None
+            ep.close()
+
+    def _on_fatal(self, reason: str) -> None:
+        with self._lock:
+            for rid, st in list(self._states.items()):
+                if st.status not in (TransferStatus.SUCCESS, TransferStatus.FAILED):
+                    # the endpoint is going away: nothing can land any more
+                    self._states[rid] = TransferState(rid, TransferStatus.FAILED,
+                                                      f"messenger died: {reason}")
+
+    def _idle_wait(self, seconds: float) -> None:
+        if seconds > 0:
+            self._poller.poll(max(1, int(seconds * 1000)))
+
+    def _set(self, x: _Xfer, status: TransferStatus, reason: str = "") -> None:
+        x.status = status
+        x.reason = reason or x.reason
+        received = self._slots.received(x.slot) if x.slot >= 0 else 0
+        with self._lock:
+            if x.rid in self._states:
+                self._states[x.rid] = TransferState(x.rid, status, x.reason, received,
+                                                    x.expected, x.slot)
+
+    def _step(self) -> bool:
+        self._ep.poll()
+        while self._cmds:
+            cmd = self._cmds.popleft()
+            getattr(self, f"_cmd_{cmd[0]}")(*cmd[1:])
+        for g, group in enumerate(self._chans):
+            for r, ch in enumerate(group):
+                for _peer, msg in ch.recv():
+                    self._on_message(g, r, msg)
+        if self._waiting:
+            self._start_waiting()
+        for slot in self._slots.completed():
+            x = self._by_slot[int(slot)]
+            got = self._slots.received(x.slot)
+            self._slots.finish(x.slot)
+            if got > x.expected:
+                self._fail(x, f"received {got} writes, expected {x.expected} (protocol error)")
+            else:
+                self._set(x, TransferStatus.SUCCESS)
+        return bool(self._waiting or self._by_slot)
+
+    # -- commands ---------------------------------------------------------------------------
+    def _cmd_submit(self, x: _Xfer) -> None:
+        self._waiting.append(x)
+
+    def _cmd_cancel(self, rid: str, reason: str) -> None:
+        x = self._xfers.get(rid)
+        if x is not None:
+            self._fail(x, reason)
+            return
+        for w in self._waiting:
+            if w.rid == rid:
+                self._waiting.remove(w)
+                self._set(w, TransferStatus.FAILED, reason)
+
+    def _cmd_release(self, rid: str, slot: int) -> None:
+        x = self._xfers.pop(rid, None)
+        if x is not None and slot >= 0 and self._by_slot.get(slot) is x:
+            del self._by_slot[slot]
+            self._slots.release(slot)
+
+    def _start_waiting(self) -> None:
+        while self._waiting and self._slots.free:
+            self._begin(self._waiting.pop(0))
+
+    def _begin(self, x: _Xfer) -> None:
+        cfg = self.config
+        src, dst = cfg.peer_spec, cfg.spec
+        groups = len(cfg.prefill_endpoints)
+        x.group = x.peer if x.peer is not None else zlib.crc32(x.rid.encode()) % groups
+        slices = routes_for(src, dst, cfg.rank, self._rng)
+        lay, n = self.layout, len(x.pages)
+        per_rank = [0] * src.attn_tp
+        for s in slices:
+            per_rank[s.src_rank] += (n * self.num_layers * cfg.buffers_per_layer
+                                     * writes_per_page(s, src, dst, lay.kind, lay.page_size))
+        aux_rank = slices[0].src_rank
+        per_rank[aux_rank] += len(self._aux)
+        x.expected = expected_writes(slices, src, dst, layout=lay.kind, page_size=lay.page_size,
+                                     num_pages=n, num_layers=self.num_layers,
+                                     buffers_per_layer=cfg.buffers_per_layer,
+                                     aux_writes=len(self._aux))
+        if x.expected != sum(per_rank):  # pragma: no cover - both from routes.py
+            raise MessengerError(f"{x.rid}: expected {x.expected} != per-rank sum {per_rank}")
+        alloc = self._slots.allocate(x.expected)
+        if alloc is None:  # pragma: no cover - _start_waiting checks free first
+            self._waiting.insert(0, x)
+            return
+        x.slot, x.gen = alloc
+        self._xfers[x.rid] = x
+        self._by_slot[x.slot] = x
+        body = {
+            "rid": x.rid,
+            "token_ids": x.tokens.tobytes() if cfg.rank == 0 else b"",
+            "num_tokens": len(x.tokens),
+            "dst_pages": x.pages.tobytes(),
+            "slot": x.slot, "gen": x.gen,
+            "dst_rank": cfg.rank, "num_parts": dst.attn_tp,
+            "dst_spec": _spec_dict(dst), "src_spec": _spec_dict(src),
+            "layout": lay.to_dict(), "num_layers": self.num_layers,
+            "buffers_per_layer": cfg.buffers_per_layer,
+            "fabric_name": self._ep.name,
+            "regions": self._regions, "aux_regions": self._aux_regions, "aux_row": x.slot,
+            "slices": [_slice_dict(s) for s in slices],
+            "aux_rank": aux_rank, "expected": per_rank,
+            "timeout_s": max(0.001, cfg.timeout_s - (time.monotonic() - x.submitted)),
+        }
+        self._set(x, TransferStatus.PENDING)
+        self._chans[x.group][0].send("REQUEST", body)
+        if x.expected == 0:  # nothing to move (a 1-token prompt without aux buffers)
+            self._slots.finish(x.slot)
+            self._set(x, TransferStatus.SUCCESS)
+
+    # -- control messages -------------------------------------------------------------------
+    def _on_message(self, g: int, r: int, msg: Any) -> None:
+        now = time.monotonic()
+        if self._clock.heard((g, r), now):
+            log.info("prefill %d rank %d is answering again", g, r)
+        if msg.type != "ABORTED":
+            return  # PONG: liveness only
+        b = msg.body
+        x = self._xfers.get(b["rid"])
+        if x is None or x.group != g or (x.slot, x.gen) != (b["slot"], b["gen"]):
+            return  # an older transfer of that id, already settled
+        landed = b["issued"] - b["errored"]
+        if x.status is TransferStatus.ABORTING:
+            self._slots.confirm(x.slot, (g, r), landed, now)
+        elif x.status in (TransferStatus.PENDING, TransferStatus.TRANSFERRING):
+            x.confirmed[r] = landed
+            self._fail(x, f"prefill {g} rank {r} aborted: {b['reason']}")
+
+    def _fail(self, x: _Xfer, reason: str) -> None:
+        if x.status not in (TransferStatus.PENDING, TransferStatus.TRANSFERRING):
+            return
+        now = time.monotonic()
+        n_ranks = self.config.peer_spec.attn_tp
+        q = self._slots.quarantine(x.slot, x.rid, {(x.group, r) for r in range(n_ranks)})
+        for r, landed in x.confirmed.items():
+            self._slots.confirm(x.slot, (x.group, r), landed, now)
+        for peer in q.waiting:
+            if peer in self._clock.dead:
+                q.dead_until[peer] = self._clock.last[peer] + 2 * self.config.peer_timeout_s
+        log.warning("transfer %s failed: %s", x.rid, reason)
+        self._set(x, TransferStatus.ABORTING, reason)
+        self._send_aborts(x, now)
+
+    def _send_aborts(self, x: _Xfer, now: float) -> None:
+        q = self._slots.quarantined.get(x.slot)
+        if q is None:
+            return
+        x.last_abort = now
+        for g, r in q.waiting:
+            self._chans[g][r].send("ABORT", {"rid": x.rid, "slot": x.slot, "gen": x.gen,
+                                             "reason": x.reason[:1024]})
+
+    # -- timers -----------------------------------------------------------------------------
+    def _timers(self, now: float) -> None:
+        cfg = self.config
+        self._stale = self._ep.stale_writes
+        if now >= self._next_ping:
+            self._next_ping = now + cfg.heartbeat_s
+            for group in self._chans:
+                for ch in group:
+                    ch.send("PING", {})
+        for peer in self._clock.newly_dead(now):
+            g, r = peer
+            # the peer's lease (it stops writing when it misses our pings) ends one more
+            # peer_timeout after it last answered; after that its writes can no longer land
+            lease_end = self._clock.last[peer] + 2 * cfg.peer_timeout_s
+            self._slots.peer_dead(peer, lease_end)
+            for x in list(self._xfers.values()):
+                if x.group == g and x.status in (TransferStatus.PENDING,
+                                                 TransferStatus.TRANSFERRING):
+                    self._fail(x, f"prefill {g} rank {r} silent for more than "
+                                  f"{cfg.peer_timeout_s:.1f} s (dead?)")
+        for x in list(self._xfers.values()):
+            if x.status in (TransferStatus.PENDING, TransferStatus.TRANSFERRING):
+                if now - x.submitted > cfg.timeout_s:
+                    got = self._slots.received(x.slot)
+                    self._fail(x, f"timed out after {cfg.timeout_s:.1f} s with {got} of "
+                                  f"{x.expected} writes")
+            elif (x.status is TransferStatus.ABORTING
+                  and now - x.last_abort > 2 * cfg.heartbeat_s):
+                self._send_aborts(x, now)
+        for w in list(self._waiting):
+            if now - w.submitted > cfg.timeout_s:
+                self._waiting.remove(w)
+                self._set(w, TransferStatus.FAILED, f"no free transfer slot within "
+                                                    f"{cfg.timeout_s:.1f} s")
+        for slot in self._slots.ready_to_release(now):
+            x = self._by_slot.pop(slot)
+            self._slots.release(slot)
+            self._xfers.pop(x.rid, None)
+            self._set(x, TransferStatus.FAILED)
+
+
+def _spec_dict(s: Any) -> dict[str, int]:
+    return {"num_kv_heads": s.num_kv_heads, "tp": s.tp, "dp": s.dp}
+
+
+def _slice_dict(s: Slice) -> dict[str, int]:
+    return {"src_rank": s.src_rank, "head_lo": s.head_lo, "num_heads": s.num_heads,
+            "src_head_off": s.src_head_off, "dst_head_off": s.dst_head_off}
+
+
+def _addr_len(obj: Any) -> tuple[int, int]:
+    b = as_buffer(obj)
+    return b.addr, b.nbytes
+
+
+def _view(obj: Any) -> Any:
+    """A writable buffer over a tensor/array's memory (for reading aux rows)."""
+    b = as_buffer(obj)
+    import ctypes
+    return (ctypes.c_uint8 * b.nbytes).from_address(b.addr)

@@ -1,0 +1,385 @@
+"""Run a prefill group and a decode group as real processes on this machine, through the full
+messenger protocol, and report what each side saw. Used by the tests and by bench/transfer.py.
+
+Each prefill rank process runs a miniature engine: the lead polls requests and "broadcasts" them
+to the other ranks (a multiprocessing queue stands in for the engine's TP broadcast), every rank
+binds the request to deterministic source pages, runs chunked passes (`begin_pass`, one
+`layer_done` per layer) and `finish`es with deterministic aux rows. Its KV cache holds
+deterministic data (a seeded global tensor per layer, each rank keeping its heads), so each
+decode rank can check its pages byte for byte. Decode rank processes submit the prompts, wait for
+every transfer to settle, verify pages and aux rows, and report counts.
+
+`Scenario.faults` makes a prefill instance misbehave after layer 0 of its first pass:
+  * "kill": SIGKILL itself (a dead peer);
+  * "stall": stop bumping the progress counter until the decoder has failed the transfer, then
+    finish the pass (no write may be issued after the abort);
+  * "hold": wait until the decoder has counted writes before finishing the pass (layer
+    streaming: completions of layer 0 arrive before the last layer is written).
+Processes are always reaped (and their /dev/shm files removed) when `run` returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+import zlib
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from ..routes import ShardSpec, pages_for
+
+SECRET = b"loopback-test-secret-0123456789ab"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    provider: str = "shm"
+    layout: str = "HND"
+    num_kv_heads: int = 4
+    prefill_tp: int = 2
+    decode_tp: int = 2
+    prefill_instances: int = 1
+    kv_parts: int = 2
+    page_size: int = 4
+    head_dim: int = 8
+    num_layers: int = 3
+    dtype: str = "bfloat16"
+    src_pages: int = 64
+    dst_pages: int = 64
+    prompts: tuple[int, ...] = (17, 33, 5)
+    peers: tuple[int, ...] = ()           # prefill instance per prompt (default: 0)
+    followups: tuple[int, ...] = ()       # second wave, same destination pages reused
+    followup_peers: tuple[int, ...] = ()
+    waves: int = 1                        # repeat the first wave (benchmark)
+    chunk_pages: int = 2
+    aux_row_bytes: tuple[int, ...] = (48,)
+    faults: tuple[tuple[int, str], ...] = ()  # (prefill instance, "kill"|"stall"|"hold")
+    timeout_s: float = 20.0
+    heartbeat_s: float = 0.2
+    peer_timeout_s: float = 1.0
+    busy_sleep_s: float = 0.0002
+    verify: bool = True
+    run_timeout_s: float = 60.0
+
+
+@dataclass
+class Outcome:
+    decode: list[dict[str, Any]] = field(default_factory=list)
+    prefill: list[dict[str, Any]] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- deterministic data
+def _torch_dtype(name: str) -> Any:
+    import torch
+    return getattr(torch, name)
+
+
+def _global_layer(s: Scenario, layer: int) -> Any:
+    """[src_pages, heads, parts, page, dim] for one layer buffer (HND, all heads)."""
+    import torch
+    g = torch.Generator().manual_seed(1000 + layer)
+    shape = (s.src_pages, s.num_kv_heads, s.kv_parts, s.page_size, s.head_dim)
+    if _torch_dtype(s.dtype).is_floating_point:
+        return torch.randn(shape, generator=g).to(_torch_dtype(s.dtype))
+    return torch.randint(0, 255, shape, generator=g, dtype=torch.uint8).to(_torch_dtype(s.dtype))
+
+
+def _local(s: Scenario, full: Any, spec: ShardSpec, rank: int) -> Any:
+    hs = spec.heads_of(rank)
+    t = full[:, hs.start:hs.stop].contiguous()
+    return t if s.layout == "HND" else t.permute(0, 3, 1, 2, 4).contiguous()
+
+
+def _requests(s: Scenario) -> list[tuple[str, int, int, int]]:
+    """(rid, num_tokens, prefill instance, wave) in submission order."""
+    out = []
+    for w in range(s.waves):
+        for i, n in enumerate(s.prompts):
+            out.append((f"w{w}-r{i}", n, s.peers[i] if s.peers else 0, w))
+    for i, n in enumerate(s.followups):
+        out.append((f"f-r{i}", n, s.followup_peers[i] if s.followup_peers else 0, s.waves))
+    return out
+
+
+def _page_ids(s: Scenario, total: int, seed: int) -> dict[str, np.ndarray]:
+    """Deterministic page ids per request; every wave reuses the same ids."""
+    perm = np.random.default_rng(seed).permutation(total)
+    out, cursor, wave = {}, 0, -1
+    for rid, n, _peer, w in _requests(s):
+        if w != wave:
+            cursor, wave = 0, w
+        k = pages_for(n, s.page_size)
+        if cursor + k > total:
+            raise ValueError(f"scenario: {total} pages cannot hold wave {w}")
+        out[rid] = perm[cursor:cursor + k]
+        cursor += k
+    return out
+
+
+def _aux_row(s: Scenario, rid: str, i: int) -> bytes:
+    rng = np.random.default_rng(zlib.crc32(f"{rid}/{i}".encode()))
+    return rng.integers(0, 256, s.aux_row_bytes[i], dtype=np.uint8).tobytes()
+
+
+def _tokens(rid: str, n: int) -> np.ndarray:
+    return np.random.default_rng(zlib.crc32(rid.encode())).integers(0, 50000, n, dtype=np.uint32)
+
+
+# --------------------------------------------------------------------------- prefill process
+def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any],
+                  ev: dict[str, Any]) -> None:
+    import torch
+
+    from .common import PrefillConfig
+    from .prefill import PrefillMessenger
+
+    src, dst = ShardSpec(s.num_kv_heads, s.prefill_tp), ShardSpec(s.num_kv_heads, s.decode_tp)
+    kv = [_local(s, _global_layer(s, layer), src, rank) for layer in range(s.num_layers)]
+    aux = [torch.zeros((64, rb), dtype=torch.uint8) for rb in s.aux_row_bytes]
+    cfg = PrefillConfig(secret=SECRET, spec=src, peer_spec=dst, rank=rank, provider=s.provider,
+                        timeout_s=s.timeout_s, heartbeat_s=s.heartbeat_s,
+                        peer_timeout_s=s.peer_timeout_s, busy_sleep_s=s.busy_sleep_s)
+    fault = dict(s.faults).get(inst, "")
+    m = PrefillMessenger(cfg, kv, s.layout, aux)
+    conn.send(m.address)
+    pages = _page_ids(s, s.src_pages, 1)
+    active: list[list[Any]] = []   # [req, next token]
+    results: dict[str, Any] = {}
+    first_pass, report = True, {"inst": inst, "rank": rank, "pid": os.getpid()}
+    try:
+        while not ev["stop"].is_set():
+            if rank == 0:
+                new = m.poll_requests()
+                for q in bcast:
+                    for r in new:
+                        q.put(r)
+            else:
+                new = []
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        new.append(bcast[0].get_nowait())
+            for req in new:
+                m.bind(req, pages[req.rid])
+                active.append([req, 0])
+                if req.num_pages == 0:
+                    m.finish(req.rid, [_aux_row(s, req.rid, i) for i in range(len(aux))])
+            chunks = []
+            for a in active:
+                req, lo = a
+                todo = req.num_tokens - 1
+                if lo < todo:
+                    hi = min(todo, lo + s.chunk_pages * s.page_size)
+                    chunks.append((req.rid, lo, hi))
+                    a[1] = hi
+            if chunks:
+                m.begin_pass(chunks)
+                for layer in range(s.num_layers):
+                    m.layer_done(layer)
+                    if first_pass and layer == 0 and fault:
+                        _fault(m, fault, ev, report)
+                first_pass = False
+                for rid, _lo, hi in chunks:
+                    a = next(a for a in active if a[0].rid == rid)
+                    if hi == a[0].num_tokens - 1:
+                        m.finish(rid, [_aux_row(s, rid, i) for i in range(len(aux))])
+            active = [a for a in active if a[1] < a[0].num_tokens - 1]
+            for rid in m.done():
+                r = m.result(rid)
+                results[rid] = {"ok": r.ok, "reason": r.reason, "writes": r.writes}
+                m.release(rid)
+            if not chunks and not new:
+                time.sleep(0.002)
+        time.sleep(0.05)
+        for rid in m.done():
+            r = m.result(rid)
+            results[rid] = {"ok": r.ok, "reason": r.reason, "writes": r.writes}
+        report.update(results=results, writes_issued=m.writes_issued)
+    finally:
+        m.close()
+    conn.send(report)
+
+
+def _fault(m: Any, fault: str, ev: dict[str, Any], report: dict[str, Any]) -> None:
+    if fault == "kill":
+        time.sleep(0.3)  # let layer 0's writes go out
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault == "stall":
+        report["released"] = ev["decoder_failed"].wait(60)
+        report["writes_at_abort"] = m.writes_issued
+        time.sleep(0.3)  # the messenger thread sees the rest of the layers (and must not send)
+    elif fault == "hold":
+        report["held"] = ev["decoder_saw_writes"].wait(30)
+        report["writes_while_held"] = m.writes_issued
+
+
+# --------------------------------------------------------------------------- decode process
+def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...], conn: Any,
+                 ev: dict[str, Any]) -> None:
+    import torch
+
+    from .common import DecodeConfig, TransferStatus
+    from .decode import DecodeMessenger
+
+    src, dst = ShardSpec(s.num_kv_heads, s.prefill_tp), ShardSpec(s.num_kv_heads, s.decode_tp)
+    zero = _local(s, _global_layer(s, 0), dst, rank)
+    shape = (s.dst_pages, *zero.shape[1:])
+    kv = [torch.zeros(shape, dtype=zero.dtype) for _ in range(s.num_layers)]
+    aux = [torch.zeros((64, rb), dtype=torch.uint8) for rb in s.aux_row_bytes]
+    cfg = DecodeConfig(secret=SECRET, spec=dst, peer_spec=src, rank=rank, provider=s.provider,
+                       prefill_endpoints=endpoints, max_inflight=64, timeout_s=s.timeout_s,
+                       heartbeat_s=s.heartbeat_s, peer_timeout_s=s.peer_timeout_s,
+                       busy_sleep_s=s.busy_sleep_s, quarantine_grace_s=2.0)
+    m = DecodeMessenger(cfg, kv, s.layout, aux)
+    dpages, spages = _page_ids(s, s.dst_pages, 2), _page_ids(s, s.src_pages, 1)
+    report: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "requests": {}, "waves": []}
+    final = (TransferStatus.SUCCESS, TransferStatus.FAILED)
+    reqs = _requests(s)
+    try:
+        for wave in sorted({w for *_, w in reqs}):
+            batch = [r for r in reqs if r[3] == wave]
+            t0 = time.perf_counter()
+            for rid, n, peer, _w in batch:
+                m.submit(rid, _tokens(rid, n), dpages[rid], peer=peer)
+            pending = {r[0] for r in batch}
+            deadline = time.monotonic() + s.run_timeout_s
+            while pending and time.monotonic() < deadline:
+                for rid in list(pending):
+                    st = m.status(rid)
+                    if st.received and not ev["decoder_saw_writes"].is_set():
+                        report["seen"] = {"rid": rid, "received": st.received,
+                                          "expected": st.expected}
+                        ev["decoder_saw_writes"].set()
+                    if st.status in final:
+                        pending.discard(rid)
+                        if st.status is TransferStatus.FAILED:
+                            ev["decoder_failed"].set()
+                time.sleep(0.0005)
+            report["waves"].append({"seconds": time.perf_counter() - t0,
+                                    "pages": sum(len(dpages[r[0]]) for r in batch)})
+            for rid, _n, peer, _w in batch:
+                st = m.status(rid)
+                info = {"status": st.status.value, "reason": st.reason,
+                        "received": st.received, "expected": st.expected, "peer": peer,
+                        "pages": len(dpages[rid])}
+                if st.status is TransferStatus.SUCCESS and s.verify:
+                    info.update(_verify(s, m, kv, dst, rank, rid, dpages[rid], spages[rid]))
+                report["requests"][rid] = info
+                if st.status in final:
+                    m.release(rid)
+        report["stale_writes"] = m.stale_writes
+    finally:
+        m.close()
+    conn.send(report)
+
+
+def _verify(s: Scenario, m: Any, kv: list[Any], dst: ShardSpec, rank: int, rid: str,
+            dpages: np.ndarray, spages: np.ndarray) -> dict[str, Any]:
+    import torch
+
+    bad = []
+    for layer, buf in enumerate(kv):
+        want = _local(s, _global_layer(s, layer)[torch.as_tensor(spages)], dst, rank)
+        got = buf[torch.as_tensor(dpages)]
+        if not torch.equal(got.view(torch.uint8) if got.dtype != torch.uint8 else got,
+                           want.view(torch.uint8) if want.dtype != torch.uint8 else want):
+            bad.append(layer)
+    aux_ok = all(bytes(m.aux(rid, i)) == _aux_row(s, rid, i) for i in range(len(s.aux_row_bytes)))
+    return {"bad_layers": bad, "aux_ok": aux_ok}
+
+
+# --------------------------------------------------------------------------- orchestration
+def run(s: Scenario) -> Outcome:
+    """Start every process, wait for the decode reports, stop and reap everything."""
+    ctx = mp.get_context("fork")
+    ev = {k: ctx.Event() for k in ("stop", "decoder_saw_writes", "decoder_failed")}
+    procs: list[Any] = []
+    pconns: list[Any] = []
+    out = Outcome()
+    try:
+        endpoints = []
+        for inst in range(s.prefill_instances):
+            bcast = [ctx.Queue() for _ in range(s.prefill_tp - 1)]
+            group_conns = []
+            for rank in range(s.prefill_tp):
+                a, b = ctx.Pipe()
+                my_q = bcast if rank == 0 else [bcast[rank - 1]]
+                p = ctx.Process(target=_prefill_main, args=(s, inst, rank, b, my_q, ev),
+                                daemon=True)
+                p.start()
+                procs.append(p)
+                group_conns.append(a)
+            endpoints.append(tuple(_recv(c, 30, "prefill address") for c in group_conns))
+            pconns += group_conns
+        dconns = []
+        for rank in range(s.decode_tp):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=_decode_main, args=(s, rank, tuple(endpoints), b, ev),
+                            daemon=True)
+            p.start()
+            procs.append(p)
+            dconns.append(a)
+        out.decode = [_recv(c, s.run_timeout_s + 10, "decode report") for c in dconns]
+        ev["stop"].set()
+        for c in pconns:
+            with contextlib.suppress(EOFError, TimeoutError, OSError):
+                out.prefill.append(_recv(c, 10, "prefill report"))
+    finally:
+        ev["stop"].set()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        _remove_shm([p.pid for p in procs if p.pid])
+    return out
+
+
+def _recv(conn: Any, timeout: float, what: str) -> Any:
+    if not conn.poll(timeout):
+        raise TimeoutError(f"no {what} within {timeout:.0f} s")
+    return conn.recv()
+
+
+def _remove_shm(pids: list[int]) -> None:
+    """libfabric's shm provider leaves a file per process in /dev/shm when killed."""
+    try:
+        from ..fabric import shm_leftovers
+    except ImportError:
+        return
+    for path in shm_leftovers(pids):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def measure_transfer(provider: str = "shm", page_bytes: int = 1 << 16,
+                     total_bytes: int = 1 << 30, *, requests: int = 16, waves: int = 3,
+                     num_layers: int = 1) -> dict[str, Any]:
+    """Move `total_bytes` of `page_bytes` pages from a prefill process to a decode process
+    through the full messenger protocol, `waves` times; returns the best wave's GB/s (decoder
+    clock: first submit to last SUCCESS) with the per-wave figures. For bench/transfer.py."""
+    pages = max(1, total_bytes // (page_bytes * num_layers))
+    per_req = max(1, math.ceil(pages / requests))
+    s = Scenario(provider=provider, num_kv_heads=1, prefill_tp=1, decode_tp=1, kv_parts=1,
+                 page_size=1, head_dim=page_bytes, dtype="uint8", num_layers=num_layers,
+                 src_pages=per_req * requests, dst_pages=per_req * requests,
+                 prompts=(per_req + 1,) * requests, chunk_pages=per_req, aux_row_bytes=(),
+                 waves=waves, busy_sleep_s=0.0, verify=False, timeout_s=120.0,
+                 run_timeout_s=300.0)
+    out = run(s)
+    rep = out.decode[0]
+    ok = all(r["status"] == "success" for r in rep["requests"].values())
+    moved = per_req * requests * page_bytes * num_layers
+    rates = [moved / w["seconds"] / 1e9 for w in rep["waves"]]
+    return {"provider": provider, "page_bytes": page_bytes, "bytes": moved, "ok": ok,
+            "gbps": max(rates), "waves_gbps": rates}
+
+
+def scenario(**kw: Any) -> Scenario:
+    return replace(Scenario(), **kw)

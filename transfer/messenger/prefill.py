@@ -1,0 +1,731 @@
+"""Prefill side of the KV messenger (DESIGN §4 steps 2-5).
+
+One `PrefillMessenger` per prefill attention rank. The lead (rank 0) receives every decode
+rank's REQUEST part, validates each field against its own configuration (sharding, layout,
+layers, routes, expected counts, region sizes: a bad part is refused with an ABORTED naming the
+field), and once all parts of a request arrived hands it to the engine (`poll_requests`). The
+engine broadcasts the `PrefillRequest` to its other TP ranks as it broadcasts any new request;
+every rank then calls `bind(req, src_pages)` and picks from the parts what it must send.
+
+Per forward pass (chunked prefill, page-aligned chunk boundaries) the engine calls
+`begin_pass(chunks)` and then bumps the progress counter after each layer (`layer_done`, or
+its CUDA graph writes the word `(pass_id << 16) | layers_done` into `progress` — one int64 so a
+reader never sees a torn pass/layer pair). The messenger thread polls that word and, as soon as a
+layer is in the cache, submits that layer's writes for every chunk of the pass (one C call per
+chunk, layer buffer and destination). After the last chunk, `finish(rid, aux)` copies the
+context rows (hidden states/logits) into registered staging rows; they are written to the
+decoder's aux rows (counted writes too). When every write of this rank completed locally (per
+destination tag, `send_done`), the request is in `done()` and the engine frees its pages.
+
+Failures. The decoder's ABORT (its timeout, or another rank's failure), this side's own timeout,
+a completion error, or a decode peer whose PINGs stopped for `peer_timeout_s` (its lease ran
+out: it will quarantine our pages on its side) all abort the request: no further write is
+issued, and once the writes already issued completed locally, ABORTED goes to every decode rank
+of the request carrying how many writes were issued to it — the decoder keeps its pages
+quarantined until that many have landed (transfer.slots). An ABORT for a request this rank has
+not bound yet leaves a tombstone: a later `bind` fails it at once, with no write. A dead decode
+peer is removed from the address vector once nothing of it is in flight.
+
+Thread contract: `poll_requests`, `bind`, `begin_pass`, `layer_done`, `finish`, `done`,
+`result`, `release`, `abort` are called by the engine's thread; the messenger thread alone
+touches the endpoint and the socket.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from ..control import Channel, Codec
+from ..layout import AuxSpec, KVLayout, LayoutError, as_buffer, aux_spec, write_plan
+from ..routes import RouteError, ShardSpec, Slice, pages_for, routes_for, writes_per_page
+from .common import (
+    LAYER_MASK,
+    PASS_SHIFT,
+    MessengerError,
+    PeerClock,
+    PrefillConfig,
+    PrefillResult,
+    Worker,
+)
+
+log = logging.getLogger("transfer.messenger.prefill")
+_U32 = np.dtype("<u4")
+_HISTORY = 1 << 16
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """A request every decode rank's part has arrived for. Picklable: the engine broadcasts it
+    to its TP ranks unchanged. `parts[d]` is decode rank d's validated REQUEST body."""
+
+    rid: str
+    token_ids: np.ndarray
+    num_tokens: int
+    num_pages: int
+    parts: tuple[dict[str, Any], ...]
+    timeout_s: float
+
+
+@dataclass
+class _Dest:
+    """What this rank sends to one decode rank for one request."""
+
+    sender: bytes
+    dst_rank: int
+    name: bytes
+    fi_addr: int
+    imm: int
+    slot: int
+    gen: int
+    regions: list[Any]
+    aux_regions: list[Any]
+    aux_row: int
+    plans: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]  # src, dst, len, writes/page
+    send_aux: bool
+    expected: int
+    tag: int
+    base: int
+    issued: int = 0
+    errored: int = 0
+
+
+@dataclass
+class _Req:
+    rid: str
+    num_pages: int
+    dests: list[_Dest]
+    deadline: float
+    aux_row: int
+    senders: list[tuple[bytes, int, int]]  # every decode rank of the request: (id, slot, gen)
+    state: str = "sending"  # sending | aborting
+    reason: str = ""
+    pages_ready: int = 0     # pages whose every layer has been submitted
+    finished: bool = False   # engine called finish (aux rows staged)
+    aux_sent: bool = False
+
+
+@dataclass
+class _Pass:
+    pid: int
+    chunks: list[tuple[str, int, int]]  # (rid, first page, end page)
+    layers: int = 0
+
+
+@dataclass
+class _Assembly:
+    parts: dict[int, tuple[bytes, dict[str, Any]]] = field(default_factory=dict)
+    first: float = 0.0
+    timeout_s: float = 0.0
+
+
+class _Chosen(random.Random):
+    """Replays the source ranks a decoder chose, so its slices can be checked with routes."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(0)
+        self._ranks = list(ranks)
+
+    def choice(self, seq: Sequence[Any]) -> Any:
+        if not self._ranks:
+            raise RouteError("fewer slices than head runs")
+        r = self._ranks.pop(0)
+        if r not in seq:
+            raise RouteError(f"rank {r} does not hold those heads (candidates {list(seq)})")
+        return r
+
+
+class PrefillMessenger(Worker):
+    """See the module docstring. `kv_buffers`: one tensor per layer (or per layer and K/V),
+    all of the 5-D `layout`; `aux_buffers`: staging tensors `[rows, ...]`, one row per request
+    bound at once, rows of the same byte size as the decoder's aux rows. The caller keeps the
+    buffers alive until `close()`. `progress` is the int64 word the engine (or its graph)
+    writes; pass `progress` to share one with other code, else one is allocated."""
+
+    role = "prefill"
+
+    def __init__(self, config: PrefillConfig, kv_buffers: Sequence[Any], layout: str = "HND",
+                 aux_buffers: Sequence[Any] = (), progress: np.ndarray | None = None) -> None:
+        super().__init__(config)
+        self.config: PrefillConfig = config
+        if not kv_buffers or len(kv_buffers) % config.buffers_per_layer:
+            raise LayoutError(f"kv_buffers: need a positive multiple of buffers_per_layer="
+                              f"{config.buffers_per_layer}, got {len(kv_buffers)}")
+        self.layout = KVLayout.from_tensor(kv_buffers[0], layout)
+        for i, b in enumerate(kv_buffers):
+            if KVLayout.from_tensor(b, layout) != self.layout:
+                raise LayoutError(f"kv_buffers[{i}]: shape differs from kv_buffers[0]")
+        if self.layout.heads_local != config.spec.heads_per_rank:
+            raise LayoutError(f"kv_buffers: {self.layout.heads_local} local heads, but spec "
+                              f"{config.spec} gives {config.spec.heads_per_rank} per rank")
+        self.num_layers = len(kv_buffers) // config.buffers_per_layer
+        if self.num_layers > LAYER_MASK - 1:
+            raise LayoutError(f"kv_buffers: at most {LAYER_MASK - 1} layers")
+        self._kv = [as_buffer(b) for b in kv_buffers]
+        self._aux_objs = list(aux_buffers)
+        self._aux: list[AuxSpec] = [aux_spec(a) for a in aux_buffers]
+        rows = {a.rows for a in self._aux}
+        if len(rows) > 1:
+            raise LayoutError(f"aux_buffers: all need the same number of rows, got {rows}")
+        self._aux_free = list(range(rows.pop() - 1, -1, -1)) if rows else []
+        self._aux_raw = [np.ctypeslib.as_array((ctypes.c_uint8 * b.nbytes).from_address(b.addr))
+                         .reshape(s.rows, s.row_bytes)
+                         for b, s in zip(map(as_buffer, aux_buffers), self._aux, strict=True)]
+        self._keep = (list(kv_buffers), list(aux_buffers))
+        if progress is None:
+            progress = np.zeros(1, dtype=np.int64)
+        if progress.dtype != np.int64 or progress.size < 1:
+            raise ValueError("progress: expected an int64 array of at least one element")
+        self.progress = progress
+        self._pass_id = int(progress[0]) >> PASS_SHIFT
+        self._ready_q: list[PrefillRequest] = []
+        self._bound: dict[str, int] = {}      # rid -> num_tokens (engine-side view)
+        self._results: dict[str, PrefillResult] = {}
+        self.identity = config.identity("prefill")
+        self.address = ""
+        self._start()
+
+    # ================================================================ engine-thread API
+    def poll_requests(self) -> list[PrefillRequest]:
+        """Lead rank, engine thread: requests whose every decode part arrived (each once)."""
+        self._check_alive()
+        with self._lock:
+            out, self._ready_q = self._ready_q, []
+        return out
+
+    def bind(self, req: PrefillRequest, src_pages: Sequence[int] | np.ndarray) -> None:
+        """Every rank, engine thread: `req` (from the lead's poll_requests, broadcast by the
+        engine) got source pages `src_pages` (page i of the prompt is `src_pages[i]`)."""
+        self._check_alive()
+        pages = self.layout.check_pages(np.asarray(src_pages, dtype=np.int64).reshape(-1),
+                                        f"src_pages of {req.rid}")
+        if len(pages) != req.num_pages:
+            raise ValueError(f"src_pages of {req.rid}: {len(pages)} pages, the request needs "
+                             f"{req.num_pages}")
+        with self._lock:
+            if req.rid in self._bound or req.rid in self._results:
+                raise ValueError(f"rid: {req.rid!r} is already bound")
+            if self._aux and not self._aux_free:
+                raise ValueError(f"aux_buffers: no free row for {req.rid}; give the aux "
+                                 f"buffers as many rows as requests bound at once")
+            row = self._aux_free.pop() if self._aux else -1
+            self._bound[req.rid] = req.num_tokens
+        self._cmds.append(("bind", req, pages, row))
+
+    def begin_pass(self, chunks: Sequence[tuple[str, int, int]]) -> int:
+        """Every rank, engine thread, before a forward pass: `(rid, first_token, end_token)`
+        of each scheduled chunk (tokens of the prompt minus its last token; `first_token` is a
+        multiple of the page size, `end_token` too unless it ends the prompt). Resets the
+        progress word to (new pass, 0 layers); returns the pass id."""
+        self._check_alive()
+        P = self.layout.page_size
+        out = []
+        with self._lock:
+            for rid, lo, hi in chunks:
+                n = self._bound.get(rid)
+                if n is None:
+                    raise ValueError(f"chunk of {rid!r}: request is not bound")
+                todo = max(n - 1, 0)
+                if lo % P or not 0 <= lo < hi <= todo or (hi % P and hi != todo):
+                    raise ValueError(f"chunk of {rid!r}: tokens [{lo}, {hi}) must be page-"
+                                     f"aligned (page size {P}) within the {todo} prefill tokens")
+                out.append((rid, lo // P, math.ceil(hi / P)))
+        self._pass_id += 1
+        self._cmds.append(("pass", _Pass(self._pass_id, out)))
+        self.progress[0] = self._pass_id << PASS_SHIFT
+        return self._pass_id
+
+    def layer_done(self, layer: int) -> None:
+        """Every rank, engine thread: layer `layer` of the current pass is in the cache."""
+        self.progress[0] = (self._pass_id << PASS_SHIFT) | (layer + 1)
+
+    def finish(self, rid: str, aux: Sequence[Any] = ()) -> None:
+        """Every rank, engine thread, after the pass holding the request's last chunk: its
+        context rows (one bytes-like/tensor per aux buffer, each exactly one row) are copied
+        to staging and written to the decoder after the KV pages."""
+        with self._lock:
+            if rid not in self._bound:
+                raise ValueError(f"finish of {rid!r}: request is not bound")
+        if len(aux) != len(self._aux):
+            raise ValueError(f"finish of {rid}: {len(aux)} aux rows for {len(self._aux)} aux "
+                             f"buffers")
+        self._cmds.append(("finish", rid, [_row_bytes(a) for a in aux]))
+
+    def done(self) -> set[str]:
+        """Level-triggered: requests whose writes from this rank all completed (or failed):
+        the engine may free their source pages, then calls `release`."""
+        with self._lock:
+            return set(self._results)
+
+    def result(self, rid: str) -> PrefillResult:
+        with self._lock:
+            r = self._results.get(rid)
+        if r is None:
+            raise KeyError(f"rid: {rid!r} is not done")
+        return r
+
+    def release(self, rid: str) -> None:
+        """Engine thread, after freeing the pages of a request from `done()`."""
+        with self._lock:
+            if self._results.pop(rid, None) is None:
+                raise ValueError(f"release of {rid!r}: request is not done")
+            self._bound.pop(rid, None)
+
+    def abort(self, rid: str, reason: str = "aborted by the prefill engine") -> None:
+        """Engine thread: stop sending a bound request; it shows up in `done()` as failed."""
+        self._cmds.append(("abort", rid, reason))
+
+    # ================================================================ messenger thread
+    def _setup(self) -> None:
+        from ..fabric import Endpoint
+
+        cfg = self.config
+        self._ep = Endpoint(cfg.provider)
+        self._kv_mrs = [self._ep.register(b.addr, b.nbytes, remote_write=False)
+                        for b in self._kv]
+        self._aux_mrs = [self._ep.register(as_buffer(a).addr, as_buffer(a).nbytes,
+                                           remote_write=False) for a in self._aux_objs]
+        assert self._ctx is not None
+        self._chan = Channel.listen(self._ctx, Codec(cfg.secret, self.identity), cfg.bind_host,
+                                    cfg.port, allow_any_interface=cfg.allow_any_interface)
+        self.address = self._chan.address
+        self._tags = list(range(min(self._ep.max_slots, cfg.max_requests * cfg.peer_spec.attn_tp)
+                                - 1, -1, -1))
+        self._clock = PeerClock(cfg.peer_timeout_s)
+        self._assembling: dict[str, _Assembly] = {}
+        self._reqs: dict[str, _Req] = {}
+        self._tag_owner: dict[int, _Dest] = {}
+        self._passes: list[_Pass] = []
+        self._tombstones: dict[str, float] = {}
+        self._history: OrderedDict[tuple[str, bytes], tuple[int, int]] = OrderedDict()
+        self._peers: dict[bytes, int] = {}      # fabric name -> fi_addr
+        self._dead_names: set[bytes] = set()
+        self.writes_issued = 0
+
+    def _teardown(self) -> None:
+        ch = getattr(self, "_chan", None)
+        if ch is not None:
+            ch.close()
+        ep = getattr(self, "_ep", None)
+        if ep is not None:
+            ep.close()
+
+    def _on_fatal(self, reason: str) -> None:
+        with self._lock:
+            for rid in self._bound:
+                self._results.setdefault(rid, PrefillResult(rid, False,
+                                                            f"messenger died: {reason}"))
+
+    def _idle_wait(self, seconds: float) -> None:
+        if seconds > 0:
+            self._chan.sock.poll(max(1, int(seconds * 1000)), zmq.POLLIN)
+
+    def _step(self) -> bool:
+        self._ep.poll()
+        while self._cmds:
+            cmd = self._cmds.popleft()
+            getattr(self, f"_cmd_{cmd[0]}")(*cmd[1:])
+        for peer, msg in self._chan.recv():
+            self._on_message(peer, msg)
+        if self._passes:
+            self._progress()
+        if self._reqs:
+            self._check_requests()
+        return bool(self._passes or self._reqs)
+
+    # -- lead: assembling requests ----------------------------------------------------------
+    def _on_message(self, peer: bytes, msg: Any) -> None:
+        now = time.monotonic()
+        self._clock.heard(peer, now)
+        if msg.type == "PING":
+            self._chan.send("PONG", {}, peer=peer)
+        elif msg.type == "REQUEST":
+            self._on_request(peer, msg.body, now)
+        elif msg.type == "ABORT":
+            self._on_abort(peer, msg.body, now)
+
+    def _reply_aborted(self, peer: bytes, body: dict[str, Any], reason: str,
+                       issued: int = 0, errored: int = 0) -> None:
+        self._chan.send("ABORTED", {"rid": body["rid"], "slot": body["slot"],
+                                    "gen": body["gen"], "reason": reason[:1024],
+                                    "issued": issued, "errored": errored}, peer=peer)
+
+    def _on_request(self, peer: bytes, b: dict[str, Any], now: float) -> None:
+        rid = b["rid"]
+        try:
+            self._check_part(b)
+        except (ValueError, RouteError) as exc:
+            log.warning("refused part of %s from %r: %s", rid, peer, exc)
+            self._reply_aborted(peer, b, f"refused: {exc}")
+            return
+        if rid in self._tombstones:
+            self._reply_aborted(peer, b, "request was already aborted")
+            return
+        a = self._assembling.setdefault(rid, _Assembly(first=now, timeout_s=b["timeout_s"]))
+        if b["dst_rank"] in a.parts:
+            self._reply_aborted(peer, b, f"dst_rank: a part from decode rank {b['dst_rank']} "
+                                         f"already arrived")
+            return
+        a.parts[b["dst_rank"]] = (peer, b)
+        a.timeout_s = min(a.timeout_s, b["timeout_s"])
+        if len(a.parts) < b["num_parts"]:
+            return
+        del self._assembling[rid]
+        parts = tuple({**a.parts[d][1], "sender": a.parts[d][0]} for d in range(b["num_parts"]))
+        lead = parts[0]
+        if any(p["num_tokens"] != lead["num_tokens"] for p in parts):
+            for p in parts:
+                self._reply_aborted(p["sender"], p, "num_tokens: decode ranks disagree")
+            return
+        tokens = np.frombuffer(lead["token_ids"], dtype=_U32).copy()
+        req = PrefillRequest(rid, tokens, lead["num_tokens"],
+                             pages_for(lead["num_tokens"], self.layout.page_size), parts,
+                             max(0.001, a.timeout_s - (now - a.first)))
+        with self._lock:
+            self._ready_q.append(req)
+
+    def _check_part(self, b: dict[str, Any]) -> None:
+        """Every field of a decode rank's part against this deployment (ValueError names it)."""
+        cfg, lay = self.config, self.layout
+        if cfg.rank != 0:
+            raise ValueError(f"REQUEST went to prefill rank {cfg.rank}; send it to rank 0")
+        src, dst = ShardSpec(**b["src_spec"]), ShardSpec(**b["dst_spec"])
+        if src != cfg.spec:
+            raise ValueError(f"src_spec: decode assumes prefill sharding {src}, this prefill "
+                             f"runs {cfg.spec}")
+        if dst != cfg.peer_spec:
+            raise ValueError(f"dst_spec: {dst} differs from this prefill's decode peer_spec "
+                             f"{cfg.peer_spec}")
+        if b["num_parts"] != dst.attn_tp or b["dst_rank"] >= dst.attn_tp:
+            raise ValueError(f"dst_rank/num_parts: {b['dst_rank']}/{b['num_parts']} do not "
+                             f"fit decode attention TP {dst.attn_tp}")
+        dlay = KVLayout.from_dict(b["layout"])
+        lay.check_peer(dlay)
+        if dlay.heads_local != dst.heads_per_rank:
+            raise ValueError(f"layout.heads_local: {dlay.heads_local}, but {dst} holds "
+                             f"{dst.heads_per_rank} per rank")
+        if b["num_layers"] != self.num_layers or b["buffers_per_layer"] != cfg.buffers_per_layer:
+            raise ValueError(f"num_layers/buffers_per_layer: decode has {b['num_layers']}/"
+                             f"{b['buffers_per_layer']}, prefill {self.num_layers}/"
+                             f"{cfg.buffers_per_layer}")
+        if len(b["regions"]) != self.num_layers * cfg.buffers_per_layer:
+            raise ValueError(f"regions: {len(b['regions'])} for "
+                             f"{self.num_layers * cfg.buffers_per_layer} layer buffers")
+        for i, r in enumerate(b["regions"]):
+            if r["length"] < dlay.buffer_bytes:
+                raise ValueError(f"regions[{i}].length: {r['length']} < layer buffer "
+                                 f"{dlay.buffer_bytes} bytes")
+        n = pages_for(b["num_tokens"], lay.page_size)
+        if len(b["dst_pages"]) != 4 * n:
+            raise ValueError(f"dst_pages: {len(b['dst_pages']) // 4} pages for "
+                             f"{b['num_tokens']} tokens, expected {n}")
+        pages = np.frombuffer(b["dst_pages"], dtype=_U32)
+        if n and int(pages.max()) >= dlay.num_pages:
+            raise ValueError(f"dst_pages: page {int(pages.max())} >= {dlay.num_pages}")
+        want_tokens = 4 * b["num_tokens"] if b["dst_rank"] == 0 else 0
+        if len(b["token_ids"]) != want_tokens:
+            raise ValueError(f"token_ids: {len(b['token_ids']) // 4} ids, expected "
+                             f"{want_tokens // 4}")
+        if len(b["aux_regions"]) != len(self._aux):
+            raise ValueError(f"aux_regions: decode has {len(b['aux_regions'])} aux buffers, "
+                             f"prefill {len(self._aux)}")
+        for i, (r, mine) in enumerate(zip(b["aux_regions"], self._aux, strict=True)):
+            if r["row_bytes"] != mine.row_bytes or r["length"] < (b["aux_row"] + 1) * \
+                    r["row_bytes"]:
+                raise ValueError(f"aux_regions[{i}]: row of {r['row_bytes']} bytes (prefill "
+                                 f"{mine.row_bytes}) or row {b['aux_row']} outside the buffer")
+        slices = _slices(b)
+        want = routes_for(src, dst, b["dst_rank"], _Chosen([s.src_rank for s in slices]))
+        if want != slices:
+            raise ValueError("slices: not the routes for the chosen source ranks")
+        if b["aux_rank"] >= src.attn_tp or len(b["expected"]) != src.attn_tp:
+            raise ValueError(f"aux_rank/expected: must index the {src.attn_tp} prefill ranks")
+        per = [0] * src.attn_tp
+        for s in slices:
+            per[s.src_rank] += n * self.num_layers * cfg.buffers_per_layer * writes_per_page(
+                s, src, dst, lay.kind, lay.page_size)
+        per[b["aux_rank"]] += len(self._aux)
+        if per != b["expected"]:
+            raise ValueError(f"expected: decode counts {b['expected']} writes per prefill "
+                             f"rank, this prefill computes {per}")
+
+    def _on_abort(self, peer: bytes, b: dict[str, Any], now: float) -> None:
+        rid = b["rid"]
+        x = self._reqs.get(rid)
+        if x is not None:
+            self._abort(x, f"aborted by decode: {b['reason']}")
+            return  # ABORTED goes to every decode rank once local writes completed
+        self._tombstones[rid] = now
+        a = self._assembling.pop(rid, None)
+        if a is not None:
+            for sender, part in a.parts.values():
+                self._reply_aborted(sender, part, "aborted by decode before all parts arrived")
+        with self._lock:
+            queued = [r for r in self._ready_q if r.rid == rid]
+            self._ready_q = [r for r in self._ready_q if r.rid != rid]
+        for r in queued:
+            for p in r.parts:
+                self._reply_aborted(p["sender"], p, "aborted by decode while queued")
+        issued, errored = self._history.get((rid, peer), (0, 0))
+        self._reply_aborted(peer, b, f"aborted: {b['reason']}", issued, errored)
+
+    # -- every rank: binding and sending ----------------------------------------------------
+    def _cmd_bind(self, req: PrefillRequest, src_pages: np.ndarray, row: int) -> None:
+        now = time.monotonic()
+        if req.rid in self._tombstones:
+            self._settle_unbound(req, row, "aborted by decode before it was bound")
+            return
+        try:
+            dests = [d for p in req.parts if (d := self._dest(p, src_pages)) is not None]
+        except (ValueError, RouteError, LayoutError) as exc:
+            self._settle_unbound(req, row, f"cannot send: {exc}")
+            return
+        senders = [(p["sender"], p["slot"], p["gen"]) for p in req.parts]
+        self._reqs[req.rid] = _Req(req.rid, req.num_pages, dests, now + req.timeout_s, row,
+                                   senders)
+
+    def _settle_unbound(self, req: PrefillRequest, row: int, reason: str) -> None:
+        for p in req.parts:
+            if self.config.rank in {s["src_rank"] for s in p["slices"]} | {p["aux_rank"]}:
+                self._reply_aborted(p["sender"], p, reason)
+        self._publish(req.rid, PrefillResult(req.rid, False, reason), row)
+
+    def _dest(self, p: dict[str, Any], src_pages: np.ndarray) -> _Dest | None:
+        from ..fabric import RemoteRegion, encode_imm
+
+        cfg, me = self.config, self.config.rank
+        slices = [s for s in _slices(p) if s.src_rank == me]
+        send_aux = p["aux_rank"] == me and bool(self._aux)
+        if not slices and not send_aux:
+            return None
+        if p["sender"] in self._clock.dead:
+            raise ValueError("its decode rank is not answering")
+        dlay = KVLayout.from_dict(p["layout"])
+        dpages = np.frombuffer(p["dst_pages"], dtype=_U32)
+        plans, count = [], 0
+        src, dst = cfg.spec, cfg.peer_spec
+        for s in slices:
+            so, do, ln = write_plan(self.layout, dlay, src_pages, dpages, s)
+            k = writes_per_page(s, src, dst, self.layout.kind, self.layout.page_size)
+            if len(ln) != k * len(src_pages):
+                raise ValueError(f"write plan of {len(ln)} writes, routes say {k} per page")
+            plans.append((so, do, ln, k))
+            count += len(ln) * self.num_layers * cfg.buffers_per_layer
+        count += len(self._aux) if send_aux else 0
+        if count != p["expected"][me]:
+            raise ValueError(f"expected: the decoder counts {p['expected'][me]} writes from "
+                             f"rank {me}, this rank would send {count}")
+        name = p["fabric_name"]
+        if name not in self._peers:
+            self._peers[name] = self._ep.insert_peer(name)
+        if not self._tags:
+            raise ValueError("no free fabric tag (raise max_requests)")
+        tag = self._tags.pop()
+        d = _Dest(p["sender"], p["dst_rank"], name, self._peers[name],
+                  encode_imm(p["slot"], p["gen"]), p["slot"], p["gen"],
+                  [RemoteRegion.from_dict(r) for r in p["regions"]],
+                  [RemoteRegion.from_dict({k: r[k] for k in ("base", "key", "length")})
+                   for r in p["aux_regions"]], p["aux_row"], plans, send_aux,
+                  p["expected"][me], tag, int(self._ep.send_done[tag]))
+        self._tag_owner[tag] = d
+        return d
+
+    def _cmd_pass(self, p: _Pass) -> None:
+        self._passes.append(p)
+
+    def _cmd_finish(self, rid: str, rows: list[bytes]) -> None:
+        x = self._reqs.get(rid)
+        if x is None:
+            return
+        for buf, data in zip(self._aux_raw, rows, strict=True):
+            if len(data) != buf.shape[1]:
+                self._abort(x, f"finish: aux row of {len(data)} bytes, buffer rows hold "
+                               f"{buf.shape[1]}")
+                return
+            buf[x.aux_row] = np.frombuffer(data, dtype=np.uint8)
+        x.finished = True
+
+    def _cmd_abort(self, rid: str, reason: str) -> None:
+        x = self._reqs.get(rid)
+        if x is not None:
+            self._abort(x, reason)
+
+    def _progress(self) -> None:
+        """Submit every layer the progress word says is in the cache (one C call per chunk,
+        layer buffer and destination)."""
+        word = int(self.progress[0])
+        cur, layers = word >> PASS_SHIFT, min(word & LAYER_MASK, self.num_layers)
+        L = self.num_layers
+        while self._passes:
+            p = self._passes[0]
+            level = L if p.pid < cur else (layers if p.pid == cur else 0)
+            while p.layers < level:
+                for rid, lo, hi in p.chunks:
+                    x = self._reqs.get(rid)
+                    if x is not None and x.state == "sending":
+                        self._send_layer(x, p.layers, lo, hi)
+                p.layers += 1
+            if p.layers < L:
+                break
+            for rid, _lo, hi in p.chunks:
+                x = self._reqs.get(rid)
+                if x is not None:
+                    x.pages_ready = max(x.pages_ready, hi)
+            self._passes.pop(0)
+
+    def _send_layer(self, x: _Req, layer: int, lo: int, hi: int) -> None:
+        bpl = self.config.buffers_per_layer
+        for d in x.dests:
+            for so, do, ln, k in d.plans:
+                a, b = lo * k, hi * k
+                for j in range(bpl):
+                    buf = layer * bpl + j
+                    self._write(x, d, self._kv_mrs[buf], d.regions[buf], so[a:b], do[a:b],
+                                ln[a:b])
+
+    def _write(self, x: _Req, d: _Dest, mr: Any, region: Any, so: np.ndarray, do: np.ndarray,
+               ln: np.ndarray) -> None:
+        from ..fabric import FabricError
+
+        try:
+            self._ep.write_batch(d.fi_addr, mr, region, so, do, ln, d.imm, d.tag)
+            n = len(ln)
+        except FabricError as exc:
+            n = int(getattr(exc, "submitted", 0))
+            d.issued += n
+            self.writes_issued += n
+            self._abort(x, f"write to decode rank {d.dst_rank} failed: {exc}")
+            return
+        d.issued += n
+        self.writes_issued += n
+
+    def _send_aux(self, x: _Req) -> None:
+        for d in x.dests:
+            if not d.send_aux:
+                continue
+            for i, (mr, spec) in enumerate(zip(self._aux_mrs, self._aux, strict=True)):
+                rb = spec.row_bytes
+                self._write(x, d, mr, d.aux_regions[i], np.array([x.aux_row * rb], np.uint64),
+                            np.array([d.aux_row * rb], np.uint64), np.array([rb], np.uint64))
+        x.aux_sent = True
+
+    def _check_requests(self) -> None:
+        for tag, _errno, msg in self._ep.errors:
+            d = self._tag_owner.get(tag)
+            if d is None:
+                continue
+            d.errored += 1
+            x = next((r for r in self._reqs.values() if d in r.dests), None)
+            if x is not None:
+                self._abort(x, f"write to decode rank {d.dst_rank} failed: {msg}")
+        for x in list(self._reqs.values()):
+            if x.state == "sending" and x.pages_ready >= x.num_pages and not x.aux_sent and (
+                    x.finished or not self._aux):
+                self._send_aux(x)
+            if not all(int(self._ep.send_done[d.tag]) - d.base + d.errored >= d.issued
+                       for d in x.dests):
+                continue  # writes still in flight: the source pages are still being read
+            if x.state == "aborting":
+                self._settle(x, ok=False)
+            elif x.aux_sent:
+                bad = [d for d in x.dests if d.issued != d.expected]
+                if bad:
+                    self._abort(x, f"issued {bad[0].issued} writes to decode rank "
+                                   f"{bad[0].dst_rank}, expected {bad[0].expected}")
+                else:
+                    self._settle(x, ok=True)
+
+    def _abort(self, x: _Req, reason: str) -> None:
+        if x.state == "sending":
+            log.warning("request %s aborted on prefill rank %d: %s", x.rid, self.config.rank,
+                        reason)
+            x.state, x.reason = "aborting", reason
+
+    def _settle(self, x: _Req, ok: bool) -> None:
+        del self._reqs[x.rid]
+        total = 0
+        by_sender = {d.sender: d for d in x.dests}
+        for d in x.dests:
+            total += d.issued
+            self._history[(x.rid, d.sender)] = (d.issued, d.errored)
+            self._tag_owner.pop(d.tag, None)
+            self._tags.append(d.tag)
+        if not ok:  # every decode rank of the request learns this rank will write no more
+            for sender, slot, gen in x.senders:
+                d = by_sender.get(sender)
+                self._chan.send("ABORTED", {"rid": x.rid, "slot": slot, "gen": gen,
+                                            "reason": x.reason[:1024],
+                                            "issued": d.issued if d else 0,
+                                            "errored": d.errored if d else 0}, peer=sender)
+        while len(self._history) > _HISTORY:
+            self._history.popitem(last=False)
+        self._publish(x.rid, PrefillResult(x.rid, ok, x.reason, total), x.aux_row)
+        self._drop_dead_peers()
+
+    def _publish(self, rid: str, res: PrefillResult, row: int) -> None:
+        with self._lock:
+            self._results[rid] = res
+            if row >= 0:
+                self._aux_free.append(row)
+
+    # -- timers -----------------------------------------------------------------------------
+    def _timers(self, now: float) -> None:
+        for peer in self._clock.newly_dead(now):
+            log.warning("decode peer %r silent for %.1f s: aborting its requests", peer,
+                        self.config.peer_timeout_s)
+            for x in list(self._reqs.values()):
+                if any(d.sender == peer for d in x.dests):
+                    self._dead_names.update(d.name for d in x.dests if d.sender == peer)
+                    self._abort(x, f"decode peer {peer.decode(errors='replace')} silent for "
+                                   f"more than {self.config.peer_timeout_s:.1f} s")
+            for rid, a in list(self._assembling.items()):
+                if any(s == peer for s, _ in a.parts.values()):
+                    del self._assembling[rid]
+        for x in list(self._reqs.values()):
+            if now > x.deadline:
+                self._abort(x, "timed out on the prefill side")
+        for rid, a in list(self._assembling.items()):
+            if now - a.first > a.timeout_s:
+                del self._assembling[rid]
+                for sender, part in a.parts.values():
+                    self._reply_aborted(sender, part, "timed out waiting for the other decode "
+                                                      "ranks' parts")
+        horizon = 4 * self.config.timeout_s
+        for rid, t in list(self._tombstones.items()):
+            if now - t > horizon:
+                del self._tombstones[rid]
+
+    def _drop_dead_peers(self) -> None:
+        if not self._dead_names:
+            return
+        busy = {d.name for x in self._reqs.values() for d in x.dests}
+        for name in list(self._dead_names - busy):
+            self._dead_names.discard(name)
+            addr = self._peers.pop(name, None)
+            if addr is not None:
+                self._ep.remove_peer(addr)
+
+
+def _slices(b: dict[str, Any]) -> list[Slice]:
+    return [Slice(src_rank=s["src_rank"], dst_rank=b["dst_rank"], head_lo=s["head_lo"],
+                  num_heads=s["num_heads"], src_head_off=s["src_head_off"],
+                  dst_head_off=s["dst_head_off"]) for s in b["slices"]]
+
+
+def _row_bytes(a: Any) -> bytes:
+    if hasattr(a, "detach"):  # torch tensor
+        a = a.detach().cpu().contiguous().view(-1).view(__import__("torch").uint8).numpy()
+    return bytes(memoryview(np.ascontiguousarray(a)).cast("B"))
+
+
+__all__ = ["MessengerError", "PrefillMessenger", "PrefillRequest"]
