@@ -264,6 +264,14 @@ def _finding_from_exception(e: BaseException) -> Finding:
         fix = "see `pdtool recipes` for the available names"
     elif "could not find" in low:
         fix = "see the options in conf/<group>/ (e.g. conf/cluster/)"
+    elif "lexernoviablealt" in low or "error parsing override" in low:
+        m2 = re.search(r"(?:^|: |')[+~]{0,2}([\w./-]+)=", text)
+        key = m2.group(1) if m2 else key
+        fix = (
+            "write overrides as key=value and quote values with special characters, e.g. "
+            "\"transfer.provider='tcp;ofi_rxm'\" "
+            "(or pick a group option: transfer=tcp)"
+        )
     elif "ambiguous value" in low or "multirun" in low:
         fix = "sweeps (k=a,b) need -m/--multirun"
     elif "value '" in low and ("type" in low or "convert" in low or "invalid" in low):
