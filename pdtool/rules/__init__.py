@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from pdtool.rules import memfit, ports, shards, topology, values
+from pdtool.rules import memfit, ports, sglang, shards, topology, values
 from pdtool.rules.finding import Finding, error, has_errors, warning
 from pdtool.schema import Config
 
@@ -22,7 +22,7 @@ Rule = Callable[[Config], list[Finding]]
 STAGES: tuple[tuple[Rule, ...], ...] = (
     values.ALL,
     shards.ALL + topology.ARITHMETIC,
-    topology.PLACED + ports.ALL + memfit.ALL + (shards.check_nhd_writes,),
+    topology.PLACED + ports.ALL + memfit.ALL + (shards.check_nhd_writes,) + sglang.ALL,
 )
 
 

@@ -119,7 +119,7 @@ def check_chunking(cfg: Config) -> list[Finding]:
 
 def check_nhd_writes(cfg: Config, tokens: int = DEFAULT_TOKENS) -> list[Finding]:
     """Warn when NHD pages force per-token writes, with the op count for a request."""
-    if cfg.transfer.layout != "NHD":
+    if cfg.transfer.layout != "NHD" or cfg.engine.kind == "sglang":  # rules.sglang says it
         return []
     routes = route_plans(cfg, tokens)
     if all(r.writes_per_page == len(r.slices) for r in routes):

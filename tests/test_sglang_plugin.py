@@ -1,0 +1,88 @@
+"""pdtool's SGLang plugin seen from SGLang 0.5.23 itself, and the validate rule for SGLang pools.
+
+The plugin is found through the installed entry point (`pip install -e .` registers it), the
+way every SGLang process finds it; each check runs in a fresh interpreter so SGLang's
+process-wide hook registry starts empty.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from pdtool_cfg import assert_warning, compose, recipe
+
+from pdtool.rules import validate
+
+pytest.importorskip("sglang")  # CI installs it (scripts/install.sh); never skipped there
+
+
+def _python(code: str, timeout: int = 240) -> str:
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                         text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+@pytest.mark.timeout(300)
+def test_launch_server_help_lists_pdtool_backend() -> None:
+    res = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"],
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = next(ln for ln in res.stdout.splitlines() if "--disaggregation-transfer-backend {" in ln)
+    choices = line.split("{", 1)[1].split("}", 1)[0].split(",")
+    assert "pdtool" in choices and "mooncake" in choices
+
+
+@pytest.mark.timeout(300)
+def test_entry_point_registers_backend_in_a_fresh_sglang_process() -> None:
+    out = _python("""
+        from importlib.metadata import entry_points
+        eps = [e.value for e in entry_points(group="sglang.srt.plugins") if e.name == "pdtool"]
+        assert eps == ["transfer.sglang.plugin:register"], eps
+
+        import sglang.srt.managers.disagg_service as svc  # binds get_kv_class before the hooks
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        load_plugins()  # idempotent, as SGLang calls it from several places
+
+        from sglang.srt.disaggregation import utils
+        from sglang.srt.disaggregation.utils import KVClassType, TransferBackend
+        from sglang.srt.server_args import prepare_server_args
+        from transfer.sglang import conn
+
+        backend = TransferBackend("pdtool")
+        assert backend is TransferBackend.PDTOOL and backend in list(TransferBackend)
+        for mod in (utils, svc):  # the hook reached SGLang's `from ... import` copies too
+            assert mod.get_kv_class(backend, KVClassType.MANAGER) is conn.PdtoolKVManager
+            assert mod.get_kv_class(backend, KVClassType.RECEIVER) is conn.PdtoolKVReceiver
+        fake = utils.get_kv_class(TransferBackend.FAKE, KVClassType.MANAGER)
+        assert fake.__name__ == "FakeKVManager"  # other backends still answered by SGLang
+        args = prepare_server_args(["--model-path", "dummy", "--disaggregation-mode", "prefill",
+                                    "--disaggregation-transfer-backend", "pdtool"])
+        print("backend", args.disaggregation_transfer_backend)
+    """)
+    assert "backend pdtool" in out
+
+
+def test_validate_warns_about_token_writes_for_sglang_tp_mismatch() -> None:
+    cfg = recipe("llama-3.1-70b")  # engine=sglang, GQA 8 heads, prefill TP8 -> decode TP4
+    f = assert_warning(cfg, "decode.tp", "engine=sglang keeps NHD", "64 per page",
+                       "1310721 writes instead of 10241")
+    assert "same attention TP" in f.fix
+
+
+@pytest.mark.parametrize("overrides", [
+    ("engine=sglang", "prefill.tp=4", "decode.tp=4"),        # equal TP: one write per page
+    ("engine=reference",),                                   # HND pools, no SGLang
+])
+def test_validate_quiet_when_sglang_pages_stay_contiguous(overrides) -> None:
+    cfg = recipe("llama-3.1-70b", *overrides)
+    assert not [f for f in validate(cfg) if "engine=sglang" in f.message]
+
+
+def test_validate_quiet_for_mla_on_sglang() -> None:
+    cfg = compose("+recipe=deepseek-r1", "engine=sglang")
+    assert not [f for f in validate(cfg) if "engine=sglang" in f.message]
