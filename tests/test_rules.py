@@ -191,7 +191,9 @@ def test_chunk_must_be_whole_pages():
 
 
 def test_nhd_with_tp_mismatch_warns_with_op_count():
-    cfg = recipe("llama-3.1-70b", "transfer.layout=NHD")
+    # transfer.layout is the page layout of engines pdtool controls (the reference engine);
+    # SGLang keeps its own NHD pools and has its own rule (rules/sglang.py)
+    cfg = recipe("llama-3.1-70b", "transfer.layout=NHD", "engine=reference")
     f = assert_warning(cfg, "transfer.layout", "prefill attention TP 8 -> decode 4")
     # 64 tokens x 2 source slices per page; 4096 tokens = 64 pages x 80 layers, + 1 aux write
     assert "128 writes per page and layer (HND: 2)" in f.message
@@ -290,7 +292,7 @@ def test_nic_off_switch_and_off_numa_warn():
     cfg = recipe("llama-3.1-70b")
     cfg.cluster.nics = [NicConfig(name="rdmap200s0", kind="efa", numa=1, gpus=[], gbps=100)]
     # a host NIC serves every GPU: fine
-    assert not validate(cfg)
+    assert not [f for f in validate(cfg) if f.key.startswith("cluster.nics")]
     cfg.cluster.nics = [
         NicConfig(name="rdmap200s0", kind="efa", numa=1, gpus=[7], gbps=100),
     ]
