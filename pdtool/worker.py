@@ -186,12 +186,21 @@ def run_sglang(ctx: WorkerContext) -> int:
 
 
 def run_reference(ctx: WorkerContext) -> int:
-    """The reference CPU engine (pdtool.engines.reference, the end-to-end issue) plugs in here.
+    """The reference CPU engine (pdtool.engines.reference): prefill/decode ranks and, for the
+    router role, its OpenAI-style front; serves until SIGTERM."""
+    try:
+        from pdtool.engines.reference.serve import run_worker
+    except ImportError as e:
+        raise WorkerError(f"the reference engine cannot be imported ({e}); install pdtool "
+                          "with its engine extra: pip install 'pdtool[engine]'") from None
+    return run_worker(ctx)
 
-    Until its serving entry exists, this is the worker's own start-up path: the process serves
-    `GET /health` on its port (instance head or router) once rank, NIC and environment are
-    resolved, and stays up until SIGTERM/SIGINT.
-    """
+
+def run_preflight(ctx: WorkerContext) -> int:
+    """The worker's own start-up path without an engine (`pdtool launch --preflight`): once
+    plan, rank, NIC and environment are resolved, serve `GET /health` on this process's port
+    (instance head or router) and stay up until SIGTERM/SIGINT. Checks a cluster's placement,
+    ports and reachability in seconds, before loading a large model."""
     return serve_health_until_stopped(ctx)
 
 
@@ -273,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx.env = fabric_env(ctx)
         os.environ.update(ctx.env)
         print(startup_line(ctx, node), flush=True)
+        if os.environ.get("PDTOOL_PREFLIGHT") == "1":
+            print("pdtool-worker: preflight: not starting the engine", flush=True)
+            return run_preflight(ctx)
         engine = ENGINES.get(ctx.plan.engine)
         if engine is None:
             raise WorkerError(f"engine {ctx.plan.engine!r} is not one of {sorted(ENGINES)}")

@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="render and print the processes and command lines; start nothing")
     p.add_argument("--exit-when-healthy", action="store_true",
                    help="start, wait until every process is healthy, then stop (a start check)")
+    p.add_argument("--preflight", action="store_true",
+                   help="workers run only their start-up path (plan, rank, NIC, environment, "
+                   "placement) and report healthy without starting the engine")
 
 
 def print_dry_run(rendered) -> None:
@@ -49,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
         from pdtool.launch.slurm import SubmitError, submit
 
         try:
-            sub = submit(rendered.script, exit_when_healthy=args.exit_when_healthy)
+            sub = submit(rendered.script, exit_when_healthy=args.exit_when_healthy,
+                         preflight=args.preflight)
         except SubmitError as e:
             print(f"pdtool: ERROR: {e}")
             return 1
@@ -62,5 +66,6 @@ def run(args: argparse.Namespace) -> int:
     from pdtool.launch.local import Supervisor
 
     sup = Supervisor(rendered.spec, rendered.out,
-                     health_timeout=rendered.cfg.launcher.health_timeout_s)
+                     health_timeout=rendered.cfg.launcher.health_timeout_s,
+                     preflight=args.preflight)
     return sup.run(exit_when_healthy=args.exit_when_healthy)

@@ -42,12 +42,14 @@ class Running:
 
 class Supervisor:
     def __init__(self, spec: LaunchSpec, run_dir: Path, out: TextIO = sys.stdout,
-                 stop_grace: float = 10.0, health_timeout: float = 900.0) -> None:
+                 stop_grace: float = 10.0, health_timeout: float = 900.0,
+                 preflight: bool = False) -> None:
         self.spec = spec
         self.run_dir = Path(run_dir).resolve()
         self.out = out
         self.stop_grace = stop_grace
         self.health_timeout = health_timeout
+        self.preflight = preflight
         self.running: list[Running] = []
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.log_dir = self.run_dir / "logs" / f"local-{stamp}-{os.getpid()}"
@@ -66,6 +68,9 @@ class Supervisor:
         env = dict(os.environ)
         env["PDTOOL_RUN_DIR"] = str(self.run_dir)
         env["PDTOOL_SECRET_FILE"] = str(self.run_dir / "secret.key")
+        env["PDTOOL_HOSTS"] = " ".join(["127.0.0.1"] * self.spec.job.nodes)
+        if self.preflight:
+            env["PDTOOL_PREFLIGHT"] = "1"
         with open(log, "ab") as fh:
             try:
                 popen = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,

@@ -21,7 +21,7 @@ class Submitted:
     batch_log: Path  # the batch script's own output (health progress, failures)
 
 
-def submit(script: Path, exit_when_healthy: bool = False) -> Submitted:
+def submit(script: Path, exit_when_healthy: bool = False, preflight: bool = False) -> Submitted:
     """`sbatch --parsable SCRIPT` from the job folder; returns the job id and where logs go."""
     if shutil.which("sbatch") is None:
         raise SubmitError("sbatch not found: run on a Slurm login node (or use launcher=local)")
@@ -29,6 +29,8 @@ def submit(script: Path, exit_when_healthy: bool = False) -> Submitted:
     env = dict(os.environ)
     if exit_when_healthy:
         env["PDTOOL_EXIT_WHEN_HEALTHY"] = "1"
+    if preflight:
+        env["PDTOOL_PREFLIGHT"] = "1"  # sbatch exports the submit environment to the job
     res = subprocess.run(["sbatch", "--parsable", str(script)], cwd=script.parent, env=env,
                          capture_output=True, text=True, timeout=120)
     if res.returncode != 0:

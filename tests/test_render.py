@@ -1,0 +1,192 @@
+"""`pdtool render`: every recipe for both launchers, shellcheck-clean scripts, hostile values
+reaching processes as single literal arguments, refusal of invalid configs, the 0600 secret."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdtool.compose import load_config, recipe_files
+from pdtool.planner import build_plan, from_json
+from pdtool.render import SECRET_NAME, render, write_job_folder
+from pdtool.schema import gpus_per_instance
+
+HERE = Path(__file__).parent
+RECIPES = sorted(recipe_files())
+
+
+def launcher_overrides(recipe: str, launcher: str) -> list[str]:
+    """Overrides that make a recipe fit the launcher: Slurm gets enough nodes; the local launcher
+    gets one machine with every GPU the deployment needs (a GPU recipe does not fit 8 GPUs)."""
+    cfg, findings = load_config([f"+recipe={recipe}"])
+    assert cfg is not None, findings
+    if launcher == "slurm":
+        # shm cannot cross nodes: the one-machine recipes use TCP over the cluster network
+        net = ["transfer=tcp"] if cfg.transfer.provider == "shm" else []
+        return [f"+recipe={recipe}", "launcher=slurm", "cluster.nodes=16", *net]
+    need = sum(gpus_per_instance(cfg.prefill if r == "prefill" else cfg.decode) *
+               (cfg.prefill if r == "prefill" else cfg.decode).instances
+               for r in ("prefill", "decode"))
+    over = [f"+recipe={recipe}", "launcher=local"]
+    if need > cfg.cluster.gpus_per_node:
+        numa = cfg.cluster.gpu_numa or [0]
+        per = max(1, need // max(1, len(set(numa))))
+        gpu_numa = [min(g // per, max(numa)) for g in range(need)]
+        over += [f"cluster.gpus_per_node={need}",
+                 "cluster.gpu_numa=[" + ",".join(map(str, gpu_numa)) + "]"]
+    return over
+
+
+def check_script(path: Path) -> None:
+    res = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    res = subprocess.run(["shellcheck", "-x", "-s", "bash", str(path)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("launcher", ["local", "slurm"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_renders(recipe: str, launcher: str, tmp_path: Path) -> None:
+    rendered, findings = render(launcher_overrides(recipe, launcher), tmp_path / "job")
+    assert rendered is not None, [f for f in findings if f.severity == "error"]
+    out = rendered.out
+    script = out / ("job.sbatch" if launcher == "slurm" else "run_local.sh")
+    assert rendered.script == script and os.access(script, os.X_OK)
+    check_script(script)
+    # the folder is self-contained: plan loads back, config and launch spec are there
+    plan = from_json((out / "plan.json").read_text())
+    assert plan.recipe == recipe and plan.launcher == launcher
+    assert "model:" in (out / "config.yaml").read_text()
+    launch = json.loads((out / "launch.json").read_text())
+    names = [p["name"] for p in launch["processes"]]
+    assert len(names) == len(set(names)) and names
+    # one process per instance node (SGLang) or per rank (reference), each with its log
+    text = script.read_text()
+    for name in names:
+        assert f"start_proc {name} " in text
+        assert f'"${{LOG_DIR}}"/{name}.log' in text
+    if launcher == "slurm":
+        assert f"#SBATCH --nodes={plan.nodes}" in text
+        assert text.count("srun ") == len(names) + 1  # + router
+        assert "--relative=" in text
+    assert stat.S_IMODE((out / SECRET_NAME).stat().st_mode) == 0o600
+
+
+def test_render_is_reproducible(tmp_path: Path) -> None:
+    over = launcher_overrides("deepseek-r1", "slurm")
+    a, _ = render(over, tmp_path / "a")
+    b, _ = render(over, tmp_path / "b")
+    for name in ("plan.json", "config.yaml"):
+        assert (a.out / name).read_text() == (b.out / name).read_text()
+    sa = a.script.read_text().replace(str(a.out), "DIR")
+    sb = b.script.read_text().replace(str(b.out), "DIR")
+    assert sa == sb
+    # the secret is per deployment, and re-rendering a folder keeps it (running jobs use it)
+    assert (a.out / SECRET_NAME).read_text() != (b.out / SECRET_NAME).read_text()
+    before = (a.out / SECRET_NAME).read_text()
+    render(over, tmp_path / "a")
+    assert (a.out / SECRET_NAME).read_text() == before
+
+
+def test_cli_refuses_invalid_config(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "render", "+recipe=tiny-local",
+                          "prefill.tp=3", "--out", str(out)], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "200"})
+    assert res.returncode == 1
+    assert "not rendered" in res.stderr and "prefill.tp" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not out.exists()
+
+
+def test_cli_render_never_prints_the_secret(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "render", "+recipe=tiny-local",
+                          "--out", str(out)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    secret = (out / SECRET_NAME).read_text().strip()
+    assert len(bytes.fromhex(secret)) == 32
+    assert secret not in res.stdout + res.stderr
+    for f in out.iterdir():
+        if f.is_file() and f.name != SECRET_NAME:
+            assert secret not in f.read_text()
+    script = (out / "run_local.sh").read_text()
+    assert f'PDTOOL_SECRET_FILE="${{RUN_DIR}}/"{SECRET_NAME}' in script
+
+
+HOSTILE = {
+    "path": "/models/my model's \"dir\"/$(touch PWNED)/;rm -rf x;`touch PWNED2`\nline2 $HOME *",
+    "name": "name with spaces; $(id) `id` 'q' \"dq\" \\ && || > out <in | tee",
+    "env": "v a l;$(touch PWNED3)`x`'\"\n\t$PATH",
+}
+
+
+def hostile_cfg(launcher: str):
+    cfg, findings = load_config(["+recipe=tiny-local", "engine=sglang", f"launcher={launcher}",
+                                 "cluster.nodes=4", "launcher.health_timeout_s=2",
+                                 "transfer=tcp"])
+    assert cfg is not None, findings
+    cfg.model.path = HOSTILE["path"]
+    cfg.model.name = HOSTILE["name"]
+    cfg.launcher.env.prefill["PDTOOL_TEST_HOSTILE"] = HOSTILE["env"]
+    cfg.engine.python = str(HERE / "argv_dump.py")
+    return cfg
+
+
+@pytest.mark.parametrize("launcher", ["local", "slurm"])
+def test_hostile_values_render_shellcheck_clean(launcher: str, tmp_path: Path) -> None:
+    cfg = hostile_cfg(launcher)
+    rendered = write_job_folder(cfg, build_plan(cfg), tmp_path / "job")
+    check_script(rendered.script)
+
+
+def test_hostile_values_reach_processes_as_single_arguments(tmp_path: Path) -> None:
+    """Run the rendered local script with an interpreter that records its argv: every hostile
+    value arrives as exactly one argument, byte for byte, and nothing in it was executed."""
+    cfg = hostile_cfg("local")
+    rendered = write_job_folder(cfg, build_plan(cfg), tmp_path / "job")
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    env = {**os.environ, "ARGV_DUMP_DIR": str(dumps), "PDTOOL_PYTHON": sys.executable}
+    proc = subprocess.Popen(["bash", str(rendered.script)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    res = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    # nobody serves health, so the script times out after 2 s and stops everything
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "never healthy" in res.stderr
+    records = [json.loads(p.read_text()) for p in dumps.glob("*.json")]
+    workers = [r for r in records if "pdtool.worker" in r["argv"]]
+    assert len(workers) == len(rendered.spec.procs) == 3
+    for r in workers:
+        argv = r["argv"]
+        engine = argv[argv.index("--") + 1:]
+        assert engine[1:3] == ["-m", "sglang.launch_server"]
+        assert engine[engine.index("--model-path") + 1] == HOSTILE["path"]
+        assert engine[engine.index("--served-model-name") + 1] == HOSTILE["name"]
+        role = argv[argv.index("--role") + 1]
+        if role == "prefill":
+            assert r["env"]["PDTOOL_TEST_HOSTILE"] == HOSTILE["env"]
+    for f in ("PWNED", "PWNED2", "PWNED3"):
+        assert not (tmp_path / f).exists() and not (rendered.out / f).exists()
+    leftover = subprocess.run(["pgrep", "-f", str(HERE / "argv_dump.py")],
+                              capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", "processes outlived the script"
+
+
+def test_shellcheck_is_installed() -> None:
+    assert shutil.which("shellcheck"), "install Debian's shellcheck (scripts/install.sh does)"
