@@ -93,8 +93,13 @@ def _init(spec: RankSpec) -> tuple[Coord, TP]:
     return Coord(spec.tp, spec.rank), TP(spec.tp, spec.rank, None)
 
 
-def _stop_on_signals() -> threading.Event:
-    stop = threading.Event()
+def _stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
+    """SIGTERM/SIGINT set `stop`; the loops then shut down cleanly and print their STATS.
+
+    Called again once the messenger is up: libfabric's shm provider installs its own handlers
+    (unlink its files, then die by the signal), which would skip the clean shutdown that
+    closes the endpoint anyway."""
+    stop = stop or threading.Event()
 
     def handler(signum: int, frame: Any) -> None:
         if stop.is_set():  # second signal: a follower stuck waiting for a dead leader
@@ -149,6 +154,7 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
     model = TinyModel(cfg, tp)
     kv = PagedKV(cfg, len(model.kv_heads), spec.num_pages, spec.page_size)
     link = link if link is not None else make_link(spec, kv, model)
+    _stop_on_signals(stop)
     engine = DecodeEngine(model, kv, link, coord, spec.max_running, Faults(**{
         k: tuple(v) if isinstance(v, list) else v for k, v in spec.faults.items()}))
 
@@ -238,6 +244,7 @@ def serve_prefill(spec: RankSpec, stop: threading.Event, link: Any = None) -> di
     model = TinyModel(cfg, tp)
     kv = PagedKV(cfg, len(model.kv_heads), spec.num_pages, spec.page_size)
     link = link if link is not None else make_link(spec, kv, model)
+    _stop_on_signals(stop)
     engine = PrefillEngine(model, kv, link, coord, spec.chunk)
 
     def stats() -> dict[str, Any]:
@@ -248,7 +255,9 @@ def serve_prefill(spec: RankSpec, stop: threading.Event, link: Any = None) -> di
 
     health = None
     if coord.leader:
-        health = HealthServer(spec.host, spec.http_port, lambda: {"role": "prefill"}, stats)
+        control = list(getattr(link, "control", []))
+        health = HealthServer(spec.host, spec.http_port,
+                              lambda: {"role": "prefill", "control": control}, stats)
         health.ready = True
     ran = False
     try:
@@ -412,14 +421,14 @@ def spec_from_context(ctx: Any) -> RankSpec:
 
 
 def messenger_settings(plan: Any, inst: Any, rank: Any, host: str) -> dict[str, Any]:
-    """What the messenger adapter needs from the plan (plain data)."""
+    """What the messenger adapter needs from the plan (plain data). Prefill ranks' control
+    addresses are read at start-up from each prefill lead's /health (see link.py)."""
     t = plan.transfer
-    prefill = [{"index": i.index, "tp": i.tp, "host": _host_of(i.nodes[0], host),
-                "bootstrap_port": i.bootstrap_port} for i in plan.role_instances("prefill")]
-    return {"provider": t.provider, "layout": t.layout, "timeout_s": t.timeout_s,
-            "connect_timeout_s": t.connect_timeout_s, "aux_writes": t.aux_writes,
-            "prefill": prefill, "decode_tp": plan.transfer.decode.tp,
-            "prefill_tp": plan.transfer.prefill.tp, "domains": list(rank.nics)}
+    prefill = [{"health": f"http://{_host_of(i.nodes[0], host)}:{i.http_port}/health"}
+               for i in plan.role_instances("prefill")]
+    return {"provider": t.provider, "timeout_s": t.timeout_s,
+            "connect_timeout_s": max(t.connect_timeout_s, 120.0), "prefill": prefill,
+            "prefill_tp": t.prefill.attn_tp, "decode_tp": t.decode.attn_tp}
 
 
 def run_worker(ctx: Any) -> int:

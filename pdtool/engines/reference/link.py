@@ -1,0 +1,150 @@
+"""The reference engine's side of the KV messenger (transfer.messenger), one object per TP rank.
+
+The engine's schedulers speak the small `PrefillLink` / `DecodeLink` protocols of engine.py; this
+module maps them onto `PrefillMessenger` / `DecodeMessenger`:
+
+* decode: `submit` / `ready` / `failed` / `release` are the messenger's own; the hidden state
+  arrives in aux buffer 0, whose row is the transfer slot, and is copied out before `release`.
+* prefill: the lead rank's messenger hands out requests once every decode rank's part arrived;
+  the serving loop broadcasts them (parts included) so every rank `bind`s the same request to
+  the same source pages; each forward pass is announced (`begin`: which chunks), and after each
+  layer the rank's progress counter is bumped so the messenger thread writes that layer's pages
+  while the next layer computes. After the last chunk the hidden state goes into an aux row the
+  engine allocated at bind time, and the messenger copies it to the decoder's slot row.
+
+Control addresses: every prefill rank's messenger listens on a random port of its host; the
+prefill lead gathers them over gloo and publishes them in its `/health`, where decode ranks read
+them (`prefill_endpoints`), so no port has to be planned per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import numpy as np
+import torch
+
+from .cache import PagedKV
+from .model import TinyModel
+
+AUX_ROWS = 256  # hidden-state rows: transfer slots on decode, requests in flight on prefill
+
+
+def _endpoints(health_url: str, timeout_s: float) -> tuple[str, ...]:
+    """A prefill instance's per-rank control addresses, read from its lead's /health."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(health_url, timeout=2) as r:
+                return tuple(json.loads(r.read())["control"])
+        except (urllib.error.URLError, OSError, KeyError, ValueError):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"prefill instance at {health_url} did not publish its "
+                                   f"control addresses within {timeout_s:.0f} s") from None
+            time.sleep(0.1)
+
+
+def _common(spec: Any, model: TinyModel) -> dict[str, Any]:
+    m = spec.messenger
+    cfg = model.cfg
+    peer_tp = m["prefill_tp"] if spec.role == "decode" else m["decode_tp"]
+    return {
+        "secret": spec.secret,
+        "spec": cfg.shard_spec(spec.tp),
+        "peer_spec": cfg.shard_spec(peer_tp),
+        "rank": spec.rank,
+        "provider": m.get("provider", "shm"),
+        "timeout_s": float(m.get("timeout_s", 60.0)),
+        "busy_sleep_s": float(m.get("busy_sleep_s", 0.0002)),
+        "name": f"{spec.role}{spec.instance}-r{spec.rank}",
+    }
+
+
+class DecodeSide:
+    """DecodeLink over a DecodeMessenger."""
+
+    def __init__(self, spec: Any, kv: PagedKV, model: TinyModel) -> None:
+        from transfer.messenger.common import DecodeConfig
+        from transfer.messenger.decode import DecodeMessenger
+
+        m = spec.messenger
+        timeout = float(m.get("connect_timeout_s", 60.0))
+        groups = tuple(_endpoints(p["health"], timeout) for p in m["prefill"])
+        self.aux = torch.zeros(AUX_ROWS, model.cfg.hidden, dtype=torch.float32)
+        config = DecodeConfig(**_common(spec, model), prefill_endpoints=groups,
+                              max_inflight=AUX_ROWS)
+        self.m = DecodeMessenger(config, kv.layers, "HND", [self.aux])
+
+    def submit(self, rid: str, tokens: list[int], pages: list[int], peer: int) -> None:
+        self.m.submit(rid, tokens, pages, peer)
+
+    def ready(self) -> set[str]:
+        return self.m.ready()
+
+    def failed(self) -> set[str]:
+        return self.m.failed()
+
+    def hidden(self, rid: str) -> torch.Tensor:
+        row = np.array(self.m.aux(rid, 0))  # copy: the row goes back with the slot
+        return torch.from_numpy(row.view(np.float32).copy())
+
+    def release(self, rid: str) -> None:
+        self.m.release(rid)
+
+    def close(self) -> None:
+        self.m.close()
+
+
+def messenger_link(spec: Any, kv: PagedKV, model: TinyModel) -> Any:
+    if spec.role == "decode":
+        return DecodeSide(spec, kv, model)
+    return PrefillSide(spec, kv, model)
+
+
+class PrefillSide:
+    """PrefillLink over a PrefillMessenger."""
+
+    def __init__(self, spec: Any, kv: PagedKV, model: TinyModel) -> None:
+        import torch.distributed as dist
+
+        from transfer.messenger.common import PrefillConfig
+        from transfer.messenger.prefill import PrefillMessenger
+
+        self.aux = torch.zeros(AUX_ROWS, model.cfg.hidden, dtype=torch.float32)
+        config = PrefillConfig(**_common(spec, model), bind_host=spec.host, port=0,
+                               max_requests=AUX_ROWS)
+        self.m = PrefillMessenger(config, kv.layers, "HND", [self.aux])
+        addrs = [self.m.address]
+        if spec.tp > 1:  # the lead publishes every rank's control address in /health
+            addrs = [""] * spec.tp
+            dist.all_gather_object(addrs, self.m.address)
+        self.control = addrs
+
+    def recv(self) -> list[dict]:
+        return [{"rid": r.rid, "tokens": [int(t) for t in r.token_ids], "req": r}
+                for r in self.m.poll_requests()]
+
+    def accept(self, req: dict, pages: list[int]) -> None:
+        self.m.bind(req["req"], pages)
+
+    def begin(self, chunks: list[tuple[str, int, int]]) -> None:
+        self.m.begin_pass(chunks)
+
+    def layer_done(self, layer: int) -> None:
+        self.m.layer_done(layer)
+
+    def finish(self, rid: str, hidden: torch.Tensor) -> None:
+        self.m.finish(rid, [hidden.to(torch.float32).contiguous()])
+
+    def done(self) -> set[str]:
+        return self.m.done()
+
+    def release(self, rid: str) -> None:
+        self.m.release(rid)
+
+    def close(self) -> None:
+        self.m.close()
