@@ -61,6 +61,8 @@ class Scenario:
     chunk_pages: int = 2
     aux_row_bytes: tuple[int, ...] = (48,)
     faults: tuple[tuple[int, str], ...] = ()  # (prefill instance, "kill"|"stall"|"hold")
+    decode_kill: bool = False             # decode rank 0 SIGKILLs itself once writes arrive
+    linger_s: float = 0.0                 # keep the prefill running this long after decode
     timeout_s: float = 20.0
     heartbeat_s: float = 0.2
     peer_timeout_s: float = 1.0
@@ -183,7 +185,7 @@ def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any]
                 for layer in range(s.num_layers):
                     m.layer_done(layer)
                     if first_pass and layer == 0 and fault:
-                        _fault(m, fault, ev, report)
+                        _fault(s, m, fault, ev, report)
                 first_pass = False
                 for rid, _lo, hi in chunks:
                     a = next(a for a in active if a[0].rid == rid)
@@ -206,7 +208,7 @@ def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any]
     conn.send(report)
 
 
-def _fault(m: Any, fault: str, ev: dict[str, Any], report: dict[str, Any]) -> None:
+def _fault(s: Scenario, m: Any, fault: str, ev: dict[str, Any], report: dict[str, Any]) -> None:
     if fault == "kill":
         time.sleep(0.3)  # let layer 0's writes go out
         os.kill(os.getpid(), signal.SIGKILL)
@@ -217,6 +219,8 @@ def _fault(m: Any, fault: str, ev: dict[str, Any], report: dict[str, Any]) -> No
     elif fault == "hold":
         report["held"] = ev["decoder_saw_writes"].wait(30)
         report["writes_while_held"] = m.writes_issued
+        if s.decode_kill:  # stay mid-pass until the dead decoder's lease has run out
+            time.sleep(2 * s.peer_timeout_s + 0.5)
 
 
 # --------------------------------------------------------------------------- decode process
@@ -256,6 +260,8 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
                         report["seen"] = {"rid": rid, "received": st.received,
                                           "expected": st.expected}
                         ev["decoder_saw_writes"].set()
+                        if s.decode_kill and rank == 0:
+                            os.kill(os.getpid(), signal.SIGKILL)
                     if st.status in final:
                         pending.discard(rid)
                         if st.status is TransferStatus.FAILED:
@@ -313,6 +319,7 @@ def run(s: Scenario) -> Outcome:
                 p = ctx.Process(target=_prefill_main, args=(s, inst, rank, b, my_q, ev),
                                 daemon=True)
                 p.start()
+                b.close()  # so a killed child shows up as EOF here
                 procs.append(p)
                 group_conns.append(a)
             endpoints.append(tuple(_recv(c, 30, "prefill address") for c in group_conns))
@@ -323,9 +330,13 @@ def run(s: Scenario) -> Outcome:
             p = ctx.Process(target=_decode_main, args=(s, rank, tuple(endpoints), b, ev),
                             daemon=True)
             p.start()
+            b.close()
             procs.append(p)
             dconns.append(a)
-        out.decode = [_recv(c, s.run_timeout_s + 10, "decode report") for c in dconns]
+        for c in dconns:
+            with contextlib.suppress(EOFError):  # a decode rank killed by a fault
+                out.decode.append(_recv(c, s.run_timeout_s + 10, "decode report"))
+        time.sleep(s.linger_s)
         ev["stop"].set()
         for c in pconns:
             with contextlib.suppress(EOFError, TimeoutError, OSError):

@@ -491,8 +491,9 @@ class PrefillMessenger(Worker):
             self._settle_unbound(req, row, f"cannot send: {exc}")
             return
         senders = [(p["sender"], p["slot"], p["gen"]) for p in req.parts]
-        self._reqs[req.rid] = _Req(req.rid, req.num_pages, dests, now + req.timeout_s, row,
-                                   senders)
+        # a backstop: the decoder's own timeout (and ABORT) normally fires first
+        deadline = now + req.timeout_s + self.config.peer_timeout_s
+        self._reqs[req.rid] = _Req(req.rid, req.num_pages, dests, deadline, row, senders)
 
     def _settle_unbound(self, req: PrefillRequest, row: int, reason: str) -> None:
         for p in req.parts:

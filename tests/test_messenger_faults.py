@@ -1,0 +1,87 @@
+"""Layer streaming and failure handling of the KV messenger, with real processes and libfabric.
+
+* streaming: the prefill engine holds its progress counter at "layer 0 done" until the decoder
+  has counted writes; if writes were only issued at the end of the pass, the decoder would
+  never see any and the hold would time out;
+* a stalled prefill: the decoder times out, ABORTs, and releases the pages only after the
+  prefill confirmed; the prefill issues no write after the abort; the same pages then serve a
+  new request byte-exactly;
+* a SIGKILLed prefill: only its request fails, and the decoder's pages go to a request on
+  another prefill instance, byte-exactly;
+* a SIGKILLed decoder: the prefill fails that request and frees its pages.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch  # noqa: F401  (imported before forking so the rank processes start fast)
+
+from transfer.fabric import shm_leftovers
+from transfer.messenger.loopback import Scenario, run
+
+PROVIDERS = ["shm", "tcp;ofi_rxm"]
+LAYERS = 4
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_layer0_completions_arrive_before_the_last_layer_is_written(provider):
+    s = Scenario(provider=provider, prefill_tp=1, decode_tp=1, num_layers=LAYERS,
+                 prompts=(33,), chunk_pages=8, faults=((0, "hold"),))
+    out = run(s)
+    (pre,), (dec,) = out.prefill, out.decode
+    pages = 8
+    assert pre["held"], "the decoder never saw a write while the prefill held at layer 0"
+    assert pre["writes_while_held"] == pages  # only layer 0 was submitted
+    assert 0 < dec["seen"]["received"] <= pages < dec["seen"]["expected"]
+    r = dec["requests"]["w0-r0"]
+    assert r["status"] == "success" and r["bad_layers"] == [] and r["aux_ok"]
+    assert r["received"] == pages * LAYERS + 1
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_stalled_prefill_times_out_and_pages_are_fenced_then_reused(provider):
+    s = Scenario(provider=provider, prefill_tp=1, decode_tp=1, num_layers=LAYERS,
+                 prompts=(33,), followups=(33,), chunk_pages=8, faults=((0, "stall"),),
+                 timeout_s=1.5)
+    out = run(s)
+    (pre,), (dec,) = out.prefill, out.decode
+    failed, again = dec["requests"]["w0-r0"], dec["requests"]["f-r0"]
+    assert failed["status"] == "failed" and "timed out" in failed["reason"]
+    assert pre["released"] and pre["writes_at_abort"] == 8
+    assert not pre["results"]["w0-r0"]["ok"]
+    reason = pre["results"]["w0-r0"]["reason"]  # whichever side's clock fired first
+    assert "aborted by decode" in reason or "timed out on the prefill side" in reason
+    # nothing was written after the abort: the only later writes are the follow-up's
+    assert pre["writes_issued"] == 8 + again["expected"]
+    assert again["status"] == "success" and again["bad_layers"] == [] and again["aux_ok"]
+    assert dec["stale_writes"] == 0
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_killed_prefill_fails_only_its_request(provider):
+    s = Scenario(provider=provider, prefill_tp=1, decode_tp=1, prefill_instances=2,
+                 num_layers=LAYERS, prompts=(33, 17), peers=(0, 1), followups=(33,),
+                 followup_peers=(1,), chunk_pages=8, faults=((0, "kill"),))
+    out = run(s)
+    (dec,) = out.decode
+    dead, alive, again = (dec["requests"][k] for k in ("w0-r0", "w0-r1", "f-r0"))
+    assert dead["status"] == "failed" and "silent" in dead["reason"], dead
+    assert alive["status"] == "success" and alive["bad_layers"] == [] and alive["aux_ok"]
+    assert again["status"] == "success" and again["bad_layers"] == [] and again["aux_ok"]
+    assert [p["inst"] for p in out.prefill] == [1]
+    assert not shm_leftovers([p["pid"] for p in out.prefill])
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_killed_decoder_fails_its_request_on_the_prefill(provider):
+    s = Scenario(provider=provider, prefill_tp=1, decode_tp=1, num_layers=LAYERS,
+                 prompts=(33,), chunk_pages=8, faults=((0, "hold"),), decode_kill=True,
+                 linger_s=3.0)
+    before = set(shm_leftovers())
+    out = run(s)
+    assert out.decode == []
+    assert set(shm_leftovers()) <= before  # the killed decoder's /dev/shm file was removed
+    (pre,) = out.prefill
+    res = pre["results"]["w0-r0"]
+    assert not res["ok"] and "silent" in res["reason"], res
+    assert pre["writes_issued"] == 8  # layer 0 only: nothing more went to the dead peer
