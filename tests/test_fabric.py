@@ -91,8 +91,8 @@ def _target_then_hang(provider: str, conn) -> None:
     buf = np.zeros(64 << 20, dtype=np.uint8)
     mr = ep.register_buffer(buf)
     conn.send((ep.name, mr.descriptor().to_dict(), os.getpid()))
-    ep.wait_recv(0, 1 << 30, 0.3)  # progress briefly: connection set-up, first bytes
-    conn.send("ready")
+    # progress until the initiator's first write landed (connection up), then stop
+    conn.send("ready" if ep.wait_recv(0, 1, WAIT_S) else "first write never arrived")
     time.sleep(60)
 
 

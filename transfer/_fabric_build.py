@@ -55,6 +55,7 @@ int pd_getname(pd_ep *ep, void *buf, size_t *len);
 void pd_set_counters(pd_ep *ep, uint32_t *recv_counts, uint16_t *recv_gen, uint32_t *send_done,
                      uint32_t nslots);
 uint64_t pd_stale(pd_ep *ep);
+void pd_set_yield(pd_ep *ep, int on);
 uint64_t pd_inflight(pd_ep *ep);
 uint64_t pd_remote_cntr(pd_ep *ep);
 uint64_t pd_remote_writes(pd_ep *ep);
@@ -91,6 +92,7 @@ SOURCE = r"""
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <time.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_cm.h>
@@ -158,6 +160,7 @@ struct pd_ep {
     uint64_t stale;
     uint64_t remote_writes;
     uint64_t inflight;
+    int yield_idle;         /* sched_yield() when a wait/retry loop found nothing to do */
     /* context pool */
     struct pd_ctx *ctx;
     uint32_t ctx_n;
@@ -427,6 +430,7 @@ void pd_set_counters(pd_ep *ep, uint32_t *recv_counts, uint16_t *recv_gen, uint3
     ep->nslots = nslots;
 }
 
+void pd_set_yield(pd_ep *ep, int on) { ep->yield_idle = on; }
 uint64_t pd_stale(pd_ep *ep) { return ep->stale; }
 uint64_t pd_inflight(pd_ep *ep) { return ep->inflight; }
 uint64_t pd_remote_writes(pd_ep *ep) { return ep->remote_writes; }
@@ -527,6 +531,7 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
                 *done = i;
                 return p;
             }
+            if (p == 0 && ep->yield_idle) sched_yield();  /* let a peer sharing this core run */
             if ((++spins & 255) == 0) {
                 int64_t now = pd_now_ns();
                 if (!deadline) deadline = now + timeout_ns;
@@ -548,6 +553,7 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
     for (;;) { \
         int p = pd_poll(ep, 1u << 16); if (p < 0) return p; \
         if (cond) return 0; \
+        if (p == 0 && ep->yield_idle) sched_yield();  /* let a peer sharing this core run */ \
         if ((++spins & 63) == 0 && pd_now_ns() > deadline) return -FI_ETIMEDOUT; \
     } } while (0)
 

@@ -220,6 +220,7 @@ class Endpoint:
         max_slots: int = MAX_SLOTS,
         remote_counter: bool = False,
         max_outstanding: int = 1 << 16,
+        yield_when_idle: bool = True,
     ) -> None:
         if not 0 < max_slots <= MAX_SLOTS:
             raise ValueError(f"max_slots must be in [1, {MAX_SLOTS}], got {max_slots}")
@@ -242,6 +243,10 @@ class Endpoint:
         _check(ret, "open endpoint", f"provider={provider!r} domain={domain!r} node={node!r} "
                f"service={service!r}; see `fi_info -p '{provider}'`", err)
         self._h = out[0]
+        # Both peers busy-poll (manual progress). When a wait/retry loop finds nothing to do it
+        # calls sched_yield(), so a peer sharing the core (2-core boxes, oversubscribed nodes)
+        # gets to run; costs one syscall per idle spin when cores are plentiful.
+        _lib.pd_set_yield(self._h, int(yield_when_idle))
         self.provider: str = _ffi.string(info.provider).decode()
         self.fabric: str = _ffi.string(info.fabric).decode()
         self.domain: str = _ffi.string(info.domain).decode()

@@ -1,0 +1,555 @@
+"""Page-transfer benchmark: GB/s moving scattered KV pages between two processes.
+
+What it measures. Each round moves `--gib` GiB (default 1) of pages of one size (64 KiB and
+1 MiB) from a source buffer in this process to random, scattered page slots of a destination
+buffer in a second process (multiprocessing, spawn), and reports GB/s (1e9 B/s) with its ratio to
+an in-process copy of the same pages measured in the same run. Systems, interleaved round by
+round so background load hits all of them alike:
+
+* `copy`        in-process numpy copy of the same pages (the baseline; best of a per-page
+                 loop and a vectorised gather/scatter);
+* `fabric`      the raw binding (transfer.fabric): one `write_batch` C call for all pages with
+                 32-bit immediate data, the target counting CQ data per slot in C (`wait_recv`);
+                 on `shm` and `tcp;ofi_rxm` (loopback);
+* `messenger`   transfer.messenger's own bench hook when that module provides one (see
+                 `run_messenger`); the full protocol with counting;
+* `nixl`        NIXL (pip `nixl-cu12`), UCX backend, DRAM, one WRITE transfer of all page
+                 descriptors with a notification, no progress threads (fastest on 2 cores);
+* `mooncake`    Mooncake transfer engine (pip `mooncake-transfer-engine-non-cuda`), TCP,
+                 P2P handshake, `batch_transfer_sync_write`.
+
+Timing: from just before the first submission to when the target has seen all pages (its
+completion count / notification, stamped with CLOCK_MONOTONIC, which both processes share) and
+the initiator's local completions are in. Best of `--rounds` rounds per cell.
+
+Usage (from the repository root; both sides busy-poll, so keep other load off the cores):
+    python bench/transfer.py               # table
+    python bench/transfer.py --json        # one JSON object {system: {"provider/page": GB/s}}
+    python bench/transfer.py --quick       # small sizes, a smoke run
+    python bench/transfer.py --systems copy,fabric
+
+Targets (issue 4): messenger on shm >= 0.8x copy at 64 KiB and >= 0.95x at 1 MiB; on
+tcp;ofi_rxm >= 2x Mooncake-TCP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make `transfer` importable from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+KIB = 1024
+MIB = 1024 * KIB
+GIB = 1024 * MIB
+WAIT_S = 120.0
+FABRIC_PROVIDERS = ("shm", "tcp;ofi_rxm")
+ALL_SYSTEMS = ("copy", "fabric", "messenger", "nixl", "mooncake")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Pages of one size: `n` writes, src page i -> dst page dst[i] (scattered, repeats passes)."""
+
+    page: int
+    src_pages: np.ndarray
+    dst_pages: np.ndarray
+    region: int  # bytes of each side's buffer
+
+    @property
+    def n(self) -> int:
+        return len(self.dst_pages)
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.page
+
+    def src_off(self) -> np.ndarray:
+        return self.src_pages.astype(np.uint64) * np.uint64(self.page)
+
+    def dst_off(self) -> np.ndarray:
+        return self.dst_pages.astype(np.uint64) * np.uint64(self.page)
+
+    def lengths(self) -> np.ndarray:
+        return np.full(self.n, self.page, dtype=np.uint64)
+
+
+def make_workload(page: int, total: int, region: int, seed: int) -> Workload:
+    rng = np.random.default_rng(seed)
+    per_region = region // page
+    passes = -(-total // region)
+    dst = np.concatenate([rng.permutation(per_region) for _ in range(passes)])
+    src = np.concatenate([rng.permutation(per_region) for _ in range(passes)])
+    n = total // page
+    return Workload(page, src[:n], dst[:n], region)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+# ------------------------------------------------------------------ copy baseline
+def run_copy(src: np.ndarray, dst: np.ndarray, w: Workload) -> float:
+    """Best of a per-page numpy loop and a vectorised gather/scatter; seconds."""
+    s2 = src.reshape(-1, w.page)
+    d2 = dst.reshape(-1, w.page)
+    t0 = time.perf_counter()
+    for s, d in zip(w.src_pages.tolist(), w.dst_pages.tolist(), strict=True):
+        d2[d] = s2[s]
+    loop = time.perf_counter() - t0
+    # vectorised in bounded chunks (the gather makes a temporary; keep it cache-friendly)
+    chunk = max(1, (32 * MIB) // w.page)
+    t0 = time.perf_counter()
+    for i in range(0, w.n, chunk):
+        d2[w.dst_pages[i : i + chunk]] = s2[w.src_pages[i : i + chunk]]
+    vec = time.perf_counter() - t0
+    return min(loop, vec)
+
+
+# ------------------------------------------------------------------ peer plumbing
+def _spawn(fn: Callable[..., None], *args: Any) -> tuple[Any, Any]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=fn, args=(*args, child), daemon=True)
+    proc.start()
+    return proc, parent
+
+
+def _recv(conn: Any, proc: Any, what: str, timeout: float = WAIT_S) -> Any:
+    if not conn.poll(timeout):
+        raise TimeoutError(f"{what}: target sent nothing in {timeout}s (alive={proc.is_alive()})")
+    msg = conn.recv()
+    if isinstance(msg, tuple) and msg and msg[0] == "error":
+        raise RuntimeError(f"{what}: target failed: {msg[1]}")
+    return msg
+
+
+def _serve(conn: Any, handler: Any) -> None:
+    """Target loop: answer (cmd, *args) messages until 'close'; errors go back as data."""
+    try:
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "close":
+                handler.close()
+                conn.send("closed")
+                return
+            conn.send(getattr(handler, cmd)(*args))
+    except Exception:
+        conn.send(("error", traceback.format_exc(limit=4)))
+
+
+class Peer:
+    """Initiator-side handle of a target process."""
+
+    def __init__(self, target: Callable[..., None], *args: Any) -> None:
+        self.proc, self.conn = _spawn(target, *args)
+
+    def call(self, cmd: str, *args: Any, timeout: float = WAIT_S) -> Any:
+        self.conn.send((cmd, *args))
+        return _recv(self.conn, self.proc, cmd, timeout)
+
+    def send(self, cmd: str, *args: Any) -> None:
+        self.conn.send((cmd, *args))
+
+    def result(self, what: str, timeout: float = WAIT_S) -> Any:
+        return _recv(self.conn, self.proc, what, timeout)
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("close", timeout=10)
+        except Exception:
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+# ------------------------------------------------------------------ raw fabric binding
+def _fabric_kwargs(provider: str) -> dict[str, str]:
+    return {"domain": "lo"} if provider.startswith("tcp") else {}
+
+
+class _FabricTarget:
+    def __init__(self, provider: str, region: int) -> None:
+        from transfer.fabric import Endpoint
+
+        self.ep = Endpoint(provider, **_fabric_kwargs(provider))
+        self.buf = np.ones(region, dtype=np.uint8)
+        self.mr = self.ep.register_buffer(self.buf)
+        self.gen = 0
+
+    def hello(self) -> tuple[bytes, dict[str, int]]:
+        return self.ep.name, self.mr.descriptor().to_dict()
+
+    def arm(self, slot: int) -> int:
+        self.gen = (self.gen + 1) & 0xFFFF
+        self.ep.arm(slot, self.gen)
+        return self.gen
+
+    def wait(self, slot: int, n: int) -> float:
+        if not self.ep.wait_recv(slot, n, WAIT_S):
+            raise TimeoutError(f"counted {self.ep.recv_counts[slot]}/{n} writes")
+        return time.monotonic()
+
+    def close(self) -> None:
+        self.ep.close()
+
+
+def _fabric_target(provider: str, region: int, conn: Any) -> None:
+    _serve(conn, _FabricTarget(provider, region))
+
+
+class FabricRunner:
+    """The raw binding: one write_batch call, target counts CQ data in C."""
+
+    SLOT = 1
+
+    def __init__(self, provider: str, src: np.ndarray, region: int) -> None:
+        from transfer.fabric import Endpoint, RemoteRegion, encode_imm
+
+        self.encode_imm = encode_imm
+        self.peer = Peer(_fabric_target, provider, region)
+        name, desc = self.peer.call("hello")
+        self.ep = Endpoint(provider, **_fabric_kwargs(provider))
+        self.mr = self.ep.register_buffer(src)
+        self.remote = RemoteRegion.from_dict(desc)
+        self.addr = self.ep.insert_peer(name)
+        self.tag = 0
+
+    def run(self, w: Workload) -> float:
+        gen = self.peer.call("arm", self.SLOT)
+        self.tag = (self.tag + 1) % 1024
+        self.ep.send_done[self.tag] = 0
+        src, dst, ln = w.src_off(), w.dst_off(), w.lengths()
+        self.peer.send("wait", self.SLOT, w.n)
+        t0 = time.monotonic()
+        self.ep.write_batch(self.addr, self.mr, self.remote, src, dst, ln,
+                            self.encode_imm(self.SLOT, gen), self.tag, timeout=WAIT_S)
+        if not self.ep.wait_send(self.tag, w.n, WAIT_S):
+            raise TimeoutError("local completions did not arrive")
+        t_local = time.monotonic()
+        t_remote = self.peer.result("wait")
+        return max(t_local, t_remote) - t0
+
+    def close(self) -> None:
+        self.peer.close()
+        self.ep.close()
+
+
+# ------------------------------------------------------------------ NIXL (UCX, DRAM)
+def _nixl_agent(name: str) -> Any:
+    from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+    # no progress/listen threads: on 2 cores a third spinning thread halves throughput (DESIGN §5)
+    cfg = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                            backends=["UCX"])
+    return nixl_agent(name, cfg)
+
+
+class _NixlTarget:
+    def __init__(self, region: int) -> None:
+        self.agent = _nixl_agent("target")
+        self.buf = np.ones(region, dtype=np.uint8)
+        self.reg = self.agent.register_memory([(int(self.buf.ctypes.data), region, 0, "")],
+                                              "DRAM")
+
+    def hello(self, peer_meta: bytes) -> tuple[bytes, int]:
+        self.agent.add_remote_agent(peer_meta)
+        return self.agent.get_agent_metadata(), int(self.buf.ctypes.data)
+
+    def wait(self, tag: bytes) -> float:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            for msgs in self.agent.get_new_notifs().values():
+                if tag in msgs:
+                    return time.monotonic()
+        raise TimeoutError("no NIXL notification")
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self.reg)
+
+
+def _nixl_target(region: int, conn: Any) -> None:
+    _serve(conn, _NixlTarget(region))
+
+
+class NixlRunner:
+    def __init__(self, src: np.ndarray, region: int) -> None:
+        self.agent = _nixl_agent("initiator")
+        self.src = src
+        self.reg = self.agent.register_memory([(int(src.ctypes.data), src.nbytes, 0, "")],
+                                              "DRAM")
+        self.peer = Peer(_nixl_target, region)
+        meta, self.dst_base = self.peer.call("hello", self.agent.get_agent_metadata())
+        self.remote = self.agent.add_remote_agent(meta)
+        self.round = 0
+
+    def run(self, w: Workload) -> float:
+        self.round += 1
+        tag = f"r{self.round}".encode()
+        base = int(self.src.ctypes.data)
+        ln = w.lengths().astype(np.int64)
+        local = np.stack([base + w.src_off().astype(np.int64), ln, np.zeros_like(ln)], axis=1)
+        remote = np.stack([self.dst_base + w.dst_off().astype(np.int64), ln, np.zeros_like(ln)],
+                          axis=1)
+        ld = self.agent.get_xfer_descs(local, "DRAM")
+        rd = self.agent.get_xfer_descs(remote, "DRAM")
+        h = self.agent.initialize_xfer("WRITE", ld, rd, self.remote, tag)
+        self.peer.send("wait", tag)
+        t0 = time.monotonic()
+        state = self.agent.transfer(h)
+        deadline = t0 + WAIT_S
+        while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+            state = self.agent.check_xfer_state(h)
+        if state != "DONE":
+            raise RuntimeError(f"NIXL transfer ended in state {state}")
+        t_local = time.monotonic()
+        t_remote = self.peer.result("wait")
+        self.agent.release_xfer_handle(h)
+        return max(t_local, t_remote) - t0
+
+    def close(self) -> None:
+        self.peer.close()
+        self.agent.deregister_memory(self.reg)
+
+
+# ------------------------------------------------------------------ Mooncake (TCP)
+def _mooncake_engine() -> Any:
+    from mooncake.engine import TransferEngine
+
+    te = TransferEngine()
+    ret = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    if ret != 0:
+        raise RuntimeError(f"Mooncake TransferEngine.initialize returned {ret}")
+    return te
+
+
+class _MooncakeTarget:
+    def __init__(self, region: int) -> None:
+        self.te = _mooncake_engine()
+        self.buf = np.ones(region, dtype=np.uint8)
+        ret = self.te.register_memory(int(self.buf.ctypes.data), region)
+        if ret != 0:
+            raise RuntimeError(f"register_memory returned {ret}")
+
+    def hello(self) -> tuple[str, int]:
+        return f"127.0.0.1:{self.te.get_rpc_port()}", int(self.buf.ctypes.data)
+
+    def close(self) -> None:
+        self.te.unregister_memory(int(self.buf.ctypes.data))
+
+
+def _mooncake_target(region: int, conn: Any) -> None:
+    _serve(conn, _MooncakeTarget(region))
+
+
+class MooncakeRunner:
+    """`batch_transfer_sync_write` returns once the target acknowledged every write."""
+
+    def __init__(self, src: np.ndarray, region: int, batch: int) -> None:
+        self.batch = batch
+        self.te = _mooncake_engine()
+        self.src = src
+        if self.te.register_memory(int(src.ctypes.data), src.nbytes) != 0:
+            raise RuntimeError("Mooncake register_memory failed")
+        self.peer = Peer(_mooncake_target, region)
+        self.session, self.dst_base = self.peer.call("hello")
+
+    def run(self, w: Workload) -> float:
+        base = int(self.src.ctypes.data)
+        srcs = (base + w.src_off().astype(np.int64)).tolist()
+        dsts = (self.dst_base + w.dst_off().astype(np.int64)).tolist()
+        lens = w.lengths().astype(np.int64).tolist()
+        t0 = time.monotonic()
+        for i in range(0, w.n, self.batch):
+            j = i + self.batch
+            ret = self.te.batch_transfer_sync_write(self.session, srcs[i:j], dsts[i:j], lens[i:j])
+            if ret != 0:
+                raise RuntimeError(f"batch_transfer_sync_write returned {ret}")
+        return time.monotonic() - t0
+
+    def close(self) -> None:
+        self.peer.close()
+        self.te.unregister_memory(int(self.src.ctypes.data))
+
+
+# ------------------------------------------------------------------ messenger hook
+def run_messenger(provider: str, src: np.ndarray, region: int) -> Any:
+    """Runner for the messenger (full protocol + counting), or raise why it is unavailable.
+
+    Contract with transfer/messenger.py: it may expose `bench_runner(provider, src, region)`
+    returning an object with `run(workload) -> seconds` and `close()`, where `workload` has
+    `.page`, `.n`, `.nbytes`, `.src_off()`, `.dst_off()`, `.lengths()` (byte offsets into `src`
+    and into the decoder's `region`-byte buffer). Timing must end when the decoder's count for
+    the transfer is reached.
+    """
+    if importlib.util.find_spec("transfer.messenger") is None:
+        raise ModuleNotFoundError("transfer.messenger is not present yet")
+    import transfer.messenger as messenger
+
+    hook = getattr(messenger, "bench_runner", None)
+    if hook is None:
+        raise AttributeError("transfer.messenger has no bench_runner(provider, src, region)")
+    return hook(provider, src, region)
+
+
+# ------------------------------------------------------------------ driver
+@dataclass
+class Results:
+    gbps: dict[str, dict[str, float]] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def add(self, system: str, cell: str, value: float) -> None:
+        row = self.gbps.setdefault(system, {})
+        row[cell] = max(row.get(cell, 0.0), value)
+
+
+def _cell(provider: str, page: int) -> str:
+    size = f"{page // MIB}MiB" if page >= MIB else f"{page // KIB}KiB"
+    return f"{provider}/{size}"
+
+
+def _open_runners(systems: list[str], src: np.ndarray, region: int, res: Results,
+                  args: argparse.Namespace) -> dict[tuple[str, str], Any]:
+    """(system, provider) -> runner; systems that cannot start are recorded with the reason."""
+    makers: list[tuple[str, str, Callable[[], Any]]] = []
+    for prov in FABRIC_PROVIDERS:
+        if "fabric" in systems:
+            makers.append(("fabric", prov, lambda p=prov: FabricRunner(p, src, region)))
+        if "messenger" in systems:
+            makers.append(("messenger", prov, lambda p=prov: run_messenger(p, src, region)))
+    if "nixl" in systems:
+        makers.append(("nixl", "ucx", lambda: NixlRunner(src, region)))
+    if "mooncake" in systems:
+        makers.append(("mooncake", "tcp", lambda: MooncakeRunner(src, region, args.mooncake_batch)))
+    runners: dict[tuple[str, str], Any] = {}
+    for system, prov, make in makers:
+        try:
+            runners[(system, prov)] = make()
+        except Exception as exc:  # report precisely, never fake a number
+            res.skipped[f"{system}/{prov}"] = f"{type(exc).__name__}: {exc}"
+    return runners
+
+
+def _measure(runners: dict[tuple[str, str], Any], key: tuple[str, str], w: Workload,
+             res: Results, record: bool = True) -> None:
+    """One cell; a failing system is dropped from the run with its error recorded."""
+    system, prov = key
+    try:
+        seconds = runners[key].run(w)
+    except Exception as exc:
+        res.skipped[f"{system}/{prov}"] = f"{type(exc).__name__}: {exc}"
+        runners.pop(key).close()
+        return
+    if record:
+        res.add(system, _cell(prov, w.page), gbps(w.nbytes, seconds))
+
+
+def run(args: argparse.Namespace) -> Results:
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(ALL_SYSTEMS))
+    if unknown:
+        raise SystemExit(f"--systems: unknown {unknown}; choose from {list(ALL_SYSTEMS)}")
+    region = args.region_mib * MIB
+    total = int(args.gib * GIB)
+    pages = [int(p) * KIB for p in args.page_kib.split(",")]
+    src = np.random.default_rng(0).integers(0, 256, size=region, dtype=np.uint8)
+    dst = np.ones(region, dtype=np.uint8)
+    res = Results()
+    runners = _open_runners(systems, src, region, res, args)
+    try:
+        # warm-up, discarded: connections, registration caches, first touches
+        for page in pages:
+            w = make_workload(page, min(total, region), region, seed=page)
+            run_copy(src, dst, w)
+            for key in list(runners):
+                _measure(runners, key, w, res, record=False)
+        for r in range(args.rounds):
+            for page in pages:
+                w = make_workload(page, total, region, seed=1000 * r + page)
+                if "copy" in systems:
+                    res.add("copy", _cell("memcpy", page), gbps(w.nbytes, run_copy(src, dst, w)))
+                for key in list(runners):
+                    _measure(runners, key, w, res)
+                    if args.verbose:
+                        print(f"round {r} {key} {page // KIB} KiB done", file=sys.stderr)
+    finally:
+        for runner in runners.values():
+            runner.close()
+    return res
+
+
+def report(res: Results, pages: list[int]) -> str:
+    lines = [f"{'system':<22}" + "".join(f"{_size(p):>22}" for p in pages)]
+    copy = res.gbps.get("copy", {})
+    for system, row in res.gbps.items():
+        provs = sorted({cell.split("/")[0] for cell in row})
+        for prov in provs:
+            cells = []
+            for p in pages:
+                v = row.get(f"{prov}/{_size(p)}")
+                base = copy.get(f"memcpy/{_size(p)}")
+                if v is None:
+                    cells.append(f"{'-':>22}")
+                elif base:
+                    cells.append(f"{v:>9.2f} GB/s {v / base:>5.2f}x")
+                else:
+                    cells.append(f"{v:>12.2f} GB/s")
+            lines.append(f"{system + '/' + prov:<22}" + "".join(f"{c:>22}" for c in cells))
+    for name, why in res.skipped.items():
+        lines.append(f"not measured: {name}: {why}")
+    return "\n".join(lines)
+
+
+def _size(page: int) -> str:
+    return f"{page // MIB}MiB" if page >= MIB else f"{page // KIB}KiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
+    ap.add_argument("--systems", default=",".join(ALL_SYSTEMS))
+    ap.add_argument("--gib", type=float, default=1.0, help="GiB moved per cell per round")
+    ap.add_argument("--region-mib", type=int, default=256, help="buffer size on each side")
+    ap.add_argument("--page-kib", default="64,1024", help="page sizes in KiB")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; best is kept")
+    ap.add_argument("--mooncake-batch", type=int, default=1024,
+                    help="writes per batch_transfer_sync_write (its TCP lane queue is bounded)")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.gib, args.region_mib, args.rounds = 1 / 16, 32, 1
+    res = run(args)
+    pages = [int(p) * KIB for p in args.page_kib.split(",")]
+    if args.json:
+        out: dict[str, Any] = {s: {k: round(v, 3) for k, v in row.items()}
+                               for s, row in res.gbps.items()}
+        if res.skipped:
+            out["not_measured"] = res.skipped
+        print(json.dumps(out, sort_keys=True))
+    else:
+        moved = args.gib
+        print(f"{moved:g} GiB per cell, {args.rounds} interleaved round(s), best kept; "
+              f"pid {os.getpid()}")
+        print(report(res, pages))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
