@@ -1,0 +1,108 @@
+"""A rendered deployment submitted to a real Slurm cluster (4 emulated nodes on this machine).
+
+The workers run the worker entry's start-up path (`--preflight`: load the plan, resolve rank,
+NIC and environment, check the node, serve health) and the job stops after a healthy start.
+The logs must show every process on the node the plan assigned, and the job COMPLETED; a worker
+that cannot start makes the job FAILED with a message naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from pdtool.planner import from_json
+
+#: prefill TP2 spans nodes 0-1 (one "GPU" per node), decode instances on nodes 2 and 3
+OVERRIDES = [
+    "+recipe=tiny-local", "launcher=slurm", "transfer=tcp", "cluster.nodes=4",
+    "cluster.gpus_per_node=1", "cluster.gpu_numa=[0]", "prefill.tp=2", "prefill.nodes=2",
+    "decode.instances=2", "prefill.http_port=36100", "decode.http_port=36200",
+    "prefill.bootstrap_port=36150", "prefill.dist_init_port=36160", "decode.dist_init_port=36260",
+    "router.port=36300", "launcher.health_timeout_s=120",
+]
+
+
+def launch(slurm, out: Path, *extra: str) -> str:
+    env = slurm.env()
+    res = subprocess.run(
+        [sys.executable, "-m", "pdtool.cli", "launch", *OVERRIDES, *extra, "--out", str(out),
+         "--preflight", "--exit-when-healthy"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    m = re.search(r"submitted job (\d+)", res.stdout)
+    assert m, res.stdout
+    assert str(out / "logs" / m.group(1)) in res.stdout  # tells the user where the logs are
+    return m.group(1)
+
+
+def startup_lines(log_dir: Path) -> dict[str, dict[str, str]]:
+    out = {}
+    for log in sorted(log_dir.glob("*.log")):
+        for line in log.read_text().splitlines():
+            if line.startswith("pdtool-worker: start "):
+                out[log.stem] = dict(kv.split("=", 1) for kv in line.split()[2:])
+    return out
+
+
+def test_job_places_each_role_on_its_node_group(slurm, tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    job = launch(slurm, out, "launcher.job_name=pdtool-ok")
+    state, code = slurm.wait_job(job, timeout=180)
+    batch = (out / "logs" / f"slurm-{job}.out").read_text()
+    assert (state, code) == ("COMPLETED", "0:0"), batch
+    plan = from_json((out / "plan.json").read_text())
+    assert plan.nodes == 4
+    names = re.search(r"job \d+: nodes (\S+) (\S+) (\S+) (\S+) ", batch).groups()
+    lines = startup_lines(out / "logs" / job)
+    # every planned process started, on the node the plan assigned
+    expected = {}
+    for inst in plan.instances:
+        for r in inst.ranks:
+            expected[f"{inst.name}.r{r.rank}"] = (inst.role, r.node)
+    expected["router"] = ("router", plan.router.node)
+    assert set(lines) == set(expected), batch
+    for name, (role, node) in expected.items():
+        got = lines[name]
+        assert got["role"] == role
+        assert got["node"] == names[node], f"{name} ran on {got['node']}, plan: {names[node]}"
+        assert got["plan_node"] == str(node)
+    groups = {role: {lines[n]["node"] for n, (r, _) in expected.items() if r == role}
+              for role in ("prefill", "decode")}
+    assert groups == {"prefill": {names[0], names[1]}, "decode": {names[2], names[3]}}
+    # rank, NIC and fabric environment resolved from the plan
+    assert lines["prefill-0.r1"]["ranks"] == "1"
+    assert lines["decode-1.r0"]["nics"] == "lo"
+    assert lines["decode-1.r0"]["FI_PROVIDER"] == "-"  # tcp;ofi_rxm: provider via PDTOOL_*
+    assert "deployment ready" in batch and "healthy: decode-1.r0" in batch
+    assert "stopping after a healthy start" in batch
+    # stopped with SIGTERM (scancel --signal), not killed: every worker says so
+    for log in (out / "logs" / job).glob("*.log"):
+        assert "pdtool-worker: stopped" in log.read_text(), log
+
+
+def test_worker_that_cannot_start_fails_the_job(slurm, tmp_path: Path) -> None:
+    """decode-1's port is taken: its worker exits, the job ends FAILED and says which and why."""
+    out = tmp_path / "job"
+    blocker = socket.socket()
+    blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    blocker.bind(("127.0.0.1", 36201))
+    blocker.listen()
+    try:
+        job = launch(slurm, out, "launcher.job_name=pdtool-fail")
+        state, _ = slurm.wait_job(job, timeout=180)
+    finally:
+        blocker.close()
+    batch = (out / "logs" / f"slurm-{job}.out").read_text()
+    assert state == "FAILED", batch
+    assert "decode-1.r0 exited" in batch
+    assert "cannot serve health on 127.0.0.1:36201" in batch
+    assert "pdtool: ERROR: deployment did not become healthy" in batch
+    # the other workers were stopped with the job: no step of it is left
+    steps = slurm.run("squeue", "-h", "-s", "-j", job, check=False)
+    assert steps.strip() == ""
+    assert not os.environ.get("PDTOOL_PREFLIGHT")
