@@ -1,0 +1,42 @@
+"""transfer: the KV messenger of pdtool (never imports pdtool).
+
+Light on import: `pdtool validate/plan` import `transfer.routes` and must stay fast and work
+without libfabric, so the names below load their module on first use. Only the messengers'
+threads load the libfabric binding (transfer.fabric), whose absence raises a clear error.
+
+    routes     ShardSpec, Slice, routes_for, expected_writes, pages_for   (shared route math)
+    layout     KVLayout, write_plan, AuxSpec                               (HND/NHD offsets)
+    control    Codec, Channel, ControlError, read_secret, write_secret     (signed control plane)
+    slots      SlotTable                                                   (decoder slots)
+    messenger  PrefillMessenger, DecodeMessenger, PrefillConfig, DecodeConfig, TransferStatus
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ShardSpec": "routes", "Slice": "routes", "RouteError": "routes", "routes_for": "routes",
+    "all_routes": "routes", "candidate_sources": "routes", "writes_per_page": "routes",
+    "pages_for": "routes", "expected_writes": "routes",
+    "KVLayout": "layout", "LayoutError": "layout", "AuxSpec": "layout", "write_plan": "layout",
+    "Codec": "control", "Channel": "control", "ControlError": "control",
+    "read_secret": "control", "write_secret": "control", "generate_secret": "control",
+    "SlotTable": "slots",
+    "PrefillMessenger": "messenger", "DecodeMessenger": "messenger",
+    "PrefillConfig": "messenger", "DecodeConfig": "messenger", "PrefillRequest": "messenger",
+    "PrefillResult": "messenger", "TransferState": "messenger", "TransferStatus": "messenger",
+    "MessengerError": "messenger",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'transfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
