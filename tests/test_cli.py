@@ -1,0 +1,152 @@
+"""The real `pdtool` command, run as a subprocess: exit codes, --json, -m sweeps, no tracebacks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+PDTOOL = (
+    [shutil.which("pdtool")] if shutil.which("pdtool") else [sys.executable, "-m", "pdtool.cli"]
+)
+
+
+def pdtool(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run(
+        [*PDTOOL, *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
+    return p
+
+
+def test_help_lists_commands():
+    p = pdtool("--help")
+    assert p.returncode == 0
+    for cmd in ("validate", "plan", "recipes"):
+        assert cmd in p.stdout
+    assert pdtool().returncode == 2
+
+
+def test_bad_option_is_usage_error():
+    p = pdtool("validate", "--no-such-flag")
+    assert p.returncode == 2
+    assert "unrecognized arguments" in p.stderr
+
+
+def test_validate_clean_recipe():
+    p = pdtool("validate", "+recipe=tiny-local")
+    assert p.returncode == 0, p.stdout
+    assert "valid" in p.stdout
+    assert "KiB/token" in p.stdout  # KV bytes per token are shown
+
+
+def test_validate_json_and_options_after_overrides():
+    p = pdtool("validate", "+recipe=deepseek-r1", "--json")
+    assert p.returncode == 0
+    out = json.loads(p.stdout)
+    assert out["ok"] is True and out["errors"] == 0 and out["recipe"] == "deepseek-r1"
+    dec = out["memory"][1]
+    assert dec["role"] == "decode" and dec["kv_bytes_per_token"] == 61 * 576 * 2
+
+
+def test_validate_errors_exit_1_and_name_the_key():
+    p = pdtool("validate", "+recipe=llama-3.1-70b", "decode.tp=3")
+    assert p.returncode == 1
+    assert "decode.tp" in p.stdout
+    p = pdtool("validate", "+recipe=llama-3.1-70b", "decode.tp=3", "--json")
+    assert p.returncode == 1
+    out = json.loads(p.stdout)
+    assert out["ok"] is False
+    assert "decode.tp" in [f["key"] for f in out["findings"] if f["severity"] == "error"]
+
+
+@pytest.mark.parametrize(
+    ("args", "key"),
+    [
+        (["model.num_layer=3"], "model.num_layer"),
+        (["prefill.tp=eight"], "prefill.tp"),
+        (["+recipe=nope"], "recipe"),
+        (["+prefill.speed=9"], "prefill.speed"),
+        (["decode.instances=1,2"], "decode.instances"),
+        (["transfer.provider=tcp;ofi_rxm"], "transfer.provider"),
+    ],
+)
+def test_uncomposable_config_exits_2_with_key(args, key):
+    p = pdtool("validate", *args, "--json")
+    assert p.returncode == 2
+    out = json.loads(p.stdout)
+    assert out["composed"] is False
+    assert out["findings"][0]["key"] == key
+    text = pdtool("validate", *args)
+    assert text.returncode == 2
+    assert key in text.stdout
+
+
+def test_multirun_sweep_validate():
+    p = pdtool("validate", "-m", "+recipe=tiny-local", "decode.instances=1,2,9", "--json")
+    runs = json.loads(p.stdout)
+    assert [r["overrides"][-1] for r in runs] == [f"decode.instances={n}" for n in (1, 2, 9)]
+    assert [r["ok"] for r in runs] == [True, True, False]
+    assert p.returncode == 1  # the worst run decides
+    p = pdtool("validate", "--multirun", "+recipe=tiny-local", "decode.instances=1,2")
+    assert p.returncode == 0
+    assert p.stdout.count("valid") == 2 and "run 1:" in p.stdout
+
+
+def test_plan_table_and_json():
+    p = pdtool("plan", "+recipe=llama-3.1-70b", "--tokens", "1000")
+    assert p.returncode == 0
+    for text in ("prefill-0", "decode-1", "rdmap147s0", "reconstructs", "routes for a 1000"):
+        assert text in p.stdout, text
+    p = pdtool("plan", "+recipe=deepseek-r1", "--json", "--tokens=100")
+    assert p.returncode == 0
+    plan = json.loads(p.stdout)
+    assert plan["version"] == 1 and plan["transfer"]["tokens"] == 100
+    route = plan["transfer"]["routes"][0]
+    assert route["slices"][0]["src_candidates"] == list(range(8))
+    assert route["writes_per_request"] == 2 * 61 + 1  # ceil(99 / 64) pages x 61 layers + aux
+
+
+def test_plan_refuses_invalid_config():
+    p = pdtool("plan", "+recipe=deepseek-r1", "decode.instances=5")
+    assert p.returncode == 1
+    assert "cluster.nodes" in p.stdout
+    p = pdtool("plan", "--tokens", "0")
+    assert p.returncode == 2
+
+
+def test_plan_multirun_json():
+    p = pdtool("plan", "-m", "+recipe=deepseek-r1", "decode.instances=1,2,3", "--json")
+    assert p.returncode == 0
+    runs = json.loads(p.stdout)
+    assert [r["plan"]["nodes"] for r in runs] == [2, 3, 4]
+
+
+def test_recipes_listing():
+    p = pdtool("recipes", "--json")
+    assert p.returncode == 0
+    rows = {r["name"]: r["description"] for r in json.loads(p.stdout)}
+    for name in ("tiny-local", "deepseek-r1", "deepseek-r1-dp-attention", "qwen3-coder-480b"):
+        assert rows[name]
+    p = pdtool("recipes")
+    assert "llama-3.1-70b" in p.stdout
+
+
+def test_validate_path_imports_no_heavy_modules():
+    """`pdtool validate` must stay fast: torch, SGLang and the fabric binding stay unloaded."""
+    code = (
+        "import sys; from pdtool.cli import main; "
+        "rc = main(['validate', '+recipe=deepseek-r1']); "
+        "heavy = [m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'sglang', 'numpy', 'cffi', 'zmq')"
+        " or m.startswith('transfer._fabric') or m == 'transfer.fabric']; "
+        "print('HEAVY', heavy); sys.exit(rc)"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert p.returncode == 0, p.stderr
+    assert "HEAVY []" in p.stdout, p.stdout
