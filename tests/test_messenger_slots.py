@@ -1,0 +1,151 @@
+"""Slot table and the messengers' refusals, with real endpoints and sockets in one process.
+
+The slot table runs over the endpoint's own counter arrays here (numpy arrays of the same
+dtype), which is exactly what the decode messenger hands it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from transfer.fabric import encode_imm
+from transfer.messenger import (
+    DecodeConfig,
+    DecodeMessenger,
+    PrefillConfig,
+    PrefillMessenger,
+    TransferStatus,
+)
+from transfer.routes import ShardSpec
+from transfer.slots import SlotTable
+
+SECRET = b"k" * 32
+
+
+def _table(n: int = 4) -> SlotTable:
+    return SlotTable(n, np.zeros(16, np.uint32), np.zeros(16, np.uint16), grace_s=1.0)
+
+
+def test_generations_move_on_and_completion_is_vectorised():
+    t = _table()
+    a, b = t.allocate(3), t.allocate(2)
+    assert a is not None and b is not None and a[0] != b[0]
+    t.counts[a[0]] = 3
+    assert t.completed().tolist() == [a[0]]
+    t.finish(a[0])
+    t.release(a[0])
+    assert t.gens[a[0]] != a[1]  # a straggler carrying the old generation is now stale
+    again = t.allocate(1)
+    assert again is not None and again[0] == a[0] and again[1] != a[1]
+    assert encode_imm(*again) != encode_imm(*a)
+    assert t.allocate(1) is not None and t.allocate(1) is not None and t.allocate(1) is None
+
+
+def test_quarantine_waits_for_confirmations_and_their_writes():
+    t = _table()
+    slot, _gen = t.allocate(10)
+    t.counts[slot] = 4
+    t.quarantine(slot, "r", {"p0", "p1"})
+    t.confirm(slot, "p0", issued=6, now=0.0)
+    assert t.ready_to_release(0.1) == []          # p1 has not confirmed
+    t.confirm(slot, "p1", issued=2, now=0.2)
+    assert t.ready_to_release(0.3) == []          # 8 writes confirmed, 4 landed so far
+    t.counts[slot] = 8
+    assert t.ready_to_release(0.4) == [slot]
+
+
+def test_quarantine_of_a_dead_peer_waits_for_its_lease():
+    t = _table()
+    slot, _gen = t.allocate(5)
+    t.quarantine(slot, "r", {"p0"})
+    t.peer_dead("p0", lease_end=10.0)
+    assert t.ready_to_release(9.9) == []
+    assert t.ready_to_release(10.0) == [slot]
+
+
+def test_confirmed_writes_that_never_land_are_released_after_the_grace():
+    t = _table()
+    slot, _gen = t.allocate(5)
+    t.quarantine(slot, "r", {"p0"})
+    t.confirm(slot, "p0", issued=5, now=0.0)
+    assert t.ready_to_release(0.5) == []
+    assert t.ready_to_release(1.5) == [slot]
+
+
+# --------------------------------------------------------------------- messengers in-process
+def _pair(prefill_kw=None, decode_kw=None, page_size=4):
+    spec = ShardSpec(2, 1)
+    p_kv = [torch.zeros(8, 2, 2, 4, 8, dtype=torch.bfloat16) for _ in range(2)]
+    d_kv = [torch.zeros(8, 2, 2, page_size, 8, dtype=torch.bfloat16) for _ in range(2)]
+    pre = PrefillMessenger(PrefillConfig(**{"secret": SECRET, "spec": spec, "peer_spec": spec,
+                                            "provider": "tcp;ofi_rxm", "heartbeat_s": 0.1,
+                                            "peer_timeout_s": 0.5, **(prefill_kw or {})}), p_kv)
+    try:
+        dec = DecodeMessenger(DecodeConfig(**{
+            "secret": SECRET, "spec": spec, "peer_spec": spec, "provider": "tcp;ofi_rxm",
+            "prefill_endpoints": ((pre.address,),), "timeout_s": 3.0, "heartbeat_s": 0.1,
+            "peer_timeout_s": 0.5, "quarantine_grace_s": 0.5, **(decode_kw or {})}), d_kv)
+    except Exception:
+        pre.close()
+        raise
+    return pre, dec, (p_kv, d_kv)
+
+
+def _settle(dec, rid, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        st = dec.status(rid)
+        if st.status in (TransferStatus.SUCCESS, TransferStatus.FAILED):
+            return st
+        time.sleep(0.01)
+    raise AssertionError(f"{rid} did not settle: {dec.status(rid)}")
+
+
+def test_a_part_that_does_not_fit_is_refused_with_the_field_named():
+    pre, dec, _keep = _pair(page_size=8)
+    try:
+        dec.submit("r1", list(range(20)), [0, 1, 2])
+        st = _settle(dec, "r1")
+        assert st.status is TransferStatus.FAILED
+        assert "layout.page_size: this side has 4, the peer 8" in st.reason
+        assert pre.poll_requests() == []
+    finally:
+        dec.close()
+        pre.close()
+
+
+def test_a_peer_without_the_secret_gets_nothing():
+    pre, dec, _keep = _pair(decode_kw={"secret": b"x" * 32})
+    try:
+        dec.submit("r1", list(range(9)), [0, 1])
+        st = _settle(dec, "r1")
+        assert st.status is TransferStatus.FAILED
+        assert pre.poll_requests() == []         # never registered, never learned a key
+        assert pre._chan.rejected >= 2           # its REQUEST and PINGs were all refused
+        assert "signature" in pre._chan.last_error
+    finally:
+        dec.close()
+        pre.close()
+
+
+def test_engine_mistakes_raise_value_errors_naming_the_argument():
+    pre, dec, _keep = _pair()
+    try:
+        with pytest.raises(ValueError, match=r"dst_pages of r1: 1 pages for 9 tokens"):
+            dec.submit("r1", list(range(9)), [0])
+        with pytest.raises(ValueError, match=r"dst_pages of r1: page ids must lie in \[0, 8\)"):
+            dec.submit("r1", list(range(9)), [0, 9])
+        with pytest.raises(ValueError, match="peer: prefill instance 3 does not exist"):
+            dec.submit("r1", list(range(9)), [0, 1], peer=3)
+        with pytest.raises(ValueError, match="chunk of 'zz': request is not bound"):
+            pre.begin_pass([("zz", 0, 4)])
+        with pytest.raises(ValueError, match=r"bind_host: '0\.0\.0\.0' listens"):
+            PrefillConfig(secret=SECRET, spec=ShardSpec(2, 1), peer_spec=ShardSpec(2, 1),
+                          bind_host="0.0.0.0")
+    finally:
+        dec.close()
+        pre.close()
