@@ -166,6 +166,11 @@ def test_prefill_decode_tp_must_divide():
     assert_error(cfg, "decode.tp", "one must divide the other", "6 % 4 = 2")
 
 
+def test_mla_accepts_any_tp_pair():
+    cfg = recipe("tiny-local-mla", "prefill.tp=2", "decode.tp=3")
+    assert not validate(cfg)
+
+
 def test_page_size_must_match():
     cfg = compose("decode.page_size=8", "decode.chunked_prefill_size=16")
     f = assert_error(cfg, "decode.page_size", "prefill.page_size=4 != decode.page_size=8")

@@ -2,7 +2,7 @@
 
 * Each side: KV heads split over attention TP (`heads % tp == 0`) or replicated in groups
   (`tp % heads == 0`; MLA is the one-head case).
-* Across sides: attention TP degrees may differ only when one divides the other.
+* Across sides (MHA/GQA): attention TP degrees may differ only when one divides the other.
 * Page size, KV dtype and page layout must match on both sides (pages are copied byte for byte).
 * Chunked prefill must cut on page boundaries (`chunked_prefill_size % page_size == 0`), so the
   messenger can ship whole pages per chunk.
@@ -53,8 +53,9 @@ def check_head_split(cfg: Config) -> list[Finding]:
 
 
 def check_tp_pair(cfg: Config) -> list[Finding]:
+    """MHA/GQA only: MLA's latent is whole on every rank, so any TP pair works there."""
     p, d = attn_tp(cfg.prefill), attn_tp(cfg.decode)
-    if p % d == 0 or d % p == 0:
+    if cfg.model.attention == "mla" or p % d == 0 or d % p == 0:
         return []
     return [
         error(
