@@ -631,6 +631,10 @@ ffibuilder.set_source(
 if __name__ == "__main__":
     # Run from the repository root: writes transfer/_fabric.*.so next to this file's package.
     os.chdir(Path(__file__).resolve().parent.parent)
-    ffibuilder.compile(tmpdir=".", verbose=False)
+    built = Path(ffibuilder.compile(tmpdir=".", verbose=False)).resolve()
     for leftover in Path("transfer").glob("_fabric*.o"):
         leftover.unlink()
+    # an older build under another suffix (pip's _fabric.abi3.so) would shadow or be shadowed
+    for other in Path("transfer").glob("_fabric.*.so"):
+        if other.resolve() != built:
+            other.unlink()
