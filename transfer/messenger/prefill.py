@@ -306,8 +306,10 @@ class PrefillMessenger(Worker):
         self._reqs: dict[str, _Req] = {}
         self._tag_owner: dict[int, _Dest] = {}
         self._passes: list[_Pass] = []
-        self._tombstones: dict[str, float] = {}
-        self._history: OrderedDict[tuple[str, bytes], tuple[int, int]] = OrderedDict()
+        # keyed by transfer: (rid, decode sender, slot, gen), so a retried rid is a new one
+        self._tombstones: dict[tuple[str, bytes, int, int], float] = {}
+        self._history: OrderedDict[tuple[str, bytes, int, int], tuple[int, int]] = \
+            OrderedDict()
         self._peers: dict[bytes, int] = {}      # fabric name -> fi_addr
         self._dead_names: set[bytes] = set()
         self.writes_issued = 0
@@ -368,7 +370,7 @@ class PrefillMessenger(Worker):
             log.warning("refused part of %s from %r: %s", rid, peer, exc)
             self._reply_aborted(peer, b, f"refused: {exc}")
             return
-        if rid in self._tombstones:
+        if (rid, peer, b["slot"], b["gen"]) in self._tombstones:
             self._reply_aborted(peer, b, "request was already aborted")
             return
         a = self._assembling.setdefault(rid, _Assembly(first=now, timeout_s=b["timeout_s"]))
@@ -460,29 +462,35 @@ class PrefillMessenger(Worker):
                              f"rank, this prefill computes {per}")
 
     def _on_abort(self, peer: bytes, b: dict[str, Any], now: float) -> None:
-        rid = b["rid"]
+        rid, me = b["rid"], (peer, b["slot"], b["gen"])
         x = self._reqs.get(rid)
-        if x is not None:
+        if x is not None and me in x.senders:
             self._abort(x, f"aborted by decode: {b['reason']}")
             return  # ABORTED goes to every decode rank once local writes completed
-        self._tombstones[rid] = now
-        a = self._assembling.pop(rid, None)
-        if a is not None:
+        self._tombstones[(rid, *me)] = now
+
+        def mine(parts: Any) -> bool:
+            return any((p["sender"], p["slot"], p["gen"]) == me for p in parts)
+
+        a = self._assembling.get(rid)
+        if a is not None and mine({**p, "sender": s} for s, p in a.parts.values()):
+            del self._assembling[rid]
             for sender, part in a.parts.values():
                 self._reply_aborted(sender, part, "aborted by decode before all parts arrived")
         with self._lock:
-            queued = [r for r in self._ready_q if r.rid == rid]
-            self._ready_q = [r for r in self._ready_q if r.rid != rid]
+            queued = [r for r in self._ready_q if r.rid == rid and mine(r.parts)]
+            self._ready_q = [r for r in self._ready_q if r not in queued]
         for r in queued:
             for p in r.parts:
                 self._reply_aborted(p["sender"], p, "aborted by decode while queued")
-        issued, errored = self._history.get((rid, peer), (0, 0))
+        issued, errored = self._history.get((rid, *me), (0, 0))
         self._reply_aborted(peer, b, f"aborted: {b['reason']}", issued, errored)
 
     # -- every rank: binding and sending ----------------------------------------------------
     def _cmd_bind(self, req: PrefillRequest, src_pages: np.ndarray, row: int) -> None:
         now = time.monotonic()
-        if req.rid in self._tombstones:
+        if any((req.rid, p["sender"], p["slot"], p["gen"]) in self._tombstones
+               for p in req.parts):
             self._settle_unbound(req, row, "aborted by decode before it was bound")
             return
         try:
@@ -658,7 +666,7 @@ class PrefillMessenger(Worker):
         by_sender = {d.sender: d for d in x.dests}
         for d in x.dests:
             total += d.issued
-            self._history[(x.rid, d.sender)] = (d.issued, d.errored)
+            self._history[(x.rid, d.sender, d.slot, d.gen)] = (d.issued, d.errored)
             self._tag_owner.pop(d.tag, None)
             self._tags.append(d.tag)
         if not ok:  # every decode rank of the request learns this rank will write no more
@@ -702,9 +710,9 @@ class PrefillMessenger(Worker):
                     self._reply_aborted(sender, part, "timed out waiting for the other decode "
                                                       "ranks' parts")
         horizon = 4 * self.config.timeout_s
-        for rid, t in list(self._tombstones.items()):
+        for key, t in list(self._tombstones.items()):
             if now - t > horizon:
-                del self._tombstones[rid]
+                del self._tombstones[key]
 
     def _drop_dead_peers(self) -> None:
         if not self._dead_names:
