@@ -1,0 +1,241 @@
+"""The local launcher (pdtool's supervisor) and the rendered run_local.sh, with real processes:
+start, wait for health, stop cleanly on a signal, tear everything down when one process dies.
+Workers run the worker entry's start-up path (`--preflight`), so nothing here needs a model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pdtool.render import render
+
+
+def overrides(base: int) -> list[str]:
+    return ["+recipe=tiny-local", f"prefill.http_port={base}", f"decode.http_port={base + 10}",
+            f"prefill.bootstrap_port={base + 20}", f"prefill.dist_init_port={base + 30}",
+            f"decode.dist_init_port={base + 40}", f"router.port={base + 50}",
+            "launcher.health_timeout_s=60"]
+
+
+def procs_of(run_dir: Path) -> list[int]:
+    """Pids of live processes started for this job folder (they carry PDTOOL_RUN_DIR)."""
+    mark = f"PDTOOL_RUN_DIR={run_dir}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+            state = (d / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if mark in env and state != "Z":
+            out.append(int(d.name))
+    return out
+
+
+def wait_gone(run_dir: Path, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while procs_of(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert procs_of(run_dir) == [], "processes outlived the deployment"
+
+
+class Running:
+    """A launcher started in the background, its output collected line by line."""
+
+    def __init__(self, argv: list[str], run_dir: Path, env: dict[str, str]) -> None:
+        self.run_dir = run_dir
+        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, env=env, start_new_session=True)
+        self.lines: list[str] = []
+
+    def wait_for(self, text: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.p.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            if text in line:
+                return
+        raise AssertionError(f"never saw {text!r}:\n{''.join(self.lines)}")
+
+    def finish(self, timeout: float = 40) -> tuple[int, str]:
+        try:
+            rest, _ = self.p.communicate(timeout=timeout)
+        finally:
+            if self.p.poll() is None:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait()
+        return self.p.returncode, "".join(self.lines) + (rest or "")
+
+    def kill_everything(self) -> None:
+        if self.p.poll() is None:
+            os.killpg(self.p.pid, signal.SIGKILL)
+            self.p.wait()
+        for pid in procs_of(self.run_dir):
+            os.kill(pid, signal.SIGKILL)
+
+
+def health(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def worker_pid(run_dir: Path, role: str, instance: int) -> int:
+    for pid in procs_of(run_dir):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"pdtool.worker" in argv and argv[argv.index(b"--role") + 1] == role.encode() \
+                and argv[argv.index(b"--instance") + 1] == str(instance).encode():
+            return pid
+    raise AssertionError(f"no {role} {instance} worker running")
+
+
+def supervisor(base: int, run_dir: Path, *extra: str) -> Running:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return Running([sys.executable, "-m", "pdtool.cli", "launch", *overrides(base),
+                    "--out", str(run_dir), "--preflight", *extra], run_dir, env)
+
+
+def script(base: int, run_dir: Path) -> Running:
+    rendered, findings = render(overrides(base), run_dir)
+    assert rendered is not None, findings
+    env = {**os.environ, "PDTOOL_PREFLIGHT": "1", "PDTOOL_PYTHON": sys.executable}
+    return Running(["bash", str(rendered.script)], run_dir, env)
+
+
+STARTERS = {"supervisor": supervisor, "script": script}
+STOP_SIGNAL = {"supervisor": signal.SIGINT, "script": signal.SIGTERM}
+
+
+@pytest.mark.parametrize("how", list(STARTERS))
+def test_starts_waits_for_health_and_stops_on_signal(how: str, tmp_path: Path) -> None:
+    base = 37000 if how == "supervisor" else 37100
+    run = STARTERS[how](base, tmp_path / "job")
+    try:
+        run.wait_for("deployment ready")
+        assert health(base)["role"] == "prefill"
+        assert health(base + 10)["role"] == "decode" and health(base + 11)["role"] == "decode"
+        assert health(base + 50)["role"] == "router"
+        assert len(procs_of(run.run_dir)) >= 4
+        os.kill(run.p.pid, STOP_SIGNAL[how])
+        code, out = run.finish()
+        assert code == 130, out
+        wait_gone(run.run_dir)
+        logs = list((run.run_dir / "logs").glob("local-*/*.log"))
+        assert sorted(p.stem for p in logs) == ["decode-0.r0", "decode-1.r0", "prefill-0.r0",
+                                                "router"]
+        for log in logs:  # SIGTERM reached each worker, which stopped on its own
+            assert "pdtool-worker: stopped" in log.read_text(), log
+        assert "healthy: decode-1.r0" in out
+    finally:
+        run.kill_everything()
+
+
+@pytest.mark.parametrize("how", list(STARTERS))
+def test_one_process_dying_stops_everything(how: str, tmp_path: Path) -> None:
+    base = 37200 if how == "supervisor" else 37300
+    run = STARTERS[how](base, tmp_path / "job")
+    try:
+        run.wait_for("deployment ready")
+        os.kill(worker_pid(run.run_dir, "decode", 1), signal.SIGKILL)
+        code, out = run.finish()
+        assert code == 1, out
+        assert "decode-1.r0 exited" in out
+        wait_gone(run.run_dir)
+    finally:
+        run.kill_everything()
+
+
+def test_worker_that_never_comes_up_fails_clearly(tmp_path: Path) -> None:
+    base = 37400
+    blocker = socket.socket()
+    blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    blocker.bind(("127.0.0.1", base + 10))  # decode-0's port
+    blocker.listen()
+    run = supervisor(base, tmp_path / "job")
+    try:
+        code, out = run.finish(timeout=60)
+    finally:
+        blocker.close()
+        run.kill_everything()
+    assert code == 1, out
+    assert "decode-0.r0 exited (exit status 2) before the deployment was healthy" in out
+    assert f"cannot serve health on 127.0.0.1:{base + 10}" in out
+    wait_gone(run.run_dir)
+
+
+def test_dry_run_prints_commands_and_starts_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "launch", *overrides(37500),
+                          "launcher=slurm", "transfer=tcp", "cluster.nodes=2", "--dry-run",
+                          "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "srun --nodes=1 --ntasks=1 --relative=1" in res.stdout
+    assert "python3 -m pdtool.worker" in res.stdout and "--role decode --instance 1" in res.stdout
+    assert (out / "job.sbatch").exists()
+    assert not list((out / "logs").iterdir())  # nothing ran
+
+
+# --- the worker entry on its own -------------------------------------------------------------
+
+
+def run_worker(plan: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 30):
+    return subprocess.run([sys.executable, "-m", "pdtool.worker", "--plan", str(plan), *args],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory) -> Path:
+    rendered, findings = render(overrides(37600), tmp_path_factory.mktemp("w") / "job")
+    assert rendered is not None, findings
+    return rendered.out / "plan.json"
+
+
+def test_worker_resolves_rank_from_slurm_and_checks_its_node(plan_file: Path) -> None:
+    res = run_worker(plan_file, "--role", "decode", "--instance", "1", "--expect-node", "gpu7",
+                     env={"SLURM_PROCID": "0", "SLURMD_NODENAME": "gpu3"})
+    assert res.returncode == 2
+    assert "started on node gpu3, but the plan put this process on gpu7" in res.stderr
+    res = run_worker(plan_file, "--role", "decode", "--instance", "1",
+                     env={"SLURM_PROCID": "5"})
+    assert res.returncode == 2 and "--rank: 5 is not a rank of decode-1" in res.stderr
+    res = run_worker(plan_file, "--role", "decode", "--instance", "9")
+    assert res.returncode == 2 and "--instance: 9" in res.stderr
+    res = run_worker(plan_file.parent / "missing.json", "--role", "decode")
+    assert res.returncode == 2 and "cannot read the plan" in res.stderr
+    for r in (res,):
+        assert "Traceback" not in r.stderr
+
+
+def test_worker_sets_fabric_environment_and_serves_health(plan_file: Path) -> None:
+    p = subprocess.Popen([sys.executable, "-m", "pdtool.worker", "--plan", str(plan_file),
+                          "--role", "decode", "--instance", "0", "--host", "127.0.0.1"],
+                         env={**os.environ, "PDTOOL_PREFLIGHT": "1", "SLURM_PROCID": "0"},
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        fields = dict(kv.split("=", 1) for kv in line.split()[2:])
+        assert fields["role"] == "decode" and fields["instance"] == "0"
+        assert fields["ranks"] == "0" and fields["nics"] == "shm"
+        assert fields["FI_PROVIDER"] == "shm" and fields["port"] == "37610"
+        assert "preflight" in p.stdout.readline()
+        assert "healthy" in p.stdout.readline()
+        assert health(37610)["role"] == "decode"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=10) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
