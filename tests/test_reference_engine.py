@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from pdtool.engines.reference.cache import PagedKV, PageAllocator
-from pdtool.engines.reference.engine import Coord, DecodeEngine, Faults, PrefillEngine
+from pdtool.engines.reference.cache import PageAllocator, PagedKV
+from pdtool.engines.reference.engine import Coord, DecodeEngine, PrefillEngine
 from pdtool.engines.reference.model import TinyConfig, TinyModel
 from pdtool.engines.reference.oracle import encode, generate
 
@@ -93,18 +93,20 @@ class PrefillSide:
 
 class Pair:
     def __init__(self, cfg: TinyConfig, chunk: int = 8, pages: int = 256, faults=None):
+        self.faults = faults
         self.pkv = PagedKV(cfg, cfg.cache_heads, pages, PAGE)
         self.dkv = PagedKV(cfg, cfg.cache_heads, pages, PAGE)
         self.link = CopyLink(self.pkv, self.dkv)
         self.pre = PrefillEngine(TinyModel(cfg), self.pkv, PrefillSide(self.link), Coord(), chunk)
-        self.dec = DecodeEngine(TinyModel(cfg), self.dkv, self.link, Coord(), faults=faults)
+        self.dec = DecodeEngine(TinyModel(cfg), self.dkv, self.link, Coord())
 
     def run(self, prompts: list[list[int]], max_tokens: int, stagger: int = 0):
         """Feed requests (one new every `stagger` steps, 0: all at once); collect outputs."""
         outs: dict[str, list[int]] = {}
         infos: dict[str, dict] = {}
         pending = [
-            {"rid": f"r{i}", "tokens": p, "max_tokens": max_tokens, "peer": 0}
+            {"rid": f"r{i}", "tokens": p, "max_tokens": max_tokens, "peer": 0,
+             "faults": self.faults}
             for i, p in enumerate(prompts)
         ]
         step = 0
@@ -164,9 +166,9 @@ def test_damaged_page_changes_output_damaged_hidden_changes_only_the_draft():
     prompts = _prompts(6, seed=3)
     prompts = [p + encode(" and some more text") for p in prompts]
     clean, info = Pair(cfg).run(prompts, 8)
-    broken, _ = Pair(cfg, faults=Faults(page=(0, 0))).run(prompts, 8)
+    broken, _ = Pair(cfg, faults={"page": (0, 0)}).run(prompts, 8)
     assert sum(a != b for a, b in zip(clean, broken, strict=True)) >= len(prompts) // 2
-    moved, minfo = Pair(cfg, faults=Faults(hidden=True)).run(prompts, 8)
+    moved, minfo = Pair(cfg, faults={"hidden": True}).run(prompts, 8)
     assert moved == clean  # verified drafts never change the text...
     drafts = [i["draft"] for i in info]
     assert sum(a != b["draft"] for a, b in zip(drafts, minfo, strict=True)) >= len(prompts) // 2

@@ -198,6 +198,14 @@ class PrefillEngine:
 
 
 @dataclass
+class Faults:
+    """Test hooks that damage what arrived over the messenger, to prove the decoder uses it."""
+
+    page: tuple[int, int] | list[int] | None = None  # (layer, index among received pages)
+    hidden: bool = False
+
+
+@dataclass
 class _DReq:
     rid: str
     prompt: list[int]
@@ -207,6 +215,7 @@ class _DReq:
     out: list[int] = field(default_factory=list)
     pos: int = 0  # tokens already in the cache
     draft: int | None = None
+    faults: Faults | None = None
     first_draft: int | None = None
     draft_accepted: bool = False
     error: str = ""
@@ -222,14 +231,6 @@ class Event:
     info: dict = field(default_factory=dict)
 
 
-@dataclass
-class Faults:
-    """Test hooks that damage what arrived over the messenger, to prove the decoder uses it."""
-
-    page: tuple[int, int] | None = None  # (layer, index among the request's received pages)
-    hidden: bool = False
-
-
 class DecodeEngine:
     """Continuous batching; each request's first step runs its last prompt token (plus the
     draft proposed from the shipped hidden state), never the rest of the prompt."""
@@ -241,11 +242,9 @@ class DecodeEngine:
         link: DecodeLink,
         coord: Coord,
         max_running: int = 64,
-        faults: Faults | None = None,
     ) -> None:
         self.model, self.kv, self.link, self.coord = model, kv, link, coord
         self.max_running = max_running
-        self.faults = faults or Faults()
         self.waiting: list[_DReq] = []
         self.transfer: dict[str, _DReq] = {}
         self.running: list[_DReq] = []
@@ -269,7 +268,10 @@ class DecodeEngine:
             if not toks or m["max_tokens"] < 1:
                 events.append(Event(m["rid"], [], True, {"error": "empty prompt or max_tokens"}))
                 continue
-            self.waiting.append(_DReq(m["rid"], toks, int(m["max_tokens"]), int(m["peer"])))
+            faults = Faults(**m["faults"]) if m.get("faults") else None
+            self.waiting.append(
+                _DReq(m["rid"], toks, int(m["max_tokens"]), int(m["peer"]), faults=faults)
+            )
         self._admit()
         self._collect_transfers(events)
         if self.running:
@@ -318,7 +320,9 @@ class DecodeEngine:
             self.running.append(r)
 
     def _inject_faults(self, r: _DReq, hidden: torch.Tensor) -> None:
-        f = self.faults
+        f = r.faults
+        if f is None:
+            return
         if f.page is not None:
             layer, idx = f.page
             g = torch.Generator().manual_seed(1)

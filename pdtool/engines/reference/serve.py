@@ -32,7 +32,7 @@ import torch.distributed as dist
 import zmq
 
 from .cache import PagedKV
-from .engine import Coord, DecodeEngine, Event, Faults, PrefillEngine
+from .engine import Coord, DecodeEngine, Event, PrefillEngine
 from .health import HealthServer
 from .model import TP, TinyConfig, TinyModel
 from .wire import Wire, router
@@ -66,7 +66,7 @@ class RankSpec:
     messenger: dict[str, Any] = field(default_factory=dict)  # passed to the messenger adapter
     peer: int = 0  # decode: the prefill instance it pairs with
     decoders: list[str] = field(default_factory=list)  # front: decode leaders' /health URLs
-    faults: dict[str, Any] = field(default_factory=dict)  # decode: test hooks (Faults)
+    allow_faults: bool = False  # decode: honour GEN "faults" (test hooks, engine.Faults)
 
     @property
     def cfg(self) -> TinyConfig:
@@ -153,10 +153,11 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
     cfg = spec.cfg
     model = TinyModel(cfg, tp)
     kv = PagedKV(cfg, len(model.kv_heads), spec.num_pages, spec.page_size)
+    log.info("decode %d rank %d: model and cache ready", spec.instance, spec.rank)
     link = link if link is not None else make_link(spec, kv, model)
+    log.info("decode %d rank %d: messenger ready", spec.instance, spec.rank)
     _stop_on_signals(stop)
-    engine = DecodeEngine(model, kv, link, coord, spec.max_running, Faults(**{
-        k: tuple(v) if isinstance(v, list) else v for k, v in spec.faults.items()}))
+    engine = DecodeEngine(model, kv, link, coord, spec.max_running)
 
     def stats() -> dict[str, Any]:
         return {"role": "decode", "instance": spec.instance, "rank": spec.rank,
@@ -181,7 +182,7 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
             if coord.leader:
                 if not engine.ran:  # sleeps in the kernel until the front sends or time is up
                     sock.poll(1 if engine.busy else int(IDLE_WAIT_S * 1000))
-                new = _take_requests(sock, wire, owner, spec.peer)
+                new = _take_requests(sock, wire, owner, spec.peer, spec.allow_faults)
                 cmd = (new, stop.is_set())
             else:
                 cmd = None
@@ -201,7 +202,7 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
 
 
 def _take_requests(sock: zmq.Socket, wire: Wire, owner: dict[str, bytes],
-                   peer: int) -> list[dict]:
+                   peer: int, allow_faults: bool) -> list[dict]:
     new = []
     while True:
         try:
@@ -222,7 +223,8 @@ def _take_requests(sock: zmq.Socket, wire: Wire, owner: dict[str, bytes],
         else:
             owner[body["rid"]] = frames[0]
             new.append({"rid": body["rid"], "tokens": body["tokens"],
-                        "max_tokens": body["max_tokens"], "peer": peer})
+                        "max_tokens": body["max_tokens"], "peer": peer,
+                        "faults": body.get("faults") if allow_faults else None})
 
 
 def _send_events(sock: zmq.Socket, wire: Wire, owner: dict[str, bytes],
@@ -243,7 +245,9 @@ def serve_prefill(spec: RankSpec, stop: threading.Event, link: Any = None) -> di
     cfg = spec.cfg
     model = TinyModel(cfg, tp)
     kv = PagedKV(cfg, len(model.kv_heads), spec.num_pages, spec.page_size)
+    log.info("prefill %d rank %d: model and cache ready", spec.instance, spec.rank)
     link = link if link is not None else make_link(spec, kv, model)
+    log.info("prefill %d rank %d: messenger ready", spec.instance, spec.rank)
     _stop_on_signals(stop)
     engine = PrefillEngine(model, kv, link, coord, spec.chunk)
 
@@ -458,6 +462,7 @@ def run_front(plan: Any, ctx: Any) -> int:
 
 def run(spec: RankSpec) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    log.info("%s %d rank %d: starting", spec.role, spec.instance, spec.rank)
     stop = _stop_on_signals()
     if spec.role == "decode":
         stats = serve_decode(spec, stop)

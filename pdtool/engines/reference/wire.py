@@ -47,6 +47,11 @@ def _check(kind: str, body: Any) -> dict:
             raise WireError("GEN.max_tokens: expected an int in [1, 65536]")
         if not toks or any(t > 255 for t in toks):
             raise WireError("GEN.tokens: expected 1 or more byte values (0..255)")
+        faults = body.get("faults")
+        if faults is not None and not (
+            isinstance(faults, dict) and set(faults) <= {"page", "hidden"}
+        ):
+            raise WireError("GEN.faults: expected a map with 'page' and/or 'hidden'")
     elif kind in ("PING", "PONG"):
         pass
     elif kind == "OUT":
