@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extras="engine"
-[[ "${1:-}" == "--test" ]] && extras="engine,test"
+[[ "${1:-}" == "--test" ]] && extras="engine,test,sglang-cpu"
 
 apt_pkgs=(gcc libfabric-dev libfabric-bin slurm-wlm munge shellcheck numactl procps)
 missing=()
@@ -22,3 +22,8 @@ if ((${#missing[@]})); then
 fi
 
 python3 -m pip install -q --disable-pip-version-check -e ".[${extras}]"
+
+# tests parse rendered launch lines with SGLang's own parsers: pinned, without their CUDA deps
+if [[ "${1:-}" == "--test" ]]; then
+  python3 -m pip install -q --disable-pip-version-check --no-deps sglang==0.5.23 sglang-router==0.3.2
+fi
