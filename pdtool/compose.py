@@ -67,7 +67,7 @@ def load_recipe(path: Path) -> Any:
 
 
 def _register(overrides: list[str]) -> None:
-    """Store schemas and recipes. A broken recipe file only fails a compose that selects it."""
+    """Store the schemas, and the recipes the overrides select, in Hydra's ConfigStore."""
     from hydra.core.config_store import ConfigStore
 
     from pdtool.schema import register
@@ -77,14 +77,11 @@ def _register(overrides: list[str]) -> None:
     wanted = {
         m.group(1) for o in overrides if (m := re.match(r"^\+{0,2}recipe=([^,]+)$", o.strip()))
     }
+    # only the selected recipe is loaded: the others cost start-up time and a broken one
+    # must not fail a compose that does not use it
     for name, path in recipe_files().items():
-        try:
-            node = load_recipe(path)
-        except ComposeError:
-            if name in wanted:
-                raise
-            continue
-        cs.store(group="recipe", name=name, node=node, package="_global_")
+        if name in wanted:
+            cs.store(group="recipe", name=name, node=load_recipe(path), package="_global_")
 
 
 def expand_sweeps(overrides: list[str]) -> list[list[str]]:
