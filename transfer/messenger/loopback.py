@@ -218,6 +218,7 @@ def _fault(s: Scenario, m: Any, fault: str, ev: dict[str, Any], report: dict[str
         time.sleep(0.3)  # the messenger thread sees the rest of the layers (and must not send)
     elif fault == "hold":
         report["held"] = ev["decoder_saw_writes"].wait(30)
+        time.sleep(0.2)  # the batch whose first write the decoder saw has surely returned
         report["writes_while_held"] = m.writes_issued
         if s.decode_kill:  # stay mid-pass until the dead decoder's lease has run out
             time.sleep(2 * s.peer_timeout_s + 0.5)
