@@ -34,6 +34,9 @@ def print_dry_run(rendered) -> None:
 
     spec = rendered.spec
     print(f"would run {rendered.script} (launcher={spec.launcher}, {spec.job.nodes} node(s)):")
+    where = ("address of allocation node k (Slurm NodeAddr)" if spec.launcher == "slurm"
+             else "127.0.0.1")
+    print(f"  RUN_DIR={rendered.out}  LOG_DIR=$RUN_DIR/logs/<run>  HOSTS[k]={where}")
     for p in spec.all():
         print(f"\n# {p.name}: {p.comment}")
         print(display(p.argv))

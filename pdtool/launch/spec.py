@@ -181,7 +181,9 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str) 
         name = f"{inst.name}.{tag}"
         is_head = ranks[0].rank == 0
         gpus = ",".join(str(r.gpu) for r in ranks)
-        nics = ",".join(sorted({n for r in ranks for n in r.nics})) or "none"
+        names = sorted({n for r in ranks for n in r.nics})
+        nics = ",".join(names) if len(names) <= 4 else f"{len(names)} ({names[0]}, ...)"
+        nics = nics or "none"
         p = Proc(
             name=name, role=inst.role, instance=inst.index, node=node,
             ranks=tuple(r.rank for r in ranks),
