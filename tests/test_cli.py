@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -150,3 +152,40 @@ def test_validate_path_imports_no_heavy_modules():
     )
     assert p.returncode == 0, p.stderr
     assert "HEAVY []" in p.stdout, p.stdout
+
+
+def test_installed_wheel_finds_conf_and_recipes(tmp_path):
+    """A built wheel (not the editable checkout) ships conf/ and recipes/ and runs validate."""
+    root = Path(__file__).resolve().parent.parent
+    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(root)],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    (whl,) = wheels.glob("pdtool-*.whl")
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--target", str(target), str(whl)],
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
+    code = (
+        "import sys, pdtool, pdtool.paths as p; print('AT', pdtool.__file__, p.data_root()); "
+        "from pdtool.cli import main; sys.exit(main(['validate', '+recipe=deepseek-r1']))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"AT {target}/pdtool/__init__.py {target}/pdtool/_data" in p.stdout
+    assert "valid" in p.stdout
