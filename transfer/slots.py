@@ -63,6 +63,11 @@ class SlotTable:
     def free(self) -> int:
         return len(self._free)
 
+    @property
+    def busy(self) -> bool:
+        """Writes may still land: a transfer is being counted or a slot is quarantined."""
+        return bool(self.quarantined) or bool(self._active.any())
+
     def allocate(self, expected: int) -> tuple[int, int] | None:
         """A fresh (slot, gen) armed to count `expected` writes; None when all are in use."""
         if not self._free:

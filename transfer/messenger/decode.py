@@ -280,7 +280,7 @@ class DecodeMessenger(Worker):
                 self._fail(x, f"received {got} writes, expected {x.expected} (protocol error)")
             else:
                 self._set(x, TransferStatus.SUCCESS)
-        return bool(self._waiting or self._by_slot)
+        return bool(self._waiting) or self._slots.busy
 
     # -- commands ---------------------------------------------------------------------------
     def _cmd_submit(self, x: _Xfer) -> None:
