@@ -29,6 +29,7 @@ class CopyLink:
         self.inbox: list[dict] = []
         self.dst: dict[str, list[int]] = {}
         self.src: dict[str, list[int]] = {}
+        self.src_tokens: dict[str, list[int]] = {}
         self.chunks: list[tuple[str, int, int]] = []
         self.hiddens: dict[str, torch.Tensor] = {}
         self.sent: set[str] = set()
@@ -58,8 +59,12 @@ class CopyLink:
 
     def accept(self, req, pages):
         self.src[req["rid"]] = pages
+        self.src_tokens[req["rid"]] = req["tokens"]
 
     def begin(self, chunks):
+        for rid, lo, hi in chunks:  # the messenger's rule: whole pages except the prompt's end
+            todo = len(self.src_tokens[rid]) - 1
+            assert lo % PAGE == 0 and 0 <= lo < hi <= todo and (hi % PAGE == 0 or hi == todo)
         self.chunks = chunks
 
     def layer_done(self, layer):
@@ -149,7 +154,7 @@ def test_disaggregated_schedulers_match_oracle(attention):
     cfg = TinyConfig(attention=attention)
     prompts = [*_prompts(12, seed=1), [65], [65, 66]]  # includes 1- and 2-token prompts
     pair = Pair(cfg, chunk=8)
-    outs, _ = pair.run(prompts, max_tokens=6, stagger=2)
+    outs, _ = pair.run(prompts, max_tokens=6, stagger=1)
     ref = TinyModel(cfg)
     for p, o in zip(prompts, outs, strict=True):
         assert o == generate(cfg, p, 6, ref)

@@ -171,10 +171,14 @@ class PrefillEngine:
 
     def _forward(self) -> bool:
         runs, chunks, picked, left = [], [], [], self.budget
+        P = self.kv.page_size
         for r in self.running:
-            if left <= 0:
+            take = min(self.chunk, left, r.todo - r.done)
+            if r.done + take < r.todo:
+                take -= take % P  # chunk boundaries stay page-aligned (whole pages per write)
+            if take <= 0:
                 break
-            hi = min(r.todo, r.done + min(self.chunk, left))
+            hi = r.done + take
             runs.append((r.tokens[r.done : hi], r.done, r.pages))
             chunks.append((r.rid, r.done, hi))
             picked.append(r)
