@@ -58,6 +58,7 @@ class Scenario:
     followups: tuple[int, ...] = ()       # second wave, same destination pages reused
     followup_peers: tuple[int, ...] = ()
     waves: int = 1                        # repeat the first wave (benchmark)
+    warmup: bool = False                  # one untimed 1-page request first (connections)
     chunk_pages: int = 2
     aux_row_bytes: tuple[int, ...] = (48,)
     faults: tuple[tuple[int, str], ...] = ()  # (prefill instance, "kill"|"stall"|"hold")
@@ -101,7 +102,7 @@ def _local(s: Scenario, full: Any, spec: ShardSpec, rank: int) -> Any:
 
 def _requests(s: Scenario) -> list[tuple[str, int, int, int]]:
     """(rid, num_tokens, prefill instance, wave) in submission order."""
-    out = []
+    out = [("warmup", s.page_size + 1, 0, -1)] if s.warmup else []
     for w in range(s.waves):
         for i, n in enumerate(s.prompts):
             out.append((f"w{w}-r{i}", n, s.peers[i] if s.peers else 0, w))
@@ -268,8 +269,9 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
                         if st.status is TransferStatus.FAILED:
                             ev["decoder_failed"].set()
                 time.sleep(0.0005)
-            report["waves"].append({"seconds": time.perf_counter() - t0,
-                                    "pages": sum(len(dpages[r[0]]) for r in batch)})
+            if wave >= 0:
+                report["waves"].append({"seconds": time.perf_counter() - t0,
+                                        "pages": sum(len(dpages[r[0]]) for r in batch)})
             for rid, _n, peer, _w in batch:
                 st = m.status(rid)
                 info = {"status": st.status.value, "reason": st.reason,
@@ -304,6 +306,8 @@ def _verify(s: Scenario, m: Any, kv: list[Any], dst: ShardSpec, rank: int, rid: 
 # --------------------------------------------------------------------------- orchestration
 def run(s: Scenario) -> Outcome:
     """Start every process, wait for the decode reports, stop and reap everything."""
+    import torch  # noqa: F401  (once here, so the forked rank processes start at once)
+
     ctx = mp.get_context("fork")
     ev = {k: ctx.Event() for k in ("stop", "decoder_saw_writes", "decoder_failed")}
     procs: list[Any] = []
@@ -382,7 +386,7 @@ def measure_transfer(provider: str = "shm", page_bytes: int = 1 << 16,
                  page_size=1, head_dim=page_bytes, dtype="uint8", num_layers=num_layers,
                  src_pages=per_req * requests, dst_pages=per_req * requests,
                  prompts=(per_req + 1,) * requests, chunk_pages=per_req, aux_row_bytes=(),
-                 waves=waves, busy_sleep_s=0.0, verify=False, timeout_s=120.0,
+                 waves=waves, warmup=True, busy_sleep_s=0.0, verify=False, timeout_s=120.0,
                  run_timeout_s=300.0)
     out = run(s)
     rep = out.decode[0]
