@@ -79,9 +79,19 @@ def _register(overrides: list[str]) -> None:
     }
     # only the selected recipe is loaded: the others cost start-up time and a broken one
     # must not fail a compose that does not use it
-    for name, path in recipe_files().items():
-        if name in wanted:
-            cs.store(group="recipe", name=name, node=load_recipe(path), package="_global_")
+    files = recipe_files()
+    for name in sorted(wanted):
+        if name not in files:
+            raise ComposeError(
+                [
+                    error(
+                        "recipe",
+                        f"no recipe named {name!r} in {recipes_dir()}",
+                        f"use one of: {', '.join(files) or '(none)'} (see `pdtool recipes`)",
+                    )
+                ]
+            )
+        cs.store(group="recipe", name=name, node=load_recipe(files[name]), package="_global_")
 
 
 def expand_sweeps(overrides: list[str]) -> list[list[str]]:
@@ -254,6 +264,8 @@ def _finding_from_exception(e: BaseException) -> Finding:
     low = text.lower()
     if "missingmandatoryvalue" in type(e).__name__.lower() or "missing mandatory value" in low:
         fix = f"set {key}=<value> (or choose a recipe/group option that sets it)"
+    elif key == "recipe" and "defaults list" in low:
+        fix = "select a recipe with a leading plus: +recipe=NAME"
     elif "not in struct" in low or "key not found" in low or "could not override" in low:
         fix = f"check the spelling of '{key}' (`pdtool plan --json` shows every key); "
         fix += "use +key=value only to add a key the schema does not have"

@@ -130,6 +130,7 @@ def test_env_per_role_is_added_with_plus():
         (["+bar=1"], "bar", "not a pdtool setting"),
         (["+cluster.nics.0.speed=9"], "cluster.nics.0.speed", "not a pdtool setting"),
         (["+recipe=no-such-recipe"], "recipe", "no-such-recipe"),
+        (["recipe=tiny-local"], "recipe", "No match in the defaults list"),
         (["cluster=no-such-cluster"], "cluster", "no-such-cluster"),
         (["model.num_layers=???"], "model.num_layers", "missing mandatory value"),
         (["decode.instances=1,2"], "decode.instances", "Ambiguous value"),

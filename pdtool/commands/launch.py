@@ -16,17 +16,33 @@ HELP = "render a deployment and start it (sbatch, or processes on this machine)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("overrides", nargs="*", metavar="OVERRIDE",
-                   help="Hydra overrides: +recipe=NAME, key=value, group=option")
-    p.add_argument("--out", type=Path,
-                   help="job folder (default: <launcher.output_dir>/<job_name>-<timestamp>)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="render and print the processes and command lines; start nothing")
-    p.add_argument("--exit-when-healthy", action="store_true",
-                   help="start, wait until every process is healthy, then stop (a start check)")
-    p.add_argument("--preflight", action="store_true",
-                   help="workers run only their start-up path (plan, rank, NIC, environment, "
-                   "placement) and report healthy without starting the engine")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="OVERRIDE",
+        help="Hydra overrides: +recipe=NAME, key=value, group=option",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="job folder (default: <launcher.output_dir>/<job_name>-<timestamp>)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="render and print the processes and command lines; start nothing",
+    )
+    p.add_argument(
+        "--exit-when-healthy",
+        action="store_true",
+        help="start, wait until every process is healthy, then stop (a start check)",
+    )
+    p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="workers run only their start-up path (plan, rank, NIC, environment, "
+        "placement) and report healthy without starting the engine",
+    )
 
 
 def print_dry_run(rendered) -> None:
@@ -34,8 +50,9 @@ def print_dry_run(rendered) -> None:
 
     spec = rendered.spec
     print(f"would run {rendered.script} (launcher={spec.launcher}, {spec.job.nodes} node(s)):")
-    where = ("address of allocation node k (Slurm NodeAddr)" if spec.launcher == "slurm"
-             else "127.0.0.1")
+    where = (
+        "address of allocation node k (Slurm NodeAddr)" if spec.launcher == "slurm" else "127.0.0.1"
+    )
     print(f"  RUN_DIR={rendered.out}  LOG_DIR=$RUN_DIR/logs/<run>  HOSTS[k]={where}")
     for p in spec.all():
         print(f"\n# {p.name}: {p.comment}")
@@ -55,20 +72,23 @@ def run(args: argparse.Namespace) -> int:
         from pdtool.launch.slurm import SubmitError, submit
 
         try:
-            sub = submit(rendered.script, exit_when_healthy=args.exit_when_healthy,
-                         preflight=args.preflight)
+            sub = submit(
+                rendered.script, exit_when_healthy=args.exit_when_healthy, preflight=args.preflight
+            )
         except SubmitError as e:
             print(f"pdtool: ERROR: {e}")
             return 1
-        print(f"submitted job {sub.job_id}"
-              + (f" on cluster {sub.cluster}" if sub.cluster else ""))
+        print(f"submitted job {sub.job_id}" + (f" on cluster {sub.cluster}" if sub.cluster else ""))
         print(f"  job folder: {rendered.out}")
         print(f"  batch log:  {sub.batch_log}")
         print(f"  process logs: {sub.log_dir}/<process>.log")
         return 0
     from pdtool.launch.local import Supervisor
 
-    sup = Supervisor(rendered.spec, rendered.out,
-                     health_timeout=rendered.cfg.launcher.health_timeout_s,
-                     preflight=args.preflight)
+    sup = Supervisor(
+        rendered.spec,
+        rendered.out,
+        health_timeout=rendered.cfg.launcher.health_timeout_s,
+        preflight=args.preflight,
+    )
     return sup.run(exit_when_healthy=args.exit_when_healthy)

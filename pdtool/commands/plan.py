@@ -179,7 +179,6 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             run_header(con, runs, i)
         if not r.ok:
-            target = err if args.json else con
             if args.json:
                 out.append(
                     {
@@ -189,14 +188,16 @@ def run(args: argparse.Namespace) -> int:
                     }
                 )
             else:
-                target.print("[bold red]not planned: the config has errors[/]")
-                print_findings(target, r.all_findings)
+                con.print("[bold red]not planned: the config has errors[/]")
+                print_findings(con, r.all_findings)
             codes.append(r.exit_code)
             continue
         try:
             plan = build_plan(r.cfg, tokens=args.tokens)
         except PlanError as e:  # the validator should have caught it: report, not crash
             err.print(f"[bold red]cannot plan:[/] {e}")
+            if args.json:
+                out.append({"overrides": r.overrides, "plan": None, "error": str(e)})
             codes.append(EXIT_ERRORS)
             continue
         warnings = [f for f in r.findings if f.severity == "warning"]

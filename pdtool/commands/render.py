@@ -19,10 +19,17 @@ HELP = "write the launch scripts, resolved config and plan of a deployment into 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("overrides", nargs="*", metavar="OVERRIDE",
-                   help="Hydra overrides: +recipe=NAME, key=value, group=option")
-    p.add_argument("--out", type=Path,
-                   help="job folder (default: <launcher.output_dir>/<job_name>-<timestamp>)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="OVERRIDE",
+        help="Hydra overrides: +recipe=NAME, key=value, group=option",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="job folder (default: <launcher.output_dir>/<job_name>-<timestamp>)",
+    )
 
 
 def default_out(cfg: Any) -> Path:
@@ -59,9 +66,11 @@ def run(args: argparse.Namespace) -> int:
     if rendered is None:
         return code
     spec = rendered.spec
-    print(f"rendered {rendered.cfg.recipe or 'default'} for launcher={spec.launcher}, "
-          f"engine={spec.engine}: {len(spec.procs)} worker process(es) + router on "
-          f"{spec.job.nodes} node(s)")
+    print(
+        f"rendered {rendered.cfg.recipe or 'default'} for launcher={spec.launcher}, "
+        f"engine={spec.engine}: {len(spec.procs)} worker process(es) + router on "
+        f"{spec.job.nodes} node(s)"
+    )
     for name in (rendered.script.name, "config.yaml", "plan.json", "launch.json", "secret.key"):
         print(f"  {rendered.out / name}")
     how = "sbatch" if spec.launcher == "slurm" else "bash"
