@@ -4,13 +4,15 @@ Adding a subcommand = writing `pdtool/commands/<name>.py` (see pdtool/commands/_
 and adding its name to COMMANDS below.
 
 Exit codes: 0 success, 1 the config has errors (or the command failed), 2 a bad command line
-or a config that does not compose. No Python traceback reaches the user for bad input.
+or a config that does not compose. No Python traceback reaches the user for bad input; an
+unexpected exception (a bug) is printed as one line unless PDTOOL_DEBUG=1.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from types import ModuleType
 
@@ -20,7 +22,8 @@ COMMANDS: tuple[str, ...] = (
     "validate",
     "plan",
     "recipes",
-    "render", "launch",  # launch issue: pdtool/commands/{render,launch}.py
+    "render",
+    "launch",  # launch issue: pdtool/commands/{render,launch}.py
 )
 
 EPILOG = """\
@@ -81,6 +84,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as e:  # a pdtool bug, not bad input: say so without a traceback
+        if os.environ.get("PDTOOL_DEBUG"):
+            raise
+        print(
+            f"pdtool {argv[0] if argv else ''}: internal error: {type(e).__name__}: {e}\n"
+            "(set PDTOOL_DEBUG=1 to see the traceback, and please report it)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":
