@@ -50,6 +50,7 @@ class Supervisor:
         self.stop_grace = stop_grace
         self.health_timeout = health_timeout
         self.preflight = preflight
+        self.force = False
         self.running: list[Running] = []
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.log_dir = self.run_dir / "logs" / f"local-{stamp}-{os.getpid()}"
@@ -99,11 +100,14 @@ class Supervisor:
         for r in alive:
             _signal_group(r.popen, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace
+        while (any(r.popen.poll() is None for r in alive) and time.monotonic() < deadline
+               and not self.force):
+            time.sleep(0.1)
         for r in alive:
-            try:
-                r.popen.wait(timeout=max(0.05, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.say(f"{r.proc.name} ignored SIGTERM for {self.stop_grace:.0f}s: SIGKILL")
+            if r.popen.poll() is None:
+                why = "second interrupt" if self.force else \
+                    f"ignored SIGTERM for {self.stop_grace:.0f}s"
+                self.say(f"{r.proc.name} {why}: SIGKILL")
                 _signal_group(r.popen, signal.SIGKILL)
                 r.popen.wait(timeout=5)
         for r in self.running:  # children that outlived their leader
@@ -146,6 +150,11 @@ class Supervisor:
             self.say(f"received {e.signame}: shutting the deployment down")
             return 130
         finally:
+            def force(_signum, _frame):  # a second Ctrl-C: do not wait for the grace period
+                self.force = True
+
+            for sig in old:
+                signal.signal(sig, force)
             try:
                 self.stop_all()
             finally:
