@@ -143,6 +143,11 @@ def fabric_env(ctx: WorkerContext) -> dict[str, str]:
         # per-GPU NIC map for engines driving several GPUs (same shape as SGLang's ib map)
         env["PDTOOL_NICS"] = json.dumps({str(r.gpu): ",".join(r.nics) for r in ctx.ranks},
                                         separators=(",", ":"))
+        # one libfabric domain for the whole process when its ranks share their NICs (the SGLang
+        # backend reads PDTOOL_FI_DOMAIN; with a NIC per GPU it needs PDTOOL_NICS[gpu] instead)
+        nic_sets = {r.nics for r in ctx.ranks}
+        if len(nic_sets) == 1 and ctx.ranks[0].nics:
+            env["PDTOOL_FI_DOMAIN"] = ctx.ranks[0].nics[0]
     return env
 
 
@@ -177,6 +182,15 @@ def run_sglang(ctx: WorkerContext) -> int:
     fabric environment are already in os.environ for pdtool's SGLang transfer backend)."""
     if not ctx.engine_argv:
         raise WorkerError("engine=sglang needs its launch line after `--`")
+    # pdtool's SGLang backend signs its control frames with PDTOOL_SECRET: hand it the
+    # deployment's secret from the 0600 file (process environment only, never printed)
+    secret_file = os.environ.get("PDTOOL_SECRET_FILE")
+    if secret_file and not os.environ.get("PDTOOL_SECRET"):
+        try:
+            os.environ["PDTOOL_SECRET"] = Path(secret_file).read_text().strip()
+        except OSError as e:
+            raise WorkerError(f"cannot read the deployment secret {secret_file}: "
+                              f"{e.strerror}") from None
     print("pdtool-worker: exec " + " ".join(ctx.engine_argv[:3]) + " ...", flush=True)
     try:
         os.execvp(ctx.engine_argv[0], ctx.engine_argv)

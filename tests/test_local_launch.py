@@ -239,3 +239,45 @@ def test_worker_sets_fabric_environment_and_serves_health(plan_file: Path) -> No
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_worker_execs_the_sglang_line_with_messenger_environment(tmp_path: Path) -> None:
+    """engine=sglang: the worker (real) execs the rendered SGLang line unchanged, with the plan,
+    NIC and deployment secret in the environment of pdtool's SGLang backend."""
+    from pdtool.compose import load_config
+    from pdtool.launch.shell import resolve
+    from pdtool.planner import build_plan
+    from pdtool.render import write_job_folder
+
+    cfg, findings = load_config([*overrides(37700), "engine=sglang", "transfer=tcp"])
+    assert cfg is not None, findings
+    cfg.engine.python = str(Path(__file__).parent / "argv_dump.py")
+    rendered = write_job_folder(cfg, build_plan(cfg), tmp_path / "job")
+    proc = next(p for p in rendered.spec.procs if p.role == "decode" and p.instance == 1)
+    variables = {"RUN_DIR": str(rendered.out), "LOG_DIR": str(tmp_path), "HOSTS[0]": "127.0.0.1"}
+    argv = resolve(proc.argv, variables)
+    argv[argv.index("pdtool.worker") - 2] = sys.executable  # the worker itself runs for real
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    secret_file = rendered.out / "secret.key"
+    env = {**os.environ, "ARGV_DUMP_DIR": str(dumps), "PDTOOL_SECRET_FILE": str(secret_file)}
+    env.pop("PDTOOL_SECRET", None)
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not list(dumps.glob("*.json")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (dump,) = [json.loads(f.read_text()) for f in dumps.glob("*.json")]
+    finally:
+        p.terminate()
+        out, _ = p.communicate(timeout=10)
+    assert dump["argv"][1:] == resolve(proc.engine_argv, variables)[1:]
+    e = dump["env"]
+    secret = secret_file.read_text().strip()
+    assert e["PDTOOL_SECRET"] == secret and secret not in out
+    assert e["PDTOOL_ROLE"] == "decode" and e["PDTOOL_INSTANCE"] == "1"
+    assert e["PDTOOL_PLAN"] == str(rendered.out / "plan.json")
+    assert e["PDTOOL_FI_PROVIDER"] == "tcp;ofi_rxm" and e["PDTOOL_FI_DOMAIN"] == "lo"
+    assert json.loads(e["PDTOOL_NICS"]) == {"2": "lo"}
+    assert "pdtool-worker: start role=decode" in out
