@@ -12,8 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdtool.compose import load_config, recipe_files
+from pdtool.launch.shell import Var, q, word, words
 from pdtool.planner import build_plan, from_json
 from pdtool.render import SECRET_NAME, render, write_job_folder
 from pdtool.schema import gpus_per_instance
@@ -190,3 +193,17 @@ def test_hostile_values_reach_processes_as_single_arguments(tmp_path: Path) -> N
 
 def test_shellcheck_is_installed() -> None:
     assert shutil.which("shellcheck"), "install Debian's shellcheck (scripts/install.sh does)"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.text(alphabet=st.characters(blacklist_characters="\0"), max_size=40),
+                min_size=1, max_size=4))
+def test_quoted_words_are_single_literal_arguments(values: list[str]) -> None:
+    """Whatever the text, bash receives each quoted word as exactly that one argument, and a
+    Word mixing literals with a variable expands only the variable."""
+    line = words(values) + " " + q(word("<", Var("X"), values[0]))
+    res = subprocess.run(["bash", "-c", f'X="a b"; printf "%s\\0" {line}'],
+                         capture_output=True, timeout=10)
+    assert res.returncode == 0, res.stderr
+    got = res.stdout.decode("utf-8", "surrogateescape").split("\0")[:-1]
+    assert got == [*values, "<a b" + values[0]]

@@ -139,6 +139,10 @@ class Supervisor:
             url = resolve([self.spec.router_url], self.vars)[0]
             self.say(f"deployment ready: router at {url}; {len(self.running)} processes "
                      "(Ctrl-C stops everything)")
+            width = max(len(r.proc.name) for r in self.running)
+            for r in self.running:
+                print(f"  {r.proc.name:<{width}}  pid {r.popen.pid:<7}  {r.log}",
+                      file=self.out, flush=True)
             if exit_when_healthy:
                 self.say("stopping after a healthy start (--exit-when-healthy)")
                 return 0
