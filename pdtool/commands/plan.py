@@ -61,7 +61,7 @@ def _nics(names: tuple[str, ...], kind: str) -> str:
 def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
     from rich.table import Table
 
-    from pdtool.memory import human_bytes
+    from pdtool.memory import GIB, human_bytes
 
     m, c, t = plan.model, plan.cluster, plan.transfer
     con.print(f"[bold]{plan.recipe}[/]: {plan.description}")
@@ -127,8 +127,8 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
     for mm in plan.memory:
         mt.add_row(
             mm.role,
-            f"{mm.weights_gb:.1f} GiB",
-            f"{mm.kv_budget_gb:.1f} GiB",
+            human_bytes(mm.weights_gb * GIB),
+            human_bytes(mm.kv_budget_gb * GIB),
             human_bytes(mm.kv_bytes_per_token),
             human_bytes(mm.kv_bytes_per_page),
             f"{mm.kv_tokens:,}",

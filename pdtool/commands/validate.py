@@ -59,7 +59,7 @@ def _result(run: Run) -> dict[str, Any]:
 
 
 def _print_run(con: Any, run: Run) -> None:
-    from pdtool.memory import human_bytes
+    from pdtool.memory import GIB, human_bytes
 
     if not run.composed:
         con.print("[bold red]config does not compose:[/]")
@@ -71,8 +71,9 @@ def _print_run(con: Any, run: Run) -> None:
     mem = memory_rows(run)
     for m in mem or []:
         con.print(
-            f"  {m.role:8s} weights {m.weights_gb:.1f} GiB/GPU, KV budget {m.kv_budget_gb:.1f} "
-            f"GiB ({m.kv_tokens:,} tokens), KV {human_bytes(m.kv_bytes_per_token)}/token and "
+            f"  {m.role:8s} weights {human_bytes(m.weights_gb * GIB)}/GPU, KV budget "
+            f"{human_bytes(m.kv_budget_gb * GIB)} ({m.kv_tokens:,} tokens), "
+            f"KV {human_bytes(m.kv_bytes_per_token)}/token and "
             f"{human_bytes(m.kv_bytes_per_page)}/page per rank ({m.kv_dtype})"
         )
     errors = sum(f.severity == "error" for f in run.findings)

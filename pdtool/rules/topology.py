@@ -75,8 +75,12 @@ def check_instance_fit(cfg: Config) -> list[Finding]:
 
 
 def check_idle_gpus(cfg: Config) -> list[Finding]:
-    """Packing single-node instances can leave GPUs idle; say how many and where."""
-    if cfg.launcher.kind == "local":
+    """Packing single-node instances can leave GPUs idle; say how many and where.
+
+    Not for the local launcher (one machine, slots handed out in order) nor for CPU "GPUs"
+    (worker slots cost nothing when unused).
+    """
+    if cfg.launcher.kind == "local" or cfg.cluster.device == "cpu":
         return []
     out: list[Finding] = []
     gpn = cfg.cluster.gpus_per_node
