@@ -9,6 +9,7 @@ buffer, and the prefill ranks together issue exactly that many.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch  # noqa: F401  (imported before forking so the rank processes start fast)
 
@@ -86,3 +87,14 @@ def test_nhd_tp_mismatch_writes_per_token():
             n = pages_for(s.prompts[int(rid.split("-r")[1])], s.page_size)
             assert r["status"] == "success" and r["bad_layers"] == [] and r["aux_ok"]
             assert r["received"] == n * s.num_layers * 2 * s.page_size + 1
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_many_requests_queue_for_few_slots(provider):
+    """30 prompts of random length through 4 transfer slots: the rest wait for a free slot,
+    slots are reused with new generations, and every page still arrives exactly."""
+    rng = np.random.default_rng(7)
+    prompts = tuple(int(n) for n in rng.integers(2, 60, 30))
+    s = Scenario(provider=provider, num_kv_heads=4, prefill_tp=4, decode_tp=2, prompts=prompts,
+                 max_inflight=4, chunk_pages=3, src_pages=512, dst_pages=512, aux_row_bytes=AUX)
+    _check(s, sources_per_rank=2)

@@ -60,6 +60,7 @@ class Scenario:
     waves: int = 1                        # repeat the first wave (benchmark)
     warmup: bool = False                  # one untimed 1-page request first (connections)
     chunk_pages: int = 2
+    max_inflight: int = 64                # decoder transfer slots (fewer queue the rest)
     aux_row_bytes: tuple[int, ...] = (48,)
     faults: tuple[tuple[int, str], ...] = ()  # (prefill instance, "kill"|"stall"|"hold")
     decode_kill: bool = False             # decode rank 0 SIGKILLs itself once writes arrive
@@ -239,7 +240,8 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
     kv = [torch.zeros(shape, dtype=zero.dtype) for _ in range(s.num_layers)]
     aux = [torch.zeros((64, rb), dtype=torch.uint8) for rb in s.aux_row_bytes]
     cfg = DecodeConfig(secret=SECRET, spec=dst, peer_spec=src, rank=rank, provider=s.provider,
-                       prefill_endpoints=endpoints, max_inflight=64, timeout_s=s.timeout_s,
+                       prefill_endpoints=endpoints, max_inflight=s.max_inflight,
+                       timeout_s=s.timeout_s,
                        heartbeat_s=s.heartbeat_s, peer_timeout_s=s.peer_timeout_s,
                        busy_sleep_s=s.busy_sleep_s, quarantine_grace_s=2.0)
     m = DecodeMessenger(cfg, kv, s.layout, aux)
@@ -253,10 +255,10 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
             t0 = time.perf_counter()
             for rid, n, peer, _w in batch:
                 m.submit(rid, _tokens(rid, n), dpages[rid], peer=peer)
-            pending = {r[0] for r in batch}
+            pending = {r[0]: r for r in batch}
             deadline = time.monotonic() + s.run_timeout_s
             while pending and time.monotonic() < deadline:
-                for rid in list(pending):
+                for rid, (_rid, _n, peer, _w) in list(pending.items()):
                     st = m.status(rid)
                     if st.received and not ev["decoder_saw_writes"].is_set():
                         report["seen"] = {"rid": rid, "received": st.received,
@@ -264,24 +266,27 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
                         ev["decoder_saw_writes"].set()
                         if s.decode_kill and rank == 0:
                             os.kill(os.getpid(), signal.SIGKILL)
-                    if st.status in final:
-                        pending.discard(rid)
-                        if st.status is TransferStatus.FAILED:
-                            ev["decoder_failed"].set()
+                    if st.status not in final:
+                        continue
+                    # settled: check it, then release it at once (its slot serves the next)
+                    del pending[rid]
+                    info = {"status": st.status.value, "reason": st.reason,
+                            "received": st.received, "expected": st.expected, "peer": peer,
+                            "pages": len(dpages[rid])}
+                    if st.status is TransferStatus.SUCCESS and s.verify:
+                        info.update(_verify(s, m, kv, dst, rank, rid, dpages[rid], spages[rid]))
+                    report["requests"][rid] = info
+                    m.release(rid)
+                    if st.status is TransferStatus.FAILED:
+                        ev["decoder_failed"].set()
                 time.sleep(0.0005)
             if wave >= 0:
                 report["waves"].append({"seconds": time.perf_counter() - t0,
                                         "pages": sum(len(dpages[r[0]]) for r in batch)})
-            for rid, _n, peer, _w in batch:
+            for rid in pending:
                 st = m.status(rid)
-                info = {"status": st.status.value, "reason": st.reason,
-                        "received": st.received, "expected": st.expected, "peer": peer,
-                        "pages": len(dpages[rid])}
-                if st.status is TransferStatus.SUCCESS and s.verify:
-                    info.update(_verify(s, m, kv, dst, rank, rid, dpages[rid], spages[rid]))
-                report["requests"][rid] = info
-                if st.status in final:
-                    m.release(rid)
+                report["requests"][rid] = {"status": st.status.value, "reason": st.reason,
+                                           "received": st.received, "expected": st.expected}
         report["stale_writes"] = m.stale_writes
     finally:
         m.close()
