@@ -98,3 +98,10 @@ def test_many_requests_queue_for_few_slots(provider):
     s = Scenario(provider=provider, num_kv_heads=4, prefill_tp=4, decode_tp=2, prompts=prompts,
                  max_inflight=4, chunk_pages=3, src_pages=512, dst_pages=512, aux_row_bytes=AUX)
     _check(s, sources_per_rank=2)
+
+
+def test_separate_k_and_v_buffers():
+    """buffers_per_layer=2: one write per (page, layer, K|V buffer, source shard)."""
+    s = Scenario(num_kv_heads=4, prefill_tp=4, decode_tp=2, prompts=(17, 9), split_kv=True,
+                 aux_row_bytes=AUX)
+    _check(s, sources_per_rank=2 * 2)

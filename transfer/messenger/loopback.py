@@ -61,6 +61,7 @@ class Scenario:
     warmup: bool = False                  # one untimed 1-page request first (connections)
     chunk_pages: int = 2
     max_inflight: int = 64                # decoder transfer slots (fewer queue the rest)
+    split_kv: bool = False                # K and V in separate buffers (buffers_per_layer=2)
     aux_row_bytes: tuple[int, ...] = (48,)
     faults: tuple[tuple[int, str], ...] = ()  # (prefill instance, "kill"|"stall"|"hold")
     decode_kill: bool = False             # decode rank 0 SIGKILLs itself once writes arrive
@@ -99,6 +100,14 @@ def _local(s: Scenario, full: Any, spec: ShardSpec, rank: int) -> Any:
     hs = spec.heads_of(rank)
     t = full[:, hs.start:hs.stop].contiguous()
     return t if s.layout == "HND" else t.permute(0, 3, 1, 2, 4).contiguous()
+
+
+def _split(s: Scenario, t: Any) -> list[Any]:
+    """The layer's buffers: the fused tensor, or its K and V parts as two buffers."""
+    if not s.split_kv:
+        return [t]
+    dim = 2 if s.layout == "HND" else 3
+    return [t.narrow(dim, j, 1).contiguous() for j in range(t.shape[dim])]
 
 
 def _requests(s: Scenario) -> list[tuple[str, int, int, int]]:
@@ -145,9 +154,11 @@ def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any]
     from .prefill import PrefillMessenger
 
     src, dst = ShardSpec(s.num_kv_heads, s.prefill_tp), ShardSpec(s.num_kv_heads, s.decode_tp)
-    kv = [_local(s, _global_layer(s, layer), src, rank) for layer in range(s.num_layers)]
+    kv = [b for layer in range(s.num_layers)
+          for b in _split(s, _local(s, _global_layer(s, layer), src, rank))]
     aux = [torch.zeros((64, rb), dtype=torch.uint8) for rb in s.aux_row_bytes]
     cfg = PrefillConfig(secret=SECRET, spec=src, peer_spec=dst, rank=rank, provider=s.provider,
+                        buffers_per_layer=2 if s.split_kv else 1,
                         timeout_s=s.timeout_s, heartbeat_s=s.heartbeat_s,
                         peer_timeout_s=s.peer_timeout_s, busy_sleep_s=s.busy_sleep_s)
     fault = dict(s.faults).get(inst, "")
@@ -235,11 +246,13 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
     from .decode import DecodeMessenger
 
     src, dst = ShardSpec(s.num_kv_heads, s.prefill_tp), ShardSpec(s.num_kv_heads, s.decode_tp)
-    zero = _local(s, _global_layer(s, 0), dst, rank)
+    zero = _split(s, _local(s, _global_layer(s, 0), dst, rank))[0]
     shape = (s.dst_pages, *zero.shape[1:])
-    kv = [torch.zeros(shape, dtype=zero.dtype) for _ in range(s.num_layers)]
+    kv = [torch.zeros(shape, dtype=zero.dtype)
+          for _ in range(s.num_layers * (2 if s.split_kv else 1))]
     aux = [torch.zeros((64, rb), dtype=torch.uint8) for rb in s.aux_row_bytes]
     cfg = DecodeConfig(secret=SECRET, spec=dst, peer_spec=src, rank=rank, provider=s.provider,
+                       buffers_per_layer=2 if s.split_kv else 1,
                        prefill_endpoints=endpoints, max_inflight=s.max_inflight,
                        timeout_s=s.timeout_s,
                        heartbeat_s=s.heartbeat_s, peer_timeout_s=s.peer_timeout_s,
@@ -298,8 +311,11 @@ def _verify(s: Scenario, m: Any, kv: list[Any], dst: ShardSpec, rank: int, rid: 
     import torch
 
     bad = []
-    for layer, buf in enumerate(kv):
-        want = _local(s, _global_layer(s, layer)[torch.as_tensor(spages)], dst, rank)
+    per = 2 if s.split_kv else 1
+    for i, buf in enumerate(kv):
+        layer = i // per
+        want = _split(s, _local(s, _global_layer(s, layer)[torch.as_tensor(spages)], dst,
+                                rank))[i % per]
         got = buf[torch.as_tensor(dpages)]
         if not torch.equal(got.view(torch.uint8) if got.dtype != torch.uint8 else got,
                            want.view(torch.uint8) if want.dtype != torch.uint8 else want):
