@@ -607,7 +607,9 @@ class PrefillMessenger(Worker):
         from ..fabric import FabricError
 
         try:
-            self._ep.write_batch(d.fi_addr, mr, region, so, do, ln, d.imm, d.tag)
+            # bounded well under the peers' liveness timeout: this thread also answers PINGs
+            self._ep.write_batch(d.fi_addr, mr, region, so, do, ln, d.imm, d.tag,
+                                 timeout=self.config.peer_timeout_s / 2)
             n = len(ln)
         except FabricError as exc:
             n = int(getattr(exc, "submitted", 0))
