@@ -127,6 +127,14 @@ def prefill_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
         if cfg.get("hold"):
             conn.send(("waiting", room))
             time.sleep(3600)  # the test kills this process here
+        if cfg.get("abort"):  # decode aborts this room: the sender must see Failed with a reason
+            while sender.poll() != KVPoll.Failed and time.time() < deadline:
+                time.sleep(0.01)
+            try:
+                sender.failure_exception()
+            except Exception as exc:
+                results[room] = f"{type(exc).__name__}: {exc}"
+            continue
         src = np.asarray(req["src_pages"], dtype=np.int32)
         sender.init(len(src), req["aux_index"])
         for lo in range(0, len(src), req["chunk"]):  # chunked prefill: one send per chunk
@@ -138,6 +146,7 @@ def prefill_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     conn.recv()  # keep the endpoint and bootstrap server alive until decode finished
     mgr.teardown()
     del server
+    os._exit(0)  # skip interpreter teardown (SGLang's ZMQ contexts make it slow)
 
 
 def decode_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
@@ -151,7 +160,7 @@ def decode_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     sa, args, bufs, aux = _setup("decode", cfg, rank)
     mgr = PdtoolKVManager(args, DisaggregationMode.DECODE, sa, cfg["mla"])
     addr = f"127.0.0.1:{cfg['bootstrap_port']}"
-    deadline = time.time() + 60
+    deadline = time.time() + 180  # the prefill ranks start at the same time
     while not mgr.try_ensure_parallel_info(addr):
         assert time.time() < deadline, "prefill never registered with the bootstrap server"
         time.sleep(0.2)
@@ -160,6 +169,15 @@ def decode_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
         recv = PdtoolKVReceiver(mgr, addr, room)
         recv.init(0)
         recv.send_metadata(np.asarray(req["dst_pages"], dtype=np.int32), req["dst_aux"])
+        if cfg.get("abort"):  # the user cancelled: SGLang's scheduler calls abort()
+            recv.abort()
+            deadline = time.time() + 30
+            while not mgr.is_abort_release_safe(room, 1) and time.time() < deadline:
+                time.sleep(0.01)  # deferred KV release: pages held until prefill ACKs
+            out[room] = {"released": mgr.is_abort_release_safe(room, 1),
+                         "states": [int(recv.poll())]}
+            recv.clear()
+            continue
         states = [int(recv.poll())]
         deadline = time.time() + cfg.get("wait", 60)
         while states[-1] not in (KVPoll.Success, KVPoll.Failed) and time.time() < deadline:
@@ -180,16 +198,18 @@ def decode_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
                mgr.ep.remote_writes, mgr.ep.stale_writes))
     conn.recv()
     mgr.teardown()
+    os._exit(0)
 
 
 def run_pair(cfg: dict[str, Any], kill_prefill: bool = False) -> dict[str, Any]:
-    """Start prefill ranks, then decode ranks, collect what each saw; always reap children."""
+    """Start every rank at once (decode waits for the bootstrap registry), collect what each
+    saw; always reap the children."""
     ctx = mp.get_context("spawn")
     cfg = {"bootstrap_port": _free_port(), "http_port": _free_port(), **cfg}
     cfg["env"] = {"PDTOOL_FI_PROVIDER": cfg.get("provider", "shm"), "PDTOOL_SECRET": "t0p",
                   "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
                   "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1",
-                  "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"}
+                  "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60", **cfg.get("extra_env", {})}
     procs, pre, dec = [], [], []
     try:
         for r in range(cfg["prefill_tp"]):
@@ -198,15 +218,15 @@ def run_pair(cfg: dict[str, Any], kill_prefill: bool = False) -> dict[str, Any]:
             p.start()
             procs.append(p)
             pre.append((p, a))
-        for _, a in pre:
-            assert a.poll(120), "prefill rank did not start"
-            assert a.recv() == "ready"
         for r in range(cfg["decode_tp"]):
             a, b = ctx.Pipe()
             p = ctx.Process(target=decode_rank, args=(cfg, r, b), daemon=True)
             p.start()
             procs.append(p)
             dec.append((p, a))
+        for _, a in pre:
+            assert a.poll(180), "prefill rank did not start"
+            assert a.recv() == "ready"
         if kill_prefill:
             for p, a in pre:
                 assert a.poll(120) and a.recv()[0] == "waiting"
@@ -306,6 +326,21 @@ def test_mha_prefill_tp2_to_decode_tp1_reassembles_heads() -> None:
     # only the rank holding the first head slice wrote the metadata rows
     writes = [p[2] for p in res["prefill"]]
     assert writes == [0, 0]  # prefill endpoints receive nothing
+
+
+@pytest.mark.timeout(400)
+def test_decode_abort_fails_sender_and_is_acked_for_deferred_release() -> None:
+    cfg = {"mla": False, "heads": 2, "prefill_tp": 1, "decode_tp": 1, "abort": True,
+           "rooms": {11: ROOMS[11]},
+           "extra_env": {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1"}}
+    res = run_pair(cfg)
+    (_, out, bufs, _, remote_writes, _), = res["decode"]
+    assert out[11] == {"released": True, "states": [0]}  # ACK arrived, receiver Failed
+    assert res["prefill"][0][1][11] == (
+        "KVTransferError: KVTransferError(bootstrap_room=11): "
+        "Aborted by decode-side abort notification."
+    )
+    assert remote_writes == 0 and not any(b.any() for b in bufs)
 
 
 @pytest.mark.timeout(400)

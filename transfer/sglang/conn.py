@@ -219,6 +219,10 @@ class PdtoolKVManager(CommonKVManager):
     kv_status_msg_tag = STATUS_TAG
     kv_status_msg_carries_reason = True
     reports_transfer_latency = True
+    # Late-write fencing for reused pages: with SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE
+    # the decoder holds an aborted request's pages until every prefill rank ACKs that its
+    # writes for the room have completed (`_staging_outstanding` is 0 once they drained).
+    supports_deferred_decode_kv_release = True
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: bool | None = False):
@@ -448,12 +452,17 @@ class PdtoolKVManager(CommonKVManager):
         return out
 
     def _on_abort(self, msg: list[bytes]) -> None:
+        """Decode gave up on a room: stop writing it; ACK once its writes drained (if asked)."""
         note = AbortNotification.from_zmq(msg)
         if note is None:
             return
         if note.room in self.request_status and self.check_status(note.room) != KVPoll.Success:
             self.record_failure(note.room, "Aborted by decode-side abort notification.")
             self.update_status(note.room, KVPoll.Failed)
+        target = note.deferred_ack_target() if self.enable_deferred_decode_kv_release else None
+        if target is not None:
+            self.register_deferred_ack_target(note.room, target)
+            self._maybe_ack_drained_abort(note.room)  # ACKs now unless writes are in flight
 
     # -- prefill: writer thread (the only user of the endpoint's data path) ---------------------
     def add_transfer_request(self, bootstrap_room: int, kv_indices: npt.NDArray[np.int32],
@@ -500,6 +509,7 @@ class PdtoolKVManager(CommonKVManager):
                 return
             pending = self._pending[room] = PendingRoom(self._free_tags.popleft())
             self.ep.send_done[pending.tag] = 0
+            self._staging_outstanding[room] = 1  # writes may be in flight from here on
         self.update_status(room, KVPoll.Transferring)
         try:
             for target in list(self.transfer_infos.get(room, {}).values()):
@@ -552,14 +562,15 @@ class PdtoolKVManager(CommonKVManager):
         now = time.monotonic()
         for room, p in list(self._pending.items()):
             drained = self.ep.send_done[p.tag] >= p.submitted
-            if p.last_seen and drained:
+            status = self.request_status.get(room)
+            if drained and (p.last_seen or status in (None, KVPoll.Failed)):
+                # done, failed or cleared by the scheduler: nothing of ours is in flight now
                 del self._pending[room]
                 self._free_tags.append(p.tag)
-                if self.request_status.get(room) not in (None, KVPoll.Failed):
+                self._staging_outstanding.pop(room, None)
+                self._maybe_ack_drained_abort(room)
+                if p.last_seen and status not in (None, KVPoll.Failed):
                     self.update_status(room, KVPoll.Success)
-            elif self.request_status.get(room) is None and drained:
-                del self._pending[room]  # cleared by the scheduler (abort) once quiet
-                self._free_tags.append(p.tag)
             elif now - p.started > self._send_timeout and not p.last_seen:
                 p.last_seen = True
                 self.conclude_failure(bootstrap_room=room,
