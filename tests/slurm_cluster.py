@@ -192,11 +192,27 @@ class SlurmCluster:
         """`scontrol shutdown`, then end whatever of ours is left (by pid, never by name)."""
         procs = getattr(self, "_procs", [])
         if any(p.poll() is None for p in procs):
+            self._cancel_jobs()
             subprocess.run(["scontrol", "shutdown"], env=self.env(), capture_output=True,
                            timeout=15, check=False)
         slurm_procs = [p for p in procs if p.args[0] != "munged"]
         _reap(slurm_procs, 10)
         _reap(procs, 5)
+
+    def _cancel_jobs(self, timeout: float = 20) -> None:
+        """Cancel every job still queued or running, so no job process outlives the cluster."""
+        try:
+            subprocess.run(["scancel", "--full", "--partition=debug"], env=self.env(),
+                           capture_output=True, timeout=15, check=False)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                res = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env(),
+                                     capture_output=True, text=True, timeout=10, check=False)
+                if res.returncode != 0 or not res.stdout.strip():
+                    return
+                time.sleep(0.5)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
 
     # -- helpers for tests -----------------------------------------------------------------
     def run(self, *argv: str, check: bool = True, timeout: float = 30) -> str:
