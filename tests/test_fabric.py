@@ -279,6 +279,9 @@ def test_mr_modes_and_names_follow_the_provider():
             assert RemoteRegion.from_dict(d.to_dict()) == d
             mr.close()
             assert mr.closed
+    # node/service pick the local address to bind (FI_SOURCE): 127.0.0.1 -> the lo domain
+    with Endpoint("tcp;ofi_rxm", node="127.0.0.1") as lo:
+        assert lo.domain == "lo"
 
 
 def test_imm_encoding_and_descriptor_validation():

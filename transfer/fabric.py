@@ -54,8 +54,10 @@ __all__ = [
     "MemoryRegion",
     "RemoteRegion",
     "available_providers",
+    "buffer_address",
     "decode_imm",
     "encode_imm",
+    "shm_leftovers",
 ]
 
 # fi_mr_mode bits (rdma/fabric.h, stable ABI values)
