@@ -13,13 +13,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 import zmq
 
 from pdtool.engines.reference.local import Deployment, free_port, get_json, new_secret
+from pdtool.engines.reference.model import TinyModel
 from pdtool.engines.reference.oracle import encode, generate
 from pdtool.engines.reference.serve import RankSpec
 from pdtool.engines.reference.wire import Wire, dealer
 
+torch.set_num_threads(1)
 CHUNK = 16  # prefill chunk (tokens); page size 4: prompts below span up to 9 chunks
 
 CONFIGS = {
@@ -54,15 +57,12 @@ class Served:
                               decoders=[f"{u}/health" for u in self.leaders[1:]]))
         self.url = f"http://127.0.0.1:{f_http}"
         self.dep = Deployment(specs, tmp / name)
-        self.dep.start()
-        for _ in range(100):  # the front is up once every decoder answered its PING
-            if get_json(f"{self.url}/health")[0] == 200:
-                break
-            time.sleep(0.1)
+        self.dep.start()  # waits for every leader's /health, the front's once decoders answer
+        self.cfg = RankSpec(role="decode", model=self.model).cfg
+        self.oracle_model = TinyModel(self.cfg)
 
-    @property
-    def cfg(self):
-        return RankSpec(role="decode", model=self.model).cfg
+    def oracle(self, prompt: str, max_tokens: int) -> list[int]:
+        return generate(self.cfg, encode(prompt), max_tokens, self.oracle_model)
 
     def complete(self, prompt: str, max_tokens: int) -> dict:
         code, body = get_json(f"{self.url}/v1/completions",
@@ -114,9 +114,8 @@ def _prompts(n: int, seed: int, lo: int = 1, hi: int = 150) -> list[str]:
 def _check_exact(s: Served, prompts: list[str], max_tokens: list[int], workers: int) -> list:
     with ThreadPoolExecutor(workers) as pool:
         bodies = list(pool.map(s.complete, prompts, max_tokens))
-    cfg = s.cfg
     for p, m, b in zip(prompts, max_tokens, bodies, strict=True):
-        assert b["pdtool"]["token_ids"] == generate(cfg, encode(p), m), p
+        assert b["pdtool"]["token_ids"] == s.oracle(p, m), p
     return bodies
 
 
@@ -176,11 +175,10 @@ def _direct(s: Served, prompt: str, max_tokens: int, faults: dict | None) -> dic
 
 def test_decoder_uses_the_transferred_pages_and_hidden_state(served):
     s = served("gqa-tp1-tp1-x2")
-    cfg = s.cfg
     prompts = _prompts(6, seed=3, lo=20, hi=60)
     changed = drafts_moved = 0
     for p in prompts:
-        want = generate(cfg, encode(p), 8)
+        want = s.oracle(p, 8)
         clean = _direct(s, p, 8, None)
         assert clean["tokens"] == want
         # noise on one received page of layer 0: the decoder attends over what arrived

@@ -28,8 +28,8 @@ from typing import Any
 
 import zmq
 
-from .oracle import decode as detok
-from .oracle import encode
+from .tokens import decode as detok
+from .tokens import encode
 from .wire import Wire, dealer
 
 log = logging.getLogger("pdtool.reference.front")
@@ -80,6 +80,11 @@ def parse_request(body: bytes) -> dict[str, Any]:
             "model": str(req.get("model", "reference"))}
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 1024  # many clients connect at once; the default 5 resets them
+
+
 class Front:
     """Dispatcher + HTTP server. `start()` returns once the HTTP socket listens."""
 
@@ -108,14 +113,13 @@ class Front:
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.connect(self._inbox)
         self._stop = threading.Event()
-        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
-        self.httpd.daemon_threads = True
+        self.httpd = _Server((host, port), _handler(self))
         self.port = self.httpd.server_address[1]
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        for target in (self._dispatch, self.httpd.serve_forever):
+        for target in (self._dispatch, lambda: self.httpd.serve_forever(poll_interval=0.05)):
             t = threading.Thread(target=target, daemon=True)
             t.start()
             self._threads.append(t)

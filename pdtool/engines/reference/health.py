@@ -42,7 +42,9 @@ class HealthServer:
 
         self.httpd = ThreadingHTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread = threading.Thread(
+            target=lambda: self.httpd.serve_forever(poll_interval=0.05), daemon=True
+        )
         self._thread.start()
 
     def close(self) -> None:

@@ -35,8 +35,9 @@ import torch.distributed as dist
 
 from transfer.routes import ShardSpec
 
-EOS = 256
-VOCAB = 257
+from .tokens import EOS
+
+VOCAB = EOS + 1
 _DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,

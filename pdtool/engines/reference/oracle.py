@@ -10,15 +10,9 @@ import torch
 
 from .cache import PagedKV
 from .model import EOS, Batch, TinyConfig, TinyModel
+from .tokens import decode, encode
 
-
-def encode(text: str) -> list[int]:
-    """Byte-level tokens: any text is a valid prompt."""
-    return list(text.encode("utf-8"))
-
-
-def decode(tokens: list[int]) -> str:
-    return bytes(t for t in tokens if t < 256).decode("utf-8", errors="replace")
+__all__ = ["decode", "encode", "generate"]
 
 
 @torch.no_grad()

@@ -25,17 +25,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
 import zmq
 
-from .cache import PagedKV
-from .engine import Coord, DecodeEngine, Event, PrefillEngine
 from .health import HealthServer
-from .model import TP, TinyConfig, TinyModel
 from .wire import Wire, router
+
+if TYPE_CHECKING:  # torch is imported by the prefill/decode roles only: the front starts fast
+    from .cache import PagedKV
+    from .engine import Coord, Event
+    from .model import TP, TinyConfig, TinyModel
 
 log = logging.getLogger("pdtool.reference.serve")
 
@@ -70,6 +70,8 @@ class RankSpec:
 
     @property
     def cfg(self) -> TinyConfig:
+        from .model import TinyConfig
+
         return TinyConfig(**self.model)
 
     @property
@@ -81,6 +83,12 @@ class RankSpec:
 
 
 def _init(spec: RankSpec) -> tuple[Coord, TP]:
+    import torch
+    import torch.distributed as dist
+
+    from .engine import Coord
+    from .model import TP
+
     torch.set_num_threads(1)
     if spec.tp > 1:
         dist.init_process_group(
@@ -149,6 +157,10 @@ class NoLink:
 
 
 def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dict[str, Any]:
+    from .cache import PagedKV
+    from .engine import DecodeEngine
+    from .model import TinyModel
+
     coord, tp = _init(spec)
     cfg = spec.cfg
     model = TinyModel(cfg, tp)
@@ -188,6 +200,7 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
                 cmd = None
             new, stopping = coord.broadcast(cmd)
             if stopping:
+                log.info("decode %d rank %d: stopping", spec.instance, spec.rank)
                 break
             events = engine.step(new)
             if coord.leader:
@@ -241,6 +254,10 @@ def _send_events(sock: zmq.Socket, wire: Wire, owner: dict[str, bytes],
 
 
 def serve_prefill(spec: RankSpec, stop: threading.Event, link: Any = None) -> dict[str, Any]:
+    from .cache import PagedKV
+    from .engine import PrefillEngine
+    from .model import TinyModel
+
     coord, tp = _init(spec)
     cfg = spec.cfg
     model = TinyModel(cfg, tp)
@@ -273,6 +290,7 @@ def serve_prefill(spec: RankSpec, stop: threading.Event, link: Any = None) -> di
                 cmd = (link.recv(), stop.is_set())
             new, stopping = coord.broadcast(cmd)
             if stopping:
+                log.info("prefill %d rank %d: stopping", spec.instance, spec.rank)
                 break
             ran = engine.step(new)
     finally:
@@ -470,10 +488,12 @@ def run(spec: RankSpec) -> int:
         stats = serve_prefill(spec, stop)
     elif spec.role == "front":
         serve_front(spec, stop)
+        log.info("front: stopped")
         return 0
     else:
         raise ValueError(f"role: expected prefill, decode or front, got {spec.role!r}")
     print("STATS " + json.dumps(stats), flush=True)
+    log.info("%s %d rank %d: stopped", spec.role, spec.instance, spec.rank)
     return 0
 
 
@@ -491,4 +511,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # everything is closed; skip slow interpreter teardown (torch, gloo)
