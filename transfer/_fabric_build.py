@@ -310,6 +310,10 @@ static struct fi_info *pd_hints(const char *prov, uint64_t extra_caps) {
     struct fi_info *h = fi_allocinfo();
     if (!h) return NULL;
     h->ep_attr->type = FI_EP_RDM;
+    /* FI_REMOTE_CQ_DATA is an operation flag, not a capability bit: CQ-data support shows as
+       domain_attr->cq_data_size (checked >= 4 by the caller). FI_RX_CQ_DATA is deliberately not
+       offered in `mode`, so providers that need posted receives to deliver CQ data (raw verbs
+       MSG) are filtered out; verbs;ofi_rxm hides that requirement. */
     h->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | extra_caps;
     h->mode = FI_CONTEXT | FI_CONTEXT2;
     h->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY
