@@ -75,8 +75,10 @@ def _register(overrides: list[str]) -> None:
     cs = ConfigStore.instance()
     register(cs)
     wanted = {
-        m.group(1) for o in overrides if (m := re.match(r"^\+{0,2}recipe=([^,]+)$", o.strip()))
+        m.group(1) for o in overrides if (m := re.match(r"^\+{0,2}recipe=([^,]*)$", o.strip()))
     }
+    if "" in wanted:
+        raise ComposeError([error("recipe", "empty recipe name", "use +recipe=NAME")])
     # only the selected recipe is loaded: the others cost start-up time and a broken one
     # must not fail a compose that does not use it
     files = recipe_files()
@@ -142,7 +144,7 @@ def compose_raw(overrides: list[str]) -> Any:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
             return compose(config_name="config", overrides=list(overrides))
     except Exception as e:  # Hydra/OmegaConf raise many types; all are input errors here
-        raise ComposeError([_finding_from_exception(e)]) from e
+        raise ComposeError([_finding_from_exception(e, overrides)]) from e
     finally:
         GlobalHydra.instance().clear()
 
@@ -238,8 +240,8 @@ def _key_from_text(text: str) -> str:
     return "<command line>"
 
 
-def _finding_from_exception(e: BaseException) -> Finding:
-    """The most specific key and message in an exception chain."""
+def _finding_from_exception(e: BaseException, overrides: list[str] | None = None) -> Finding:
+    """The most specific key and message in an exception chain (and the overrides given)."""
     from omegaconf.errors import OmegaConfBaseException
 
     chain: list[BaseException] = []
@@ -254,6 +256,11 @@ def _finding_from_exception(e: BaseException) -> Finding:
             key = str(c.full_key)
             break
     key = key or _key_from_text(text)
+    if key == "<command line>" and overrides:
+        # Hydra did not say which override: the one its message quotes, else the only one
+        named = [o for o in overrides if o in text] or (overrides if len(overrides) == 1 else [])
+        if named:
+            key = re.sub(r"^[+~]+", "", named[0].split("=", 1)[0])
     msg = _first_line(e)
     root = _first_line(chain[-1])
     if root not in msg:
@@ -264,6 +271,8 @@ def _finding_from_exception(e: BaseException) -> Finding:
     low = text.lower()
     if "missingmandatoryvalue" in type(e).__name__.lower() or "missing mandatory value" in low:
         fix = f"set {key}=<value> (or choose a recipe/group option that sets it)"
+    elif key.startswith("launcher.env.") and "not in struct" in low:
+        fix = "add variables one at a time: +launcher.env.<all|prefill|decode|router>.NAME=value"
     elif key == "recipe" and "defaults list" in low:
         fix = "select a recipe with a leading plus: +recipe=NAME"
     elif "not in struct" in low or "key not found" in low or "could not override" in low:
