@@ -635,10 +635,12 @@ ffibuilder.set_source(
 if __name__ == "__main__":
     # Run from the repository root: writes transfer/_fabric.*.so next to this file's package.
     os.chdir(Path(__file__).resolve().parent.parent)
-    built = Path(ffibuilder.compile(tmpdir=".", verbose=False)).resolve()
+    built = Path(ffibuilder.compile(tmpdir=".", verbose=False))
     for leftover in Path("transfer").glob("_fabric*.o"):
         leftover.unlink()
-    # an older build under another suffix (pip's _fabric.abi3.so) would shadow or be shadowed
+    # Same file name as a pip/setuptools build (cffi compiles against the limited API), so a
+    # later `pip install -e .` replaces it instead of being shadowed by a higher-priority suffix.
     for other in Path("transfer").glob("_fabric.*.so"):
-        if other.resolve() != built:
+        if other.resolve() != built.resolve():
             other.unlink()
+    built.rename(built.with_name("_fabric.abi3.so"))
