@@ -633,7 +633,7 @@ ffibuilder.set_source(
 )
 
 if __name__ == "__main__":
-    # Run from the repository root: writes transfer/_fabric.*.so next to this file's package.
+    # Run from anywhere: builds transfer/_fabric.abi3.so in the checkout.
     os.chdir(Path(__file__).resolve().parent.parent)
     built = Path(ffibuilder.compile(tmpdir=".", verbose=False))
     for leftover in Path("transfer").glob("_fabric*.o"):
