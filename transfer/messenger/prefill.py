@@ -34,6 +34,7 @@ touches the endpoint and the socket.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import math
 import random
@@ -62,6 +63,7 @@ from .common import (
 log = logging.getLogger("transfer.messenger.prefill")
 _U32 = np.dtype("<u4")
 _HISTORY = 1 << 16
+_BATCH_BYTES = 64 << 20   # bytes per write_batch call (bounds how long one call can block)
 
 
 @dataclass(frozen=True)
@@ -604,21 +606,30 @@ class PrefillMessenger(Worker):
 
     def _write(self, x: _Req, d: _Dest, mr: Any, region: Any, so: np.ndarray, do: np.ndarray,
                ln: np.ndarray) -> None:
+        """Submit in calls of at most `_BATCH_BYTES`, each bounded in time well under the
+        peers' liveness timeout (this thread also answers their PINGs)."""
         from ..fabric import FabricError
 
-        try:
-            # bounded well under the peers' liveness timeout: this thread also answers PINGs
-            self._ep.write_batch(d.fi_addr, mr, region, so, do, ln, d.imm, d.tag,
-                                 timeout=self.config.peer_timeout_s / 2)
-            n = len(ln)
-        except FabricError as exc:
-            n = int(getattr(exc, "submitted", 0))
-            d.issued += n
-            self.writes_issued += n
-            self._abort(x, f"write to decode rank {d.dst_rank} failed: {exc}")
-            return
-        d.issued += n
-        self.writes_issued += n
+        cuts = [0]
+        if len(ln) > 1 and int(ln.sum()) > _BATCH_BYTES:
+            csum = np.cumsum(ln, dtype=np.uint64)
+            marks = np.arange(_BATCH_BYTES, int(csum[-1]), _BATCH_BYTES, dtype=np.uint64)
+            cuts += sorted({int(i) for i in np.searchsorted(csum, marks, side="right")} - {0})
+        cuts.append(len(ln))
+        for a, b in itertools.pairwise(cuts):
+            if a >= b:
+                continue
+            try:
+                self._ep.write_batch(d.fi_addr, mr, region, so[a:b], do[a:b], ln[a:b], d.imm,
+                                     d.tag, timeout=self.config.peer_timeout_s / 2)
+            except FabricError as exc:
+                n = int(getattr(exc, "submitted", 0))
+                d.issued += n
+                self.writes_issued += n
+                self._abort(x, f"write to decode rank {d.dst_rank} failed: {exc}")
+                return
+            d.issued += b - a
+            self.writes_issued += b - a
 
     def _send_aux(self, x: _Req) -> None:
         for d in x.dests:
