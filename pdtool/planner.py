@@ -279,23 +279,26 @@ def gpu_numa(cluster: ClusterConfig, gpu: int) -> int:
 
 
 def rank_cpus(cluster: ClusterConfig, gpu: int) -> str:
-    """This GPU's share of its NUMA node's CPUs (the whole node's list if too few to split)."""
+    """This GPU's share of its NUMA node's CPUs.
+
+    Each comma-separated block of the NUMA node's list (e.g. the cores "0-47" and their
+    hyperthread siblings "96-143") is split evenly between the node's GPUs, so a rank gets whole
+    cores with their siblings. With fewer CPUs than GPUs, every rank gets the whole list.
+    """
     numa = gpu_numa(cluster, gpu)
     if not 0 <= numa < len(cluster.numa_cpus):
         return ""
-    cpus = expand_cpus(cluster.numa_cpus[numa])
+    spec = cluster.numa_cpus[numa]
+    blocks = [expand_cpus(b) for b in spec.split(",") if b.strip()]
     peers = [g for g in range(cluster.gpus_per_node) if gpu_numa(cluster, g) == numa]
     n = len(peers)
-    if n <= 1 or len(cpus) < n or gpu not in peers:
-        return compress_cpus(cpus)
-    # split the list in order, keeping hyperthread siblings (second half) with their cores
+    if n <= 1 or gpu not in peers or any(len(b) < n for b in blocks):
+        return compress_cpus([c for b in blocks for c in b])
     k = peers.index(gpu)
-    half = len(cpus) // 2 if len(cpus) % (2 * n) == 0 else len(cpus)
-    chunks = [cpus[:half], cpus[half:]] if half < len(cpus) else [cpus]
     mine: list[int] = []
-    for chunk in chunks:
-        per = len(chunk) // n
-        mine.extend(chunk[k * per : (k + 1) * per])
+    for b in blocks:
+        per = len(b) // n
+        mine.extend(b[k * per : (k + 1) * per])
     return compress_cpus(mine)
 
 
@@ -657,6 +660,7 @@ def _build(cls: type, data: Any) -> Any:
 
 
 def _convert(tp: Any, value: Any) -> Any:
+    import types
     import typing
 
     origin = typing.get_origin(tp)
@@ -666,7 +670,7 @@ def _convert(tp: Any, value: Any) -> Any:
     if origin is tuple:
         inner = args[0] if args else Any
         return tuple(_convert(inner, v) for v in value)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         if value is None:
             return None
         non_none = [a for a in args if a is not type(None)]

@@ -17,6 +17,7 @@ from pdtool.planner import (
     from_json,
     plan_from_dict,
     plan_to_dict,
+    rank_cpus,
     to_json,
 )
 from transfer import routes as R
@@ -27,6 +28,16 @@ def test_cpu_lists():
     assert compress_cpus([11, 0, 1, 2, 3, 8, 10]) == "0-3,8,10-11"
     with pytest.raises(ValueError):
         expand_cpus("3-1")
+
+
+def test_rank_cpu_shares():
+    cl = compose("cluster=p5en").cluster
+    assert rank_cpus(cl, 0) == "0-11,96-107"  # cores with their hyperthread siblings
+    assert rank_cpus(cl, 7) == "84-95,180-191"
+    cl.gpus_per_node, cl.gpu_numa, cl.numa_cpus = 4, [0, 0, 0, 0], ["0-15"]
+    assert rank_cpus(cl, 1) == "4-7"
+    cl.numa_cpus = ["0-2"]  # fewer CPUs than GPUs: everyone shares the NUMA node
+    assert rank_cpus(cl, 3) == "0-2"
 
 
 def test_tiny_local_placement_and_ports():
