@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""GPU check (not CI): serve a small random model with SGLang prefill + decode through `pdtool`.
+
+Run on a machine with one CUDA GPU, SGLang 0.5.23 with its CUDA dependencies, libfabric and
+pdtool installed (`pip install -e .` registers the plugin entry point). Nothing is downloaded:
+the model is a random-weight Llama (GQA) written to a temporary folder, and requests carry token
+ids (`--skip-tokenizer-init`).
+
+Steps, each bounded in time:
+  1. write the model (seeded weights, so every process loads the same bytes);
+  2. baseline: one ordinary SGLang server, greedy outputs for a few prompts, then stopped;
+  3. PD: a prefill server and a decode server on the same GPU with
+     `--disaggregation-transfer-backend pdtool` (libfabric `shm`), the same prompts sent to both
+     with a shared bootstrap room (what sglang_router does);
+  4. PASS when every PD completion equals the baseline token for token — a wrong or missing
+     KV page changes greedy tokens of a random model at once.
+Prints one JSON line with the outcome; exit status 0 only on PASS. Server logs go to --out.
+
+    python gpu/sglang_check.py --out /tmp/pdtool-gpu [--keep-model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+PROMPTS = [[(7 * i + j * 13) % 1000 + 3 for j in range(n)] for i, n in
+           enumerate((5, 17, 64, 200, 333))]  # lengths around and across 16-token pages
+MAX_NEW = 24
+BASE_PORT, PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT = 30000, 30001, 30002, 8998
+
+
+def write_model(path: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2816,  # head_dim 128
+                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                      max_position_embeddings=4096, torch_dtype="bfloat16",
+                      bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def launch(model: Path, port: int, log: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+           "--port", str(port), "--host", "127.0.0.1", "--skip-tokenizer-init",
+           "--page-size", "16", "--mem-fraction-static", "0.25", "--disable-cuda-graph",
+           "--tp", "1", "--base-gpu-id", "0", *extra]
+    fh = open(log, "w")  # noqa: SIM115 - lives as long as the server
+    return subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, deadline: float) -> None:
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server on port {port} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"server on port {port} not healthy in time")
+
+
+def post(port: int, body: dict, timeout: float = 120) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def body(ids: list[int], **extra: object) -> dict:
+    return {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW,
+                                                   "ignore_eos": True}, **extra}
+
+
+def stop(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+def pd_generate(ids: list[int], room: int, bootstrap_port: int) -> list[int]:
+    """Send to prefill and decode at once with one bootstrap room, as sglang_router does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap_port,
+             "bootstrap_room": room}
+    with ThreadPoolExecutor(2) as ex:
+        fp = ex.submit(post, PREFILL_PORT, body(ids, **extra))
+        fd = ex.submit(post, DECODE_PORT, body(ids, **extra))
+        fp.result()
+        return fd.result()["output_ids"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("pdtool-gpu-check"))
+    ap.add_argument("--keep-model", type=Path, default=None)
+    ap.add_argument("--budget-s", type=float, default=540)
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    deadline = t0 + a.budget_s
+    result: dict[str, object] = {"check": "sglang-pd-pdtool", "ok": False}
+    procs: list[subprocess.Popen] = []
+    try:
+        import sglang
+
+        result["sglang"] = sglang.__version__
+        from transfer import fabric  # the binding must be built here (pip install -e .)
+
+        result["providers"] = fabric.available_providers()
+        model = a.keep_model or Path(tempfile.mkdtemp(prefix="pdtool-tiny-llama-"))
+        if not (model / "config.json").exists():
+            write_model(model)
+        result["phase"] = "baseline"
+        base = launch(model, BASE_PORT, a.out / "baseline.log")
+        procs = [base]
+        wait_healthy(BASE_PORT, base, deadline)
+        want = [post(BASE_PORT, body(ids))["output_ids"] for ids in PROMPTS]
+        stop(base)
+        procs = []
+
+        result["phase"] = "pd"
+        os.environ.update({"PDTOOL_FI_PROVIDER": "shm",
+                           "PDTOOL_SECRET": f"gpu-check-{random.randrange(1 << 30)}"})
+        pd = ["--disaggregation-transfer-backend", "pdtool",
+              "--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT)]
+        pre = launch(model, PREFILL_PORT, a.out / "prefill.log",
+                     "--disaggregation-mode", "prefill", *pd)
+        dec = launch(model, DECODE_PORT, a.out / "decode.log",
+                     "--disaggregation-mode", "decode", *pd)
+        procs = [pre, dec]
+        wait_healthy(PREFILL_PORT, pre, deadline)
+        wait_healthy(DECODE_PORT, dec, deadline)
+        got = [pd_generate(ids, 1000 + i, BOOTSTRAP_PORT) for i, ids in enumerate(PROMPTS)]
+        result["mismatches"] = [i for i, (g, w) in enumerate(zip(got, want, strict=True))
+                                if g != w]
+        result["ok"] = not result["mismatches"]
+        result["phase"] = "done"
+    except Exception as exc:  # report, do not hide: the lead reads this line
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        stop(*procs)
+        result["seconds"] = round(time.time() - t0, 1)
+        print(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
