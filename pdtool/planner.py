@@ -329,7 +329,12 @@ def choose_nics(
 
 
 def fabric_env(provider: str, nics: tuple[str, ...], kind: str) -> dict[str, str]:
-    """Environment a worker needs so libfabric (and the messenger) use the chosen NICs."""
+    """Environment a worker needs so libfabric (and the messenger) use the chosen NICs.
+
+    `PDTOOL_FI_*` are for the messenger (provider string and domain list); the `FI_*`
+    variables restrict libfabric itself. FI_PROVIDER is only set for single providers: layered
+    ones (`tcp;ofi_rxm`) are selected by the messenger's fi_getinfo hints.
+    """
     env = {"PDTOOL_FI_PROVIDER": provider, "PDTOOL_FI_DOMAINS": ",".join(nics)}
     if provider == "efa":
         env["FI_PROVIDER"] = "efa"
@@ -338,8 +343,8 @@ def fabric_env(provider: str, nics: tuple[str, ...], kind: str) -> dict[str, str
         env["FI_PROVIDER"] = "shm"
     elif provider == "tcp;ofi_rxm" and kind == "tcp":
         env["FI_TCP_IFACE"] = nics[0] if nics else ""
-    elif provider == "verbs;ofi_rxm":
-        env["NCCL_IB_HCA"] = ",".join(nics)
+    elif provider == "verbs;ofi_rxm" and nics:
+        env["FI_VERBS_DEVICE_NAME"] = nics[0]  # libfabric takes one device (name or prefix)
     return env
 
 

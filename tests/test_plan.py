@@ -101,6 +101,7 @@ def test_dgx_uses_compute_nics_with_verbs():
     ]
     assert r[4].cpus == "56-69,168-181"
     assert r[0].env["PDTOOL_FI_PROVIDER"] == "verbs;ofi_rxm"
+    assert r[5].env["FI_VERBS_DEVICE_NAME"] == "mlx5_9"
 
 
 def test_multi_node_instances():
