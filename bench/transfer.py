@@ -20,7 +20,9 @@ round so background load hits all of them alike:
 
 Timing: from just before the first submission to when the target has seen all pages (its
 completion count / notification, stamped with CLOCK_MONOTONIC, which both processes share) and
-the initiator's local completions are in. Best of `--rounds` rounds per cell.
+the initiator's local completions are in. Best of `--rounds` rounds per cell. The table also
+prints CPU seconds per GiB (copy; fabric initiator and target): on a shared 2-core box wall-clock
+GB/s mostly says how much CPU the processes got, while CPU s/GiB says what a transfer costs.
 
 Usage (from the repository root; both sides busy-poll, so keep other load off the cores):
     python bench/transfer.py               # table
@@ -102,20 +104,20 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 
 # ------------------------------------------------------------------ copy baseline
-def run_copy(src: np.ndarray, dst: np.ndarray, w: Workload) -> float:
-    """Best of a per-page numpy loop and a vectorised gather/scatter; seconds."""
+def run_copy(src: np.ndarray, dst: np.ndarray, w: Workload) -> tuple[float, float]:
+    """Best of a per-page numpy loop and a vectorised gather/scatter: (seconds, CPU seconds)."""
     s2 = src.reshape(-1, w.page)
     d2 = dst.reshape(-1, w.page)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     for s, d in zip(w.src_pages.tolist(), w.dst_pages.tolist(), strict=True):
         d2[d] = s2[s]
-    loop = time.perf_counter() - t0
+    loop = (time.perf_counter() - t0, time.process_time() - c0)
     # vectorised in bounded chunks (the gather makes a temporary; keep it cache-friendly)
     chunk = max(1, (32 * MIB) // w.page)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     for i in range(0, w.n, chunk):
         d2[w.dst_pages[i : i + chunk]] = s2[w.src_pages[i : i + chunk]]
-    vec = time.perf_counter() - t0
+    vec = (time.perf_counter() - t0, time.process_time() - c0)
     return min(loop, vec)
 
 
@@ -201,10 +203,11 @@ class _FabricTarget:
         self.ep.arm(slot, self.gen)
         return self.gen
 
-    def wait(self, slot: int, n: int) -> float:
+    def wait(self, slot: int, n: int) -> tuple[float, float]:
+        c0 = time.process_time()
         if not self.ep.wait_recv(slot, n, WAIT_S):
             raise TimeoutError(f"counted {self.ep.recv_counts[slot]}/{n} writes")
-        return time.monotonic()
+        return time.monotonic(), time.process_time() - c0
 
     def close(self) -> None:
         self.ep.close()
@@ -237,13 +240,18 @@ class FabricRunner:
         self.ep.send_done[self.tag] = 0
         src, dst, ln = w.src_off(), w.dst_off(), w.lengths()
         self.peer.send("wait", self.SLOT, w.n)
+        c0 = time.process_time()
         t0 = time.monotonic()
         self.ep.write_batch(self.addr, self.mr, self.remote, src, dst, ln,
                             self.encode_imm(self.SLOT, gen), self.tag, timeout=WAIT_S)
         if not self.ep.wait_send(self.tag, w.n, WAIT_S):
             raise TimeoutError("local completions did not arrive")
         t_local = time.monotonic()
-        t_remote = self.peer.result("wait")
+        cpu_local = time.process_time() - c0
+        t_remote, cpu_remote = self.peer.result("wait")
+        # CPU seconds per GiB on each side: what the transfer costs independent of how much of
+        # a shared machine it got (both sides busy-poll but yield when idle)
+        self.cpu_per_gib = (cpu_local * GIB / w.nbytes, cpu_remote * GIB / w.nbytes)
         return max(t_local, t_remote) - t0
 
     def close(self) -> None:
@@ -428,6 +436,7 @@ def run_messenger(provider: str, src: np.ndarray, region: int) -> Any:
 class Results:
     gbps: dict[str, dict[str, float]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    cpu: dict[str, tuple[float, float]] = field(default_factory=dict)  # last round's
 
     def add(self, system: str, cell: str, value: float) -> None:
         row = self.gbps.setdefault(system, {})
@@ -473,6 +482,9 @@ def _measure(runners: dict[tuple[str, str], Any], key: tuple[str, str], w: Workl
         return
     if record:
         res.add(system, _cell(prov, w.page), gbps(w.nbytes, seconds))
+        cpu = getattr(runners[key], "cpu_per_gib", None)
+        if cpu is not None:
+            res.cpu[f"{system}/{_cell(prov, w.page)}"] = cpu
 
 
 def run(args: argparse.Namespace) -> Results:
@@ -498,7 +510,9 @@ def run(args: argparse.Namespace) -> Results:
             for page in pages:
                 w = make_workload(page, total, region, seed=1000 * r + page)
                 if "copy" in systems:
-                    res.add("copy", _cell("memcpy", page), gbps(w.nbytes, run_copy(src, dst, w)))
+                    secs, cpu = run_copy(src, dst, w)
+                    res.add("copy", _cell("memcpy", page), gbps(w.nbytes, secs))
+                    res.cpu[f"copy/{_cell('memcpy', page)}"] = (cpu * GIB / w.nbytes, 0.0)
                 for key in list(runners):
                     _measure(runners, key, w, res)
                     if args.verbose:
@@ -526,6 +540,11 @@ def report(res: Results, pages: list[int]) -> str:
                 else:
                     cells.append(f"{v:>12.2f} GB/s")
             lines.append(f"{system + '/' + prov:<22}" + "".join(f"{c:>22}" for c in cells))
+    for name, (ini, tgt) in res.cpu.items():
+        if name.startswith("copy/"):
+            lines.append(f"cpu s/GiB {name}: {ini:.3f}")
+        else:
+            lines.append(f"cpu s/GiB {name}: initiator {ini:.3f}, target {tgt:.3f}")
     for name, why in res.skipped.items():
         lines.append(f"not measured: {name}: {why}")
     return "\n".join(lines)
