@@ -164,6 +164,12 @@ def _numactl(ranks: list[RankPlan]) -> list[str]:
     return ["numactl", f"--physcpubind={r.cpus}", f"--membind={r.numa}"]
 
 
+def _ranks_text(ranks: list[RankPlan]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0].rank}"
+    return f"ranks {ranks[0].rank}-{ranks[-1].rank}"
+
+
 def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str) -> list[Proc]:
     env_user = _role_env(cfg, inst.role)
     procs: list[Proc] = []
@@ -188,7 +194,7 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str) 
             name=name, role=inst.role, instance=inst.index, node=node,
             ranks=tuple(r.rank for r in ranks),
             comment=(f"{inst.name}: node {node} (instance node {ranks[0].node_rank}), "
-                     f"ranks {ranks[0].rank}-{ranks[-1].rank}, GPUs {gpus}, NICs {nics}, "
+                     f"{_ranks_text(ranks)}, GPUs {gpus}, NICs {nics}, "
                      f"NUMA {','.join(sorted({str(r.numa) for r in ranks}))}"),
             health=_url(node, inst.http_port) if is_head else None,
         )
