@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import json
 import logging
 import os
 import queue
@@ -235,10 +236,7 @@ class PdtoolKVManager(CommonKVManager):
             raise PdtoolBackendError("KVArgs.total_kv_head_num / kv_head_num are not set")
         self.kv_layouts = buffer_layouts(args.kv_data_lens, args.kv_item_lens,
                                          self.heads_local, args.page_size)
-        provider = os.environ.get("PDTOOL_FI_PROVIDER", DEFAULT_PROVIDER)
-        domain = os.environ.get("PDTOOL_FI_DOMAIN") or None
-        node = self.local_ip if provider.startswith(("tcp", "sockets", "verbs")) else None
-        self.ep = fabric.Endpoint(provider, domain=domain, node=node, max_slots=MAX_SLOTS)
+        self.ep = self._open_endpoint()
         if not os.environ.get("PDTOOL_SECRET"):
             logger.warning("PDTOOL_SECRET is unset: pdtool control frames are not authenticated")
         iface, device = self._memory_iface()
@@ -297,6 +295,41 @@ class PdtoolKVManager(CommonKVManager):
                 "--disaggregation-transfer-backend pdtool does not support: " + "; ".join(bad)
                 + ". Use mooncake or nixl for these deployments."
             )
+
+    def _nic(self) -> str | None:
+        """This rank's NIC: PDTOOL_FI_DOMAIN, else its GPU's first entry of PDTOOL_NICS."""
+        if os.environ.get("PDTOOL_FI_DOMAIN"):
+            return os.environ["PDTOOL_FI_DOMAIN"]
+        try:
+            nics = json.loads(os.environ.get("PDTOOL_NICS") or "{}")
+        except ValueError:
+            raise PdtoolBackendError("PDTOOL_NICS is not a JSON object {gpu: 'nic,...'}") from None
+        own = str(nics.get(str(self.kv_args.gpu_id), "")).split(",")[0]
+        return own or None
+
+    def _open_endpoint(self) -> fabric.Endpoint:
+        """Open the rank's endpoint on its NIC. libfabric names domains after the device, but
+        EFA's RDM domain carries a `-rdm` suffix; if no domain matches, the provider's default
+        NIC is used with a warning (it works, only slower when it is the wrong one)."""
+        provider = os.environ.get("PDTOOL_FI_PROVIDER", DEFAULT_PROVIDER)
+        node = self.local_ip if provider.startswith(("tcp", "sockets")) else None
+        nic = self._nic()
+        tried: list[str | None] = [nic, f"{nic}-rdm", None] if nic and provider != "shm" \
+            else [None]  # shm has one domain per host
+        for domain in tried:
+            try:
+                ep = fabric.Endpoint(provider, domain=domain, node=node, max_slots=MAX_SLOTS)
+            except fabric.FabricError as exc:
+                if domain is None:
+                    raise PdtoolBackendError(
+                        f"cannot open a libfabric {provider!r} endpoint (PDTOOL_FI_PROVIDER): "
+                        f"{exc}") from exc
+                continue
+            if nic and provider != "shm" and domain is None:
+                logger.warning("pdtool: no libfabric domain %r (or %r) for provider %s; using "
+                               "%s", nic, f"{nic}-rdm", provider, ep.domain)
+            return ep
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _memory_iface(self) -> tuple[str, int]:
         dev = getattr(get_device(), "device", "cpu")
