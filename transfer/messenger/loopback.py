@@ -70,6 +70,7 @@ class Scenario:
     heartbeat_s: float = 0.2
     peer_timeout_s: float = 1.0
     busy_sleep_s: float = 0.0002
+    prefill_busy_sleep_s: float | None = None  # default: busy_sleep_s
     verify: bool = True
     run_timeout_s: float = 60.0
 
@@ -160,7 +161,9 @@ def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any]
     cfg = PrefillConfig(secret=SECRET, spec=src, peer_spec=dst, rank=rank, provider=s.provider,
                         buffers_per_layer=2 if s.split_kv else 1,
                         timeout_s=s.timeout_s, heartbeat_s=s.heartbeat_s,
-                        peer_timeout_s=s.peer_timeout_s, busy_sleep_s=s.busy_sleep_s)
+                        peer_timeout_s=s.peer_timeout_s,
+                        busy_sleep_s=s.busy_sleep_s if s.prefill_busy_sleep_s is None
+                        else s.prefill_busy_sleep_s)
     fault = dict(s.faults).get(inst, "")
     m = PrefillMessenger(cfg, kv, s.layout, aux)
     conn.send(m.address)
@@ -397,7 +400,8 @@ def _remove_shm(pids: list[int]) -> None:
 
 def measure_transfer(provider: str = "shm", page_bytes: int = 1 << 16,
                      total_bytes: int = 1 << 30, *, requests: int = 16, waves: int = 3,
-                     num_layers: int = 1) -> dict[str, Any]:
+                     num_layers: int = 1, busy_sleep_s: float = 0.0002,
+                     prefill_busy_sleep_s: float = 0.0) -> dict[str, Any]:
     """Move `total_bytes` of `page_bytes` pages from a prefill process to a decode process
     through the full messenger protocol, `waves` times; returns the best wave's GB/s (decoder
     clock: first submit to last SUCCESS) with the per-wave figures. For bench/transfer.py."""
@@ -407,7 +411,9 @@ def measure_transfer(provider: str = "shm", page_bytes: int = 1 << 16,
                  page_size=1, head_dim=page_bytes, dtype="uint8", num_layers=num_layers,
                  src_pages=per_req * requests, dst_pages=per_req * requests,
                  prompts=(per_req + 1,) * requests, chunk_pages=per_req, aux_row_bytes=(),
-                 waves=waves, warmup=True, busy_sleep_s=0.0, verify=False, timeout_s=120.0,
+                 waves=waves, warmup=True, busy_sleep_s=busy_sleep_s,
+                 prefill_busy_sleep_s=prefill_busy_sleep_s, verify=False,
+                 timeout_s=120.0,
                  run_timeout_s=300.0)
     out = run(s)
     rep = out.decode[0]
