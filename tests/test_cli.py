@@ -101,8 +101,18 @@ def test_multirun_sweep_validate():
 def test_plan_table_and_json():
     p = pdtool("plan", "+recipe=llama-3.1-70b", "--tokens", "1000")
     assert p.returncode == 0
-    for text in ("prefill-0", "decode-1", "rdmap147s0", "reconstructs", "routes for a 1000"):
+    for text in (
+        "prefill-0",
+        "decode-1",
+        "rdmap147s0",
+        "reconstructs",
+        "routes for a 1000",
+        "dp/tp",
+    ):
         assert text in p.stdout, text
+    p = pdtool("plan", "+recipe=deepseek-r1", "--no-ranks")
+    assert "any of prefill ranks 0-7 (8 replicas)" in p.stdout
+    assert "dp/tp" not in p.stdout  # --no-ranks leaves out the per-rank table
     p = pdtool("plan", "+recipe=deepseek-r1", "--json", "--tokens=100")
     assert p.returncode == 0
     plan = json.loads(p.stdout)
