@@ -334,9 +334,10 @@ class DecodeEngine:
             page = r.pages[idx]
             noise = torch.randn(buf[page].shape, generator=g, dtype=torch.float64)
             buf[page] += (3.0 * noise).to(buf.dtype)
-        if f.hidden:
+        if f.hidden:  # replace it with noise of the same scale
             g = torch.Generator().manual_seed(2)
-            hidden += 3.0 * torch.randn(hidden.shape, generator=g, dtype=hidden.dtype)
+            scale = hidden.pow(2).mean().sqrt()
+            hidden.copy_(scale * torch.randn(hidden.shape, generator=g, dtype=hidden.dtype))
 
     def _decode(self, events: list[Event]) -> None:
         for r in [r for r in self.running if r.error]:

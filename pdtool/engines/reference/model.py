@@ -237,7 +237,7 @@ class _Weights:
         self.mtp_proj = mat(2 * h, h)
         # Printable ASCII slightly favoured so the smoke output reads as text; EOS rare.
         bias = torch.zeros(VOCAB, dtype=torch.float64)
-        bias[32:127] = 2.0
+        bias[32:127] = 5.0
         bias[EOS] = -4.0
         self.logit_bias = bias.to(dt)
 

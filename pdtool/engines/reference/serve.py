@@ -356,6 +356,7 @@ def serve_front(spec: RankSpec, stop: threading.Event) -> None:
 # -- from the plan (the worker entry) ------------------------------------------------------------
 
 _PLAN_KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+ALLOW_FAULTS_ENV = "PDTOOL_REFERENCE_ALLOW_FAULTS"
 MAX_PAGES = 4096  # the CPU engine needs far less than a "GPU" budget; keep processes small
 
 
@@ -439,6 +440,8 @@ def spec_from_context(ctx: Any) -> RankSpec:
         model=model_fields(plan.model, inst.kv_dtype), secret_hex=_secret_hex(),
         messenger=messenger_settings(plan, inst, rank, ctx.host),
         peer=pair_of(plan, inst.index) if ctx.role == "decode" else 0,
+        # test hook, off unless the deployment's env sets it (launcher.env.decode.*)
+        allow_faults=os.environ.get(ALLOW_FAULTS_ENV) == "1",
     )
 
 
