@@ -17,8 +17,9 @@ PDTOOL = (
 
 
 def pdtool(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "200"}  # wide tables: no cell is wrapped or cut
     p = subprocess.run(
-        [*PDTOOL, *args], capture_output=True, text=True, timeout=timeout, check=False
+        [*PDTOOL, *args], capture_output=True, text=True, timeout=timeout, check=False, env=env
     )
     assert "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
     return p
