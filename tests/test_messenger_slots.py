@@ -149,3 +149,65 @@ def test_engine_mistakes_raise_value_errors_naming_the_argument():
     finally:
         dec.close()
         pre.close()
+
+
+def test_signed_but_broken_requests_do_not_stop_the_prefill():
+    """A holder of the secret sending nonsense (a bad fabric name, an impossible route) gets an
+    ABORTED naming the problem; the prefill keeps serving real requests."""
+    import zmq
+
+    from transfer.control import Channel, Codec
+
+    pre, dec, _keep = _pair()
+    ctx = zmq.Context()
+    evil = Channel.connect(ctx, Codec(SECRET, "insider"), pre.address)
+    try:
+        base = {
+            "rid": "bad", "token_ids": np.arange(9, dtype="<u4").tobytes(), "num_tokens": 9,
+            "dst_pages": np.array([0, 1], dtype="<u4").tobytes(), "slot": 0, "gen": 1,
+            "dst_rank": 0, "num_parts": 1,
+            "dst_spec": {"num_kv_heads": 2, "tp": 1, "dp": 1},
+            "src_spec": {"num_kv_heads": 2, "tp": 1, "dp": 1},
+            "layout": {"kind": "HND", "num_pages": 8, "heads_local": 2, "kv_parts": 2,
+                       "page_size": 4, "head_dim": 8, "itemsize": 2},
+            "num_layers": 2, "buffers_per_layer": 1, "fabric_name": b"\xff" * 7,
+            "regions": [{"base": 4096, "key": 1, "length": 1 << 20}] * 2, "aux_regions": [],
+            "aux_row": 0, "slices": [{"src_rank": 0, "head_lo": 0, "num_heads": 2,
+                                      "src_head_off": 0, "dst_head_off": 0}],
+            "aux_rank": 0, "expected": [4], "timeout_s": 5.0,
+        }
+        evil.send("REQUEST", {**base, "rid": "route", "fabric_name": b"\x02\x00" + bytes(14),
+                              "slices": [{**base["slices"][0], "num_heads": 1}]})
+        evil.send("REQUEST", base)
+        replies, end = [], time.monotonic() + 10
+        while time.monotonic() < end and len(replies) < 2:
+            if evil.sock.poll(20):
+                replies += [m for _, m in evil.recv()]
+        reasons = sorted(m.body["reason"] for m in replies)
+        assert reasons[0].startswith("refused: fabric_name: ")
+        assert reasons[1] == "refused: slices: not the routes for the chosen source ranks"
+        assert pre.poll_requests() == []
+        # the real decoder is still served
+        dec.submit("good", list(range(9)), [2, 3])
+        (req,) = _pull(pre)
+        pre.bind(req, [4, 5])
+        pre.begin_pass([("good", 0, 8)])
+        for layer in range(2):
+            pre.layer_done(layer)
+        pre.finish("good")
+        assert _settle(dec, "good").status is TransferStatus.SUCCESS
+    finally:
+        evil.close()
+        ctx.term()
+        dec.close()
+        pre.close()
+
+
+def _pull(pre, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = pre.poll_requests()
+        if got:
+            return got
+        time.sleep(0.01)
+    raise AssertionError("no request reached the prefill lead")

@@ -351,12 +351,17 @@ class PrefillMessenger(Worker):
     def _on_message(self, peer: bytes, msg: Any) -> None:
         now = time.monotonic()
         self._clock.heard(peer, now)
-        if msg.type == "PING":
-            self._chan.send("PONG", {}, peer=peer)
-        elif msg.type == "REQUEST":
-            self._on_request(peer, msg.body, now)
-        elif msg.type == "ABORT":
-            self._on_abort(peer, msg.body, now)
+        try:
+            if msg.type == "PING":
+                self._chan.send("PONG", {}, peer=peer)
+            elif msg.type == "REQUEST":
+                self._on_request(peer, msg.body, now)
+            elif msg.type == "ABORT":
+                self._on_abort(peer, msg.body, now)
+        except Exception:  # a well-signed but unforeseen message must not stop the thread
+            log.exception("prefill rank %d: dropped a %s from %r", self.config.rank, msg.type,
+                          peer)
+            self._chan.rejected += 1
 
     def _reply_aborted(self, peer: bytes, body: dict[str, Any], reason: str,
                        issued: int = 0, errored: int = 0) -> None:
@@ -368,7 +373,7 @@ class PrefillMessenger(Worker):
         rid = b["rid"]
         try:
             self._check_part(b)
-        except (ValueError, RouteError) as exc:
+        except (ValueError, RouteError) as exc:  # LayoutError is a ValueError
             log.warning("refused part of %s from %r: %s", rid, peer, exc)
             self._reply_aborted(peer, b, f"refused: {exc}")
             return
@@ -448,6 +453,7 @@ class PrefillMessenger(Worker):
                     r["row_bytes"]:
                 raise ValueError(f"aux_regions[{i}]: row of {r['row_bytes']} bytes (prefill "
                                  f"{mine.row_bytes}) or row {b['aux_row']} outside the buffer")
+        _check_fabric_name(b["fabric_name"], self._ep.name)
         slices = _slices(b)
         want = routes_for(src, dst, b["dst_rank"], _Chosen([s.src_rank for s in slices]))
         if want != slices:
@@ -495,9 +501,16 @@ class PrefillMessenger(Worker):
                for p in req.parts):
             self._settle_unbound(req, row, "aborted by decode before it was bound")
             return
+        dests: list[_Dest] = []
         try:
-            dests = [d for p in req.parts if (d := self._dest(p, src_pages)) is not None]
-        except (ValueError, RouteError, LayoutError) as exc:
+            for p in req.parts:
+                d = self._dest(p, src_pages)
+                if d is not None:
+                    dests.append(d)
+        except Exception as exc:  # bad routing data or a peer name the provider refuses
+            for d in dests:
+                self._tag_owner.pop(d.tag, None)
+                self._tags.append(d.tag)
             self._settle_unbound(req, row, f"cannot send: {exc}")
             return
         senders = [(p["sender"], p["slot"], p["gen"]) for p in req.parts]
@@ -736,6 +749,19 @@ class PrefillMessenger(Worker):
             addr = self._peers.pop(name, None)
             if addr is not None:
                 self._ep.remove_peer(addr)
+
+
+def _check_fabric_name(name: bytes, own: bytes) -> None:
+    """A peer address must look like this provider's (same length; for socket addresses the
+    same family; for shm the same scheme): the provider reads a fixed-size address and a failed
+    insert can leave its address vector unusable, so nonsense never reaches fi_av_insert."""
+    if own.startswith(b"fi_shm://"):
+        ok = name.startswith(b"fi_shm://") and name.endswith(b"\0") and len(name) <= 256
+    else:
+        ok = len(name) == len(own) and (len(own) not in (16, 28) or name[:2] == own[:2])
+    if not ok:
+        raise ValueError(f"fabric_name: {name[:32]!r} is not an address of this provider "
+                         f"(like {own[:32]!r})")
 
 
 def _slices(b: dict[str, Any]) -> list[Slice]:
