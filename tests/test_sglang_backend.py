@@ -304,13 +304,28 @@ def test_mha_equal_tp_pages_arrive_byte_exact_and_counted() -> None:
 
 
 @pytest.mark.timeout(400)
-def test_mla_pool_over_tcp_rxm() -> None:
-    cfg = {"mla": True, "heads": 1, "prefill_tp": 1, "decode_tp": 1, "rooms": ROOMS,
+def test_mla_prefill_tp2_to_decode_tp1_over_tcp_rxm() -> None:
+    """MLA latent replicated on both prefill ranks: SGLang marks one real, one dummy; only the
+    real one writes, one write per (page, layer buffer)."""
+    cfg = {"mla": True, "heads": 1, "prefill_tp": 2, "decode_tp": 1, "rooms": ROOMS,
            "provider": "tcp;ofi_rxm"}
     res = run_pair(cfg)
     check_bytes(cfg, res)
-    (_, _, _, _, remote_writes, _), = res["decode"]
-    assert remote_writes == sum(len(q["dst_pages"]) * LAYERS + len(AUX) for q in ROOMS.values())
+    (_, out, _, _, remote_writes, stale), = res["decode"]
+    want = {r: len(q["dst_pages"]) * LAYERS + len(AUX) for r, q in ROOMS.items()}
+    assert {r: o["count"] for r, o in out.items()} == want
+    assert remote_writes == sum(want.values()) and stale == 0
+    assert [p[1] for p in res["prefill"]] == [{11: 4, 12: 4}] * 2  # the dummy rank too
+
+
+@pytest.mark.timeout(400)
+def test_mha_prefill_tp1_to_decode_tp2_slices_heads() -> None:
+    """Each decode rank takes its two of four heads from the one prefill rank, token by token."""
+    cfg = {"mla": False, "heads": 4, "prefill_tp": 1, "decode_tp": 2, "rooms": {12: ROOMS[12]}}
+    res = run_pair(cfg)
+    check_bytes(cfg, res)
+    for _, out, _, _, remote_writes, _ in res["decode"]:
+        assert out[12]["count"] == remote_writes == 2 * 2 * LAYERS * PAGE + len(AUX)
 
 
 @pytest.mark.timeout(400)
