@@ -125,6 +125,20 @@ def test_cli_render_never_prints_the_secret(tmp_path: Path) -> None:
     assert f'PDTOOL_SECRET_FILE="${{RUN_DIR}}/"{SECRET_NAME}' in script
 
 
+def job_processes(run_dir: Path) -> list[int]:
+    """Live processes started for a job folder (the scripts export PDTOOL_RUN_DIR)."""
+    mark = f"PDTOOL_RUN_DIR={run_dir}".encode()
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if (d.name.isdigit() and mark in (d / "environ").read_bytes().split(b"\0")
+                    and (d / "stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"):
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
 HOSTILE = {
     "path": "/models/my model's \"dir\"/$(touch PWNED)/;rm -rf x;`touch PWNED2`\nline2 $HOME *",
     "name": "name with spaces; $(id) `id` 'q' \"dq\" \\ && || > out <in | tee",
@@ -133,9 +147,13 @@ HOSTILE = {
 
 
 def hostile_cfg(launcher: str):
+    # ports of their own: a server of another test on the default ports would answer /health
     cfg, findings = load_config(["+recipe=tiny-local", "engine=sglang", f"launcher={launcher}",
                                  "cluster.nodes=4", "launcher.health_timeout_s=2",
-                                 "transfer=tcp"])
+                                 "transfer=tcp", "prefill.http_port=38100",
+                                 "decode.http_port=38110", "prefill.bootstrap_port=38120",
+                                 "prefill.dist_init_port=38130", "decode.dist_init_port=38140",
+                                 "router.port=38150"])
     assert cfg is not None, findings
     cfg.model.path = HOSTILE["path"]
     cfg.model.name = HOSTILE["name"]
@@ -164,11 +182,15 @@ def test_hostile_values_reach_processes_as_single_arguments(tmp_path: Path) -> N
                             start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=120)
+        left = job_processes(rendered.out)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.wait()
+        for pid in job_processes(rendered.out):
+            os.kill(pid, 9)
     res = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    assert left == [], "processes outlived the script"
     # nobody serves health, so the script times out after 2 s and stops everything
     assert res.returncode == 1, res.stdout + res.stderr
     assert "never healthy" in res.stderr
@@ -186,9 +208,6 @@ def test_hostile_values_reach_processes_as_single_arguments(tmp_path: Path) -> N
             assert r["env"]["PDTOOL_TEST_HOSTILE"] == HOSTILE["env"]
     for f in ("PWNED", "PWNED2", "PWNED3"):
         assert not (tmp_path / f).exists() and not (rendered.out / f).exists()
-    leftover = subprocess.run(["pgrep", "-f", str(HERE / "argv_dump.py")],
-                              capture_output=True, text=True)
-    assert leftover.stdout.strip() == "", "processes outlived the script"
 
 
 def test_shellcheck_is_installed() -> None:

@@ -100,15 +100,17 @@ class Supervisor:
         for r in alive:
             _signal_group(r.popen, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace
-        while (any(r.popen.poll() is None for r in alive) and time.monotonic() < deadline
+        # wait for whole process groups: what a worker spawned must be gone too
+        while (any(_group_alive(r.popen) for r in alive) and time.monotonic() < deadline
                and not self.force):
             time.sleep(0.1)
         for r in alive:
-            if r.popen.poll() is None:
+            if _group_alive(r.popen):
                 why = "second interrupt" if self.force else \
                     f"ignored SIGTERM for {self.stop_grace:.0f}s"
                 self.say(f"{r.proc.name} {why}: SIGKILL")
                 _signal_group(r.popen, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 r.popen.wait(timeout=5)
         for r in self.running:  # children that outlived their leader
             _signal_group(r.popen, signal.SIGKILL)
@@ -189,3 +191,13 @@ def _status(rc: int) -> str:
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(popen.pid, sig)
+
+
+def _group_alive(popen: subprocess.Popen) -> bool:
+    """True while the leader runs or any process is left in its process group."""
+    popen.poll()  # reap the leader if it exited
+    try:
+        os.killpg(popen.pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
