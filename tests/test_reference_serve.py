@@ -196,7 +196,7 @@ def _check_exact(s: Served, prompts: list[str], max_tokens: list[int], workers: 
     return bodies
 
 
-@pytest.mark.parametrize("name", ["gqa-tp2-tp1", "gqa-tp1-tp2", "mla-tp2-tp1"])
+@pytest.mark.parametrize("name", ["gqa-tp2-tp1", "mla-tp2-tp1", "gqa-tp1-tp2"])
 def test_token_exact_across_tp(served, name):
     s = served(name)
     prompts = [*_prompts(5, seed=7, lo=40, hi=140), "ab", "x"]
@@ -210,6 +210,22 @@ def test_token_exact_across_tp(served, name):
     assert decode["tokens_seen"] <= 2 * len(prompts) + 8 * len(prompts)
     # prefill ran every prompt but its last token (one-token prompts skip it)
     assert prefill["tokens_seen"] == sum(len(p.encode()) - 1 for p in prompts if len(p) > 1)
+
+
+def test_front_http_surface_streaming_and_errors(served):
+    s = served("gqa-tp1-tp2")  # still running from the test above
+    c = complete(s.url, "Stream me", max_tokens=7)
+    want = s.oracle("Stream me", 7)
+    assert c.tokens == 7 and c.text == decode(want) and c.ttft_s > 0
+    code, body = get_json(f"{s.url}/v1/completions", {"prompt": "", "max_tokens": 3})
+    assert code == 400 and body["error"]["message"].startswith("prompt:")
+    code, body = get_json(f"{s.url}/v1/completions", {"prompt": [72, 105], "max_tokens": 2})
+    assert code == 200 and body["pdtool"]["token_ids"] == s.oracle("Hi", 2)
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    code, models = get_json(f"{s.url}/v1/models")
+    assert code == 200 and models["data"][0]["id"] == "reference"
+    code, health = get_json(f"{s.url}/health")
+    assert code == 200 and health["decode_up"] == 1
 
 
 def test_64_concurrent_mixed_requests_through_front(served):
@@ -267,19 +283,3 @@ def test_decoder_uses_the_transferred_pages_and_hidden_state(served):
     assert changed >= len(prompts) - 1
     assert drafts_moved >= len(prompts) // 2  # a random-weight draft head: often, not always
     assert all(st["pages_free"] == st["pages_total"] for st in s.wait_idle())
-
-
-def test_front_http_surface_streaming_and_errors(served):
-    s = served("gqa-tp1-tp2")
-    c = complete(s.url, "Stream me", max_tokens=7)
-    want = s.oracle("Stream me", 7)
-    assert c.tokens == 7 and c.text == decode(want) and c.ttft_s > 0
-    code, body = get_json(f"{s.url}/v1/completions", {"prompt": "", "max_tokens": 3})
-    assert code == 400 and body["error"]["message"].startswith("prompt:")
-    code, body = get_json(f"{s.url}/v1/completions", {"prompt": [72, 105], "max_tokens": 2})
-    assert code == 200 and body["pdtool"]["token_ids"] == s.oracle("Hi", 2)
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
-    code, models = get_json(f"{s.url}/v1/models")
-    assert code == 200 and models["data"][0]["id"] == "reference"
-    code, health = get_json(f"{s.url}/health")
-    assert code == 200 and health["decode_up"] == 1

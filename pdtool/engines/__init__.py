@@ -1,0 +1,1 @@
+"""Serving engines pdtool can start itself (the reference CPU engine); SGLang is external."""
