@@ -61,7 +61,7 @@ def test_stalled_prefill_times_out_and_pages_are_fenced_then_reused(provider):
 def test_killed_prefill_fails_only_its_request(provider):
     s = Scenario(provider=provider, prefill_tp=1, decode_tp=1, prefill_instances=2,
                  num_layers=LAYERS, prompts=(33, 17), peers=(0, 1), followups=(33,),
-                 followup_peers=(1,), chunk_pages=8, faults=((0, "kill"),))
+                 followup_peers=(1,), chunk_pages=8, faults=((0, "kill"),), peer_timeout_s=1.0)
     out = run(s)
     (dec,) = out.decode
     dead, alive, again = (dec["requests"][k] for k in ("w0-r0", "w0-r1", "f-r0"))
@@ -76,7 +76,7 @@ def test_killed_prefill_fails_only_its_request(provider):
 def test_killed_decoder_fails_its_request_on_the_prefill(provider):
     s = Scenario(provider=provider, prefill_tp=1, decode_tp=1, num_layers=LAYERS,
                  prompts=(33,), chunk_pages=8, faults=((0, "hold"),), decode_kill=True,
-                 linger_s=3.0)
+                 peer_timeout_s=1.0, linger_s=3.0)
     before = set(shm_leftovers())
     out = run(s)
     assert out.decode == []

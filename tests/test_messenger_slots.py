@@ -83,12 +83,12 @@ def _pair(prefill_kw=None, decode_kw=None, page_size=4):
     d_kv = [torch.zeros(8, 2, 2, page_size, 8, dtype=torch.bfloat16) for _ in range(2)]
     pre = PrefillMessenger(PrefillConfig(**{"secret": SECRET, "spec": spec, "peer_spec": spec,
                                             "provider": "tcp;ofi_rxm", "heartbeat_s": 0.1,
-                                            "peer_timeout_s": 0.5, **(prefill_kw or {})}), p_kv)
+                                            "peer_timeout_s": 2.0, **(prefill_kw or {})}), p_kv)
     try:
         dec = DecodeMessenger(DecodeConfig(**{
             "secret": SECRET, "spec": spec, "peer_spec": spec, "provider": "tcp;ofi_rxm",
             "prefill_endpoints": ((pre.address,),), "timeout_s": 3.0, "heartbeat_s": 0.1,
-            "peer_timeout_s": 0.5, "quarantine_grace_s": 0.5, **(decode_kw or {})}), d_kv)
+            "peer_timeout_s": 2.0, "quarantine_grace_s": 0.5, **(decode_kw or {})}), d_kv)
     except Exception:
         pre.close()
         raise

@@ -68,7 +68,7 @@ class Scenario:
     linger_s: float = 0.0                 # keep the prefill running this long after decode
     timeout_s: float = 20.0
     heartbeat_s: float = 0.2
-    peer_timeout_s: float = 1.0
+    peer_timeout_s: float = 5.0           # fault tests shorten it
     busy_sleep_s: float = 0.0002
     prefill_busy_sleep_s: float | None = None  # default: busy_sleep_s
     verify: bool = True
