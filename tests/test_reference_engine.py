@@ -177,3 +177,13 @@ def test_damaged_page_changes_output_damaged_hidden_changes_only_the_draft():
     assert moved == clean  # verified drafts never change the text...
     drafts = [i["draft"] for i in info]
     assert sum(a != b["draft"] for a, b in zip(drafts, minfo, strict=True)) >= len(prompts) // 2
+
+
+def test_requests_larger_than_the_cache_fail_alone():
+    cfg = TinyConfig()
+    pair = Pair(cfg, pages=16)  # 64 tokens of cache on each side
+    big, small = encode("x" * 70), encode("small prompt")
+    outs, infos = pair.run([big, small], 4)
+    assert outs[0] == [] and "pages" in infos[0]["error"]
+    assert outs[1] == generate(cfg, small, 4)
+    assert pair.dkv.pages.num_free == pair.pkv.pages.num_free == 16

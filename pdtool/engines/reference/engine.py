@@ -11,6 +11,7 @@ call them at the protocol points of DESIGN.md §4.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -22,6 +23,8 @@ from transfer.routes import pages_for
 
 from .cache import PagedKV
 from .model import EOS, Batch, TinyModel
+
+log = logging.getLogger("pdtool.reference.engine")
 
 
 class Coord:
@@ -150,17 +153,28 @@ class PrefillEngine:
         new = new or []
         for m in new:
             toks = list(m["tokens"])
-            if len(toks) < 2:
-                raise ValueError(f"request {m['rid']}: prefill needs at least 2 prompt tokens")
+            if len(toks) < 2:  # the decoder never sends these; its timeout covers a bad peer
+                log.warning("request %s: prefill needs 2+ prompt tokens, dropped", m["rid"])
+                continue
             self.waiting.append(_PReq(m["rid"], toks, m))
         while self.waiting:
             r = self.waiting[0]
             n = pages_for(len(r.tokens), self.kv.page_size)
+            if n > self.kv.pages.num_pages:
+                self.waiting.pop(0)
+                log.warning("request %s: %d pages exceed the cache (%d), dropped", r.rid, n,
+                            self.kv.pages.num_pages)
+                continue
             if n > self.kv.pages.num_free:
                 break
             self.waiting.pop(0)
             r.pages = self.kv.pages.alloc(n)
-            self.link.accept(r.meta, r.pages)
+            try:
+                self.link.accept(r.meta, r.pages)
+            except ValueError as exc:  # refused by the messenger: only this request fails
+                log.warning("request %s refused by the messenger: %s", r.rid, exc)
+                self.kv.pages.free(r.pages)
+                continue
             self.running.append(r)
         ran = self._forward()
         for rid in sorted(self.coord.agree(self.link.done() & set(self.sending))):
@@ -289,11 +303,12 @@ class DecodeEngine:
             r = self.waiting[0]
             # prompt + every new token + the draft slot of the first step
             n = math.ceil((len(r.prompt) + r.max_tokens + 1) / P)
+            if n > self.kv.pages.num_pages:
+                self.waiting.pop(0)
+                r.error = f"needs {n} pages, the cache has {self.kv.pages.num_pages}"
+                self.running.append(r)  # reported (and dropped) by _decode
+                continue
             if n > self.kv.pages.num_free:
-                if n > self.kv.pages.num_pages:
-                    self.waiting.pop(0)
-                    r.error = f"needs {n} pages, the cache has {self.kv.pages.num_pages}"
-                    self.running.append(r)  # reported (and dropped) by _decode
                 break
             self.waiting.pop(0)
             r.pages = self.kv.pages.alloc(n)
@@ -302,8 +317,15 @@ class DecodeEngine:
             if len(r.prompt) == 1:
                 self.running.append(r)  # nothing to prefill, no hidden state to draft from
             else:
+                try:
+                    self.link.submit(r.rid, r.prompt, r.pages[: pages_for(len(r.prompt), P)],
+                                     r.peer)
+                except ValueError as exc:  # refused by the messenger: only this request fails
+                    self.kv.pages.free(r.pages)
+                    r.error = f"KV transfer refused: {exc}"
+                    self.running.append(r)  # reported (and dropped) by _decode
+                    continue
                 self.transfer[r.rid] = r
-                self.link.submit(r.rid, r.prompt, r.pages[: pages_for(len(r.prompt), P)], r.peer)
 
     def _collect_transfers(self, events: list[Event]) -> None:
         ids = set(self.transfer)
