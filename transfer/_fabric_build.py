@@ -68,9 +68,10 @@ int pd_mr_reg(pd_ep *ep, void *addr, size_t len, uint64_t access, int iface, int
 void pd_mr_close(pd_mr *mr);
 
 int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
-                   uint64_t remote_key, const uint64_t *src, const uint64_t *dst,
-                   const uint64_t *len, size_t n, uint32_t imm, uint32_t tag,
-                   int64_t timeout_ns, size_t *done, char *errbuf, size_t errlen);
+                   uint64_t remote_key, uint64_t remote_len, const uint64_t *src,
+                   const uint64_t *dst, const uint64_t *len, size_t n, uint32_t imm,
+                   uint32_t tag, int64_t timeout_ns, size_t *done, char *errbuf, size_t errlen);
+size_t pd_nerr(pd_ep *ep);
 int pd_poll(pd_ep *ep, size_t max_entries);
 int pd_wait_recv(pd_ep *ep, uint32_t slot, uint32_t target, int64_t timeout_ns);
 int pd_wait_send(pd_ep *ep, uint32_t tag, uint32_t target, int64_t timeout_ns);
@@ -79,6 +80,7 @@ size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max);
 const char *pd_strerror(int err);
 
 #define PD_ETIMEDOUT ...
+#define PD_EINVAL ...
 #define PD_EOVERFLOW ...
 #define PD_HMEM_SYSTEM ...
 #define PD_HMEM_CUDA ...
@@ -102,6 +104,7 @@ SOURCE = r"""
 #include <rdma/fi_rma.h>
 
 #define PD_ETIMEDOUT FI_ETIMEDOUT
+#define PD_EINVAL FI_EINVAL
 #define PD_EOVERFLOW FI_EOVERFLOW
 #define PD_HMEM_SYSTEM FI_HMEM_SYSTEM
 #define PD_HMEM_CUDA FI_HMEM_CUDA
@@ -175,6 +178,7 @@ struct pd_mr {
     struct fid_mr *mr;
     void *desc;
     uint64_t base;
+    uint64_t len;
 };
 
 static int64_t pd_now_ns(void) {
@@ -202,6 +206,8 @@ static void pd_record_err(pd_ep *ep, uint64_t tag, int err, int prov_errno, cons
     e->prov_errno = prov_errno;
     snprintf(e->msg, sizeof(e->msg), "%s", msg ? msg : "");
 }
+
+size_t pd_nerr(pd_ep *ep) { return ep->nerr; }
 
 size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max) {
     size_t n = ep->nerr < max ? ep->nerr : max;
@@ -492,6 +498,7 @@ int pd_mr_reg(pd_ep *ep, void *addr, size_t len, uint64_t access, int iface, int
     }
     m->desc = fi_mr_desc(m->mr);
     m->base = (uint64_t)(uintptr_t)addr;
+    m->len = len;
     *out = m;
     return 0;
 }
@@ -506,12 +513,29 @@ void pd_mr_close(pd_mr *m) {
    so the sender counts local completions per tag. On -FI_EAGAIN (queue full) or an empty context
    pool, drain the CQ (that also drives manual progress) and retry, bounded by timeout_ns. */
 int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
-                   uint64_t remote_key, const uint64_t *src, const uint64_t *dst,
-                   const uint64_t *len, size_t n, uint32_t imm, uint32_t tag,
-                   int64_t timeout_ns, size_t *done, char *errbuf, size_t errlen) {
+                   uint64_t remote_key, uint64_t remote_len, const uint64_t *src,
+                   const uint64_t *dst, const uint64_t *len, size_t n, uint32_t imm,
+                   uint32_t tag, int64_t timeout_ns, size_t *done, char *errbuf, size_t errlen) {
     int64_t deadline = 0;
     char *lbase = (char *)(uintptr_t)local->base;
+    size_t max_msg = ep->info->ep_attr->max_msg_size;
     *done = 0;
+    /* Bounds first, all of them, so a bad batch submits nothing (-FI_EINVAL = caller error). */
+    for (size_t i = 0; i < n; i++) {
+        const char *what = NULL;
+        if (len[i] > max_msg) what = "length exceeds the provider's max_msg_size";
+        else if (src[i] > local->len || len[i] > local->len - src[i])
+            what = "source range exceeds the local region";
+        else if (dst[i] > remote_len || len[i] > remote_len - dst[i])
+            what = "destination range exceeds the remote region";
+        if (what) {
+            snprintf(errbuf, errlen, "write %zu (src %llu, dst %llu, len %llu): %s "
+                     "(local %llu, remote %llu bytes)", i, (unsigned long long)src[i],
+                     (unsigned long long)dst[i], (unsigned long long)len[i], what,
+                     (unsigned long long)local->len, (unsigned long long)remote_len);
+            return -FI_EINVAL;
+        }
+    }
     for (size_t i = 0; i < n; i++) {
         unsigned spins = 0;
         for (;;) {
