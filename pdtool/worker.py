@@ -178,8 +178,9 @@ def startup_line(ctx: WorkerContext, node: str) -> str:
 
 
 def run_sglang(ctx: WorkerContext) -> int:
-    """Replace this process with the SGLang server line rendered after `--` (the plan and the
-    fabric environment are already in os.environ for pdtool's SGLang transfer backend)."""
+    """Replace this process with the SGLang line rendered after `--` (server, or the router for
+    the router role); the plan and fabric environment are already in os.environ for pdtool's
+    SGLang transfer backend."""
     if not ctx.engine_argv:
         raise WorkerError("engine=sglang needs its launch line after `--`")
     # pdtool's SGLang backend signs its control frames with PDTOOL_SECRET: hand it the

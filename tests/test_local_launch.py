@@ -249,7 +249,8 @@ def test_worker_execs_the_sglang_line_with_messenger_environment(tmp_path: Path)
     from pdtool.planner import build_plan
     from pdtool.render import write_job_folder
 
-    cfg, findings = load_config([*overrides(37700), "engine=sglang", "transfer=tcp"])
+    cfg, findings = load_config([*overrides(37700), "engine=sglang", "transfer=tcp",
+                                 "cluster.device=cuda"])
     assert cfg is not None, findings
     cfg.engine.python = str(Path(__file__).parent / "argv_dump.py")
     rendered = write_job_folder(cfg, build_plan(cfg), tmp_path / "job")

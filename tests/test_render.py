@@ -148,7 +148,8 @@ HOSTILE = {
 
 def hostile_cfg(launcher: str):
     # ports of their own: a server of another test on the default ports would answer /health
-    cfg, findings = load_config(["+recipe=tiny-local", "engine=sglang", f"launcher={launcher}",
+    cfg, findings = load_config(["+recipe=tiny-local", "engine=sglang", "cluster.device=cuda",
+                                 f"launcher={launcher}",
                                  "cluster.nodes=4", "launcher.health_timeout_s=2",
                                  "transfer=tcp", "prefill.http_port=38100",
                                  "decode.http_port=38110", "prefill.bootstrap_port=38120",

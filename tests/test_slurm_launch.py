@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pdtool.planner import from_json
 
 #: prefill TP2 spans nodes 0-1 (one "GPU" per node), decode instances on nodes 2 and 3
@@ -49,9 +51,24 @@ def startup_lines(log_dir: Path) -> dict[str, dict[str, str]]:
     return out
 
 
-def test_job_places_each_role_on_its_node_group(slurm, tmp_path: Path) -> None:
+def process_names(plan, engine: str) -> dict[str, tuple[str, int]]:
+    """Process name -> (role, allocation node): SGLang runs one process per instance node,
+    the reference engine one per rank."""
+    expected = {}
+    for inst in plan.instances:
+        for r in inst.ranks:
+            tag = f"n{r.node_rank}" if engine == "sglang" else f"r{r.rank}"
+            expected[f"{inst.name}.{tag}"] = (inst.role, r.node)
+    expected["router"] = ("router", plan.router.node)
+    return expected
+
+
+@pytest.mark.parametrize("engine", ["reference", "sglang"])
+def test_job_places_each_role_on_its_node_group(engine: str, slurm, tmp_path: Path) -> None:
     out = tmp_path / "job"
-    job = launch(slurm, out, "launcher.job_name=pdtool-ok")
+    # SGLang needs GPUs: the emulated nodes pose as a GPU cluster (--preflight loads no engine)
+    gpu = ["cluster.device=cuda"] if engine == "sglang" else []
+    job = launch(slurm, out, "launcher.job_name=pdtool-ok", f"engine={engine}", *gpu)
     state, code = slurm.wait_job(job, timeout=180)
     batch = (out / "logs" / f"slurm-{job}.out").read_text()
     assert (state, code) == ("COMPLETED", "0:0"), batch
@@ -60,11 +77,7 @@ def test_job_places_each_role_on_its_node_group(slurm, tmp_path: Path) -> None:
     names = re.search(r"job \d+: nodes (\S+) (\S+) (\S+) (\S+) ", batch).groups()
     lines = startup_lines(out / "logs" / job)
     # every planned process started, on the node the plan assigned
-    expected = {}
-    for inst in plan.instances:
-        for r in inst.ranks:
-            expected[f"{inst.name}.r{r.rank}"] = (inst.role, r.node)
-    expected["router"] = ("router", plan.router.node)
+    expected = process_names(plan, engine)
     assert set(lines) == set(expected), batch
     for name, (role, node) in expected.items():
         got = lines[name]
@@ -75,10 +88,12 @@ def test_job_places_each_role_on_its_node_group(slurm, tmp_path: Path) -> None:
               for role in ("prefill", "decode")}
     assert groups == {"prefill": {names[0], names[1]}, "decode": {names[2], names[3]}}
     # rank, NIC and fabric environment resolved from the plan
-    assert lines["prefill-0.r1"]["ranks"] == "1"
-    assert lines["decode-1.r0"]["nics"] == "lo"
-    assert lines["decode-1.r0"]["FI_PROVIDER"] == "-"  # tcp;ofi_rxm: provider via PDTOOL_*
-    assert "deployment ready" in batch and "healthy: decode-1.r0" in batch
+    second = "prefill-0.n1" if engine == "sglang" else "prefill-0.r1"
+    assert lines[second]["ranks"] == "1" and lines[second]["node_rank"] == "1"
+    decode = "decode-1.n0" if engine == "sglang" else "decode-1.r0"
+    assert lines[decode]["nics"] == "lo"
+    assert lines[decode]["FI_PROVIDER"] == "-"  # tcp;ofi_rxm: provider via PDTOOL_*
+    assert "deployment ready" in batch and f"healthy: {decode}" in batch
     assert "stopping after a healthy start" in batch
     # stopped with SIGTERM (scancel --signal), not killed: every worker says so
     for log in (out / "logs" / job).glob("*.log"):

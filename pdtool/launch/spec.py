@@ -16,6 +16,7 @@ NIC and fabric environment, then starts the engine (exec for SGLang).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from pdtool.launch.sglang import router_argv, server_argv
@@ -26,6 +27,7 @@ from pdtool.schema import Config
 #: engines whose one process drives all GPUs of its node
 PER_NODE_ENGINES = ("sglang",)
 
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RUN_DIR = Var("RUN_DIR")
 LOG_DIR = Var("LOG_DIR")
 
@@ -113,7 +115,7 @@ def _common_env(ranks: list[RankPlan]) -> dict[str, str]:
 
 def _env_words(env: dict[str, str], key_prefix: str) -> list[str]:
     for k in env:
-        if not k.replace("_", "a").isalnum() or k[0].isdigit():
+        if not _ENV_NAME.match(k):
             raise LaunchError(f"{key_prefix}: {k!r} is not a valid environment variable name")
     return [f"{k}={v}" for k, v in env.items()]
 
@@ -222,14 +224,16 @@ def _router_proc(cfg: Config, plan: Plan, launcher: str) -> Proc:
                       f"{len(rp.prefill)} prefill + {len(rp.decode)} decode instances"),
              health=_url(rp.node, rp.port))
     env = _role_env(cfg, "router")
-    if cfg.engine.kind == "sglang":
-        p.engine_argv = router_argv(cfg, plan, host)
-        inner = p.engine_argv
-    else:
-        inner = [cfg.engine.python, "-m", "pdtool.worker", "--plan", word(RUN_DIR, "/plan.json"),
-                 "--role", "router", "--host", host(rp.node)]
-        if launcher == "slurm":
-            inner += ["--expect-node", node_name(rp.node)]
+    # the router starts through the worker entry too (SGLang's router line after `--`), so
+    # placement checks and --preflight cover it like every other process
+    p.engine_argv = router_argv(cfg, plan, host) if cfg.engine.kind == "sglang" else []
+    inner: list[str | Word] = [cfg.engine.python, "-m", "pdtool.worker",
+                               "--plan", word(RUN_DIR, "/plan.json"),
+                               "--role", "router", "--host", host(rp.node)]
+    if launcher == "slurm":
+        inner += ["--expect-node", node_name(rp.node)]
+    if p.engine_argv:
+        inner += ["--", *p.engine_argv]
     p.argv = _wrap(cfg, launcher, p, env, [], inner)
     return p
 
