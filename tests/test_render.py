@@ -228,3 +228,9 @@ def test_quoted_words_are_single_literal_arguments(values: list[str]) -> None:
     assert res.returncode == 0, res.stderr
     got = res.stdout.decode("utf-8", "surrogateescape").split("\0")[:-1]
     assert got == [*values, "<a b" + values[0]]
+
+
+def test_slurm_job_folder_with_percent_is_refused(tmp_path: Path) -> None:
+    rendered, findings = render(launcher_overrides("deepseek-r1", "slurm"), tmp_path / "a%jb")
+    assert rendered is None
+    assert findings[-1].key == "launcher.output_dir" and "%" in findings[-1].message

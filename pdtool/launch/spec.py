@@ -273,6 +273,9 @@ def _job(cfg: Config, plan: Plan, run_dir: str, procs: list[Proc]) -> JobSpec:
 def build_launch(cfg: Config, plan: Plan, run_dir: str) -> LaunchSpec:
     """The launch spec of a planned deployment; `run_dir` is the absolute job folder."""
     launcher = cfg.launcher.kind
+    if launcher == "slurm" and "%" in run_dir:
+        raise LaunchError(f"launcher.output_dir: {run_dir!r} contains '%', which Slurm expands "
+                          "in --output file names; choose a folder without it")
     if launcher not in ("local", "slurm"):
         raise LaunchError(f"launcher.kind: unknown launcher {launcher!r} (local | slurm)")
     if cfg.engine.kind not in ("sglang", "reference"):
