@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -456,13 +457,20 @@ class Endpoint:
         return self._wait(_lib.pd_wait_recv, (slot, count), timeout, "wait_recv")
 
     def wait_send(self, tag: int, count: int, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
-        """Poll (in C) until send_done[tag] >= count or a completion error arrived; False on
-        timeout. Check `errors` afterwards."""
+        """Poll (in C) until send_done[tag] >= count: True; False on timeout. A completion
+        error for this tag raises FabricError (errors of other tags stay in `errors`)."""
         if not 0 <= tag < self.max_slots:
             raise ValueError(f"tag must be in [0, {self.max_slots}), got {tag}")
-        ok = self._wait(_lib.pd_wait_send, (tag, count), timeout, "wait_send")
-        self.raise_errors(tag)
-        return ok
+        deadline = time.monotonic() + timeout
+        while True:
+            # the C loop also returns when any completion error is queued, so it surfaces fast
+            ok = self._wait(_lib.pd_wait_send, (tag, count),
+                            max(0.0, deadline - time.monotonic()), "wait_send")
+            self.raise_errors(tag)  # moves other tags' errors out of the C ring
+            if int(self.send_done[tag]) >= count:
+                return True
+            if not ok or time.monotonic() >= deadline:
+                return False
 
     def raise_errors(self, tag: int | None = None) -> None:
         """Raise FabricError for the first completion error recorded for `tag` (any tag when
