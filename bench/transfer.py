@@ -569,7 +569,20 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.gib, args.region_mib, args.rounds = 1 / 16, 32, 1
-    res = run(args)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO lines to stdout
+    if args.json:
+        # stdout carries exactly one JSON object: libraries' (and children's) chatter -> stderr
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)
+        try:
+            res = run(args)
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+    else:
+        res = run(args)
     pages = [int(p) * KIB for p in args.page_kib.split(",")]
     if args.json:
         out: dict[str, Any] = {s: {k: round(v, 3) for k, v in row.items()}
