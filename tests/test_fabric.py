@@ -280,6 +280,7 @@ def test_mr_modes_and_names_follow_the_provider():
             d = mr.descriptor()
             assert d.base == (mr.addr if ep.mr_virt_addr else 0) and d.length == PAGE
             assert RemoteRegion.from_dict(d.to_dict()) == d
+            assert mr.desc is not None and mr.key == d.key
             mr.close()
             assert mr.closed
     # node/service pick the local address to bind (FI_SOURCE): 127.0.0.1 -> the lo domain

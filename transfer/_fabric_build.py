@@ -66,6 +66,7 @@ int pd_av_remove(pd_ep *ep, uint64_t fi_addr);
 int pd_mr_reg(pd_ep *ep, void *addr, size_t len, uint64_t access, int iface, int device,
               uint64_t requested_key, pd_mr **out, uint64_t *key, char *errbuf, size_t errlen);
 void pd_mr_close(pd_mr *mr);
+void *pd_mr_desc(pd_mr *mr);
 
 int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
                    uint64_t remote_key, uint64_t remote_len, const uint64_t *src,
@@ -502,6 +503,8 @@ int pd_mr_reg(pd_ep *ep, void *addr, size_t len, uint64_t access, int iface, int
     *out = m;
     return 0;
 }
+
+void *pd_mr_desc(pd_mr *m) { return m->desc; }
 
 void pd_mr_close(pd_mr *m) {
     if (!m) return;

@@ -169,8 +169,9 @@ class MemoryRegion:
 
     @property
     def desc(self) -> Any:
-        """The provider's local descriptor (cffi pointer; NULL when FI_MR_LOCAL is off)."""
-        return self._h.desc if self._h is not None else None
+        """The provider's local descriptor (cffi `void *`, may be NULL); write_batch passes it
+        on every write, which FI_MR_LOCAL providers require and others ignore."""
+        return _lib.pd_mr_desc(self._h) if self._h is not None else None
 
     def descriptor(self) -> RemoteRegion:
         base = self.addr if self._ep.mr_virt_addr else 0
@@ -181,6 +182,7 @@ class MemoryRegion:
         return self._h is None
 
     def close(self) -> None:
+        """Deregister. Only once no write using it is outstanding (see Endpoint.wait_idle)."""
         if self._h is not None:
             with self._ep._lock:
                 _lib.pd_mr_close(self._h)
