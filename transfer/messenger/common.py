@@ -52,7 +52,10 @@ class CommonConfig:
 
     `rank` is this process's attention-TP rank inside its instance (0 = lead). Timeouts:
     `timeout_s` bounds one transfer end to end; a peer silent for `peer_timeout_s` is dead;
-    heartbeats go every `heartbeat_s`.
+    heartbeats go every `heartbeat_s`. `busy_sleep_s`: pause per loop while transfers are in
+    flight — 0 on dedicated cores; on shared cores a decoder on `shm` may pause (~0.2 ms: the
+    sender does the copy), but on `tcp;ofi_rxm`/`verbs` the receiver's polling moves the bytes
+    (manual progress), so keep it 0 there.
     """
 
     secret: bytes
