@@ -1,9 +1,10 @@
 """The `pdtool` SGLang transfer backend driven through SGLang 0.5.23's own classes.
 
 Real pieces only: the pinned SGLang (bootstrap HTTP server, rank mapping, KVPoll bookkeeping,
-heartbeats), libfabric (shm / tcp;ofi_rxm) and separate OS processes per rank. KV buffers are CPU
-tensors shaped like SGLang's pools: MHA `[slots, heads, head_dim]` per layer with separate K and
-V buffers, MLA `[slots, 1, kv_lora_rank + rope]`; aux buffers like its MetadataBuffers rows.
+heartbeats), libfabric (shm / tcp;ofi_rxm) and separate OS processes per rank. KV and aux buffers
+are SGLang's own classes on the CPU: `MHATokenToKVPool` (`[slots, heads, head_dim]` per layer,
+separate K and V buffers), `MLATokenToKVPool` (`[slots, 1, kv_lora_rank + rope]`) and
+`MetadataBuffers`; the KVArgs are filled from them the way SGLang's scheduler does.
 
 Every rank's buffers are slices of one global tensor per buffer seeded from its index, so the
 test recomputes what each decode page must hold and compares bytes.
@@ -28,7 +29,9 @@ PAGE = 4
 SLOTS = 16 * PAGE  # 16 pages per buffer
 LAYERS = 3
 HEAD_DIM = 8
-AUX = [(8, 16, np.int32), (8, 4, np.float32)]  # (rows, cols, dtype) like MetadataBuffers
+N_AUX = 10  # SGLang 0.5.23's MetadataBuffers registers 10 buffers without optional ones
+KV_LORA, ROPE = 48, 16  # MLA latent width 64
+AUX_ROWS = 8  # MetadataBuffers(size=8, hidden_size=32, ...): 10 buffers on this SGLang
 
 
 def _free_port() -> int:
@@ -38,16 +41,23 @@ def _free_port() -> int:
 
 
 def global_buffers(mla: bool, heads: int) -> list[np.ndarray]:
-    """All heads of every layer buffer, [slots, heads, dim] in bf16-sized (uint16) words."""
+    """All heads of every layer buffer, [slots, heads, dim] as raw bf16 words (uint16)."""
     n = LAYERS if mla else 2 * LAYERS  # SGLang order: K of every layer, then V of every layer
-    shape = (SLOTS, 1, 64) if mla else (SLOTS, heads, HEAD_DIM)
+    shape = (SLOTS, 1, KV_LORA + ROPE) if mla else (SLOTS, heads, HEAD_DIM)
     return [np.random.default_rng(100 + i).integers(0, 1 << 16, shape, dtype=np.uint16)
             for i in range(n)]
 
 
-def aux_source() -> list[np.ndarray]:
-    rng = np.random.default_rng(7)
-    return [rng.integers(1, 1 << 20, (r, c)).astype(t) for r, c, t in AUX]
+def aux_row(buffer: int, item_len: int) -> bytes:
+    """The bytes the prefill puts in its metadata row of aux buffer `buffer`."""
+    return np.random.default_rng(7 + buffer).integers(0, 256, item_len, dtype=np.uint8).tobytes()
+
+
+def _words(t: Any) -> np.ndarray:
+    """A writable uint16 numpy view of a CPU bf16 tensor."""
+    import torch
+
+    return t.view(torch.int16).numpy().view(np.uint16)
 
 
 def _rank_heads(heads: int, tp: int, rank: int) -> slice:
@@ -57,9 +67,14 @@ def _rank_heads(heads: int, tp: int, rank: int) -> slice:
 
 
 def _setup(role: str, cfg: dict[str, Any], rank: int) -> tuple[Any, Any, list, list]:
-    """Publish SGLang's config for this rank and build its KVArgs + buffers (child process)."""
+    """Publish SGLang's config for this rank; build its KV pool and metadata buffers with
+    SGLang's own classes (on the CPU) and the KVArgs its scheduler would fill (child process)."""
+    import ctypes
+
     import torch
     from sglang.srt.disaggregation.base import KVArgs
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
     from sglang.srt.server_args import ServerArgs
 
@@ -72,36 +87,47 @@ def _setup(role: str, cfg: dict[str, Any], rank: int) -> tuple[Any, Any, list, l
     get_parallel().override_permanently(pp_group=None)  # no torch.distributed groups here
 
     mla, heads = cfg["mla"], cfg["heads"]
-    if role == "prefill":
-        glob = global_buffers(mla, heads)
-        sl = slice(0, 1) if mla else _rank_heads(heads, tp, rank)
-        bufs = [torch.from_numpy(np.ascontiguousarray(g[:, sl])) for g in glob]
-        aux = [torch.from_numpy(a.copy()) for a in aux_source()]
-    else:
-        local = 1 if mla else max(1, heads // tp)
-        shape = (SLOTS, 1, 64) if mla else (SLOTS, local, HEAD_DIM)
-        n = LAYERS if mla else 2 * LAYERS
-        bufs = [torch.zeros(shape, dtype=torch.uint16) for _ in range(n)]
-        aux = [torch.zeros((r, c), dtype=getattr(torch, np.dtype(t).name)) for r, c, t in AUX]
+    local = 1 if mla else max(1, heads // tp)
+    common = {"size": SLOTS - PAGE, "page_size": PAGE, "dtype": torch.bfloat16,
+              "layer_num": LAYERS, "device": "cpu", "enable_memory_saver": False}
+    if mla:  # [size + page, 1, kv_lora_rank + rope] per layer
+        pool = MLATokenToKVPool(kv_lora_rank=KV_LORA, qk_rope_head_dim=ROPE, **common)
+        bufs = list(pool.kv_buffer)
+    else:  # [size + page, heads, head_dim] per layer, K and V apart
+        pool = MHATokenToKVPool(head_num=local, head_dim=HEAD_DIM, enable_alt_stream=False,
+                                **common)
+        bufs = list(pool.k_buffer) + list(pool.v_buffer)
+    meta = MetadataBuffers(AUX_ROWS, 32, torch.bfloat16, 16)
 
     args = KVArgs()
     args.engine_rank = rank
-    args.kv_data_ptrs = [b.data_ptr() for b in bufs]
-    args.kv_data_lens = [b.numel() * b.element_size() for b in bufs]
-    args.kv_item_lens = [b[0].numel() * b.element_size() * PAGE for b in bufs]
+    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = pool.get_contiguous_buf_infos()
+    assert args.kv_data_ptrs == [b.data_ptr() for b in bufs]  # K of every layer, then V
     args.kv_layer_ids = list(range(LAYERS)) * (1 if mla else 2)
     args.kv_cache_dtype_str = "bfloat16"
-    args.aux_data_ptrs = [a.data_ptr() for a in aux]
-    args.aux_data_lens = [a.numel() * a.element_size() for a in aux]
-    args.aux_item_lens = [a[0].numel() * a.element_size() for a in aux]
+    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = meta.get_buf_infos()
+    if role == "prefill":
+        sl = slice(0, 1) if mla else _rank_heads(heads, tp, rank)
+        for b, g in zip(bufs, global_buffers(mla, heads), strict=True):
+            _words(b)[...] = g[:, sl]
+        for j, (ptr, ilen) in enumerate(zip(args.aux_data_ptrs, args.aux_item_lens,
+                                            strict=True)):
+            for row in range(AUX_ROWS):
+                ctypes.memmove(ptr + row * ilen, aux_row(j, ilen), ilen)
+    else:
+        for b in bufs:
+            b.zero_()
+        for ptr, n in zip(args.aux_data_ptrs, args.aux_data_lens, strict=True):
+            ctypes.memset(ptr, 0, n)
+    aux = list(zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens, strict=True))
     args.state_types, args.state_data_ptrs, args.state_data_lens = [], [], []
     args.state_item_lens, args.state_layer_ids = [], []
     args.system_dp_rank, args.pp_rank, args.prefill_start_layer = 0, 0, 0
     args.page_size, args.gpu_id, args.ib_device, args.rust_http_port = PAGE, 0, None, None
     if not mla:
-        args.kv_head_num = bufs[0].shape[1]
+        args.kv_head_num = pool.head_num
         args.total_kv_head_num = heads
-    return sa, args, bufs, aux
+    return sa, args, (pool, meta, bufs), aux
 
 
 def prefill_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
@@ -115,7 +141,7 @@ def prefill_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     server = None
     if rank == 0:
         server = PdtoolKVBootstrapServer("127.0.0.1", cfg["bootstrap_port"])
-    sa, args, _bufs, _aux = _setup("prefill", cfg, rank)
+    sa, args, _keep, _aux = _setup("prefill", cfg, rank)
     mgr = PdtoolKVManager(args, DisaggregationMode.PREFILL, sa, cfg["mla"])
     conn.send("ready")
     results = {}
@@ -157,7 +183,7 @@ def decode_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
 
     from transfer.sglang.conn import PdtoolKVManager, PdtoolKVReceiver
 
-    sa, args, bufs, aux = _setup("decode", cfg, rank)
+    sa, args, (_pool, _meta, bufs), aux = _setup("decode", cfg, rank)
     mgr = PdtoolKVManager(args, DisaggregationMode.DECODE, sa, cfg["mla"])
     addr = f"127.0.0.1:{cfg['bootstrap_port']}"
     deadline = time.time() + 180  # the prefill ranks start at the same time
@@ -194,7 +220,10 @@ def decode_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
         out[room] = {"states": states, "error": error,
                      "count": int(mgr.ep.recv_counts[recv.slot]) if recv.slot is not None else 0}
         recv.clear()
-    conn.send(("done", out, [b.numpy().copy() for b in bufs], [a.numpy().copy() for a in aux],
+    import ctypes
+
+    conn.send(("done", out, [_words(b).copy() for b in bufs],
+               [(ctypes.string_at(p, n), ilen) for p, n, ilen in aux],
                mgr.ep.remote_writes, mgr.ep.stale_writes))
     conn.recv()
     mgr.teardown()
@@ -275,8 +304,9 @@ def check_bytes(cfg: dict[str, Any], res: dict[str, Any]) -> None:
             for buf, want in zip(bufs, expected_decode(cfg, rank, room), strict=True):
                 got = buf.reshape(SLOTS // PAGE, PAGE, *buf.shape[1:])[req["dst_pages"]]
                 assert np.array_equal(got, want), f"room {room} rank {rank}: pages differ"
-            for a, src in zip(aux, aux_source(), strict=True):
-                assert np.array_equal(a[req["dst_aux"]], src[req["aux_index"]])
+            for j, (data, ilen) in enumerate(aux):
+                row = req["dst_aux"]
+                assert data[row * ilen: (row + 1) * ilen] == aux_row(j, ilen), f"aux {j}"
 
 
 ROOMS = {
@@ -294,7 +324,7 @@ def test_mha_equal_tp_pages_arrive_byte_exact_and_counted() -> None:
     check_bytes(cfg, res)
     (_, _out, _, _, remote_writes, stale), = res["decode"]
     # one write per (page, layer buffer) + one per aux buffer, counted per slot
-    per_room = {r: len(q["dst_pages"]) * 2 * LAYERS + len(AUX) for r, q in ROOMS.items()}
+    per_room = {r: len(q["dst_pages"]) * 2 * LAYERS + N_AUX for r, q in ROOMS.items()}
     assert {r: o["count"] for r, o in _out.items()} == per_room
     assert remote_writes == sum(per_room.values()) and stale == 0
     # the prefill sender reached Success on its own local completions
@@ -312,7 +342,7 @@ def test_mla_prefill_tp2_to_decode_tp1_over_tcp_rxm() -> None:
     res = run_pair(cfg)
     check_bytes(cfg, res)
     (_, out, _, _, remote_writes, stale), = res["decode"]
-    want = {r: len(q["dst_pages"]) * LAYERS + len(AUX) for r, q in ROOMS.items()}
+    want = {r: len(q["dst_pages"]) * LAYERS + N_AUX for r, q in ROOMS.items()}
     assert {r: o["count"] for r, o in out.items()} == want
     assert remote_writes == sum(want.values()) and stale == 0
     assert [p[1] for p in res["prefill"]] == [{11: 4, 12: 4}] * 2  # the dummy rank too
@@ -325,7 +355,7 @@ def test_mha_prefill_tp1_to_decode_tp2_slices_heads() -> None:
     res = run_pair(cfg)
     check_bytes(cfg, res)
     for _, out, _, _, remote_writes, _ in res["decode"]:
-        assert out[12]["count"] == remote_writes == 2 * 2 * LAYERS * PAGE + len(AUX)
+        assert out[12]["count"] == remote_writes == 2 * 2 * LAYERS * PAGE + N_AUX
 
 
 @pytest.mark.timeout(400)
@@ -336,7 +366,7 @@ def test_mha_prefill_tp2_to_decode_tp1_reassembles_heads() -> None:
     check_bytes(cfg, res)
     (_, out, _, _, remote_writes, _), = res["decode"]
     pages = len(ROOMS[11]["dst_pages"])
-    want = pages * 2 * LAYERS * PAGE * 2 + len(AUX)  # per token, from both prefill ranks
+    want = pages * 2 * LAYERS * PAGE * 2 + N_AUX  # per token, from both prefill ranks
     assert out[11]["count"] == want == remote_writes
     # only the rank holding the first head slice wrote the metadata rows
     writes = [p[2] for p in res["prefill"]]
