@@ -240,6 +240,7 @@ def test_64_concurrent_mixed_requests_through_front(served):
         assert st["pages_free"] == st["pages_total"], st
         assert st.get("in_transfer", 0) == st["running"] == st["waiting"] == 0
     assert sum(d["prompt_tokens_seen"] for d in decoders) == 64
+    assert max(d["max_batch"] for d in decoders) > 1  # continuous batching: requests step together
     assert prefill["tokens_seen"] == sum(len(p.encode()) - 1 for p in prompts)
 
 

@@ -268,6 +268,8 @@ class DecodeEngine:
         self.running: list[_DReq] = []
         self.prompt_tokens_seen = 0  # prompt tokens the decoder's forward passes processed
         self.requests_started = 0
+        self.steps = 0  # decode forward passes
+        self.max_batch = 0  # most requests stepping together in one pass
         self.ran = False
 
     @property
@@ -374,6 +376,8 @@ class DecodeEngine:
                 self.prompt_tokens_seen += 1
             toks = [last] if r.draft is None else [last, r.draft]
             runs.append((toks, r.pos, r.pages))
+        self.steps += 1
+        self.max_batch = max(self.max_batch, len(runs))
         batch = Batch.build(runs, self.kv.page_size)
         logits = self.model.logits(self.model.forward(batch, self.kv.layers, self.kv.page_size))
         best = logits.argmax(-1).tolist()

@@ -175,7 +175,8 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
         return {"role": "decode", "instance": spec.instance, "rank": spec.rank,
                 "pages_total": kv.pages.num_pages, "pages_free": kv.pages.num_free,
                 "tokens_seen": model.tokens_seen, "prompt_tokens_seen": engine.prompt_tokens_seen,
-                "requests_started": engine.requests_started, "running": len(engine.running),
+                "requests_started": engine.requests_started, "steps": engine.steps,
+                "max_batch": engine.max_batch, "running": len(engine.running),
                 "in_transfer": len(engine.transfer), "waiting": len(engine.waiting)}
 
     sock = health = None
