@@ -115,6 +115,7 @@ class _Req:
     pages_ready: int = 0     # pages whose every layer has been submitted
     finished: bool = False   # engine called finish (aux rows staged)
     aux_sent: bool = False
+    aborted_at: float = 0.0
 
 
 @dataclass
@@ -315,6 +316,7 @@ class PrefillMessenger(Worker):
         self._peers: dict[bytes, int] = {}      # fabric name -> fi_addr
         self._dead_names: set[bytes] = set()
         self.writes_issued = 0
+        self.leaked_tags = 0
 
     def _teardown(self) -> None:
         ch = getattr(self, "_chan", None)
@@ -684,9 +686,9 @@ class PrefillMessenger(Worker):
         if x.state == "sending":
             log.warning("request %s aborted on prefill rank %d: %s", x.rid, self.config.rank,
                         reason)
-            x.state, x.reason = "aborting", reason
+            x.state, x.reason, x.aborted_at = "aborting", reason, time.monotonic()
 
-    def _settle(self, x: _Req, ok: bool) -> None:
+    def _settle(self, x: _Req, ok: bool, leak_tags: bool = False) -> None:
         del self._reqs[x.rid]
         total = 0
         by_sender = {d.sender: d for d in x.dests}
@@ -694,7 +696,10 @@ class PrefillMessenger(Worker):
             total += d.issued
             self._history[(x.rid, d.sender, d.slot, d.gen)] = (d.issued, d.errored)
             self._tag_owner.pop(d.tag, None)
-            self._tags.append(d.tag)
+            if leak_tags:  # a completion may still come: never hand this tag out again
+                self.leaked_tags += 1
+            else:
+                self._tags.append(d.tag)
         if not ok:  # every decode rank of the request learns this rank will write no more
             for sender, slot, gen in x.senders:
                 d = by_sender.get(sender)
@@ -727,8 +732,16 @@ class PrefillMessenger(Worker):
                 if any(s == peer for s, _ in a.parts.values()):
                     del self._assembling[rid]
         for x in list(self._reqs.values()):
-            if now > x.deadline:
+            if now > x.deadline and x.state == "sending":
                 self._abort(x, "timed out on the prefill side")
+            elif x.state == "aborting" and now - x.aborted_at > 2 * self.config.peer_timeout_s:
+                # writes to a dead peer may never complete: count the missing ones as failed
+                # (the decoder quarantines its pages anyway) and free the source pages
+                for d in x.dests:
+                    done = int(self._ep.send_done[d.tag]) - d.base
+                    d.errored = max(d.errored, d.issued - done)
+                x.reason += " (some writes never completed)"
+                self._settle(x, ok=False, leak_tags=True)
         for rid, a in list(self._assembling.items()):
             if now - a.first > a.timeout_s:
                 del self._assembling[rid]
