@@ -24,7 +24,9 @@ issued, and once the writes already issued completed locally, ABORTED goes to ev
 of the request carrying how many writes were issued to it — the decoder keeps its pages
 quarantined until that many have landed (transfer.slots). An ABORT for a request this rank has
 not bound yet leaves a tombstone: a later `bind` fails it at once, with no write. A dead decode
-peer is removed from the address vector once nothing of it is in flight.
+peer is removed from the address vector once nothing of it is in flight; writes to it that never
+complete locally are given up after 2 × `peer_timeout_s` (counted as failed, their fabric tags
+retired for good so a late completion cannot be credited to another request).
 
 Thread contract: `poll_requests`, `bind`, `begin_pass`, `layer_done`, `finish`, `done`,
 `result`, `release`, `abort` are called by the engine's thread; the messenger thread alone
