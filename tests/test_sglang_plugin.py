@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 import pytest
-from pdtool_cfg import assert_warning, compose, recipe
+from pdtool_cfg import assert_error, assert_warning, compose, recipe
 
 from pdtool.rules import validate
 
@@ -86,3 +86,23 @@ def test_validate_quiet_when_sglang_pages_stay_contiguous(overrides) -> None:
 def test_validate_quiet_for_mla_on_sglang() -> None:
     cfg = compose("+recipe=deepseek-r1", "engine=sglang")
     assert not [f for f in validate(cfg) if "engine=sglang" in f.message]
+
+
+@pytest.mark.parametrize(("key", "argv", "fragment"), [
+    ("engine.extra_args", ["--speculative-algorithm", "EAGLE"], "speculative decoding"),
+    ("decode.extra_args", ["--pp-size=2"], "pipeline parallelism"),
+    ("prefill.extra_args", ["--enable-kv-cache-sharding", "--trust-remote-code"],
+     "KV cache sharding"),
+])
+def test_validate_refuses_sglang_flags_the_backend_cannot_carry(key, argv, fragment) -> None:
+    cfg = recipe("llama-3.1-70b", "prefill.tp=4")
+    group, field = key.split(".")
+    setattr(getattr(cfg, group), field, argv)
+    f = assert_error(cfg, key, fragment, "pdtool SGLang transfer backend")
+    assert argv[0].split("=")[0] in f.fix
+
+
+def test_validate_accepts_size_one_and_unrelated_sglang_flags() -> None:
+    cfg = recipe("llama-3.1-70b", "prefill.tp=4")
+    cfg.decode.extra_args = ["--pp-size", "1", "--attn-cp-size=1", "--trust-remote-code"]
+    assert not [f for f in validate(cfg) if f.severity == "error"]

@@ -8,12 +8,13 @@ therefore writes:
   * one write per token per (page, layer buffer, source rank) for MHA/GQA with different
     attention TP: a head slice of an NHD page is not contiguous. It works, but costs
     `page_size` times the ops; the warning shows the count so the user can pick equal TP.
+SGLang flags for state the backend does not carry (draft KV, PP, CP, KV sharding) are errors.
 """
 
 from __future__ import annotations
 
 from pdtool.planner import DEFAULT_TOKENS, shard_spec
-from pdtool.rules.finding import Finding, warning
+from pdtool.rules.finding import Finding, error, warning
 from pdtool.schema import Config
 from transfer import routes as R
 
@@ -28,8 +29,10 @@ def sglang_writes_per_request(cfg: Config, tokens: int = DEFAULT_TOKENS) -> tupl
     worst = 0
     for d in range(dst.attn_tp):
         slices = R.routes_for(src, dst, d)
-        per_page = 1 if mla else sum(
-            R.writes_per_page(s, src, dst, "NHD", cfg.decode.page_size) for s in slices
+        per_page = (
+            1
+            if mla
+            else sum(R.writes_per_page(s, src, dst, "NHD", cfg.decode.page_size) for s in slices)
         )
         worst = max(worst, pages * buffers * per_page + aux)
     return worst, pages * buffers + aux
@@ -56,4 +59,46 @@ def check_sglang_nhd_tp_mismatch(cfg: Config) -> list[Finding]:
     ]
 
 
-ALL = (check_sglang_nhd_tp_mismatch,)
+#: SGLang flags whose extra KV state the backend does not carry (its start-up error says the
+#: same); flag -> what it enables. Size flags count only when set above 1.
+UNSUPPORTED_FLAGS = {
+    "--speculative-algorithm": "speculative decoding (draft-model KV)",
+    "--pp-size": "pipeline parallelism",
+    "--pipeline-parallel-size": "pipeline parallelism",
+    "--attn-cp-size": "attention context parallelism",
+    "--dcp-size": "decode context parallelism",
+    "--enable-kv-cache-sharding": "KV cache sharding",
+}
+
+
+def _flag_values(argv: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in UNSUPPORTED_FLAGS:
+            nxt = argv[i + 1] if i + 1 < len(argv) else ""
+            out[name] = value if eq else ("" if nxt.startswith("--") else nxt)
+    return out
+
+
+def check_sglang_unsupported_args(cfg: Config) -> list[Finding]:
+    """engine=sglang: refuse extra SGLang flags the pdtool transfer backend cannot serve."""
+    if cfg.engine.kind != "sglang":
+        return []
+    out = []
+    for key, argv in (("engine.extra_args", cfg.engine.extra_args),
+                      ("prefill.extra_args", cfg.prefill.extra_args),
+                      ("decode.extra_args", cfg.decode.extra_args)):
+        for flag, value in _flag_values(list(argv)).items():
+            if flag.endswith("-size") and value.isdigit() and int(value) <= 1:
+                continue
+            out.append(error(
+                key,
+                f"{flag} {value}".strip() + f": the pdtool SGLang transfer backend does not "
+                f"carry {UNSUPPORTED_FLAGS[flag]}; the workers would stop at start-up",
+                f"remove {flag} from {key}",
+            ))
+    return out
+
+
+ALL = (check_sglang_nhd_tp_mismatch, check_sglang_unsupported_args)
