@@ -153,7 +153,7 @@ def prefill_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
         if cfg.get("hold"):
             conn.send(("waiting", room))
             time.sleep(3600)  # the test kills this process here
-        if cfg.get("abort"):  # decode aborts this room: the sender must see Failed with a reason
+        if req.get("abort"):  # decode aborts this room: the sender must see Failed with a reason
             while sender.poll() != KVPoll.Failed and time.time() < deadline:
                 time.sleep(0.01)
             try:
@@ -168,6 +168,11 @@ def prefill_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
         while sender.poll() not in (KVPoll.Success, KVPoll.Failed) and time.time() < deadline:
             time.sleep(0.005)
         results[room] = int(sender.poll())
+        if results[room] == KVPoll.Failed:
+            try:
+                sender.failure_exception()
+            except Exception as exc:
+                results[room] = f"{type(exc).__name__}: {exc}"
     conn.send(("done", results, mgr.ep.remote_writes))
     conn.recv()  # keep the endpoint and bootstrap server alive until decode finished
     mgr.teardown()
@@ -195,7 +200,7 @@ def decode_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
         recv = PdtoolKVReceiver(mgr, addr, room)
         recv.init(0)
         recv.send_metadata(np.asarray(req["dst_pages"], dtype=np.int32), req["dst_aux"])
-        if cfg.get("abort"):  # the user cancelled: SGLang's scheduler calls abort()
+        if req.get("abort"):  # the user cancelled: SGLang's scheduler calls abort()
             recv.abort()
             deadline = time.time() + 30
             while not mgr.is_abort_release_safe(room, 1) and time.time() < deadline:
@@ -374,17 +379,25 @@ def test_mha_prefill_tp2_to_decode_tp1_reassembles_heads() -> None:
 
 
 @pytest.mark.timeout(400)
-def test_decode_abort_fails_sender_and_is_acked_for_deferred_release() -> None:
-    cfg = {"mla": False, "heads": 2, "prefill_tp": 1, "decode_tp": 1, "abort": True,
-           "rooms": {11: ROOMS[11]},
+def test_decode_abort_and_page_count_mismatch_fail_with_reasons() -> None:
+    """Room 11: decode aborts (deferred release: prefill ACKs, nothing was written).
+    Room 13: decode allocated more pages than prefill sends: both sides fail at the last chunk
+    with the reason instead of the decoder waiting for writes that never come."""
+    mismatch = {**ROOMS[12], "dst_pages": [3, 4, 9]}
+    cfg = {"mla": False, "heads": 2, "prefill_tp": 1, "decode_tp": 1,
+           "rooms": {11: {**ROOMS[11], "abort": True}, 13: mismatch},
            "extra_env": {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1"}}
     res = run_pair(cfg)
     (_, out, bufs, _, remote_writes, _), = res["decode"]
     assert out[11] == {"released": True, "states": [0]}  # ACK arrived, receiver Failed
-    assert res["prefill"][0][1][11] == (
+    prefill = res["prefill"][0][1]
+    assert prefill[11] == (
         "KVTransferError: KVTransferError(bootstrap_room=11): "
         "Aborted by decode-side abort notification."
     )
+    reason = "prefill sends 2 pages but decode"
+    assert out[13]["states"][-1] == 0 and reason in out[13]["error"], out[13]
+    assert reason in prefill[13] and "allocated 3" in prefill[13]
     assert remote_writes == 0 and not any(b.any() for b in bufs)
 
 

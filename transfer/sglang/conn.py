@@ -549,7 +549,7 @@ class PdtoolKVManager(CommonKVManager):
                 if target.is_dummy:
                     continue
                 pending.submitted += self._write_target(chunk, target, pending.tag)
-        except (fabric.FabricError, LayoutError, ValueError) as exc:
+        except (fabric.FabricError, LayoutError, ValueError, PdtoolBackendError) as exc:
             pending.submitted += getattr(exc, "submitted", 0)
             pending.last_seen = True
             self.conclude_failure(bootstrap_room=room, failure_reason=f"pdtool transfer: {exc}")
@@ -559,6 +559,11 @@ class PdtoolKVManager(CommonKVManager):
 
     def _write_target(self, chunk: Chunk, t: RoomTarget, tag: int) -> int:
         peer = self.peers[t.peer]
+        sent = chunk.index_slice.stop or 0
+        if chunk.is_last and sent != len(t.kv_indices):
+            # the decoder counts writes for every page it allocated: fail now, not at timeout
+            raise PdtoolBackendError(f"prefill sends {sent} pages but decode {t.peer} allocated "
+                                     f"{len(t.kv_indices)}; it would never complete")
         if peer.fi_addr is None:
             peer.fi_addr = self.ep.insert_peer(peer.fabric_name)
         imm = fabric.encode_imm(t.slot, t.gen)
