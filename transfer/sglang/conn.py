@@ -23,15 +23,19 @@ and V buffers, MLA `[slots, 1, kv_lora_rank + rope]` — and page p is slots [p*
   * MHA/GQA with different prefill and decode TP: each decode rank receives, from each source
     rank `transfer.routes.routes_for` names, only its head slice, which in NHD is one run per
     token: `page_size` writes per (page, layer buffer, source). Correct and counted, but the
-    op count grows with the page size; `pdtool validate` warns and shows it (rule
-    `sglang.nhd_tp_mismatch`). Staging into HND is not implemented.
+    op count grows with the page size; `pdtool validate` warns and shows it
+    (`pdtool/rules/sglang.py`). Staging into HND is not implemented.
+  * the decoder counts writes for every page it allocated; a prefill that would send a
+    different number of pages fails the room at its last chunk, with the reason.
 Not supported (clear error at start-up): hybrid/state pools (Mamba, SWA, DSA, ...), pipeline
-or context parallelism, DCP, SGLang's staging buffer, host KV destinations.
+or context parallelism, DCP, KV sharding, draft-model KV, SGLang's staging buffer, host KV
+destinations, CUDA memory until `transfer.fabric` registers it (FI_HMEM).
 
 Configuration (environment of every SGLang worker; the pdtool launcher sets them):
   PDTOOL_FI_PROVIDER   libfabric provider (default `tcp;ofi_rxm`; `shm` on one host, `efa`,
                        `verbs;ofi_rxm` on clusters)
-  PDTOOL_FI_DOMAIN     optional libfabric domain (NIC) for this rank
+  PDTOOL_FI_DOMAIN     libfabric domain (NIC) of this process's ranks, or
+  PDTOOL_NICS          JSON {gpu id: "nic,..."}: each rank takes its GPU's first NIC
   PDTOOL_SECRET        per-deployment secret; control frames are HMAC-SHA256 signed with it
 """
 
