@@ -211,3 +211,54 @@ def _pull(pre, timeout=10.0):
             return got
         time.sleep(0.01)
     raise AssertionError("no request reached the prefill lead")
+
+
+def test_late_writes_of_an_old_generation_are_never_counted():
+    """A writer holding an earlier transfer's (slot, gen) writes into the decoder while the
+    slot's new owner is in flight: its writes land in `stale_writes`, the new transfer still
+    needs every one of its own writes, and its pages end up byte-exact."""
+    from transfer.fabric import Endpoint, RemoteRegion, encode_imm
+
+    pre, dec, (p_kv, d_kv) = _pair(decode_kw={"timeout_s": 1.0})
+    for t in p_kv:
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(3)))
+    rogue = Endpoint("tcp;ofi_rxm")
+    junk = np.full(1 << 16, 0x5A, dtype=np.uint8)
+    try:
+        dec.submit("old", list(range(9)), [2, 3])
+        (old,) = _pull(pre)  # the engine never binds it: the decoder times out, aborts
+        assert _settle(dec, "old").status is TransferStatus.FAILED
+        dec.release("old")
+        part = old.parts[0]
+        dec.submit("new", list(range(9)), [2, 3])
+        (new,) = _pull(pre)
+        assert new.parts[0]["slot"] == part["slot"] and new.parts[0]["gen"] != part["gen"]
+        peer = rogue.insert_peer(part["fabric_name"])
+        mr = rogue.register_buffer(junk)
+        region = RemoteRegion.from_dict(part["regions"][0])
+        n = 3
+        page = 2 * 2 * 4 * 8 * 2  # heads × kv × tokens × dim × bf16: into the reused pages
+        rogue.write_batch(peer, mr, region, np.zeros(n, np.uint64),
+                          np.array([2 * page, 2 * page + 128, 3 * page], np.uint64),
+                          np.full(n, 128, np.uint64),
+                          encode_imm(part["slot"], part["gen"]), tag=0)
+        assert rogue.wait_send(0, n, timeout=10)
+        end = time.monotonic() + 10
+        while dec.stale_writes < n and time.monotonic() < end:
+            rogue.poll()
+            time.sleep(0.01)
+        assert dec.stale_writes == n
+        assert dec.status("new").received == 0
+        pre.bind(new, [4, 5])
+        pre.begin_pass([("new", 0, 8)])
+        for layer in range(2):
+            pre.layer_done(layer)
+        pre.finish("new")
+        st = _settle(dec, "new")
+        assert st.status is TransferStatus.SUCCESS and st.received == st.expected == 4
+        for p, d in zip(p_kv, d_kv, strict=True):
+            assert torch.equal(d[[2, 3]].view(torch.int16), p[[4, 5]].view(torch.int16))
+    finally:
+        rogue.close()
+        dec.close()
+        pre.close()
