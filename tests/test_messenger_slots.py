@@ -1,7 +1,10 @@
-"""Slot table and the messengers' refusals, with real endpoints and sockets in one process.
+"""Slot table, generation fencing and the messengers' refusals.
 
-The slot table runs over the endpoint's own counter arrays here (numpy arrays of the same
-dtype), which is exactly what the decode messenger hands it.
+The slot-table tests run it over numpy arrays of the endpoint's counter dtypes (what the decode
+messenger hands it). The others run a real prefill and decode messenger (threads, real
+libfabric endpoints and ZeroMQ sockets) in one process: misfitting parts and unauthenticated
+peers are refused with the field named, signed nonsense does not stop the prefill, and a writer
+holding an old (slot, generation) cannot advance the slot's new owner.
 """
 
 from __future__ import annotations

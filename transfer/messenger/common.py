@@ -124,9 +124,11 @@ class PrefillConfig(CommonConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class DecodeConfig(CommonConfig):
-    """Decode side: the prefill instances it may use, each a list of its attention ranks'
-    control addresses (`tcp://host:port`, rank 0 first); `max_inflight` transfer slots (aux rows
-    must be at least this many); `quarantine_grace_s`: see transfer.slots."""
+    """Decode side: the prefill groups it may use, each a list of its attention ranks'
+    control addresses (`tcp://host:port`, rank 0 first; a prefill instance with DP attention
+    gives one group per DP rank, and the engine's `peer` or a hash of the request id picks
+    one); `max_inflight` transfer slots (aux rows must be at least this many);
+    `quarantine_grace_s`: see transfer.slots."""
 
     prefill_endpoints: tuple[tuple[str, ...], ...]
     max_inflight: int = 256
