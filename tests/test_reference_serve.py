@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,13 @@ import torch
 import zmq
 
 from pdtool.engines.reference.client import complete
-from pdtool.engines.reference.local import Deployment, free_port, get_json, new_secret
+from pdtool.engines.reference.local import (
+    Deployment,
+    free_port,
+    free_port_run,
+    get_json,
+    new_secret,
+)
 from pdtool.engines.reference.model import TinyModel
 from pdtool.engines.reference.oracle import encode, generate
 from pdtool.engines.reference.serve import RankSpec, model_fields
@@ -45,26 +50,6 @@ CONFIGS = {
 }
 
 
-def _port_run(n: int) -> int:
-    """First of `n` consecutive free ports (instances of a role bind base + i)."""
-    rng = random.Random()
-    for _ in range(100):
-        base = rng.randint(20000, 60000)
-        try:
-            socks = []
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port run")
-
-
 class Served:
     """A running deployment: front URL, leaders' base URLs (prefill first), the oracle."""
 
@@ -81,12 +66,13 @@ class Served:
 
     def _launch(self, tmp) -> None:
         """`pdtool launch +recipe=tiny-local` on free ports, fault hooks enabled by env."""
-        p, d, r = _port_run(1), _port_run(2), _port_run(1)
+        p, d, r = free_port(), free_port_run(2), free_port()
         out = tmp / "job"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdtool.cli", "launch", "+recipe=tiny-local",
              f"prefill.http_port={p}", f"decode.http_port={d}", f"router.port={r}",
-             f"prefill.dist_init_port={_port_run(1)}", f"decode.dist_init_port={_port_run(2)}",
+             f"prefill.dist_init_port={free_port()}",
+             f"decode.dist_init_port={free_port_run(2)}",
              "+launcher.env.decode.PDTOOL_REFERENCE_ALLOW_FAULTS=1", "--out", str(out)],
             stdout=open(tmp / "launch.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
             start_new_session=True)

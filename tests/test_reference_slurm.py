@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdtool.engines.reference.local import free_port, get_json
+from pdtool.engines.reference.local import free_port, free_port_run, get_json
 from pdtool.engines.reference.model import TinyConfig, TinyModel
 from pdtool.engines.reference.oracle import encode, generate
 from pdtool.engines.reference.serve import model_fields
@@ -23,9 +23,7 @@ from pdtool.planner import from_json
 
 def test_tiny_local_serves_as_a_slurm_job(slurm, tmp_path: Path) -> None:
     out = tmp_path / "job"
-    router, prefill, decode = free_port(), free_port(), free_port()
-    while decode + 1 in (router, prefill):
-        decode = free_port()
+    router, prefill, decode = free_port(), free_port(), free_port_run(2)
     overrides = [
         "+recipe=tiny-local", "launcher=slurm", "transfer=tcp", "cluster.nodes=4",
         "cluster.gpus_per_node=1", "cluster.gpu_numa=[0]", "prefill.tp=2", "prefill.nodes=2",

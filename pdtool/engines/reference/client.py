@@ -8,10 +8,12 @@ the client, from sending the request to each chunk that carries text.
 from __future__ import annotations
 
 import json
+import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -67,3 +69,23 @@ def complete(base_url: str, prompt: str, max_tokens: int = 32, model: str = "ref
         raise SmokeError("the completion carried no tokens")
     tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
     return Completion("".join(parts), len(stamps), stamps[0] - t0, tpot, end - t0)
+
+
+DEFAULT_SMOKE_PROMPT = "Disaggregated serving: prefill streams KV pages to the decoder, and"
+
+
+def smoke(base_url: str, prompt: str = DEFAULT_SMOKE_PROMPT, max_tokens: int = 32,
+          model: str = "reference", out: Any = None) -> int:
+    """`pdtool launch --smoke`: one streamed completion through the router; prints the text with
+    TTFT and TPOT. Returns 0, or 1 after printing why it failed."""
+    out = out or sys.stdout
+    print(f"smoke: prompt {prompt!r} ({max_tokens} tokens) -> {base_url}/v1/completions",
+          file=out, flush=True)
+    try:
+        c = complete(base_url, prompt, max_tokens, model)
+    except SmokeError as exc:
+        print(f"pdtool: ERROR: smoke request failed: {exc}", file=sys.stderr, flush=True)
+        return 1
+    print(f"smoke: generated {c.text!r}", file=out)
+    print(f"smoke: {c.summary()}", file=out, flush=True)
+    return 0

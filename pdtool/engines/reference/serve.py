@@ -39,7 +39,8 @@ if TYPE_CHECKING:  # torch is imported by the prefill/decode roles only: the fro
 
 log = logging.getLogger("pdtool.reference.serve")
 
-IDLE_WAIT_S = 0.05  # leader's longest sleep between iterations when nothing is running
+IDLE_WAIT_S = 0.05  # decode leader's longest wait for the front when nothing is running
+PREFILL_IDLE_S = 0.002  # prefill leader's poll of the messenger for new requests
 BUSY_WAIT_S = 0.0005  # while transfers are in flight but nothing can be computed
 DEFAULT_PAGES = 4096
 _KV_DTYPES = {"fp32": "float32", "float32": "float32", "fp64": "float64", "float64": "float64"}
@@ -165,6 +166,7 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
     cfg = spec.cfg
     model = TinyModel(cfg, tp)
     kv = PagedKV(cfg, len(model.kv_heads), spec.num_pages, spec.page_size)
+    _warm_up(model, kv)
     log.info("decode %d rank %d: model and cache ready", spec.instance, spec.rank)
     link = link if link is not None else make_link(spec, kv, model)
     log.info("decode %d rank %d: messenger ready", spec.instance, spec.rank)
@@ -263,6 +265,7 @@ def serve_prefill(spec: RankSpec, stop: threading.Event, link: Any = None) -> di
     cfg = spec.cfg
     model = TinyModel(cfg, tp)
     kv = PagedKV(cfg, len(model.kv_heads), spec.num_pages, spec.page_size)
+    _warm_up(model, kv)
     log.info("prefill %d rank %d: model and cache ready", spec.instance, spec.rank)
     link = link if link is not None else make_link(spec, kv, model)
     log.info("prefill %d rank %d: messenger ready", spec.instance, spec.rank)
@@ -287,7 +290,7 @@ def serve_prefill(spec: RankSpec, stop: threading.Event, link: Any = None) -> di
             cmd = None
             if coord.leader:
                 if not ran:
-                    _idle(link, BUSY_WAIT_S if engine.busy else IDLE_WAIT_S)
+                    _idle(link, BUSY_WAIT_S if engine.busy else PREFILL_IDLE_S)
                 cmd = (link.recv(), stop.is_set())
             new, stopping = coord.broadcast(cmd)
             if stopping:
@@ -299,6 +302,16 @@ def serve_prefill(spec: RankSpec, stop: threading.Event, link: Any = None) -> di
             health.close()
         _close_link(link)
     return stats()
+
+
+def _warm_up(model: TinyModel, kv: PagedKV) -> None:
+    """One throw-away pass (every rank: it all-reduces) so the first request does not pay for
+    torch's lazy initialisation. It writes page 0, which no request has yet: every page is
+    written (by the messenger or a forward pass) before anything reads it."""
+    from .model import Batch
+
+    model.forward(Batch.build([([0], 0, [0])], kv.page_size), kv.layers, kv.page_size)
+    model.tokens_seen = 0
 
 
 def _idle(link: Any, seconds: float) -> None:

@@ -1,0 +1,32 @@
+"""`pdtool launch +recipe=tiny-local --smoke`, the README's main command, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+from pdtool.engines.reference.local import free_port, free_port_run
+
+
+def test_launch_smoke_serves_one_prompt_and_exits_0(tmp_path):
+    # free ports instead of the recipe's fixed ones, so concurrent test runs do not collide
+    ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
+             f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
+             f"decode.dist_init_port={free_port()}", f"prefill.bootstrap_port={free_port()}"]
+    res = subprocess.run(
+        [sys.executable, "-m", "pdtool.cli", "launch", "+recipe=tiny-local", *ports, "--smoke",
+         "--smoke-prompt", "Hello from the smoke test", "--out", str(tmp_path / "job")],
+        capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "smoke: prompt 'Hello from the smoke test'" in res.stdout
+    m = re.search(r"smoke: (\d+) tokens, TTFT ([\d.]+) ms, TPOT ([\d.]+) ms", res.stdout)
+    assert m and int(m.group(1)) == 32, res.stdout
+    assert "smoke passed: stopping" in res.stdout
+    # every worker shut down cleanly, with its KV pages free
+    logs = list((tmp_path / "job" / "logs").glob("*/*.log"))
+    stats = [json.loads(line[6:]) for log in logs for line in log.read_text().splitlines()
+             if line.startswith("STATS ")]
+    assert len(stats) == 3, res.stdout  # one prefill and two decode ranks
+    assert all(s["pages_free"] == s["pages_total"] for s in stats)
