@@ -38,6 +38,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="start, wait until every process is healthy, then stop (a start check)",
     )
     p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="start, send one prompt through the router, print the text with time to first "
+        "token and time per output token, stop (exit 0; 1 with the reason if any part failed)",
+    )
+    p.add_argument("--smoke-prompt", help="the prompt --smoke sends (default: a fixed sentence)")
+    p.add_argument(
         "--preflight",
         action="store_true",
         help="workers run only their start-up path (plan, rank, NIC, environment, "
@@ -68,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print_dry_run(rendered)
         return 0
+    if args.smoke and rendered.spec.launcher != "local":
+        print("pdtool: ERROR: --smoke runs the deployment on this machine (launcher=local); "
+              "for Slurm, launch it and send a request to the router")
+        return 2
     if rendered.spec.launcher == "slurm":
         from pdtool.launch.slurm import SubmitError, submit
 
@@ -91,4 +102,15 @@ def run(args: argparse.Namespace) -> int:
         health_timeout=rendered.cfg.launcher.health_timeout_s,
         preflight=args.preflight,
     )
-    return sup.run(exit_when_healthy=args.exit_when_healthy)
+    smoke = None
+    if args.smoke:
+        from pdtool.engines.reference.client import DEFAULT_SMOKE_PROMPT
+        from pdtool.engines.reference.client import smoke as send
+
+        prompt = args.smoke_prompt or DEFAULT_SMOKE_PROMPT
+        model = rendered.cfg.model.name
+
+        def smoke(url: str) -> int:
+            return send(url, prompt, model=model)
+
+    return sup.run(exit_when_healthy=args.exit_when_healthy, smoke=smoke)

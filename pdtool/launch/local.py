@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -120,8 +121,10 @@ class Supervisor:
         endpoints = {p.name: resolve([p.health], self.vars)[0] for p in procs if p.health}
         wait_healthy(endpoints, self.dead, self.health_timeout, out=self.out)
 
-    def run(self, exit_when_healthy: bool = False) -> int:
-        """Start, wait for health, then supervise until a signal or a process exits."""
+    def run(self, exit_when_healthy: bool = False,
+            smoke: Callable[[str], int] | None = None) -> int:
+        """Start, wait for health, then supervise until a signal or a process exits.
+        `smoke(router_url)` (launch --smoke) runs once healthy; its status ends the run."""
         old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
         def raise_stop(signum, _frame):
@@ -145,6 +148,14 @@ class Supervisor:
             for r in self.running:
                 print(f"  {r.proc.name:<{width}}  pid {r.popen.pid:<7}  {r.log}",
                       file=self.out, flush=True)
+            if smoke is not None:
+                code = smoke(url)
+                if code == 0 and self.dead():
+                    code = 1
+                    print("pdtool: ERROR: a process died during the smoke request",
+                          file=sys.stderr, flush=True)
+                self.say(f"smoke {'passed' if code == 0 else 'FAILED'}: stopping")
+                return code
             if exit_when_healthy:
                 self.say("stopping after a healthy start (--exit-when-healthy)")
                 return 0
