@@ -397,10 +397,17 @@ class PdtoolKVManager(CommonKVManager):
             except (ValueError, msgpack.UnpackException) as exc:
                 logger.warning("pdtool: dropping control frame: %s", exc)
                 continue
-            if kind == KIND_REGISTER:
-                self._on_register(body)
-            elif kind == KIND_META:
-                self._on_meta(body)
+            try:
+                if kind == KIND_REGISTER:
+                    self._on_register(body)
+                elif kind == KIND_META:
+                    self._on_meta(body)
+                else:
+                    raise ValueError(f"unknown kind {kind!r}")
+            except KeyError as exc:  # signed by a peer, yet malformed: drop it, keep serving
+                logger.warning("pdtool: dropping %s frame: missing field %s", kind, exc)
+            except (TypeError, ValueError) as exc:
+                logger.warning("pdtool: dropping %s frame: %s", kind, exc)
 
     def _on_register(self, b: dict[str, Any]) -> None:
         peer = DecodePeer(
@@ -525,7 +532,14 @@ class PdtoolKVManager(CommonKVManager):
             except queue.Empty:
                 chunk = None
             if chunk is not None:
-                self._process_chunk(chunk)
+                try:
+                    self._process_chunk(chunk)
+                except Exception as exc:  # a bug must fail its room, not stop every transfer
+                    logger.exception("pdtool: chunk of room %s", chunk.room)
+                    if chunk.room in self._pending:
+                        self._pending[chunk.room].last_seen = True
+                    self.conclude_failure(bootstrap_room=chunk.room,
+                                          failure_reason=f"pdtool internal error: {exc!r}")
             if self._pending:
                 n = self.ep.poll()
                 self._settle_pending()
