@@ -44,16 +44,30 @@ class Coord:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def agree(self, ids: set[str]) -> set[str]:
-        """Ids every rank reports (level-triggered polls make this converge)."""
+    def command(self, new: list | None, stop: bool) -> tuple[list, bool]:
+        """The lead's (new requests, stop) for this iteration, on every rank. One small
+        tensor broadcast per step; the requests themselves travel only when there are some."""
         if self.size == 1:
-            return ids
+            return new or [], stop
+        flag = torch.zeros(1, dtype=torch.int64)
+        if self.leader:
+            flag[0] = 2 if stop else (1 if new else 0)
+        dist.broadcast(flag, src=0)
+        code = int(flag[0])
+        if code == 1:
+            return self.broadcast(new if self.leader else None), False
+        return [], code == 2
+
+    def agree(self, *polls: set[str]) -> list[set[str]]:
+        """Per poll, the ids every rank reports (level-triggered polls make this converge).
+
+        Callers pass only ids of requests every rank tracks (the same set on every rank), so
+        when all are empty no rank needs to ask: the collective is skipped."""
+        if self.size == 1:
+            return [set(p) for p in polls]
         seen: list[Any] = [None] * self.size
-        dist.all_gather_object(seen, sorted(ids))
-        out = set(seen[0])
-        for s in seen[1:]:
-            out &= set(s)
-        return out
+        dist.all_gather_object(seen, [sorted(p) for p in polls])
+        return [set.intersection(*(set(s[i]) for s in seen)) for i in range(len(polls))]
 
 
 # -- the engine side of the messenger ---------------------------------------------------------
@@ -177,7 +191,10 @@ class PrefillEngine:
                 continue
             self.running.append(r)
         ran = self._forward()
-        for rid in sorted(self.coord.agree(self.link.done() & set(self.sending))):
+        if not self.sending:
+            return ran
+        (done,) = self.coord.agree(self.link.done() & set(self.sending))
+        for rid in sorted(done):
             r = self.sending.pop(rid)
             self.kv.pages.free(r.pages)
             self.link.release(rid)
@@ -330,9 +347,11 @@ class DecodeEngine:
                 self.transfer[r.rid] = r
 
     def _collect_transfers(self, events: list[Event]) -> None:
-        ids = set(self.transfer)
-        failed = self.coord.agree(self.link.failed() & ids)
-        ready = self.coord.agree(self.link.ready() & ids) - failed
+        ids = set(self.transfer)  # the same on every rank: skip the collective when empty
+        if not ids:
+            return
+        failed, ready = self.coord.agree(self.link.failed() & ids, self.link.ready() & ids)
+        ready -= failed
         for rid in sorted(failed):
             r = self.transfer.pop(rid)
             self.link.release(rid)

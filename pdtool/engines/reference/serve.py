@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # torch is imported by the prefill/decode roles only: the fro
 log = logging.getLogger("pdtool.reference.serve")
 
 IDLE_WAIT_S = 0.05  # decode leader's longest wait for the front when nothing is running
-PREFILL_IDLE_S = 0.002  # prefill leader's poll of the messenger for new requests
+PREFILL_IDLE_S = (0.001, 0.02)  # prefill leader's messenger poll: backs off from 1 to 20 ms
 BUSY_WAIT_S = 0.0005  # while transfers are in flight but nothing can be computed
 DEFAULT_PAGES = 4096
 _KV_DTYPES = {"fp32": "float32", "float32": "float32", "fp64": "float64", "float64": "float64"}
@@ -201,7 +201,7 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
                 cmd = (new, stop.is_set())
             else:
                 cmd = None
-            new, stopping = coord.broadcast(cmd)
+            new, stopping = coord.command(*(cmd or (None, False)))
             if stopping:
                 log.info("decode %d rank %d: stopping", spec.instance, spec.rank)
                 break
@@ -285,14 +285,18 @@ def serve_prefill(spec: RankSpec, stop: threading.Event, link: Any = None) -> di
                               lambda: {"role": "prefill", "control": control}, stats)
         health.ready = True
     ran = False
+    idle = PREFILL_IDLE_S[0]
     try:
         while True:
             cmd = None
             if coord.leader:
-                if not ran:
-                    _idle(link, BUSY_WAIT_S if engine.busy else PREFILL_IDLE_S)
+                if ran or engine.busy:
+                    idle = PREFILL_IDLE_S[0]
+                if not ran:  # each idle wake costs every TP rank a collective: back off
+                    _idle(link, BUSY_WAIT_S if engine.busy else idle)
+                    idle = min(PREFILL_IDLE_S[1], idle * 2)
                 cmd = (link.recv(), stop.is_set())
-            new, stopping = coord.broadcast(cmd)
+            new, stopping = coord.command(*(cmd or (None, False)))
             if stopping:
                 log.info("prefill %d rank %d: stopping", spec.instance, spec.rank)
                 break
