@@ -52,6 +52,21 @@ def write_model(path: Path) -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
+def preflight_hmem(provider: str) -> None:
+    """Fail in seconds, not after two server starts, when libfabric cannot take GPU memory."""
+    import torch
+
+    from transfer import fabric
+
+    buf = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    with fabric.Endpoint(provider) as ep:
+        try:
+            ep.register(buf.data_ptr(), buf.numel(), iface="cuda", device=buf.device.index or 0)
+        except (NotImplementedError, fabric.FabricError) as exc:
+            raise RuntimeError(f"libfabric {provider} cannot register CUDA memory (FI_HMEM), "
+                               f"which the backend needs for SGLang's GPU KV pools: {exc}") from exc
+
+
 def launch(model: Path, port: int, log: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
            "--port", str(port), "--host", "127.0.0.1", "--skip-tokenizer-init",
@@ -130,6 +145,7 @@ def main() -> int:
         from transfer import fabric  # the binding must be built here (pip install -e .)
 
         result["providers"] = fabric.available_providers()
+        preflight_hmem("shm")
         model = a.keep_model or Path(tempfile.mkdtemp(prefix="pdtool-tiny-llama-"))
         if not (model / "config.json").exists():
             write_model(model)
