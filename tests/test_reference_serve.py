@@ -23,6 +23,7 @@ import torch
 import zmq
 
 from pdtool.engines.reference.client import complete
+from pdtool.engines.reference.fromplan import model_fields
 from pdtool.engines.reference.local import (
     Deployment,
     free_port,
@@ -32,7 +33,7 @@ from pdtool.engines.reference.local import (
 )
 from pdtool.engines.reference.model import TinyModel
 from pdtool.engines.reference.oracle import encode, generate
-from pdtool.engines.reference.serve import RankSpec, model_fields
+from pdtool.engines.reference.serve import RankSpec
 from pdtool.engines.reference.tokens import decode
 from pdtool.engines.reference.wire import Wire, dealer
 from pdtool.planner import from_json

@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+from pdtool.engines.reference.fromplan import model_fields
 from pdtool.engines.reference.local import free_port, free_port_run, get_json
 from pdtool.engines.reference.model import TinyConfig, TinyModel
 from pdtool.engines.reference.oracle import encode, generate
-from pdtool.engines.reference.serve import model_fields
 from pdtool.planner import from_json
 
 

@@ -1,0 +1,114 @@
+"""From the plan to a RankSpec: what `pdtool.worker` hands the reference engine.
+
+The plan (pdtool.planner) says where every rank runs, its ports, page size and chunk size, the
+model and the transfer settings; `spec_from_context` turns one worker's share of it into the
+engine's plain `RankSpec`. Anything the reference engine cannot run (a vocabulary that is not
+byte-level, DP attention, a KV dtype without a CPU kernel) is a `SpecError` naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .serve import RankSpec
+
+_PLAN_KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+ALLOW_FAULTS_ENV = "PDTOOL_REFERENCE_ALLOW_FAULTS"
+MAX_PAGES = 4096  # the CPU engine needs far less than a "GPU" budget; keep processes small
+
+
+class SpecError(ValueError):
+    """The plan asks for something the reference engine cannot run; names the key."""
+
+
+def model_fields(model: Any, kv_dtype: str) -> dict[str, Any]:
+    """TinyConfig fields from the plan's model summary (MLA: nope and v dims = head_dim)."""
+    if model.vocab_size != 256:
+        raise SpecError(f"model.vocab_size: the reference engine is byte-level (256), got "
+                        f"{model.vocab_size}")
+    if kv_dtype not in _PLAN_KV_DTYPES:
+        raise SpecError(f"kv_dtype: the reference engine supports {sorted(_PLAN_KV_DTYPES)}, "
+                        f"got {kv_dtype!r}")
+    mla = model.attention == "mla"
+    return {
+        "attention": "mla" if mla else "gqa",
+        "num_layers": model.num_layers,
+        "hidden": model.hidden_size,
+        "num_q_heads": model.num_q_heads,
+        "num_kv_heads": model.num_q_heads if model.attention == "mha" else model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "kv_lora_rank": model.kv_lora_rank or 32,
+        "qk_rope_dim": model.qk_rope_head_dim or 8,
+        "qk_nope_dim": model.head_dim,
+        "v_head_dim": model.head_dim,
+        "intermediate": model.intermediate_size,
+        "seed": model.seed,
+        "kv_dtype": _PLAN_KV_DTYPES[kv_dtype],
+    }
+
+
+def _hosts(default: str) -> list[str] | None:
+    """Allocation node addresses if the launcher exported them (`PDTOOL_HOSTS`, spaces)."""
+    raw = os.environ.get("PDTOOL_HOSTS", "").split()
+    return raw or None
+
+
+def _host_of(node: int, default: str) -> str:
+    hosts = _hosts(default)
+    return hosts[node] if hosts and node < len(hosts) else default
+
+
+def _secret_hex() -> str:
+    from transfer.control import read_secret
+
+    path = os.environ.get("PDTOOL_SECRET_FILE")
+    if not path:
+        raise SpecError("PDTOOL_SECRET_FILE is not set: the rendered job script exports it")
+    return read_secret(path).hex()
+
+
+def pair_of(plan: Any, decode_index: int) -> int:
+    """The prefill instance a decode instance sends its prompts to: decode instances are dealt
+    round-robin over prefill instances (1 prefill : N decode shares one prefill)."""
+    return decode_index % len(plan.role_instances("prefill"))
+
+
+def spec_from_context(ctx: Any) -> RankSpec:
+    """RankSpec of a worker (`pdtool.worker.WorkerContext`): plan + role + instance + rank."""
+    plan = ctx.plan
+    if ctx.role == "router":
+        urls = [f"http://{_host_of(t.node, ctx.host)}:{t.http_port}/health"
+                for t in plan.router.decode]
+        return RankSpec(role="front", host=ctx.host, http_port=plan.router.port,
+                        secret_hex=_secret_hex(), decoders=urls)
+    inst = ctx.instance
+    if inst.dp != 1:
+        raise SpecError(f"{ctx.role}.dp: the reference engine runs dp=1, got {inst.dp}")
+    rank = ctx.ranks[0]
+    pages = MAX_PAGES
+    for mem in plan.memory:
+        if mem.role == ctx.role and mem.kv_tokens > 0:
+            pages = max(1, min(MAX_PAGES, mem.kv_tokens // inst.page_size))
+    return RankSpec(
+        role=ctx.role, instance=inst.index, tp=inst.tp, rank=rank.rank, host=ctx.host,
+        leader_host=_host_of(inst.nodes[0], ctx.host), dist_port=inst.dist_init_port,
+        http_port=inst.http_port, page_size=inst.page_size, num_pages=pages,
+        chunk=inst.chunked_prefill_size,
+        model=model_fields(plan.model, inst.kv_dtype), secret_hex=_secret_hex(),
+        messenger=messenger_settings(plan, inst, rank, ctx.host),
+        peer=pair_of(plan, inst.index) if ctx.role == "decode" else 0,
+        # test hook, off unless the deployment's env sets it (launcher.env.decode.*)
+        allow_faults=os.environ.get(ALLOW_FAULTS_ENV) == "1",
+    )
+
+
+def messenger_settings(plan: Any, inst: Any, rank: Any, host: str) -> dict[str, Any]:
+    """What the messenger adapter needs from the plan (plain data). Prefill ranks' control
+    addresses are read at start-up from each prefill lead's /health (see link.py)."""
+    t = plan.transfer
+    prefill = [{"health": f"http://{_host_of(i.nodes[0], host)}:{i.http_port}/health"}
+               for i in plan.role_instances("prefill")]
+    return {"provider": t.provider, "timeout_s": t.timeout_s,
+            "connect_timeout_s": max(t.connect_timeout_s, 120.0), "prefill": prefill,
+            "prefill_tp": t.prefill.attn_tp, "decode_tp": t.decode.attn_tp}

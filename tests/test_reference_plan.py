@@ -1,0 +1,56 @@
+"""The plan → RankSpec adapter (what `pdtool.worker` hands the reference engine), no processes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from pdtool_cfg import recipe
+
+from pdtool.engines.reference.fromplan import SpecError, spec_from_context
+from pdtool.planner import build_plan
+from transfer.control import write_secret
+
+
+@pytest.fixture(autouse=True)
+def secret(tmp_path, monkeypatch):
+    path = tmp_path / "secret.key"
+    key = write_secret(path)
+    monkeypatch.setenv("PDTOOL_SECRET_FILE", str(path))
+    return key
+
+
+def _ctx(plan, role: str, index: int = 0, rank: int = 0):
+    if role == "router":
+        return SimpleNamespace(plan=plan, role=role, instance=None, ranks=[], host="127.0.0.1")
+    inst = plan.role_instances(role)[index]
+    return SimpleNamespace(plan=plan, role=role, instance=inst, ranks=[inst.ranks[rank]],
+                           host="127.0.0.1")
+
+
+def test_tiny_local_specs_pair_decoders_with_the_prefill(secret):
+    plan = build_plan(recipe("tiny-local", "prefill.tp=2", "model=tiny-mla"))
+    p1 = spec_from_context(_ctx(plan, "prefill", 0, 1))
+    assert (p1.role, p1.tp, p1.rank, p1.page_size, p1.chunk) == ("prefill", 2, 1, 4, 16)
+    assert p1.dist_port == plan.role_instances("prefill")[0].dist_init_port
+    assert p1.cfg.attention == "mla" and p1.cfg.cache_heads == 1 and p1.cfg.num_layers == 4
+    assert p1.cfg.kv_dtype == "float32" and p1.secret == secret
+    d1 = spec_from_context(_ctx(plan, "decode", 1))
+    assert d1.peer == 0 and d1.http_port == plan.role_instances("decode")[1].http_port
+    assert d1.messenger["prefill_tp"] == 2 and d1.messenger["decode_tp"] == 1
+    assert d1.messenger["prefill"] == [{"health": f"http://127.0.0.1:{p1.http_port}/health"}]
+    assert not d1.allow_faults  # test hooks stay off unless the deployment's env sets them
+    front = spec_from_context(_ctx(plan, "router"))
+    assert front.role == "front" and front.http_port == plan.router.port
+    assert front.decoders == [f"http://127.0.0.1:{i.http_port}/health"
+                              for i in plan.role_instances("decode")]
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("model.vocab_size=32000", "model.vocab_size"),
+    ("prefill.kv_dtype=fp8_e4m3", "kv_dtype"),
+])
+def test_what_the_engine_cannot_run_names_the_key(override, key):
+    plan = build_plan(recipe("tiny-local", override))
+    with pytest.raises(SpecError, match=f"^{key}"):
+        spec_from_context(_ctx(plan, "prefill"))
