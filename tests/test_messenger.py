@@ -49,8 +49,10 @@ def len_of(s: Scenario, rid: str) -> int:
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_equal_tp(provider):
+    # the decoders poll without pausing here: the production path (C polling slices)
     _check(Scenario(provider=provider, num_kv_heads=4, prefill_tp=2, decode_tp=2,
-                    prompts=PROMPTS, aux_row_bytes=AUX), sources_per_rank=1)
+                    prompts=PROMPTS, aux_row_bytes=AUX, busy_sleep_s=0.0,
+                    prefill_busy_sleep_s=0.0002), sources_per_rank=1)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)

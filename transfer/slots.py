@@ -81,6 +81,11 @@ class SlotTable:
         self._active[slot] = True
         return slot, gen
 
+    def first_active(self) -> int:
+        """Some slot still being counted, or -1."""
+        i = int(self._active.argmax())
+        return i if self._active[i] else -1
+
     def received(self, slot: int) -> int:
         return int(self.counts[slot])
 

@@ -79,6 +79,7 @@ class DecodeMessenger(Worker):
     The caller keeps every buffer alive until `close()`."""
 
     role = "decode"
+    POLL_SLICE_S = 0.0005
 
     def __init__(self, config: DecodeConfig, kv_buffers: Sequence[Any], layout: str = "HND",
                  aux_buffers: Sequence[Any] = ()) -> None:
@@ -262,7 +263,13 @@ class DecodeMessenger(Worker):
                                                     x.expected, x.slot)
 
     def _step(self) -> bool:
-        self._ep.poll()
+        slot = self._slots.first_active() if not self.config.busy_sleep_s else -1
+        if slot >= 0:
+            # while writes are due, poll in C for a short slice (the GIL is released, an idle
+            # loop yields the core): the receiver's polling is what moves bytes on tcp/verbs
+            self._ep.wait_recv(slot, int(self._slots.expected[slot]), timeout=self.POLL_SLICE_S)
+        else:
+            self._ep.poll()
         while self._cmds:
             cmd = self._cmds.popleft()
             getattr(self, f"_cmd_{cmd[0]}")(*cmd[1:])
