@@ -187,3 +187,27 @@ def test_requests_larger_than_the_cache_fail_alone():
     assert outs[0] == [] and "pages" in infos[0]["error"]
     assert outs[1] == generate(cfg, small, 4)
     assert pair.dkv.pages.num_free == pair.pkv.pages.num_free == 16
+
+
+class TwoRanks(Coord):
+    """This rank plus a scripted second rank whose polls say `other_failed` failed there."""
+
+    def __init__(self, other_failed: set[str]) -> None:
+        super().__init__(size=1)
+        self.other_failed = other_failed
+
+    def gather(self, *polls):
+        fails, oks = polls
+        return [[set(fails), fails | (self.other_failed & (fails | oks))],
+                [set(oks), oks - self.other_failed]]
+
+
+def test_a_transfer_that_failed_on_any_rank_fails_once_every_rank_settled():
+    cfg = TinyConfig()
+    pair = Pair(cfg)
+    pair.dec.coord = TwoRanks({"r0"})  # r0 arrived here but failed on the other decode rank
+    outs, infos = pair.run([encode("first prompt"), encode("second prompt")], 4)
+    assert outs[0] == [] and infos[0]["error"] == "KV transfer failed"
+    assert outs[1] == generate(cfg, encode("second prompt"), 4)
+    assert pair.dec.prompt_tokens_seen == 1  # r0 never ran
+    assert pair.dkv.pages.num_free == pair.dkv.pages.num_pages

@@ -58,16 +58,20 @@ class Coord:
             return self.broadcast(new if self.leader else None), False
         return [], code == 2
 
-    def agree(self, *polls: set[str]) -> list[set[str]]:
-        """Per poll, the ids every rank reports (level-triggered polls make this converge).
+    def gather(self, *polls: set[str]) -> list[list[set[str]]]:
+        """Per poll, every rank's set (one collective for all polls).
 
-        Callers pass only ids of requests every rank tracks (the same set on every rank), so
-        when all are empty no rank needs to ask: the collective is skipped."""
+        Callers pass only ids of requests every rank tracks (the same on every rank), so when
+        there are none they skip the call and no rank waits for the others."""
         if self.size == 1:
-            return [set(p) for p in polls]
+            return [[set(p)] for p in polls]
         seen: list[Any] = [None] * self.size
         dist.all_gather_object(seen, [sorted(p) for p in polls])
-        return [set.intersection(*(set(s[i]) for s in seen)) for i in range(len(polls))]
+        return [[set(s[i]) for s in seen] for i in range(len(polls))]
+
+    def agree(self, *polls: set[str]) -> list[set[str]]:
+        """Per poll, the ids every rank reports (level-triggered polls make this converge)."""
+        return [set.intersection(*sets) for sets in self.gather(*polls)]
 
 
 # -- the engine side of the messenger ---------------------------------------------------------
@@ -350,8 +354,11 @@ class DecodeEngine:
         ids = set(self.transfer)  # the same on every rank: skip the collective when empty
         if not ids:
             return
-        failed, ready = self.coord.agree(self.link.failed() & ids, self.link.ready() & ids)
-        ready -= failed
+        fails, oks = self.coord.gather(self.link.failed() & ids, self.link.ready() & ids)
+        # settled on every rank (success or safely failed); failed if it failed anywhere
+        settled = set.intersection(*(f | o for f, o in zip(fails, oks, strict=True)))
+        failed = settled & set.union(*fails)
+        ready = settled - failed
         for rid in sorted(failed):
             r = self.transfer.pop(rid)
             self.link.release(rid)
