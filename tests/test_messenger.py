@@ -58,8 +58,10 @@ def test_equal_tp(provider):
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_prefill_tp4_to_decode_tp2(provider):
     """Each decode rank rebuilds full pages from the head slices of two prefill ranks."""
+    # the prefill ranks poll without pausing here: the production path (C polling slices)
     _check(Scenario(provider=provider, num_kv_heads=4, prefill_tp=4, decode_tp=2,
-                    prompts=PROMPTS, aux_row_bytes=AUX), sources_per_rank=2)
+                    prompts=PROMPTS, aux_row_bytes=AUX, prefill_busy_sleep_s=0.0),
+           sources_per_rank=2)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)

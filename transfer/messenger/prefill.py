@@ -158,6 +158,7 @@ class PrefillMessenger(Worker):
     writes; pass `progress` to share one with other code, else one is allocated."""
 
     role = "prefill"
+    POLL_SLICE_S = 0.0002
 
     def __init__(self, config: PrefillConfig, kv_buffers: Sequence[Any], layout: str = "HND",
                  aux_buffers: Sequence[Any] = (), progress: np.ndarray | None = None) -> None:
@@ -339,7 +340,12 @@ class PrefillMessenger(Worker):
             self._chan.sock.poll(max(1, int(seconds * 1000)), zmq.POLLIN)
 
     def _step(self) -> bool:
-        self._ep.poll()
+        if self._reqs and not self.config.busy_sleep_s and self._ep.inflight:
+            # writes in flight: poll in C for a short slice (GIL released, yields when idle);
+            # short enough that a bumped progress word is picked up at once
+            self._ep.wait_idle(timeout=self.POLL_SLICE_S)
+        else:
+            self._ep.poll()
         while self._cmds:
             cmd = self._cmds.popleft()
             getattr(self, f"_cmd_{cmd[0]}")(*cmd[1:])
