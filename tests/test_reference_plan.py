@@ -48,7 +48,9 @@ def test_tiny_local_specs_pair_decoders_with_the_prefill(secret):
 
 @pytest.mark.parametrize(("override", "key"), [
     ("model.vocab_size=32000", "model.vocab_size"),
-    ("prefill.kv_dtype=fp8_e4m3", "kv_dtype"),
+    ("prefill.kv_dtype=fp8_e4m3", "prefill.kv_dtype"),
+    ("prefill.tp=8", "prefill.tp"),  # 4 query heads cannot be split 8 ways
+    ("model.head_dim=15", "model.head_dim"),
 ])
 def test_what_the_engine_cannot_run_names_the_key(override, key):
     plan = build_plan(recipe("tiny-local", override))

@@ -22,40 +22,63 @@ class SpecError(ValueError):
     """The plan asks for something the reference engine cannot run; names the key."""
 
 
-def model_fields(model: Any, kv_dtype: str) -> dict[str, Any]:
+def model_fields(model: Any, kv_dtype: str, role: str = "prefill") -> dict[str, Any]:
     """TinyConfig fields from the plan's model summary (MLA: nope and v dims = head_dim)."""
     if model.vocab_size != 256:
         raise SpecError(f"model.vocab_size: the reference engine is byte-level (256), got "
                         f"{model.vocab_size}")
     if kv_dtype not in _PLAN_KV_DTYPES:
-        raise SpecError(f"kv_dtype: the reference engine supports {sorted(_PLAN_KV_DTYPES)}, "
-                        f"got {kv_dtype!r}")
+        raise SpecError(f"{role}.kv_dtype: the reference engine supports "
+                        f"{sorted(_PLAN_KV_DTYPES)}, got {kv_dtype!r}")
     mla = model.attention == "mla"
-    return {
+    rope = model.qk_rope_head_dim if mla else model.head_dim
+    if mla and model.kv_lora_rank < 1:
+        raise SpecError(f"model.kv_lora_rank: an MLA model needs a latent width >= 1, got "
+                        f"{model.kv_lora_rank}")
+    if rope < 2 or rope % 2:
+        key = "model.qk_rope_head_dim" if mla else "model.head_dim"
+        raise SpecError(f"{key}: RoPE rotates pairs, needs an even width >= 2, got {rope}")
+    fields = {
         "attention": "mla" if mla else "gqa",
         "num_layers": model.num_layers,
         "hidden": model.hidden_size,
         "num_q_heads": model.num_q_heads,
         "num_kv_heads": model.num_q_heads if model.attention == "mha" else model.num_kv_heads,
         "head_dim": model.head_dim,
-        "kv_lora_rank": model.kv_lora_rank or 32,
-        "qk_rope_dim": model.qk_rope_head_dim or 8,
         "qk_nope_dim": model.head_dim,
         "v_head_dim": model.head_dim,
         "intermediate": model.intermediate_size,
         "seed": model.seed,
         "kv_dtype": _PLAN_KV_DTYPES[kv_dtype],
     }
+    if mla:
+        fields.update(kv_lora_rank=model.kv_lora_rank, qk_rope_dim=model.qk_rope_head_dim)
+    return fields
 
 
-def _hosts(default: str) -> list[str] | None:
+def check_instance(fields: dict[str, Any], inst: Any, role: str) -> None:
+    """What would otherwise fail inside the engine, as a SpecError naming the key."""
+    from .model import TinyConfig
+
+    if inst.dp != 1:
+        raise SpecError(f"{role}.dp: the reference engine runs dp=1, got {inst.dp}")
+    if inst.chunked_prefill_size % inst.page_size:
+        raise SpecError(f"{role}.chunked_prefill_size: {inst.chunked_prefill_size} is not a "
+                        f"multiple of {role}.page_size={inst.page_size}")
+    try:
+        TinyConfig(**fields).check_tp(inst.tp)
+    except ValueError as exc:
+        raise SpecError(f"{role}.tp: {exc}") from None
+
+
+def _hosts() -> list[str] | None:
     """Allocation node addresses if the launcher exported them (`PDTOOL_HOSTS`, spaces)."""
     raw = os.environ.get("PDTOOL_HOSTS", "").split()
     return raw or None
 
 
 def _host_of(node: int, default: str) -> str:
-    hosts = _hosts(default)
+    hosts = _hosts()
     return hosts[node] if hosts and node < len(hosts) else default
 
 
@@ -83,8 +106,8 @@ def spec_from_context(ctx: Any) -> RankSpec:
         return RankSpec(role="front", host=ctx.host, http_port=plan.router.port,
                         secret_hex=_secret_hex(), decoders=urls)
     inst = ctx.instance
-    if inst.dp != 1:
-        raise SpecError(f"{ctx.role}.dp: the reference engine runs dp=1, got {inst.dp}")
+    fields = model_fields(plan.model, inst.kv_dtype, ctx.role)
+    check_instance(fields, inst, ctx.role)
     rank = ctx.ranks[0]
     pages = MAX_PAGES
     for mem in plan.memory:
@@ -95,7 +118,7 @@ def spec_from_context(ctx: Any) -> RankSpec:
         leader_host=_host_of(inst.nodes[0], ctx.host), dist_port=inst.dist_init_port,
         http_port=inst.http_port, page_size=inst.page_size, num_pages=pages,
         chunk=inst.chunked_prefill_size,
-        model=model_fields(plan.model, inst.kv_dtype), secret_hex=_secret_hex(),
+        model=fields, secret_hex=_secret_hex(),
         messenger=messenger_settings(plan, inst, rank, ctx.host),
         peer=pair_of(plan, inst.index) if ctx.role == "decode" else 0,
         # test hook, off unless the deployment's env sets it (launcher.env.decode.*)
