@@ -1,14 +1,11 @@
 """The KV messenger: prefill and decode sides of the DESIGN §4 protocol over libfabric.
 
 For bench/transfer.py: `transfer.messenger.loopback.measure_transfer(provider, page_bytes,
-total_bytes, *, requests=16, waves=3, num_layers=1, busy_sleep_s=None,
+total_bytes, *, requests=16, waves=3, num_layers=1, busy_sleep_s=0.0,
 prefill_busy_sleep_s=0.0)` moves pages between a prefill and a decode process through the full
 protocol (signed REQUEST, lead assembly, bind, per-layer progress word, imm-counted writes,
 SUCCESS when the decoder's count is reached) after one untimed warm-up request, and returns
-{"gbps": best wave, "waves_gbps": [...], "bytes", "ok", ...} on the decoder's clock. On a
-machine with 2 shared cores a small decode-side `busy_sleep_s` leaves the sender a core (the
-receiver only needs to drain its CQ; the default does this on shm only — on tcp/verbs the
-receiver's polling moves the bytes); on dedicated cores pass 0.
+{"gbps": best wave, "waves_gbps": [...], "bytes", "ok", ...} on the decoder's clock.
 
 Importing this package does not load libfabric; the messengers load it when started, and its
 absence raises transfer.fabric.FabricUnavailableError naming the missing package.

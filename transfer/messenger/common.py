@@ -52,10 +52,10 @@ class CommonConfig:
 
     `rank` is this process's attention-TP rank inside its instance (0 = lead). Timeouts:
     `timeout_s` bounds one transfer end to end; a peer silent for `peer_timeout_s` is dead;
-    heartbeats go every `heartbeat_s`. `busy_sleep_s`: pause per loop while transfers are in
-    flight — 0 on dedicated cores; on shared cores a decoder on `shm` may pause (~0.2 ms: the
-    sender does the copy), but on `tcp;ofi_rxm`/`verbs` the receiver's polling moves the bytes
-    (manual progress), so keep it 0 there.
+    heartbeats go every `heartbeat_s`. `busy_sleep_s`: 0 (the default, and the fast path) polls
+    in C slices while writes are due, yielding the core when idle; a positive value polls once
+    per loop and sleeps that long instead (gentler on heavily oversubscribed cores, but on
+    `tcp;ofi_rxm`/`verbs` the receiver's polling is what moves the bytes, so it is slower).
     """
 
     secret: bytes

@@ -400,15 +400,11 @@ def _remove_shm(pids: list[int]) -> None:
 
 def measure_transfer(provider: str = "shm", page_bytes: int = 1 << 16,
                      total_bytes: int = 1 << 30, *, requests: int = 16, waves: int = 3,
-                     num_layers: int = 1, busy_sleep_s: float | None = None,
+                     num_layers: int = 1, busy_sleep_s: float = 0.0,
                      prefill_busy_sleep_s: float = 0.0) -> dict[str, Any]:
     """Move `total_bytes` of `page_bytes` pages from a prefill process to a decode process
     through the full messenger protocol, `waves` times; returns the best wave's GB/s (decoder
     clock: first submit to last SUCCESS) with the per-wave figures. For bench/transfer.py."""
-    if busy_sleep_s is None:
-        # shm: the sender copies, the receiver only drains its CQ, so on shared cores it pauses;
-        # tcp/verbs: the receiver's polling moves the bytes, so it must not pause
-        busy_sleep_s = 0.0002 if provider == "shm" else 0.0
     pages = max(1, total_bytes // (page_bytes * num_layers))
     per_req = max(1, math.ceil(pages / requests))
     s = Scenario(provider=provider, num_kv_heads=1, prefill_tp=1, decode_tp=1, kv_parts=1,
