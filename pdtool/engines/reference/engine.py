@@ -148,6 +148,7 @@ class PrefillEngine:
         coord: Coord,
         chunk_size: int,
         max_batch_tokens: int | None = None,
+        max_requests: int = 256,
     ) -> None:
         if chunk_size % kv.page_size:
             raise ValueError(
@@ -157,6 +158,7 @@ class PrefillEngine:
         self.model, self.kv, self.link, self.coord = model, kv, link, coord
         self.chunk = chunk_size
         self.budget = max_batch_tokens or chunk_size
+        self.max_requests = max_requests  # bound at once (the messenger has that many aux rows)
         self.waiting: list[_PReq] = []
         self.running: list[_PReq] = []
         self.sending: dict[str, _PReq] = {}
@@ -175,7 +177,7 @@ class PrefillEngine:
                 log.warning("request %s: prefill needs 2+ prompt tokens, dropped", m["rid"])
                 continue
             self.waiting.append(_PReq(m["rid"], toks, m))
-        while self.waiting:
+        while self.waiting and len(self.running) + len(self.sending) < self.max_requests:
             r = self.waiting[0]
             n = pages_for(len(r.tokens), self.kv.page_size)
             if n > self.kv.pages.num_pages:
