@@ -301,6 +301,11 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
             times: list[float] = []
             rid = f"cmpl-{uuid.uuid4().hex}"
             for t, body in front.generate(req["tokens"], req["max_tokens"]):
+                if body["done"] and "error" in body["info"]:  # OpenAI streams errors as data
+                    err = {"error": {"message": f"decode instance {body['instance']}: "
+                                                f"{body['info']['error']}", "type": "server_error"}}
+                    self.wfile.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                    break
                 if body["tokens"]:
                     times.append(t)
                 toks += body["tokens"]
