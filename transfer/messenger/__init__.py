@@ -2,8 +2,8 @@
 
 For bench/transfer.py: `transfer.messenger.loopback.measure_transfer(provider, page_bytes,
 total_bytes, *, requests=16, waves=3, num_layers=1, busy_sleep_s=0.0,
-prefill_busy_sleep_s=0.0)` moves pages between a prefill and a decode process through the full
-protocol (signed REQUEST, lead assembly, bind, per-layer progress word, imm-counted writes,
+prefill_busy_sleep_s=0.0)` moves pages between a prefill and a decode process through the
+full protocol (signed REQUEST, lead assembly, bind, per-layer progress word, imm-counted writes,
 SUCCESS when the decoder's count is reached) after one untimed warm-up request, and returns
 {"gbps": best wave, "waves_gbps": [...], "bytes", "ok", ...} on the decoder's clock.
 

@@ -7,8 +7,9 @@ and loops: drain the CQ, run commands, read control messages, watch the progress
 counts, and every few milliseconds run timers (timeouts, heartbeats, quarantine). Keeping every
 poll in one place matters on small machines: two busy-polling threads per process halve the
 throughput (DESIGN §5). While nothing is in flight the thread sleeps on its sockets
-(`idle_sleep_s`); while transfers are in flight it spins, pausing `busy_sleep_s` per loop (0 on
-dedicated cores; tests on 2 cores use a little).
+(`idle_sleep_s`); while writes are due it polls the completion queue in short C slices (the GIL
+released, the core yielded when a poll finds nothing), or, with `busy_sleep_s` > 0, polls once
+per loop and sleeps that long.
 """
 
 from __future__ import annotations
