@@ -43,7 +43,6 @@ IDLE_WAIT_S = 0.05  # decode leader's longest wait for the front when nothing is
 PREFILL_IDLE_S = (0.001, 0.02)  # prefill leader's messenger poll: backs off from 1 to 20 ms
 BUSY_WAIT_S = 0.0005  # while transfers are in flight but nothing can be computed
 DEFAULT_PAGES = 4096
-_KV_DTYPES = {"fp32": "float32", "float32": "float32", "fp64": "float64", "float64": "float64"}
 
 
 @dataclass
@@ -121,37 +120,10 @@ def _stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
 
 
 def make_link(spec: RankSpec, kv: PagedKV, model: TinyModel) -> Any:
-    """The messenger adapter for this rank (imported late: it needs the libfabric binding).
-
-    `messenger.kind: none` gives a link that refuses every transfer: a decoder then serves
-    one-token prompts only (used to test the front and decode loop on their own)."""
-    if spec.messenger.get("kind") == "none":
-        return NoLink()
+    """The messenger adapter for this rank (imported late: it needs the libfabric binding)."""
     from .link import messenger_link
 
     return messenger_link(spec, kv, model)
-
-
-class NoLink:
-    """No messenger: prompts longer than one token fail instead of waiting forever."""
-
-    def __init__(self) -> None:
-        self._failed: set[str] = set()
-
-    def submit(self, rid: str, tokens: list[int], pages: list[int], peer: int) -> None:
-        self._failed.add(rid)
-
-    def ready(self) -> set[str]:
-        return set()
-
-    def failed(self) -> set[str]:
-        return set(self._failed)
-
-    def release(self, rid: str) -> None:
-        self._failed.discard(rid)
-
-    def recv(self) -> list[dict]:
-        return []
 
 
 # -- decode ---------------------------------------------------------------------------------------
