@@ -273,10 +273,16 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
                 m.submit(rid, _tokens(rid, n), dpages[rid], peer=peer)
             pending = {r[0]: r for r in batch}
             deadline = time.monotonic() + s.run_timeout_s
+            watch = not ev["decoder_saw_writes"].is_set()
             while pending and time.monotonic() < deadline:
+                # cheap while timing: per-request status only until writes were first seen
+                settled = m.ready() | m.failed()
                 for rid, (_rid, _n, peer, _w) in list(pending.items()):
+                    if not watch and rid not in settled:
+                        continue
                     st = m.status(rid)
-                    if st.received and not ev["decoder_saw_writes"].is_set():
+                    if watch and st.received and not ev["decoder_saw_writes"].is_set():
+                        watch = False
                         report["seen"] = {"rid": rid, "received": st.received,
                                           "expected": st.expected}
                         ev["decoder_saw_writes"].set()
