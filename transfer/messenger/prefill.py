@@ -232,7 +232,8 @@ class PrefillMessenger(Worker):
         """Every rank, engine thread, before a forward pass: `(rid, first_token, end_token)`
         of each scheduled chunk (tokens of the prompt minus its last token; `first_token` is a
         multiple of the page size, `end_token` too unless it ends the prompt). Resets the
-        progress word to (new pass, 0 layers); returns the pass id."""
+        progress word to (new pass, 0 layers); returns the pass id. Beginning a pass declares
+        the previous one complete (every layer of it is in the cache)."""
         self._check_alive()
         P = self.layout.page_size
         out = []
