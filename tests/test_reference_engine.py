@@ -14,7 +14,7 @@ import torch
 
 from pdtool.engines.reference.cache import PageAllocator, PagedKV
 from pdtool.engines.reference.engine import Coord, DecodeEngine, PrefillEngine
-from pdtool.engines.reference.model import TinyConfig, TinyModel
+from pdtool.engines.reference.model import Batch, TinyConfig, TinyModel
 from pdtool.engines.reference.oracle import encode, generate
 
 torch.set_num_threads(1)
@@ -211,3 +211,25 @@ def test_a_transfer_that_failed_on_any_rank_fails_once_every_rank_settled():
     assert outs[1] == generate(cfg, encode("second prompt"), 4)
     assert pair.dec.prompt_tokens_seen == 1  # r0 never ran
     assert pair.dkv.pages.num_free == pair.dkv.pages.num_pages
+
+
+@pytest.mark.parametrize(("attention", "page_size"), [("gqa", 1), ("gqa", 16), ("mla", 4)])
+def test_attention_reads_scattered_pages_like_contiguous_ones(attention, page_size):
+    """The page table is the only thing tying tokens to memory: scattered page ids and other
+    page sizes give the same tokens as the oracle's contiguous pages."""
+    cfg = TinyConfig(attention=attention)
+    model = TinyModel(cfg)
+    prompt = encode("paged attention gathers by page id")
+    want = generate(cfg, prompt, 6, model)
+    kv = PagedKV(cfg, cfg.cache_heads, 256, page_size)
+    kv.pages.alloc(7)  # used by someone else
+    pages = kv.pages.alloc(-(-(len(prompt) + 6) // page_size))
+    random.Random(0).shuffle(pages)
+    out, run, start = [], prompt, 0
+    for _ in range(6):
+        hidden = model.forward(Batch.build([(run, start, pages)], page_size), kv.layers,
+                               page_size)
+        out.append(int(model.logits(hidden[-1:]).argmax(-1)))
+        start += len(run)
+        run = out[-1:]
+    assert out == want
