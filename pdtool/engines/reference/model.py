@@ -20,8 +20,10 @@ the gap between the two best logits that a greedy argmax never flips, so token-e
 exact rather than lucky. The float32 cache is what travels over the messenger.
 
 A small MTP-style draft head (DeepSeek-V3 style: norm(hidden) ⊕ norm(embed(next token)) → one
-projection → the shared LM head) turns the hidden state the prefill ships into a draft of the
-first generated token's successor, which the decoder verifies in its first step.
+projection → the shared LM head) turns the hidden state the prefill ships (position N-2) and
+the last prompt token into a draft of the first generated token. The decoder's first step runs
+[last prompt token, draft] and verifies it: when right, the token after it comes in the same
+step; either way the text is the greedy one, so the hidden state changes speed, never output.
 """
 
 from __future__ import annotations
