@@ -249,9 +249,11 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
     from .decode import DecodeMessenger
 
     src, dst = ShardSpec(s.num_kv_heads, s.prefill_tp), ShardSpec(s.num_kv_heads, s.decode_tp)
-    zero = _split(s, _local(s, _global_layer(s, 0), dst, rank))[0]
-    shape = (s.dst_pages, *zero.shape[1:])
-    kv = [torch.zeros(shape, dtype=zero.dtype)
+    parts = 1 if s.split_kv else s.kv_parts
+    heads = dst.heads_per_rank
+    shape = ((s.dst_pages, heads, parts, s.page_size, s.head_dim) if s.layout == "HND"
+             else (s.dst_pages, s.page_size, heads, parts, s.head_dim))
+    kv = [torch.zeros(shape, dtype=_torch_dtype(s.dtype))
           for _ in range(s.num_layers * (2 if s.split_kv else 1))]
     aux = [torch.zeros((64, rb), dtype=torch.uint8) for rb in s.aux_row_bytes]
     cfg = DecodeConfig(secret=SECRET, spec=dst, peer_spec=src, rank=rank, provider=s.provider,
