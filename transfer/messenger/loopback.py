@@ -72,6 +72,7 @@ class Scenario:
     busy_sleep_s: float = 0.0002
     prefill_busy_sleep_s: float | None = None  # default: busy_sleep_s
     verify: bool = True
+    wrap_pages: bool = False              # page ids cycle over the buffers (benchmark only)
     run_timeout_s: float = 60.0
 
 
@@ -124,13 +125,18 @@ def _requests(s: Scenario) -> list[tuple[str, int, int, int]]:
 
 def _page_ids(s: Scenario, total: int, seed: int) -> dict[str, np.ndarray]:
     """Deterministic page ids per request; every wave reuses the same ids."""
-    perm = np.random.default_rng(seed).permutation(total)
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(total)
+    reqs = _requests(s)
+    if s.wrap_pages:  # a bounded region reused, like bench/transfer.py's --region-mib
+        need = sum(pages_for(n, s.page_size) for _, n, _, _ in reqs)
+        perm = np.concatenate([perm] + [rng.permutation(total) for _ in range(need // total)])
     out, cursor, wave = {}, 0, -1
-    for rid, n, _peer, w in _requests(s):
+    for rid, n, _peer, w in reqs:
         if w != wave:
             cursor, wave = 0, w
         k = pages_for(n, s.page_size)
-        if cursor + k > total:
+        if cursor + k > len(perm):
             raise ValueError(f"scenario: {total} pages cannot hold wave {w}")
         out[rid] = perm[cursor:cursor + k]
         cursor += k
@@ -213,7 +219,7 @@ def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any]
                 results[rid] = {"ok": r.ok, "reason": r.reason, "writes": r.writes}
                 m.release(rid)
             if not chunks and not new:
-                time.sleep(0.002)
+                time.sleep(0.005)
         time.sleep(0.05)
         for rid in m.done():
             r = m.result(rid)
@@ -303,7 +309,7 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
                     m.release(rid)
                     if st.status is TransferStatus.FAILED:
                         ev["decoder_failed"].set()
-                time.sleep(0.0005)
+                time.sleep(0.005)
             if wave >= 0:
                 report["waves"].append({"seconds": time.perf_counter() - t0,
                                         "pages": sum(len(dpages[r[0]]) for r in batch)})
@@ -409,20 +415,26 @@ def _remove_shm(pids: list[int]) -> None:
 def measure_transfer(provider: str = "shm", page_bytes: int = 1 << 16,
                      total_bytes: int = 1 << 30, *, requests: int = 16, waves: int = 3,
                      num_layers: int = 1, busy_sleep_s: float = 0.0,
-                     prefill_busy_sleep_s: float = 0.0) -> dict[str, Any]:
+                     prefill_busy_sleep_s: float = 0.0,
+                     region_bytes: int | None = None) -> dict[str, Any]:
     """Move `total_bytes` of `page_bytes` pages from a prefill process to a decode process
     through the full messenger protocol, `waves` times; returns the best wave's GB/s (decoder
-    clock: first submit to last SUCCESS) with the per-wave figures. For bench/transfer.py."""
+    clock: first submit to last SUCCESS) with the per-wave figures. For bench/transfer.py.
+
+    `region_bytes`: size of each side's KV buffer; by default every page has its own slot
+    (`total_bytes` per side); smaller, pages cycle over it (scattered, as bench/transfer.py's
+    `--region-mib` does for the other systems), which keeps runs comparable."""
     pages = max(1, total_bytes // (page_bytes * num_layers))
     per_req = max(1, math.ceil(pages / requests))
+    total = per_req * requests
+    buf_pages = total if region_bytes is None else max(1, min(total, region_bytes // page_bytes))
     s = Scenario(provider=provider, num_kv_heads=1, prefill_tp=1, decode_tp=1, kv_parts=1,
                  page_size=1, head_dim=page_bytes, dtype="uint8", num_layers=num_layers,
-                 src_pages=per_req * requests, dst_pages=per_req * requests,
+                 src_pages=buf_pages, dst_pages=buf_pages, wrap_pages=buf_pages < total,
                  prompts=(per_req + 1,) * requests, chunk_pages=per_req, aux_row_bytes=(),
                  waves=waves, warmup=True, busy_sleep_s=busy_sleep_s,
                  prefill_busy_sleep_s=prefill_busy_sleep_s, verify=False,
-                 timeout_s=120.0,
-                 run_timeout_s=300.0)
+                 timeout_s=120.0, run_timeout_s=300.0)
     out = run(s)
     rep = out.decode[0]
     ok = all(r["status"] == "success" for r in rep["requests"].values())
