@@ -16,6 +16,12 @@ A refused message is dropped, counted in `rejected` and logged with its reason; 
 serving. Listeners bind to a configured interface (default 127.0.0.1), never to every interface
 unless explicitly allowed.
 
+Fault injection (tests only): `ControlFaults` drops or delays OUTGOING messages of chosen types,
+so the fault suite can lose a REQUEST, an ABORTED or a PONG, or hold one back past a timeout. It
+is off unless a channel is given one or the process environment sets `PDTOOL_CONTROL_FAULTS`
+(e.g. `drop=REQUEST:0.5,delay=PONG:1.5,seed=3`); a disabled hook costs one `is None` test per
+send and nothing on the data path.
+
 Sockets are not thread-safe: each `Channel` belongs to the messenger thread that polls it.
 """
 
@@ -316,6 +322,82 @@ class Codec:
         return Message(env["type"], env["from"], body, env["ts"])
 
 
+FAULTS_ENV = "PDTOOL_CONTROL_FAULTS"
+
+
+@dataclass
+class ControlFaults:
+    """Test hook: drop (with a probability) or delay (by seconds) outgoing messages by type.
+
+    `log` records every action as `(action, type, rid)` (rid "" for bodies without one), so a
+    test knows exactly which requests a lost message affected. Parsed from text such as
+    `drop=REQUEST:0.5,drop=ABORTED:1,delay=PONG:1.5,seed=7`.
+    """
+
+    drop: dict[str, float] = field(default_factory=dict)
+    delay: dict[str, float] = field(default_factory=dict)
+    seed: int = 0
+    log: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        import random
+
+        for kind, table in (("drop", self.drop), ("delay", self.delay)):
+            for t, v in table.items():
+                if t not in SCHEMAS:
+                    raise ControlError(f"{FAULTS_ENV}: {kind}={t}: unknown message type")
+                if not isinstance(v, int | float) or v < 0 or (kind == "drop" and v > 1):
+                    raise ControlError(f"{FAULTS_ENV}: {kind}={t}:{v!r} out of range")
+        self._rng = random.Random(self.seed)
+
+    @classmethod
+    def parse(cls, text: str) -> ControlFaults:
+        drop: dict[str, float] = {}
+        delay: dict[str, float] = {}
+        seed = 0
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            key, _, val = item.partition("=")
+            try:
+                if key == "seed":
+                    seed = int(val)
+                elif key in ("drop", "delay"):
+                    t, _, num = val.partition(":")
+                    (drop if key == "drop" else delay)[t] = float(num or 1.0)
+                else:
+                    raise ValueError
+            except ValueError:
+                raise ControlError(f"{FAULTS_ENV}: cannot read {item!r} (expected drop=TYPE:p, "
+                                   f"delay=TYPE:seconds or seed=N)") from None
+        return cls(drop, delay, seed)
+
+    def action(self, type_: str, body: dict[str, Any]) -> float | None:
+        """None: drop the message; else the seconds to hold it back (0: send now)."""
+        rid = str(body.get("rid", ""))
+        p = self.drop.get(type_, 0.0)
+        if p and self._rng.random() < p:
+            self.log.append(("drop", type_, rid))
+            return None
+        d = self.delay.get(type_, 0.0)
+        if d:
+            self.log.append(("delay", type_, rid))
+        return d
+
+
+_env_faults: ControlFaults | None = None
+
+
+def env_faults() -> ControlFaults | None:
+    """The process-wide hook from `PDTOOL_CONTROL_FAULTS` (one shared log), or None."""
+    global _env_faults
+    text = os.environ.get(FAULTS_ENV, "")
+    if not text:
+        return None
+    if _env_faults is None:
+        _env_faults = ControlFaults.parse(text)
+        log.warning("control: fault injection enabled (%s=%s)", FAULTS_ENV, text)
+    return _env_faults
+
+
 class Channel:
     """One signed ZeroMQ socket: a ROUTER (`bind`) or a DEALER (`connect`).
 
@@ -324,9 +406,12 @@ class Channel:
     ones, `rejected` counts the rest and `last_error` keeps the latest reason.
     """
 
-    def __init__(self, ctx: zmq.Context, codec: Codec, *, router: bool) -> None:
+    def __init__(self, ctx: zmq.Context, codec: Codec, *, router: bool,
+                 faults: ControlFaults | None = None) -> None:
         self.codec = codec
         self.router = router
+        self.faults = faults if faults is not None else env_faults()
+        self._held: list[tuple[float, list[bytes], str]] = []  # delayed by the fault hook
         self.sock = ctx.socket(zmq.ROUTER if router else zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, codec.max_bytes + 1024)
@@ -341,8 +426,9 @@ class Channel:
 
     @classmethod
     def listen(cls, ctx: zmq.Context, codec: Codec, host: str, port: int = 0, *,
-               allow_any_interface: bool = False) -> Channel:
-        ch = cls(ctx, codec, router=True)
+               allow_any_interface: bool = False,
+               faults: ControlFaults | None = None) -> Channel:
+        ch = cls(ctx, codec, router=True, faults=faults)
         check_bind_host(host, allow_any_interface)
         try:
             if port:
@@ -356,8 +442,9 @@ class Channel:
         return ch
 
     @classmethod
-    def connect(cls, ctx: zmq.Context, codec: Codec, address: str) -> Channel:
-        ch = cls(ctx, codec, router=False)
+    def connect(cls, ctx: zmq.Context, codec: Codec, address: str, *,
+                faults: ControlFaults | None = None) -> Channel:
+        ch = cls(ctx, codec, router=False, faults=faults)
         ch.sock.connect(address)
         ch.address = address
         return ch
@@ -368,13 +455,33 @@ class Channel:
             if peer is None:
                 raise ValueError("a ROUTER channel needs the peer's routing id")
             frames = [peer, *frames]
+        if self.faults is not None:
+            hold = self.faults.action(type_, body)
+            if hold is None:
+                return
+            if hold > 0:
+                self._held.append((time.monotonic() + hold, frames, type_))
+                return
+        self._send(frames, type_)
+
+    def _send(self, frames: list[bytes], type_: str) -> None:
         try:
             self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             log.warning("control: send queue to %s full, dropped %s", self.address, type_)
 
+    def _release_held(self) -> None:
+        now = time.monotonic()
+        due = [h for h in self._held if h[0] <= now]
+        if due:
+            self._held = [h for h in self._held if h[0] > now]
+            for _t, frames, type_ in due:
+                self._send(frames, type_)
+
     def recv(self, limit: int = 256) -> list[tuple[bytes, Message]]:
         """Valid messages waiting now (non-blocking) as (peer routing id, message)."""
+        if self._held:
+            self._release_held()
         out = []
         for _ in range(limit):
             try:

@@ -194,6 +194,17 @@ class DecodeMessenger(Worker):
         self._cmds.append(("release", rid, st.slot if st.status is TransferStatus.SUCCESS
                            else -1))
 
+    def stats(self) -> dict[str, int]:
+        """Any thread: a snapshot for health checks and tests. Idle means every slot is free
+        (none quarantined, none counting) and no request is known."""
+        slots = getattr(self, "_slots", None)
+        with self._lock:
+            known = len(self._states)
+        return {"slots_total": self.config.max_inflight,
+                "slots_free": slots.free if slots is not None else 0,
+                "quarantined": len(slots.quarantined) if slots is not None else 0,
+                "requests": known, "stale_writes": self._stale if slots is not None else 0}
+
     @property
     def stale_writes(self) -> int:
         """Writes that arrived for a slot generation no longer current (fenced, not counted)."""

@@ -15,6 +15,17 @@ every transfer to settle, verify pages and aux rows, and report counts.
     finish the pass (no write may be issued after the abort);
   * "hold": wait until the decoder has counted writes before finishing the pass (layer
     streaming: completions of layer 0 arrive before the last layer is written).
+A fault may name another point (the randomized fault suite uses them):
+  * "kill@before": SIGKILL on receiving the first request, before binding it;
+  * "kill@layer:K" / "stall@layer:K": after layer K of the first pass;
+  * "kill@last": after the last layer of the first pass that completes a prompt (its last KV
+    write was issued), before the metadata (aux rows) is staged;
+  * "kill@meta": right after staging the metadata, while its copy to the decoder is issued.
+`decode_kill_at` kills decode rank 0 "submit" (right after submitting) or "writes" (once it
+has counted writes). `control_faults` arms the control-plane fault hook (transfer.control
+`ControlFaults`) in the decode processes ("decode") or a prefill instance ("prefill<i>").
+`track` makes the decoder time each request's failure (detection and pages-free) and report
+its messenger's `stats()` once idle, and the prefill report its own.
 Processes are always reaped (and their /dev/shm files removed) when `run` returns.
 """
 
@@ -65,6 +76,9 @@ class Scenario:
     aux_row_bytes: tuple[int, ...] = (48,)
     faults: tuple[tuple[int, str], ...] = ()  # (prefill instance, "kill"|"stall"|"hold")
     decode_kill: bool = False             # decode rank 0 SIGKILLs itself once writes arrive
+    decode_kill_at: str = ""              # "submit" | "writes" (decode_kill: "writes")
+    control_faults: tuple[tuple[str, str], ...] = ()  # ("decode"|"prefill<i>", hook spec)
+    track: bool = False                   # per-request failure timing + messenger stats
     linger_s: float = 0.0                 # keep the prefill running this long after decode
     timeout_s: float = 20.0
     heartbeat_s: float = 0.2
@@ -171,12 +185,19 @@ def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any]
                         busy_sleep_s=s.busy_sleep_s if s.prefill_busy_sleep_s is None
                         else s.prefill_busy_sleep_s)
     fault = dict(s.faults).get(inst, "")
+    kind, _, point = fault.partition("@")
+    point = point or ("layer:0" if kind else "")
+    cf = dict(s.control_faults).get(f"prefill{inst}")
+    if cf:
+        os.environ["PDTOOL_CONTROL_FAULTS"] = cf
     m = PrefillMessenger(cfg, kv, s.layout, aux)
     conn.send(m.address)
     pages = _page_ids(s, s.src_pages, 1)
     active: list[list[Any]] = []   # [req, next token]
     results: dict[str, Any] = {}
     first_pass, report = True, {"inst": inst, "rank": rank, "pid": os.getpid()}
+    bound_at: dict[str, float] = {}
+    t_start = time.monotonic()
     try:
         while not ev["stop"].is_set():
             if rank == 0:
@@ -189,7 +210,10 @@ def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any]
                 with contextlib.suppress(queue.Empty):
                     while True:
                         new.append(bcast[0].get_nowait())
+            if new and kind == "kill" and point == "before":
+                os.kill(os.getpid(), signal.SIGKILL)
             for req in new:
+                bound_at[req.rid] = time.monotonic()
                 m.bind(req, pages[req.rid])
                 active.append([req, 0])
                 if req.num_pages == 0:
@@ -206,20 +230,32 @@ def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any]
                 m.begin_pass(chunks)
                 for layer in range(s.num_layers):
                     m.layer_done(layer)
-                    if first_pass and layer == 0 and fault:
-                        _fault(s, m, fault, ev, report)
+                    if first_pass and kind and point == f"layer:{layer}":
+                        _fault(s, m, kind, ev, report)
                 first_pass = False
-                for rid, _lo, hi in chunks:
-                    a = next(a for a in active if a[0].rid == rid)
-                    if hi == a[0].num_tokens - 1:
-                        m.finish(rid, [_aux_row(s, rid, i) for i in range(len(aux))])
+                last = [rid for rid, _lo, hi in chunks
+                        if hi == next(a for a in active if a[0].rid == rid)[0].num_tokens - 1]
+                if last and kind == "kill" and point == "last":
+                    time.sleep(0.2)  # the last layer's writes go out
+                    os.kill(os.getpid(), signal.SIGKILL)
+                for rid in last:
+                    m.finish(rid, [_aux_row(s, rid, i) for i in range(len(aux))])
+                if last and kind == "kill" and point == "meta":
+                    time.sleep(0.001)
+                    os.kill(os.getpid(), signal.SIGKILL)
             active = [a for a in active if a[1] < a[0].num_tokens - 1]
             for rid in m.done():
                 r = m.result(rid)
-                results[rid] = {"ok": r.ok, "reason": r.reason, "writes": r.writes}
+                results[rid] = {"ok": r.ok, "reason": r.reason, "writes": r.writes,
+                                "seconds": time.monotonic() - bound_at.get(rid, t_start)}
                 m.release(rid)
+            # an aborted request may be settled before its last chunk: stop computing it
+            active = [a for a in active if a[0].rid not in results]
             if not chunks and not new:
                 time.sleep(0.005)
+        if s.track:
+            report["stats"] = m.stats()
+            report["control_log"] = _control_log()
         time.sleep(0.05)
         for rid in m.done():
             r = m.result(rid)
@@ -268,6 +304,10 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
                        timeout_s=s.timeout_s,
                        heartbeat_s=s.heartbeat_s, peer_timeout_s=s.peer_timeout_s,
                        busy_sleep_s=s.busy_sleep_s, quarantine_grace_s=2.0)
+    cf = dict(s.control_faults).get("decode")
+    if cf:
+        os.environ["PDTOOL_CONTROL_FAULTS"] = cf
+    kill_at = s.decode_kill_at or ("writes" if s.decode_kill else "")
     m = DecodeMessenger(cfg, kv, s.layout, aux)
     dpages, spages = _page_ids(s, s.dst_pages, 2), _page_ids(s, s.src_pages, 1)
     report: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "requests": {}, "waves": []}
@@ -277,24 +317,31 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
         for wave in sorted({w for *_, w in reqs}):
             batch = [r for r in reqs if r[3] == wave]
             t0 = time.perf_counter()
+            submitted = time.monotonic()
             for rid, n, peer, _w in batch:
                 m.submit(rid, _tokens(rid, n), dpages[rid], peer=peer)
+            if kill_at == "submit" and rank == 0:
+                time.sleep(0.02)  # the REQUEST is on its way, nothing written yet
+                os.kill(os.getpid(), signal.SIGKILL)
             pending = {r[0]: r for r in batch}
+            detected: dict[str, float] = {}
             deadline = time.monotonic() + s.run_timeout_s
             watch = not ev["decoder_saw_writes"].is_set()
             while pending and time.monotonic() < deadline:
                 # cheap while timing: per-request status only until writes were first seen
                 settled = m.ready() | m.failed()
                 for rid, (_rid, _n, peer, _w) in list(pending.items()):
-                    if not watch and rid not in settled:
+                    if not watch and not s.track and rid not in settled:
                         continue
                     st = m.status(rid)
+                    if st.status is TransferStatus.ABORTING and rid not in detected:
+                        detected[rid] = time.monotonic() - submitted
                     if watch and st.received and not ev["decoder_saw_writes"].is_set():
                         watch = False
                         report["seen"] = {"rid": rid, "received": st.received,
                                           "expected": st.expected}
                         ev["decoder_saw_writes"].set()
-                        if s.decode_kill and rank == 0:
+                        if kill_at == "writes" and rank == 0:
                             os.kill(os.getpid(), signal.SIGKILL)
                     if st.status not in final:
                         continue
@@ -303,6 +350,9 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
                     info = {"status": st.status.value, "reason": st.reason,
                             "received": st.received, "expected": st.expected, "peer": peer,
                             "pages": len(dpages[rid])}
+                    if s.track:
+                        info["settled_s"] = time.monotonic() - submitted
+                        info["detected_s"] = detected.get(rid, info["settled_s"])
                     if st.status is TransferStatus.SUCCESS and s.verify:
                         info.update(_verify(s, m, kv, dst, rank, rid, dpages[rid], spages[rid]))
                     report["requests"][rid] = info
@@ -318,9 +368,22 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
                 report["requests"][rid] = {"status": st.status.value, "reason": st.reason,
                                            "received": st.received, "expected": st.expected}
         report["stale_writes"] = m.stale_writes
+        if s.track:  # released slots go back on the messenger thread: let it catch up
+            end = time.monotonic() + 5
+            while time.monotonic() < end and m.stats()["slots_free"] < cfg.max_inflight:
+                time.sleep(0.01)
+            report["stats"] = m.stats()
+            report["control_log"] = _control_log()
     finally:
         m.close()
     conn.send(report)
+
+
+def _control_log() -> list[tuple[str, str, str]]:
+    from ..control import env_faults
+
+    f = env_faults()
+    return list(f.log) if f is not None else []
 
 
 def _verify(s: Scenario, m: Any, kv: list[Any], dst: ShardSpec, rank: int, rid: str,
