@@ -183,15 +183,17 @@ def run_sglang(ctx: WorkerContext) -> int:
     SGLang transfer backend."""
     if not ctx.engine_argv:
         raise WorkerError("engine=sglang needs its launch line after `--`")
-    # pdtool's SGLang backend signs its control frames with PDTOOL_SECRET: hand it the
-    # deployment's secret from the 0600 file (process environment only, never printed)
+    # pdtool's SGLang backend signs its control frames with the secret it reads from the 0600
+    # file named by PDTOOL_SECRET_FILE (the secret itself never goes into the environment);
+    # check it here so a missing or world-readable file fails before SGLang starts
     secret_file = os.environ.get("PDTOOL_SECRET_FILE")
-    if secret_file and not os.environ.get("PDTOOL_SECRET"):
+    if secret_file:
+        from transfer.control import ControlError, read_secret
+
         try:
-            os.environ["PDTOOL_SECRET"] = Path(secret_file).read_text().strip()
-        except OSError as e:
-            raise WorkerError(f"cannot read the deployment secret {secret_file}: "
-                              f"{e.strerror}") from None
+            read_secret(secret_file)
+        except ControlError as e:
+            raise WorkerError(f"PDTOOL_SECRET_FILE: {e}") from None
     print("pdtool-worker: exec " + " ".join(ctx.engine_argv[:3]) + " ...", flush=True)
     try:
         os.execvp(ctx.engine_argv[0], ctx.engine_argv)

@@ -276,7 +276,9 @@ def test_worker_execs_the_sglang_line_with_messenger_environment(tmp_path: Path)
     assert dump["argv"][1:] == resolve(proc.engine_argv, variables)[1:]
     e = dump["env"]
     secret = secret_file.read_text().strip()
-    assert e["PDTOOL_SECRET"] == secret and secret not in out
+    # the backend reads the 0600 file itself: the secret is in no environment and no output
+    assert e["PDTOOL_SECRET_FILE"] == str(secret_file) and "PDTOOL_SECRET" not in e
+    assert secret not in json.dumps(e) and secret not in out
     assert e["PDTOOL_ROLE"] == "decode" and e["PDTOOL_INSTANCE"] == "1"
     assert e["PDTOOL_PLAN"] == str(rendered.out / "plan.json")
     assert e["PDTOOL_FI_PROVIDER"] == "tcp;ofi_rxm" and e["PDTOOL_FI_DOMAIN"] == "lo"

@@ -36,12 +36,17 @@ Configuration (environment of every SGLang worker; the pdtool launcher sets them
                        `verbs;ofi_rxm` on clusters)
   PDTOOL_FI_DOMAIN     libfabric domain (NIC) of this process's ranks, or
   PDTOOL_NICS          JSON {gpu id: "nic,..."}: each rank takes its GPU's first NIC
-  PDTOOL_SECRET        per-deployment secret; control frames are HMAC-SHA256 signed with it
+  PDTOOL_SECRET_FILE   path of the per-deployment secret (hex, mode 0600, written at render
+                       time); control frames are HMAC-SHA256 signed with it. The secret itself
+                       never travels in the environment (other users' `ps e`/`/proc` cannot
+                       read it there either way, but crash dumps and job printouts can).
+  PDTOOL_SECRET        fallback only when no secret file is given (tests, hand-run workers)
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import hmac
 import json
@@ -90,7 +95,21 @@ class PdtoolBackendError(RuntimeError):
 
 # --------------------------------------------------------------------------- control frames
 def _secret() -> bytes:
-    return os.environ.get("PDTOOL_SECRET", "").encode()
+    return _load_secret(os.environ.get("PDTOOL_SECRET_FILE", ""),
+                        os.environ.get("PDTOOL_SECRET", ""))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_secret(path: str, fallback: str) -> bytes:
+    """The secret file's bytes (mode checked by transfer.control.read_secret), read once."""
+    if path:
+        from ..control import ControlError, read_secret
+
+        try:
+            return read_secret(path)
+        except ControlError as exc:
+            raise PdtoolBackendError(f"PDTOOL_SECRET_FILE: {exc}") from None
+    return fallback.encode()
 
 
 def encode_frame(kind: bytes, body: dict[str, Any]) -> list[bytes]:
@@ -107,7 +126,8 @@ def decode_frame(msg: list[bytes]) -> tuple[bytes, dict[str, Any]]:
     kind, payload, mac = msg[1], msg[2], msg[3]
     want = hmac.new(_secret(), kind + payload, hashlib.sha256).digest()
     if not hmac.compare_digest(mac, want):
-        raise ValueError("bad HMAC: PDTOOL_SECRET differs between prefill and decode")
+        raise ValueError("bad HMAC: the deployment secret (PDTOOL_SECRET_FILE) differs "
+                         "between prefill and decode")
     body = msgpack.unpackb(payload, raw=False)
     version = body.get("v") if isinstance(body, dict) else None
     if version != WIRE_VERSION:
@@ -241,8 +261,9 @@ class PdtoolKVManager(CommonKVManager):
         self.kv_layouts = buffer_layouts(args.kv_data_lens, args.kv_item_lens,
                                          self.heads_local, args.page_size)
         self.ep = self._open_endpoint()
-        if not os.environ.get("PDTOOL_SECRET"):
-            logger.warning("PDTOOL_SECRET is unset: pdtool control frames are not authenticated")
+        if not _secret():
+            logger.warning("PDTOOL_SECRET_FILE is unset: pdtool control frames are not "
+                           "authenticated")
         iface, device = self._memory_iface()
         try:
             self.kv_mrs = [self.ep.register(p, n, iface=iface, device=device)

@@ -9,6 +9,12 @@ fewest requests in flight.
 Responses carry the OpenAI fields plus a `pdtool` object: token ids (byte tokens may not be
 valid UTF-8 on their own), time to first token and time per output token measured here, the
 decode instance, and the MTP draft verified in the first decode step.
+
+Failure handling: the dispatcher PINGs every decode instance every `PING_S` and notes when each
+last answered (any message counts). One silent for `dead_after_s` (default `DECODE_DEAD_S`) is
+marked down: its requests in flight fail at once with an error naming it (HTTP 503, or an SSE
+error chunk when streaming) instead of waiting for `REQUEST_TIMEOUT_S`, and new requests go to
+the instances still up (503 when none is). It is used again as soon as it answers.
 """
 
 from __future__ import annotations
@@ -33,12 +39,18 @@ from .tokens import encode
 from .wire import Wire, dealer
 
 log = logging.getLogger("pdtool.reference.front")
-REQUEST_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT_S = 300.0  # backstop only: a dead decode instance is noticed within seconds
+DECODE_DEAD_S = 5.0        # a decode instance silent this long is down
+PING_S = 0.25
 MAX_BODY = 1 << 20
 
 
 class BadRequest(ValueError):
     """A request the front refuses with HTTP 400; the text names the field."""
+
+
+class Unavailable(RuntimeError):
+    """No decode instance can take the request (HTTP 503); the text says which and why."""
 
 
 @dataclass
@@ -95,6 +107,7 @@ class Front:
         host: str = "127.0.0.1",
         port: int = 8000,
         model_name: str = "reference",
+        dead_after_s: float = DECODE_DEAD_S,
     ) -> None:
         if not decoders:
             raise ValueError("front: needs at least one decode instance address")
@@ -104,6 +117,8 @@ class Front:
         self.pending: dict[str, _Pending] = {}
         self.inflight = [0] * len(decoders)
         self.up = [False] * len(decoders)
+        self.dead_after_s = dead_after_s
+        self._heard = [0.0] * len(decoders)  # monotonic time each instance last answered
         self._rr = itertools.count()
         self._lock = threading.Lock()
         self._ctx = zmq.Context()
@@ -148,12 +163,12 @@ class Front:
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
-                if not all(self.up) and now >= next_ping:
-                    for i, s in enumerate(socks):
-                        if not self.up[i]:
-                            s.send_multipart(self.wire.pack("PING", {"rid": "ping", "tokens": []}))
-                    next_ping = now + 0.2
-                events = dict(poller.poll(200 if not all(self.up) else 1000))
+                if now >= next_ping:
+                    for s in socks:
+                        s.send_multipart(self.wire.pack("PING", {"rid": "ping", "tokens": []}))
+                    next_ping = now + PING_S
+                    self._check_dead(now)
+                events = dict(poller.poll(int(PING_S * 1000)))
                 if self._pull in events:
                     while True:
                         try:
@@ -171,6 +186,21 @@ class Front:
             for s in socks:
                 s.close(0)
 
+    def _check_dead(self, now: float) -> None:
+        """Mark instances silent for `dead_after_s` down and fail their requests now."""
+        for i, up in enumerate(self.up):
+            if not up or now - self._heard[i] <= self.dead_after_s:
+                continue
+            self.up[i] = False
+            reason = (f"decode instance {i} stopped answering (silent for more than "
+                      f"{self.dead_after_s:.1f} s)")
+            log.warning("front: %s; failing its requests", reason)
+            with self._lock:
+                lost = [(rid, p) for rid, p in self.pending.items() if p.instance == i]
+            for rid, p in lost:
+                p.q.put((time.perf_counter(), {"rid": rid, "tokens": [], "done": True,
+                                               "info": {"error": reason, "unavailable": True}}))
+
     def _drain(self, idx: int, sock: zmq.Socket) -> None:
         while True:
             try:
@@ -181,7 +211,10 @@ class Front:
             if got is None:
                 continue
             kind, body = got
+            self._heard[idx] = time.monotonic()
             if kind == "PONG":
+                if not self.up[idx]:
+                    log.info("front: decode instance %d is up", idx)
                 self.up[idx] = True
                 continue
             p = self.pending.get(body["rid"])
@@ -194,7 +227,11 @@ class Front:
         with self._lock:
             turn = next(self._rr)
             n = len(self.decoders)
-            idx = min(range(n), key=lambda i: (self.inflight[i], (i - turn) % n))
+            live = [i for i in range(n) if self.up[i]]
+            if not live:
+                raise Unavailable(f"no decode instance is up ({n} configured; they have not "
+                                  f"answered within {self.dead_after_s:.1f} s)")
+            idx = min(live, key=lambda i: (self.inflight[i], (i - turn) % n))
             self.inflight[idx] += 1
             p = _Pending(instance=idx)
             self.pending[rid] = p
@@ -208,8 +245,13 @@ class Front:
                 self.inflight[p.instance] -= 1
 
     def generate(self, tokens: list[int], max_tokens: int):
-        """Yield (time, OUT body) for one request until done (raises TimeoutError)."""
+        """Yield (time, OUT body) for one request until done (raises Unavailable when no
+        decode instance is up, TimeoutError at the backstop)."""
         rid, p = self.submit(tokens, max_tokens)
+        yield from self.results(rid, p)
+
+    def results(self, rid: str, p: _Pending):
+        """(time, OUT body) of a submitted request until done; always `finish`es it."""
         try:
             deadline = time.monotonic() + REQUEST_TIMEOUT_S
             while True:
@@ -275,6 +317,8 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
                     self._whole(req, t0)
             except TimeoutError as exc:
                 self._error(504, str(exc), "timeout")
+            except Unavailable as exc:
+                self._error(503, str(exc), "unavailable")
             except (BrokenPipeError, ConnectionResetError):
                 pass
 
@@ -286,12 +330,21 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
                 toks += body["tokens"]
                 info, inst = body["info"], body["instance"]
             if "error" in info:
-                self._error(500, f"decode instance {inst}: {info['error']}", "server_error")
+                code, kind = (503, "unavailable") if info.get("unavailable") else \
+                    (500, "server_error")
+                self._error(code, f"decode instance {inst}: {info['error']}", kind)
                 return
             self._json(200, _completion(front, req, toks, _timing(t0, times, len(toks)),
                                         info, inst))
 
         def _stream(self, req: dict, t0: float) -> None:
+            rid, pending = front.submit(req["tokens"], req["max_tokens"])  # 503 before headers
+            try:
+                self._stream_results(req, t0, front.results(rid, pending))
+            finally:
+                front.finish(rid)  # also when the client went away before the first token
+
+        def _stream_results(self, req: dict, t0: float, results) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
@@ -300,7 +353,7 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
             toks: list[int] = []
             times: list[float] = []
             rid = f"cmpl-{uuid.uuid4().hex}"
-            for t, body in front.generate(req["tokens"], req["max_tokens"]):
+            for t, body in results:
                 if body["done"] and "error" in body["info"]:  # OpenAI streams errors as data
                     err = {"error": {"message": f"decode instance {body['instance']}: "
                                                 f"{body['info']['error']}", "type": "server_error"}}
