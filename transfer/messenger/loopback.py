@@ -166,6 +166,30 @@ def _tokens(rid: str, n: int) -> np.ndarray:
     return np.random.default_rng(zlib.crc32(rid.encode())).integers(0, 50000, n, dtype=np.uint32)
 
 
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each live thread of this process, by thread name.
+
+    Load-independent cost accounting for the benchmark: on a shared 2-core box wall clock says
+    how much CPU the processes got, these say what the transfer cost and which thread spent it.
+    """
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for t in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        out[t.name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+def _cpu_delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - a.get(k, 0.0), 4) for k, v in b.items()}
+
+
 # --------------------------------------------------------------------------- prefill process
 def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any],
                   ev: dict[str, Any]) -> None:
@@ -198,6 +222,8 @@ def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any]
     first_pass, report = True, {"inst": inst, "rank": rank, "pid": os.getpid()}
     bound_at: dict[str, float] = {}
     t_start = time.monotonic()
+    cpu0: dict[str, float] | None = None   # per-thread CPU when the first timed request came
+    cpu1: dict[str, float] = {}            # ... and when the last result came
     try:
         while not ev["stop"].is_set():
             if rank == 0:
@@ -213,6 +239,8 @@ def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any]
             if new and kind == "kill" and point == "before":
                 os.kill(os.getpid(), signal.SIGKILL)
             for req in new:
+                if cpu0 is None and req.rid != "warmup":
+                    cpu0 = _thread_cpu()
                 bound_at[req.rid] = time.monotonic()
                 m.bind(req, pages[req.rid])
                 active.append([req, 0])
@@ -249,6 +277,7 @@ def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any]
                 results[rid] = {"ok": r.ok, "reason": r.reason, "writes": r.writes,
                                 "seconds": time.monotonic() - bound_at.get(rid, t_start)}
                 m.release(rid)
+                cpu1 = _thread_cpu()
             # an aborted request may be settled before its last chunk: stop computing it
             active = [a for a in active if a[0].rid not in results]
             if not chunks and not new:
@@ -260,7 +289,8 @@ def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any]
         for rid in m.done():
             r = m.result(rid)
             results[rid] = {"ok": r.ok, "reason": r.reason, "writes": r.writes}
-        report.update(results=results, writes_issued=m.writes_issued)
+        report.update(results=results, writes_issued=m.writes_issued,
+                      cpu=_cpu_delta(cpu0 or {}, cpu1) if cpu0 else {})
     finally:
         m.close()
     conn.send(report)
@@ -316,7 +346,7 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
     try:
         for wave in sorted({w for *_, w in reqs}):
             batch = [r for r in reqs if r[3] == wave]
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), _thread_cpu()
             submitted = time.monotonic()
             for rid, n, peer, _w in batch:
                 m.submit(rid, _tokens(rid, n), dpages[rid], peer=peer)
@@ -362,7 +392,8 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
                 time.sleep(0.005)
             if wave >= 0:
                 report["waves"].append({"seconds": time.perf_counter() - t0,
-                                        "pages": sum(len(dpages[r[0]]) for r in batch)})
+                                        "pages": sum(len(dpages[r[0]]) for r in batch),
+                                        "cpu": _cpu_delta(cpu0, _thread_cpu())})
             for rid in pending:
                 st = m.status(rid)
                 report["requests"][rid] = {"status": st.status.value, "reason": st.reason,
@@ -503,8 +534,14 @@ def measure_transfer(provider: str = "shm", page_bytes: int = 1 << 16,
     ok = all(r["status"] == "success" for r in rep["requests"].values())
     moved = per_req * requests * page_bytes * num_layers
     rates = [moved / w["seconds"] / 1e9 for w in rep["waves"]]
+    best = max(range(len(rates)), key=rates.__getitem__)
+    gib = moved / (1 << 30)
+    pre = out.prefill[0].get("cpu", {}) if out.prefill else {}
+    # CPU seconds per GiB by thread: decode for the best wave; prefill over all timed waves
+    cpu = {"decode": {k: round(v / gib, 4) for k, v in rep["waves"][best]["cpu"].items()},
+           "prefill": {k: round(v / (gib * waves), 4) for k, v in pre.items()}}
     return {"provider": provider, "page_bytes": page_bytes, "bytes": moved, "ok": ok,
-            "gbps": max(rates), "waves_gbps": rates}
+            "gbps": rates[best], "waves_gbps": rates, "cpu_per_gib": cpu}
 
 
 def scenario(**kw: Any) -> Scenario:
