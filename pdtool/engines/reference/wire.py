@@ -2,7 +2,10 @@
 
 Same rules as the messenger's control plane (transfer/control.py): the MAC is checked before a
 byte of the body is decoded, then every field is checked, and a refused message is dropped and
-counted, never raised into the serving loop. Only two kinds travel here:
+counted, never raised into the serving loop. Every message also carries a timestamp and a
+random nonce under the MAC; a message older than the replay window, or whose nonce was seen
+within it, is refused (transfer.control.ReplayGuard), so a captured GEN cannot be replayed to
+re-run a request and receive its output. Only these kinds travel here:
   * GEN (front → decoder): {"rid": str, "tokens": [int 0..255], "max_tokens": int}
   * OUT (decoder → front): {"rid": str, "tokens": [int], "done": bool, "info": {...}}
   * PING (front → decoder) / PONG (decoder → front): {"rid": str, "tokens": []}, so the front
@@ -14,16 +17,19 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import secrets
+import time
 from typing import Any
 
 import msgpack
 import zmq
 
-from transfer.control import check_secret
+from transfer.control import ControlError, ReplayGuard, check_secret
 
 log = logging.getLogger("pdtool.reference.wire")
 MAX_BYTES = 4 << 20
 MAX_PROMPT = 1 << 16
+REPLAY_WINDOW_S = 30.0
 
 
 class WireError(ValueError):
@@ -68,12 +74,14 @@ class Wire:
     def __init__(self, secret: bytes) -> None:
         self._secret = check_secret(secret)
         self.rejected = 0
+        self.replay = ReplayGuard(REPLAY_WINDOW_S)
 
     def __repr__(self) -> str:  # never show the secret
         return "Wire()"
 
     def pack(self, kind: str, body: dict) -> list[bytes]:
-        payload = msgpack.packb({"k": kind, "b": _check(kind, body)}, use_bin_type=True)
+        payload = msgpack.packb({"k": kind, "b": _check(kind, body), "t": time.time(),
+                                 "n": secrets.token_bytes(16)}, use_bin_type=True)
         return [payload, hmac.new(self._secret, payload, hashlib.sha256).digest()]
 
     def unpack(self, frames: list[bytes], kinds: tuple[str, ...]) -> tuple[str, dict] | None:
@@ -90,6 +98,13 @@ class Wire:
                 raise WireError(f"payload: not msgpack ({type(exc).__name__})") from None
             if not isinstance(raw, dict) or raw.get("k") not in kinds:
                 raise WireError(f"kind: expected one of {kinds}")
+            ts, nonce = raw.get("t"), raw.get("n")
+            if not isinstance(ts, float) or not isinstance(nonce, bytes) or len(nonce) != 16:
+                raise WireError("t/n: expected a timestamp and a 16-byte nonce")
+            try:
+                self.replay.check(ts, nonce, time.time())
+            except ControlError as exc:
+                raise WireError(str(exc)) from None
             return raw["k"], _check(raw["k"], raw.get("b"))
         except WireError as exc:
             self.rejected += 1
