@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -286,6 +287,56 @@ def test_mr_modes_and_names_follow_the_provider():
     # node/service pick the local address to bind (FI_SOURCE): 127.0.0.1 -> the lo domain
     with Endpoint("tcp;ofi_rxm", node="127.0.0.1") as lo:
         assert lo.domain == "lo"
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_peer_names_are_checked_before_the_address_vector(provider):
+    """A name of the wrong length/format is refused with a ValueError naming the field (the
+    provider would read past it; on tcp;ofi_rxm one failed insert broke later inserts), and a
+    valid peer inserted afterwards still receives a counted write."""
+    with Endpoint(provider, **ep_kwargs(provider)) as a, \
+            Endpoint(provider, **ep_kwargs(provider)) as b:
+        good = b.name
+        bad = [good[:-1], good + b"\0", good[:3], b"x" * 300, "not bytes", b""]
+        if provider == "shm":
+            bad += [b"fi_shm://1:0:0", b"fi_shm://1:\x00:0\x00", b"tcp://1:0:0\x00"]
+        else:
+            bad += [b"\x0a\x00" + good[2:]]  # AF_INET6 family in a 16-byte sockaddr_in
+        for name in bad:
+            with pytest.raises(ValueError, match="name"):
+                a.insert_peer(name)  # type: ignore[arg-type]
+        peer = a.insert_peer(good)
+        src = np.arange(PAGE, dtype=np.uint8)
+        dst = np.zeros(PAGE, dtype=np.uint8)
+        mr_a, mr_b = a.register_buffer(src), b.register_buffer(dst)
+        b.arm(3, 7)
+        got: list[bool] = []
+        target = threading.Thread(target=lambda: got.append(b.wait_recv(3, 1, WAIT_S)))
+        target.start()  # the target's own polling thread (manual progress)
+        zero = np.zeros(1, np.uint64)
+        a.write_batch(peer, mr_a, mr_b.descriptor(), zero, zero, np.array([PAGE], np.uint64),
+                      encode_imm(3, 7), 0)
+        assert a.wait_send(0, 1, WAIT_S)
+        target.join(WAIT_S + 5)
+        assert got == [True] and int(b.recv_counts[3]) == 1
+        assert np.array_equal(dst, src)
+
+
+def test_arm_takes_the_endpoint_lock():
+    """arm() re-arms a slot only between two CQ drains: it waits for a poll holding the lock
+    (the SGLang backend arms from the scheduler thread while its writer thread polls)."""
+    with Endpoint("shm") as ep:
+        ep.recv_counts[5] = 9
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (ep.arm(5, 42), done.set()), daemon=True)
+        with ep._lock:  # stands in for a poll/wait in progress on another thread
+            t.start()
+            assert not done.wait(0.2)
+            assert int(ep.recv_counts[5]) == 9
+        t.join(WAIT_S)
+        assert done.is_set() and int(ep.recv_gen[5]) == 42 and int(ep.recv_counts[5]) == 0
+        with pytest.raises(ValueError, match="slot"):
+            ep.arm(ep.max_slots, 0)
 
 
 def test_imm_encoding_and_descriptor_validation():

@@ -38,6 +38,8 @@ struct pd_info {
     size_t mr_key_size;
     int has_rma_event;
     int has_remote_cntr;
+    uint32_t addr_format;
+    size_t addrlen;
 };
 
 struct pd_err {
@@ -56,6 +58,7 @@ void pd_set_counters(pd_ep *ep, uint32_t *recv_counts, uint16_t *recv_gen, uint3
                      uint32_t nslots);
 uint64_t pd_stale(pd_ep *ep);
 void pd_set_yield(pd_ep *ep, int on);
+void pd_set_idle(pd_ep *ep, int yield_idle, uint32_t spins_before_sleep, int64_t sleep_ns);
 uint64_t pd_inflight(pd_ep *ep);
 uint64_t pd_remote_cntr(pd_ep *ep);
 uint64_t pd_remote_writes(pd_ep *ep);
@@ -87,6 +90,7 @@ const char *pd_strerror(int err);
 #define PD_HMEM_CUDA ...
 #define PD_ACCESS_LOCAL_WRITE ...
 #define PD_ACCESS_REMOTE_WRITE ...
+#define PD_ADDR_STR ...
 """
 
 SOURCE = r"""
@@ -111,6 +115,7 @@ SOURCE = r"""
 #define PD_HMEM_CUDA FI_HMEM_CUDA
 #define PD_ACCESS_LOCAL_WRITE (FI_WRITE | FI_READ)
 #define PD_ACCESS_REMOTE_WRITE (FI_REMOTE_WRITE | FI_REMOTE_READ)
+#define PD_ADDR_STR FI_ADDR_STR
 #define PD_MAX_ERRORS 64
 #define PD_CQ_BATCH 64
 
@@ -130,6 +135,8 @@ struct pd_info {
     size_t mr_key_size;
     int has_rma_event;
     int has_remote_cntr;
+    uint32_t addr_format;
+    size_t addrlen;
 };
 
 struct pd_err {
@@ -165,6 +172,8 @@ struct pd_ep {
     uint64_t remote_writes;
     uint64_t inflight;
     int yield_idle;         /* sched_yield() when a wait/retry loop found nothing to do */
+    uint32_t idle_spins;    /* ... and after this many empty polls in a row, */
+    int64_t idle_sleep_ns;  /* sleep this long per empty poll (0: never sleep) */
     /* context pool */
     struct pd_ctx *ctx;
     uint32_t ctx_n;
@@ -186,6 +195,20 @@ static int64_t pd_now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* A wait/retry loop's poll found nothing to do. Busy-polling keeps latency low, but on a box
+   with fewer cores than spinning threads the spinner steals the core from the thread that does
+   the work (on shm the TARGET performs the copy, process_vm_readv, inside its poll, while the
+   initiator with a full queue only waits): yield at once, and after `idle_spins` empty polls in
+   a row sleep `idle_sleep_ns` per poll, so a long wait costs almost no CPU. */
+static void pd_idle(pd_ep *ep, unsigned *empty) {
+    if (ep->idle_sleep_ns > 0 && ++*empty > ep->idle_spins) {
+        struct timespec ts = { 0, (long)ep->idle_sleep_ns };
+        nanosleep(&ts, NULL);
+    } else if (ep->yield_idle) {
+        sched_yield();
+    }
 }
 
 static void pd_seterr(char *buf, size_t len, const char *call, int ret) {
@@ -425,6 +448,8 @@ int pd_open(pd_ep **out, const char *prov, const char *domain, const char *node,
     pi->mr_key_size = fi->domain_attr->mr_key_size;
     pi->has_rma_event = (fi->caps & FI_RMA_EVENT) != 0;
     pi->has_remote_cntr = ep->rcntr != NULL;
+    pi->addr_format = fi->addr_format;
+    pi->addrlen = fi->src_addrlen;
     *out = ep;
     return 0;
 }
@@ -442,6 +467,11 @@ void pd_set_counters(pd_ep *ep, uint32_t *recv_counts, uint16_t *recv_gen, uint3
 }
 
 void pd_set_yield(pd_ep *ep, int on) { ep->yield_idle = on; }
+void pd_set_idle(pd_ep *ep, int yield_idle, uint32_t spins_before_sleep, int64_t sleep_ns) {
+    ep->yield_idle = yield_idle;
+    ep->idle_spins = spins_before_sleep;
+    ep->idle_sleep_ns = sleep_ns < 0 ? 0 : (sleep_ns > 999999999 ? 999999999 : sleep_ns);
+}
 uint64_t pd_stale(pd_ep *ep) { return ep->stale; }
 uint64_t pd_inflight(pd_ep *ep) { return ep->inflight; }
 uint64_t pd_remote_writes(pd_ep *ep) { return ep->remote_writes; }
@@ -540,7 +570,7 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
         }
     }
     for (size_t i = 0; i < n; i++) {
-        unsigned spins = 0;
+        unsigned spins = 0, empty = 0;
         for (;;) {
             struct pd_ctx *c = pd_ctx_get(ep);
             ssize_t ret = -FI_EAGAIN;
@@ -562,7 +592,8 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
                 *done = i;
                 return p;
             }
-            if (p == 0 && ep->yield_idle) sched_yield();  /* let a peer sharing this core run */
+            if (p == 0) pd_idle(ep, &empty);  /* let a peer sharing this core run */
+            else empty = 0;
             if ((++spins & 255) == 0) {
                 int64_t now = pd_now_ns();
                 if (!deadline) deadline = now + timeout_ns;
@@ -580,11 +611,12 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
 
 /* Bounded busy waits; each drives progress by draining the CQ. 0 = reached, -FI_ETIMEDOUT. */
 #define PD_WAIT(cond) do { \
-    int64_t deadline = pd_now_ns() + timeout_ns; unsigned spins = 0; \
+    int64_t deadline = pd_now_ns() + timeout_ns; unsigned spins = 0, empty = 0; \
     for (;;) { \
         int p = pd_poll(ep, 1u << 16); if (p < 0) return p; \
         if (cond) return 0; \
-        if (p == 0 && ep->yield_idle) sched_yield();  /* let a peer sharing this core run */ \
+        if (p == 0) pd_idle(ep, &empty);  /* let a peer sharing this core run */ \
+        else empty = 0; \
         if ((++spins & 63) == 0 && pd_now_ns() > deadline) return -FI_ETIMEDOUT; \
     } } while (0)
 

@@ -69,6 +69,11 @@ _FI_MR_PROV_KEY = 1 << 6
 _FI_MR_ENDPOINT = 1 << 8
 
 _IFACES = {"system": _lib.PD_HMEM_SYSTEM, "cuda": _lib.PD_HMEM_CUDA}
+# enum fi_addr_format (rdma/fabric.h): FI_SOCKADDR, FI_SOCKADDR_IN, FI_SOCKADDR_IN6
+_FI_SOCKADDR = 1
+_SOCKADDR_LEN = {2: 16, 3: 28}
+_FAMILY_LEN = {2: 16, 10: 28}  # AF_INET, AF_INET6 -> sizeof(sockaddr_in[6])
+_ADDR_STR_MAX = 256            # shm's SMR_NAME_MAX
 _ERRBUF = 512
 DEFAULT_TIMEOUT_S = 30.0
 MAX_SLOTS = 1 << 16  # 16 bits of slot in the 32-bit immediate
@@ -228,11 +233,17 @@ class Endpoint:
         remote_counter: bool = False,
         max_outstanding: int = 1 << 16,
         yield_when_idle: bool = True,
+        idle_spins: int = 64,
+        idle_sleep_s: float = 0.0,
     ) -> None:
         if not 0 < max_slots <= MAX_SLOTS:
             raise ValueError(f"max_slots must be in [1, {MAX_SLOTS}], got {max_slots}")
         if max_outstanding < 1:
             raise ValueError(f"max_outstanding must be >= 1, got {max_outstanding}")
+        if not isinstance(idle_spins, int) or idle_spins < 0:
+            raise ValueError(f"idle_spins must be an int >= 0, got {idle_spins!r}")
+        if not 0 <= idle_sleep_s < 1:
+            raise ValueError(f"idle_sleep_s must be in [0, 1) seconds, got {idle_sleep_s!r}")
         self._lock = threading.Lock()
         self._mrs: set[MemoryRegion] = set()
         self._h: Any = None
@@ -253,7 +264,11 @@ class Endpoint:
         # Both peers busy-poll (manual progress). When a wait/retry loop finds nothing to do it
         # calls sched_yield(), so a peer sharing the core (2-core boxes, oversubscribed nodes)
         # gets to run; costs one syscall per idle spin when cores are plentiful.
-        _lib.pd_set_yield(self._h, int(yield_when_idle))
+        # `idle_sleep_s` > 0: after `idle_spins` empty polls in a row, sleep that long per poll
+        # instead (a long wait then costs almost no CPU). Off by default: on tcp;ofi_rxm the
+        # polling itself moves the bytes, and sleeping halved throughput in bench/transfer.py.
+        _lib.pd_set_idle(self._h, int(yield_when_idle), idle_spins, int(idle_sleep_s * 1e9))
+        self.addr_format: int = int(info.addr_format)
         self.provider: str = _ffi.string(info.provider).decode()
         self.fabric: str = _ffi.string(info.fabric).decode()
         self.domain: str = _ffi.string(info.domain).decode()
@@ -357,10 +372,48 @@ class Endpoint:
         return self.register(addr, n, **kw)
 
     # ----------------------------------------------------------------- peers
-    def insert_peer(self, name: bytes) -> int:
-        """Add a peer's `name` (from its `Endpoint.name`) to the AV; returns its fi_addr."""
+    def check_peer_name(self, name: bytes) -> None:
+        """ValueError unless `name` has this provider's address format and length.
+
+        Why: fi_av_insert reads as many bytes as the provider's address format says (16 for a
+        sockaddr_in, up to the NUL for shm's string names) whatever the buffer holds, so a short
+        name is read past its end, and on tcp;ofi_rxm one failed insert leaves the AV refusing
+        later, valid inserts. Names come from peers over the control plane: check them here.
+        """
         if not isinstance(name, bytes | bytearray) or not name:
             raise ValueError("insert_peer: name must be the peer's non-empty bytes name")
+        name = bytes(name)
+        fmt = self.addr_format
+        if fmt == _lib.PD_ADDR_STR:
+            # e.g. b"fi_shm://<pid>:0:0\0": one NUL, at the end, printable before it
+            body = name[:-1]
+            if (not name.endswith(b"\0") or b"\0" in body or len(name) > _ADDR_STR_MAX
+                    or not all(32 < c < 127 for c in body)):
+                raise ValueError(f"insert_peer: name {name[:64]!r} is not a {self.provider} "
+                                 f"address (a NUL-terminated string of at most "
+                                 f"{_ADDR_STR_MAX} bytes, like {self.name!r})")
+            scheme = self.name.split(b"://", 1)[0]
+            if b"://" in self.name and not name.startswith(scheme + b"://"):
+                raise ValueError(f"insert_peer: name {name[:64]!r} lacks this provider's "
+                                 f"{scheme.decode()}:// scheme")
+            return
+        want = _SOCKADDR_LEN.get(fmt)
+        if fmt == _FI_SOCKADDR and len(name) >= 2:
+            want = _FAMILY_LEN.get(int.from_bytes(name[:2], "little"))
+        if want is None:
+            want = len(self.name)  # other binary formats: the length fi_getname reports
+        if len(name) != want:
+            raise ValueError(f"insert_peer: name is {len(name)} bytes; {self.provider} "
+                             f"addresses (fi addr_format {fmt}) are {want} bytes")
+        if fmt in _SOCKADDR_LEN and name[:2] != self.name[:2]:
+            raise ValueError(f"insert_peer: name has address family "
+                             f"{int.from_bytes(name[:2], 'little')}, this endpoint "
+                             f"{int.from_bytes(self.name[:2], 'little')}")
+
+    def insert_peer(self, name: bytes) -> int:
+        """Add a peer's `name` (from its `Endpoint.name`) to the AV; returns its fi_addr.
+        A name of the wrong format or length raises ValueError (`check_peer_name`)."""
+        self.check_peer_name(name)
         out = _ffi.new("uint64_t *")
         buf = _ffi.new("char[]", bytes(name))
         with self._lock:
@@ -493,11 +546,17 @@ class Endpoint:
 
     # ----------------------------------------------------------------- counters
     def arm(self, slot: int, gen: int) -> None:
-        """Decoder side: expect generation `gen` on `slot` and reset its count."""
+        """Decoder side: expect generation `gen` on `slot` and reset its count. Safe to call
+        from a thread other than the one polling (takes the endpoint lock)."""
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot must be in [0, {self.max_slots}), got {slot}")
         if not 0 <= gen < 1 << 16:
             raise ValueError(f"gen must be in [0, 65536), got {gen}")
-        self.recv_gen[slot] = gen
-        self.recv_counts[slot] = 0
+        # under the endpoint lock: a poll()/wait_*() on another thread counts between two CQ
+        # drains, never half-way through re-arming (no old-generation count slips in)
+        with self._lock:
+            self.recv_gen[slot] = gen
+            self.recv_counts[slot] = 0
 
     @property
     def stale_writes(self) -> int:

@@ -662,8 +662,7 @@ class PdtoolKVManager(CommonKVManager):
             slot = self._free_slots.popleft()
             gen = int(self._slot_gen[slot] + 1) & 0xFFFF
             self._slot_gen[slot] = gen
-            with self.ep._lock:  # arm between two CQ drains: no old-generation count slips in
-                self.ep.arm(slot, gen)
+            self.ep.arm(slot, gen)  # takes the endpoint lock: no old-generation count slips in
             self._active[slot] = (room, expected)
         self._wake.set()
         return slot, gen
