@@ -9,24 +9,15 @@ and prints what would run, starting nothing.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+
+from pdtool.commands import render
 
 NAME = "launch"
 HELP = "render a deployment and start it (sbatch, or processes on this machine)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="OVERRIDE",
-        help="Hydra overrides: +recipe=NAME, key=value, group=option",
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        help="job folder (default: <launcher.output_dir>/<job_name>-<timestamp>)",
-    )
+    render.add_arguments(p)
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -67,9 +58,7 @@ def print_dry_run(rendered) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdtool.commands.render import render_or_explain
-
-    rendered, code = render_or_explain(args.overrides, args.out)
+    rendered, code = render.render_or_explain(args.overrides, args.out)
     if rendered is None:
         return code
     if args.dry_run:

@@ -19,6 +19,7 @@ HELP = "write the launch scripts, resolved config and plan of a deployment into 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Overrides and the job folder; `pdtool launch` takes the same two."""
     p.add_argument(
         "overrides",
         nargs="*",
