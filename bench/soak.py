@@ -23,28 +23,7 @@ from pathlib import Path
 # `transfer` package the engine imports
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent.resolve()]
 
-from pdtool.engines.reference.local import Deployment, free_port, new_secret  # noqa: E402
-from pdtool.engines.reference.serve import RankSpec  # noqa: E402
-from pdtool.engines.reference.soak import run_soak  # noqa: E402
-
-
-def deployment(log_dir: Path, decoders: int = 2) -> tuple[Deployment, str, list[str], dict]:
-    secret, model = new_secret(), {"attention": "gqa"}
-    p_http, f_http = free_port(), free_port()
-    mess = {"provider": "shm", "prefill_tp": 1, "decode_tp": 1, "timeout_s": 60.0,
-            "prefill": [{"health": f"http://127.0.0.1:{p_http}/health"}]}
-    common = {"secret_hex": secret, "messenger": mess, "model": model, "page_size": 4,
-              "chunk": 16}
-    specs = [RankSpec(role="prefill", dist_port=free_port(), http_port=p_http, **common)]
-    leaders = [f"http://127.0.0.1:{p_http}"]
-    for i in range(decoders):
-        d_http = free_port()
-        specs.append(RankSpec(role="decode", instance=i, dist_port=free_port(),
-                              http_port=d_http, **common))
-        leaders.append(f"http://127.0.0.1:{d_http}")
-    specs.append(RankSpec(role="front", http_port=f_http, secret_hex=secret,
-                          decoders=[f"{u}/health" for u in leaders[1:]]))
-    return Deployment(specs, log_dir), f"http://127.0.0.1:{f_http}", leaders, model
+from pdtool.engines.reference.soak import deployment, run_soak  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

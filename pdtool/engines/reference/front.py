@@ -43,6 +43,7 @@ REQUEST_TIMEOUT_S = 300.0  # backstop only: a dead decode instance is noticed wi
 DECODE_DEAD_S = 5.0        # a decode instance silent this long is down
 PING_S = 0.25
 MAX_BODY = 1 << 20
+CLIENT_TIMEOUT_S = 30.0    # socket timeout while reading a request
 
 
 class BadRequest(ValueError):
@@ -65,6 +66,10 @@ def parse_request(body: bytes) -> dict[str, Any]:
         req = json.loads(body or b"{}")
     except json.JSONDecodeError as exc:
         raise BadRequest(f"body: not valid JSON ({exc.msg})") from None
+    except UnicodeDecodeError:
+        raise BadRequest("body: not valid JSON (not UTF-8/16/32 text)") from None
+    except RecursionError:
+        raise BadRequest("body: JSON nested too deeply") from None
     if not isinstance(req, dict):
         raise BadRequest("body: expected a JSON object")
     prompt = req.get("prompt")
@@ -270,6 +275,7 @@ class Front:
 def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "pdtool-reference"
+        timeout = CLIENT_TIMEOUT_S  # a client that stops sending mid-request is dropped
 
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("%s " + fmt, self.address_string(), *args)
@@ -302,9 +308,14 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
                 self._error(404, f"no route {self.path}")
                 return
             try:
-                n = int(self.headers.get("Content-Length") or 0)
+                try:
+                    n = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    raise BadRequest("Content-Length: expected a number of bytes") from None
                 if n > MAX_BODY:
                     raise BadRequest(f"body: larger than {MAX_BODY} bytes")
+                if n < 0:  # read(-1) would wait for the client to close the connection
+                    raise BadRequest("Content-Length: must not be negative")
                 req = parse_request(self.rfile.read(n))
             except (BadRequest, ValueError) as exc:
                 self._error(400, str(exc))

@@ -13,9 +13,10 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from .local import get_json
+from .local import Deployment, free_port, get_json, new_secret
 from .model import TinyModel
 from .oracle import encode, generate
 from .serve import RankSpec
@@ -114,3 +115,25 @@ def run_soak(url: str, leaders: list[str], pids: list[int], model: dict[str, Any
                         for s in stats}
     res.rss_end_mib = rss_mib(pids)
     return res
+
+
+def deployment(log_dir: Path, decoders: int = 2) -> tuple[Deployment, str, list[str], dict]:
+    """1 prefill (TP1) + `decoders` decode instances (TP1) + the front, from RankSpecs (no
+    supervisor: a test may kill one process and watch the others). Not started yet; returns
+    (deployment, front URL, leaders' base URLs prefill first, model fields)."""
+    secret, model = new_secret(), {"attention": "gqa"}
+    p_http, f_http = free_port(), free_port()
+    mess = {"provider": "shm", "prefill_tp": 1, "decode_tp": 1, "timeout_s": 60.0,
+            "prefill": [{"health": f"http://127.0.0.1:{p_http}/health"}]}
+    common = {"secret_hex": secret, "messenger": mess, "model": model, "page_size": 4,
+              "chunk": 16}
+    specs = [RankSpec(role="prefill", dist_port=free_port(), http_port=p_http, **common)]
+    leaders = [f"http://127.0.0.1:{p_http}"]
+    for i in range(decoders):
+        d_http = free_port()
+        specs.append(RankSpec(role="decode", instance=i, dist_port=free_port(),
+                              http_port=d_http, **common))
+        leaders.append(f"http://127.0.0.1:{d_http}")
+    specs.append(RankSpec(role="front", http_port=f_http, secret_hex=secret,
+                          decoders=[f"{u}/health" for u in leaders[1:]]))
+    return Deployment(specs, log_dir), f"http://127.0.0.1:{f_http}", leaders, model

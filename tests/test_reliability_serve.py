@@ -1,0 +1,371 @@
+"""Reliability and security of a LIVE reference deployment (real processes, real sockets).
+
+`pdtool launch +recipe=tiny-local` (started the user's way, test_reference_serve's `Served`):
+* every listening socket of every process is bound to the configured interface (127.0.0.1),
+  read from the sockets the kernel actually has (psutil), never 0.0.0.0;
+* the control plane of the running prefill messenger is fuzzed with hypothesis (random frames,
+  truncated, oversized, wrongly signed, wrong types under a valid signature, replays): it keeps
+  serving, logs why it refused each, an unauthenticated peer gets no reply at all (so it can
+  neither register, nor request pages, nor learn a memory key), and a real request afterwards
+  is still exact; the front<->decode wire refuses forged and replayed GENs the same way;
+* the front's HTTP input is fuzzed (bad JSON, wrong types, huge or lying Content-Length): a 4xx
+  naming the field, never a 500 or a hang;
+* a short soak (random sizes, every output vs the oracle, RSS flat, no KV page leaked);
+* the render-time secret is 0600 and appears in no rendered script, log, command line or
+  process environment.
+A RankSpec deployment with two decode instances (no supervisor) then loses one decode instance
+to SIGKILL mid-request: the front fails its request within seconds, not after 300 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import psutil
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_control import _request_body
+from test_reference_serve import Served
+
+from pdtool.engines.reference.front import DECODE_DEAD_S
+from pdtool.engines.reference.local import get_json
+from pdtool.engines.reference.soak import deployment, run_soak
+from pdtool.engines.reference.wire import Wire, dealer
+from transfer.control import PROTOCOL_VERSION, SCHEMAS, Codec
+
+FUZZ_ID = "fuzzer"
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reliability")
+    s = Served("tiny-local", tmp)
+    s.tmp = tmp
+    yield s
+    s.stop()
+
+
+def _procs(s: Served) -> list[psutil.Process]:
+    root = psutil.Process(s.proc.pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _logs(s: Served) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in Path(s.tmp).rglob("*.log"))
+
+
+def _wait_log(s: Served, text: str, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if text in _logs(s):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+# ----------------------------------------------------------------------------- interfaces
+def test_listeners_bind_the_configured_interface(launched):
+    listening = []
+    for p in _procs(launched):
+        for c in p.net_connections(kind="inet"):
+            if c.status == psutil.CONN_LISTEN:
+                listening.append((p.pid, p.name(), c.laddr.ip, c.laddr.port))
+    ports = {port for *_, port in listening}
+    # the front, each leader's /health, the prefill control socket, the decoders' GEN sockets
+    assert len(ports) >= 6, listening
+    assert {ip for _, _, ip, _ in listening} == {"127.0.0.1"}, listening
+
+
+# ----------------------------------------------------------------------------- control plane
+def _control(s: Served) -> str:
+    _, health = get_json(f"{s.leaders[0]}/health")
+    (address,) = health["control"]
+    return address
+
+
+def _signed(secret: bytes, env: object) -> list[bytes]:
+    data = msgpack.packb(env, use_bin_type=True)
+    return [data, hmac.new(secret, data, hashlib.sha256).digest()]
+
+
+def _env(type_: str, body: object, **over: object) -> dict:
+    return {"v": PROTOCOL_VERSION, "type": type_, "from": FUZZ_ID, "ts": time.time(),
+            "nonce": os.urandom(16), "body": body, **over}
+
+
+_value = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+    | st.text(max_size=8) | st.binary(max_size=16),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=16)
+
+
+def _bad_frames(secret: bytes):
+    """Strategies for hostile input; each yields the frames to send."""
+    good_ping = Codec(secret, FUZZ_ID).encode
+    return st.one_of(
+        st.lists(st.binary(max_size=300), min_size=1, max_size=4),             # random
+        st.integers(0, 60).map(lambda k: [good_ping("PING", {})[0][:k],        # truncated
+                                          good_ping("PING", {})[1]]),
+        st.sampled_from(list(SCHEMAS)).map(                                    # wrong key
+            lambda t: Codec(b"w" * 32, FUZZ_ID).encode(t, _valid_body(t))),
+        st.tuples(st.sampled_from(list(SCHEMAS)), _value).map(                 # wrong types
+            lambda tb: _signed(secret, _env(tb[0], tb[1]))),
+        _value.map(lambda env: _signed(secret, env)),                          # not an envelope
+        st.sampled_from([{"v": 99}, {"ts": 1.0}, {"from": "someone-else"}, {"nonce": b"x"},
+                         {"ts": time.time() + 3600}]).map(
+            lambda over: _signed(secret, _env("PING", {}, **over))),
+    )
+
+
+def _abort_body() -> dict:
+    return {"rid": "x", "slot": 0, "gen": 1, "reason": "fuzz"}
+
+
+def _valid_body(type_: str) -> dict:
+    return {"REQUEST": _request_body(), "ABORT": _abort_body(),
+            "ABORTED": {**_abort_body(), "issued": 0, "errored": 0}}.get(type_, {})
+
+
+def _replies(sock: zmq.Socket, wait_s: float) -> list[list[bytes]]:
+    out, end = [], time.monotonic() + wait_s
+    while time.monotonic() < end:
+        if sock.poll(50):
+            out.append(sock.recv_multipart())
+    return out
+
+
+def test_live_prefill_survives_control_plane_fuzzing(launched):
+    secret = bytes.fromhex(launched.secret)
+    address = _control(launched)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, FUZZ_ID.encode())
+    sock.connect(address)
+    try:
+        @settings(max_examples=300, deadline=None,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @given(_bad_frames(secret))
+        def fuzz(frames):
+            sock.send_multipart(frames)
+
+        fuzz()
+        _replies(sock, 1.0)  # PONGs to the complete PINGs among the examples
+        # replayed: the first copy is answered, the second refused
+        ping = Codec(secret, FUZZ_ID).encode("PING", {})
+        sock.send_multipart(ping)
+        sock.send_multipart(ping)
+        got = _replies(sock, 2.0)
+        pongs = [Codec(secret, "check").decode(f) for f in got]
+        assert [m.type for m in pongs] == ["PONG"], pongs
+    finally:
+        sock.close(0)
+    # oversized: ZeroMQ drops the peer (MAXMSGSIZE) before a byte is decoded
+    big = ctx.socket(zmq.DEALER)
+    big.setsockopt(zmq.LINGER, 0)
+    big.connect(address)
+    big.send_multipart([b"\0" * (9 << 20), b"m" * 32])
+    time.sleep(0.5)
+    big.close(0)
+    # still serving, exactly; and the refusals were logged with their reason
+    body = launched.complete("after the storm", 6)
+    assert body["pdtool"]["token_ids"] == launched.oracle("after the storm", 6)
+    for reason in ("refused a message: mac: signature does not match",
+                   "refused a message: nonce: already seen (replayed message)",
+                   "refused a message: frames: expected [payload, mac]",
+                   "refused a message: envelope.v: protocol version 99"):
+        assert _wait_log(launched, reason), reason
+
+
+def test_unauthenticated_peer_gets_no_reply_and_no_key(launched):
+    """A peer without the secret is never answered (no PONG, no ABORTED), so it cannot
+    register, request pages or learn anything; an insider's malformed request gets an ABORTED
+    that carries only ids, counts and a reason, never a memory key or address."""
+    secret = bytes.fromhex(launched.secret)
+    ctx = zmq.Context.instance()
+    outsider = ctx.socket(zmq.DEALER)
+    outsider.setsockopt(zmq.LINGER, 0)
+    outsider.setsockopt(zmq.ROUTING_ID, b"outsider")
+    outsider.connect(_control(launched))
+    wrong = Codec(os.urandom(32), "outsider")
+    for type_ in SCHEMAS:
+        outsider.send_multipart(wrong.encode(type_, _valid_body(type_)))
+    outsider.send_multipart([b"PING"])  # unsigned
+    assert _replies(outsider, 2.0) == []
+    outsider.close(0)
+    insider = ctx.socket(zmq.DEALER)
+    insider.setsockopt(zmq.LINGER, 0)
+    insider.setsockopt(zmq.ROUTING_ID, FUZZ_ID.encode())
+    insider.connect(_control(launched))
+    insider.send_multipart(Codec(secret, FUZZ_ID).encode("REQUEST", _valid_body("REQUEST")))
+    (reply,) = _replies(insider, 3.0)
+    insider.close(0)
+    msg = Codec(secret, "check").decode(reply)
+    assert msg.type == "ABORTED" and msg.body["reason"].startswith("refused: ")
+    assert set(msg.body) == {"rid", "slot", "gen", "reason", "issued", "errored"}
+
+
+def test_decode_wire_refuses_forged_and_replayed_requests(launched):
+    _, health = get_json(f"{launched.leaders[1]}/health")
+    sock = dealer(zmq.Context.instance(), health["engine"])
+    try:
+        body = {"rid": f"replay-{time.monotonic_ns()}", "tokens": [72, 105], "max_tokens": 2}
+        sock.send_multipart(Wire(os.urandom(32)).pack("GEN", body))  # forged
+        assert _replies(sock, 1.5) == []
+        frames = Wire(bytes.fromhex(launched.secret)).pack("GEN", body)
+        sock.send_multipart(frames)
+        first = _replies(sock, 5.0)
+        assert first and Wire(bytes.fromhex(launched.secret)).unpack(first[-1], ("OUT",))
+        sock.send_multipart(frames)  # a captured GEN, replayed: no second run
+        assert _replies(sock, 1.5) == []
+    finally:
+        sock.close(0)
+    assert _wait_log(launched, "nonce: already seen (replayed message)")
+
+
+# ----------------------------------------------------------------------------- HTTP input
+def _post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        hdrs = {"Content-Type": "application/json", "Content-Length": str(len(body)),
+                **(headers or {})}
+        for k, v in hdrs.items():
+            conn.putheader(k, v)
+        conn.endheaders()
+        conn.send(body)
+        r = conn.getresponse()
+        return r.status, json.loads(r.read() or b"{}")
+    finally:
+        conn.close()
+
+
+_bodies = st.one_of(
+    st.binary(max_size=200),
+    _value.map(lambda v: json.dumps(v, default=repr).encode()),
+    st.fixed_dictionaries({}, optional={"prompt": _value, "max_tokens": _value,
+                                        "stream": _value, "model": _value})
+    .map(lambda d: json.dumps(d, default=repr).encode()),
+)
+
+
+def test_front_refuses_hostile_http_input(launched):
+    from pdtool.engines.reference.front import BadRequest, parse_request
+
+    codes = []
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(_bodies)
+    def fuzz(body):
+        try:
+            parse_request(body)
+        except BadRequest:
+            pass
+        else:
+            return  # a valid request: served by the other tests, too slow to send 150 of
+        code, reply = _post(launched.url, body)
+        codes.append(code)
+        assert code == 400 and reply["error"]["message"].split(":")[0] in (
+            "body", "prompt", "max_tokens", "stream"), (body, code, reply)
+
+    fuzz()
+    assert codes, "hypothesis produced no invalid body"
+    # refused from the header, before the body is read
+    code, reply = _post(launched.url, b"{}", {"Content-Length": str(2 << 20)})
+    assert code == 400 and "larger than" in reply["error"]["message"]
+    code, reply = _post(launched.url, b"[" * 500_000)
+    assert code == 400 and "nested too deeply" in reply["error"]["message"]
+    code, reply = _post(launched.url, b"{}", {"Content-Length": "-1"})
+    assert code == 400 and reply["error"]["message"].startswith("Content-Length")
+    code, reply = _post(launched.url, b"{}", {"Content-Length": "lots"})
+    assert code == 400 and reply["error"]["message"].startswith("Content-Length")
+    body = launched.complete("still fine", 3)
+    assert body["pdtool"]["token_ids"] == launched.oracle("still fine", 3)
+    assert launched.proc.poll() is None
+
+
+# ----------------------------------------------------------------------------- soak
+def test_short_soak_exact_flat_memory_no_leak(launched):
+    n = int(os.environ.get("PDTOOL_SOAK_REQUESTS", "150"))
+    pids = [p.pid for p in _procs(launched)]
+    res = run_soak(launched.url, launched.leaders, pids, launched.model, requests=n,
+                   workers=16, seed=3, max_seconds=240)
+    print(res.summary())
+    assert res.requests == n and not res.errors and not res.mismatches, res.summary()
+    assert not any(res.pages_leaked.values()), res.pages_leaked
+    assert res.rss_growth_mib < 64, res.summary()
+
+
+# ----------------------------------------------------------------------------- the secret
+def test_secret_is_0600_and_never_written_anywhere_else(launched):
+    job = Path(launched.tmp) / "job"
+    key = job / "secret.key"
+    assert key.stat().st_mode & 0o777 == 0o600
+    secret = launched.secret
+    assert secret == key.read_text().strip()
+    files = [p for p in Path(launched.tmp).rglob("*") if p.is_file() and p != key]
+    assert any(p.suffix == ".sh" for p in files) and any(p.suffix == ".log" for p in files)
+    for p in files:
+        assert secret not in p.read_text(errors="replace"), p
+    for proc in _procs(launched):
+        env = proc.environ()
+        assert "PDTOOL_SECRET" not in env, proc.cmdline()
+        assert secret not in " ".join(proc.cmdline()) and secret not in json.dumps(env)
+
+
+# ----------------------------------------------------------------------------- decode death
+def test_front_fails_requests_of_a_dead_decode_instance_promptly(tmp_path):
+    dep, url, leaders, _model = deployment(tmp_path / "dep", decoders=2)
+    dep.start()
+    try:
+        results: list[tuple[int, dict, float]] = []
+
+        def long_request() -> None:
+            code, body = get_json(f"{url}/v1/completions",
+                                  {"prompt": "a long story", "max_tokens": 4096}, timeout=120)
+            results.append((code, body, time.monotonic()))
+
+        threads = [threading.Thread(target=long_request) for _ in range(2)]
+        for t in threads:  # one per decode instance: the front picks the least loaded
+            t.start()
+            time.sleep(0.3)
+        time.sleep(0.5)
+        victim = next(p for p, s in zip(dep.procs, dep.specs, strict=True)
+                      if s.role == "decode" and s.instance == 1)
+        killed_at = time.monotonic()
+        victim.send_signal(signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        failed = [(c, b, t) for c, b, t in results if c != 200]
+        assert len(failed) == 1, results
+        code, body, when = failed[0]
+        assert code == 503 and "decode instance 1 stopped answering" in \
+            body["error"]["message"], body
+        assert when - killed_at < DECODE_DEAD_S + 5.0  # not the 300 s backstop
+        # the front routes new requests to the instance still up
+        code, body = get_json(f"{url}/v1/completions", {"prompt": "next", "max_tokens": 3})
+        assert code == 200 and body["pdtool"]["decode_instance"] == 0
+        code, health = get_json(f"{url}/health")
+        assert health["decode_up"] == 1
+        for u in (leaders[0], leaders[1]):  # nothing leaked on the survivors
+            for _ in range(100):
+                st_ = get_json(f"{u}/stats")[1]
+                if st_["pages_free"] == st_["pages_total"]:
+                    break
+                time.sleep(0.05)
+            assert st_["pages_free"] == st_["pages_total"], st_
+    finally:
+        dep.stop()
