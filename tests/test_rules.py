@@ -167,7 +167,9 @@ def test_prefill_decode_tp_must_divide():
 
 
 def test_mla_accepts_any_tp_pair():
-    cfg = recipe("tiny-local-mla", "prefill.tp=2", "decode.tp=3")
+    # tp=3 does not divide the tiny model's 4 query heads: an SGLang deployment on GPUs
+    cfg = recipe("tiny-local-mla", "prefill.tp=2", "decode.tp=3", "engine=sglang",
+                 "cluster.device=cuda")
     assert not validate(cfg)
 
 
@@ -198,7 +200,9 @@ def test_chunk_must_be_whole_pages():
 def test_nhd_with_tp_mismatch_warns_with_op_count():
     # transfer.layout is the page layout of engines pdtool controls (the reference engine);
     # SGLang keeps its own NHD pools and has its own rule (rules/sglang.py)
-    cfg = recipe("llama-3.1-70b", "transfer.layout=NHD", "engine=reference")
+    # (a byte vocabulary makes the Llama shape one the reference engine could run)
+    cfg = recipe("llama-3.1-70b", "transfer.layout=NHD", "engine=reference",
+                 "model.vocab_size=256")
     f = assert_warning(cfg, "transfer.layout", "prefill attention TP 8 -> decode 4")
     # 64 tokens x 2 source slices per page; 4096 tokens = 64 pages x 80 layers, + 1 aux write
     assert "128 writes per page and layer (HND: 2)" in f.message
@@ -238,6 +242,7 @@ def test_idle_gpus_are_reported():
         "transfer=efa",
         "prefill.tp=3",
         "decode.tp=3",
+        "engine=sglang",
     )
     assert_warning(cfg, "prefill.tp", "2 idle on every prefill node")
 
@@ -257,8 +262,28 @@ def test_local_launcher_is_one_machine():
 
 def test_engine_must_suit_device():
     assert_error(compose("engine=sglang"), "engine.kind", "need GPUs")
-    cfg = recipe("deepseek-r1", "engine=reference")
+    cfg = recipe("deepseek-r1", "engine=reference", "model=tiny", "model.num_q_heads=8",
+                 "model.num_kv_heads=8", "prefill.chunked_prefill_size=64")
     assert_warning(cfg, "engine.kind", "runs on CPUs")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "fragment"),
+    [
+        (("model.vocab_size=300",), "model.vocab_size", "byte-level"),
+        (("prefill.dp=2",), "prefill.dp", "dp=1"),
+        (("decode.tp=3", "model.num_kv_heads=3", "model.num_q_heads=6"), "decode.tp",
+         "must divide model.num_q_heads=6 and model.intermediate_size"),
+        (("model.head_dim=15",), "model.head_dim", "even width"),
+        (("decode.kv_dtype=fp8_e4m3", "prefill.kv_dtype=fp8_e4m3"), "decode.kv_dtype", "supports"),
+    ],
+)
+def test_reference_engine_limits(overrides, key, fragment):
+    """What the reference CPU engine would refuse at start-up is refused by validate first."""
+    assert_error(compose(*overrides), key, "engine=reference", fragment)
+    # the same deployment on SGLang is not held to the reference engine's limits
+    sglang = compose(*overrides, "engine=sglang", "cluster.device=cuda")
+    assert not [f for f in validate(sglang) if "engine=reference" in f.message]
 
 
 def test_provider_needs_nics_of_its_kind():
@@ -283,7 +308,6 @@ def test_shm_only_within_one_node():
         "decode.dp=4",
         "decode.instances=1",
         "model=tiny",
-        "engine=reference",
     )
     assert not [f for f in validate(cfg) if f.severity == "error"]
 

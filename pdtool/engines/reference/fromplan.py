@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .limits import KV_DTYPES, instance_problems, model_problems
 from .serve import RankSpec
 
-_PLAN_KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ALLOW_FAULTS_ENV = "PDTOOL_REFERENCE_ALLOW_FAULTS"
 MAX_PAGES = 4096  # the CPU engine needs far less than a "GPU" budget; keep processes small
 
@@ -22,22 +22,16 @@ class SpecError(ValueError):
     """The plan asks for something the reference engine cannot run; names the key."""
 
 
+def _raise_first(problems: list[tuple[str, str]]) -> None:
+    if problems:
+        key, msg = problems[0]
+        raise SpecError(f"{key}: {msg}")
+
+
 def model_fields(model: Any, kv_dtype: str, role: str = "prefill") -> dict[str, Any]:
     """TinyConfig fields from the plan's model summary (MLA: nope and v dims = head_dim)."""
-    if model.vocab_size != 256:
-        raise SpecError(f"model.vocab_size: the reference engine is byte-level (256), got "
-                        f"{model.vocab_size}")
-    if kv_dtype not in _PLAN_KV_DTYPES:
-        raise SpecError(f"{role}.kv_dtype: the reference engine supports "
-                        f"{sorted(_PLAN_KV_DTYPES)}, got {kv_dtype!r}")
+    _raise_first(model_problems(model, kv_dtype, role))
     mla = model.attention == "mla"
-    rope = model.qk_rope_head_dim if mla else model.head_dim
-    if mla and model.kv_lora_rank < 1:
-        raise SpecError(f"model.kv_lora_rank: an MLA model needs a latent width >= 1, got "
-                        f"{model.kv_lora_rank}")
-    if rope < 2 or rope % 2:
-        key = "model.qk_rope_head_dim" if mla else "model.head_dim"
-        raise SpecError(f"{key}: RoPE rotates pairs, needs an even width >= 2, got {rope}")
     fields = {
         "attention": "mla" if mla else "gqa",
         "num_layers": model.num_layers,
@@ -49,22 +43,18 @@ def model_fields(model: Any, kv_dtype: str, role: str = "prefill") -> dict[str, 
         "v_head_dim": model.head_dim,
         "intermediate": model.intermediate_size,
         "seed": model.seed,
-        "kv_dtype": _PLAN_KV_DTYPES[kv_dtype],
+        "kv_dtype": KV_DTYPES[kv_dtype],
     }
     if mla:
         fields.update(kv_lora_rank=model.kv_lora_rank, qk_rope_dim=model.qk_rope_head_dim)
     return fields
 
 
-def check_instance(fields: dict[str, Any], inst: Any, role: str) -> None:
+def check_instance(model: Any, fields: dict[str, Any], inst: Any, role: str) -> None:
     """What would otherwise fail inside the engine, as a SpecError naming the key."""
     from .model import TinyConfig
 
-    if inst.dp != 1:
-        raise SpecError(f"{role}.dp: the reference engine runs dp=1, got {inst.dp}")
-    if inst.chunked_prefill_size % inst.page_size:
-        raise SpecError(f"{role}.chunked_prefill_size: {inst.chunked_prefill_size} is not a "
-                        f"multiple of {role}.page_size={inst.page_size}")
+    _raise_first(instance_problems(model, inst, role))
     try:
         TinyConfig(**fields).check_tp(inst.tp)
     except ValueError as exc:
@@ -107,7 +97,7 @@ def spec_from_context(ctx: Any) -> RankSpec:
                         secret_hex=_secret_hex(), decoders=urls)
     inst = ctx.instance
     fields = model_fields(plan.model, inst.kv_dtype, ctx.role)
-    check_instance(fields, inst, ctx.role)
+    check_instance(plan.model, fields, inst, ctx.role)
     rank = ctx.ranks[0]
     pages = MAX_PAGES
     for mem in plan.memory:

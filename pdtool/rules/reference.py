@@ -1,0 +1,29 @@
+"""What pdtool's reference CPU engine can run, for validate (only for `engine.kind=reference`).
+
+The checks live beside the engine (`pdtool.engines.reference.limits`, torch-free) and also guard
+its workers at start-up; here they become findings, so `validate` rejects a deployment the
+engine would refuse before anything is launched.
+"""
+
+from __future__ import annotations
+
+from pdtool.engines.reference.limits import instance_problems, model_problems
+from pdtool.rules.finding import Finding, error
+from pdtool.schema import ROLES, Config, kv_dtype, role
+
+
+def check_reference_limits(cfg: Config) -> list[Finding]:
+    if cfg.engine.kind != "reference":
+        return []
+    problems: dict[str, str] = {}  # one finding per key (the model is checked once per role)
+    for name in ROLES:
+        rc = role(cfg, name)
+        for key, msg in model_problems(cfg.model, kv_dtype(cfg.model, rc), name):
+            problems.setdefault(key, msg)
+        for key, msg in instance_problems(cfg.model, rc, name):
+            problems.setdefault(key, msg)
+    fix = "change it, or use engine=sglang for this model"
+    return [error(key, f"engine=reference: {msg}", fix) for key, msg in problems.items()]
+
+
+ALL = (check_reference_limits,)
