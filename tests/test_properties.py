@@ -163,3 +163,41 @@ def test_load_config_never_raises(pairs):
         assert f.severity == "error" and f.key and f.message
     if cfg is not None:
         validate(cfg)
+
+
+# -- reliability issue: `pdtool validate` itself over hostile override strings ------------------
+raw_override = st.one_of(
+    st.tuples(override_keys | st.sampled_from(["decode.tp", "prefill.page_size", "transfer",
+                                                "engine", "launcher", "router.host"]),
+              st.text(alphabet="abcxyz019.=+~-_,:/\\'\"$ {}[]()\n\t\x00é", max_size=12))
+    .map(lambda kv: f"{kv[0]}={kv[1]}"),
+    st.text(alphabet="abc.=+~_-,:'\"$ {}[]\x00", min_size=1, max_size=16),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(raw_override, max_size=3), st.booleans())
+def test_validate_cli_never_crashes_on_hostile_overrides(overrides, multirun):
+    """Through the real CLI entry (in-process, PDTOOL_DEBUG=1 so an internal error raises
+    instead of being reported): a clear exit code, never an exception."""
+    import contextlib
+    import io
+    import os
+
+    from pdtool.cli import main
+
+    os.environ["PDTOOL_DEBUG"] = "1"
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(["validate", *(["-m"] if multirun else []), "+recipe=tiny-local",
+                             *overrides])
+            except SystemExit as exc:  # argparse usage error (an override like "-x")
+                code = exc.code
+    finally:
+        os.environ.pop("PDTOOL_DEBUG", None)
+    assert code in (0, 1, 2), (code, out.getvalue(), err.getvalue())
+    assert "Traceback" not in out.getvalue() + err.getvalue()
+    if code == 1:
+        assert (out.getvalue() + err.getvalue()).strip()  # says why
