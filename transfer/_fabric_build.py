@@ -50,7 +50,7 @@ struct pd_err {
 };
 
 int pd_open(pd_ep **out, const char *prov, const char *domain, const char *node,
-            const char *service, int want_remote_cntr, uint32_t ctx_pool,
+            const char *service, int want_remote_cntr, uint32_t ctx_pool, size_t cq_size,
             struct pd_info *info, char *errbuf, size_t errlen);
 void pd_close(pd_ep *ep);
 int pd_getname(pd_ep *ep, void *buf, size_t *len);
@@ -59,6 +59,8 @@ void pd_set_counters(pd_ep *ep, uint32_t *recv_counts, uint16_t *recv_gen, uint3
 uint64_t pd_stale(pd_ep *ep);
 void pd_set_yield(pd_ep *ep, int on);
 void pd_set_idle(pd_ep *ep, int yield_idle, uint32_t spins_before_sleep, int64_t sleep_ns);
+void pd_set_max_inflight_bytes(pd_ep *ep, uint64_t max_bytes);
+uint64_t pd_inflight_bytes(pd_ep *ep);
 uint64_t pd_inflight(pd_ep *ep);
 uint64_t pd_remote_cntr(pd_ep *ep);
 uint64_t pd_remote_writes(pd_ep *ep);
@@ -150,6 +152,7 @@ struct pd_err {
    along and providers that demand FI_CONTEXT/FI_CONTEXT2 scratch space get it. */
 struct pd_ctx {
     struct fi_context2 fi;   /* must stay first: some providers write into it */
+    uint64_t len;
     uint32_t tag;
     uint32_t next_free;
 };
@@ -171,6 +174,8 @@ struct pd_ep {
     uint64_t stale;
     uint64_t remote_writes;
     uint64_t inflight;
+    uint64_t inflight_bytes;
+    uint64_t max_inflight_bytes;  /* 0 = only the provider's queue depth limits */
     int yield_idle;         /* sched_yield() when a wait/retry loop found nothing to do */
     uint32_t idle_spins;    /* ... and after this many empty polls in a row, */
     int64_t idle_sleep_ns;  /* sleep this long per empty poll (0: never sleep) */
@@ -273,6 +278,7 @@ static void pd_complete_local(pd_ep *ep, void *op_context) {
     struct pd_ctx *c = (struct pd_ctx *)op_context;
     if (ep->send_done && c->tag < ep->nslots) ep->send_done[c->tag]++;
     ep->inflight--;
+    ep->inflight_bytes -= c->len;
     pd_ctx_put(ep, c);
 }
 
@@ -292,6 +298,7 @@ static int pd_read_cq_error(pd_ep *ep) {
         struct pd_ctx *c = (struct pd_ctx *)e.op_context;
         tag = c->tag;
         ep->inflight--;
+        ep->inflight_bytes -= c->len;
         pd_ctx_put(ep, c);
     } else if (e.flags & FI_REMOTE_CQ_DATA) {
         tag = (uint32_t)e.data;
@@ -371,7 +378,7 @@ void pd_close(pd_ep *ep) {
     pd_seterr(errbuf, errlen, what, _r); pd_close(ep); return _r; } } while (0)
 
 int pd_open(pd_ep **out, const char *prov, const char *domain, const char *node,
-            const char *service, int want_remote_cntr, uint32_t ctx_pool,
+            const char *service, int want_remote_cntr, uint32_t ctx_pool, size_t cq_size,
             struct pd_info *pi, char *errbuf, size_t errlen) {
     *out = NULL;
     pd_ep *ep = calloc(1, sizeof(*ep));
@@ -408,7 +415,10 @@ int pd_open(pd_ep **out, const char *prov, const char *domain, const char *node,
     memset(&cq_attr, 0, sizeof(cq_attr));
     cq_attr.format = FI_CQ_FORMAT_DATA;
     cq_attr.wait_obj = FI_WAIT_NONE;
-    cq_attr.size = 0;
+    /* A bounded CQ bounds the work of ONE fi_cq_read: shm's progress copies every queued
+       write (process_vm_readv) until the CQ is full, so with the default size one call could
+       copy a whole GiB queue and the caller's timeout/slice was never checked. 0 = default. */
+    cq_attr.size = cq_size;
     PD_TRY(fi_cq_open(ep->domain, &cq_attr, &ep->cq, NULL), "fi_cq_open");
     struct fi_av_attr av_attr;
     memset(&av_attr, 0, sizeof(av_attr));
@@ -467,6 +477,10 @@ void pd_set_counters(pd_ep *ep, uint32_t *recv_counts, uint16_t *recv_gen, uint3
 }
 
 void pd_set_yield(pd_ep *ep, int on) { ep->yield_idle = on; }
+void pd_set_max_inflight_bytes(pd_ep *ep, uint64_t max_bytes) {
+    ep->max_inflight_bytes = max_bytes;
+}
+uint64_t pd_inflight_bytes(pd_ep *ep) { return ep->inflight_bytes; }
 void pd_set_idle(pd_ep *ep, int yield_idle, uint32_t spins_before_sleep, int64_t sleep_ns) {
     ep->yield_idle = yield_idle;
     ep->idle_spins = spins_before_sleep;
@@ -572,13 +586,21 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
     for (size_t i = 0; i < n; i++) {
         unsigned spins = 0, empty = 0;
         for (;;) {
-            struct pd_ctx *c = pd_ctx_get(ep);
+            /* Bytes in flight are capped (one write may always go): the queue is bounded in
+               entries, so with big pages the target would otherwise have up to tx_size pages
+               queued, and shm's target copies everything queued inside ONE fi_cq_read (1 GiB
+               of 1 MiB pages: its poll loop blind for ~200 ms, new requests waiting). While
+               capped, only our own CQ is polled: no spinning on the peer's queue lock. */
+            int capped = ep->max_inflight_bytes && ep->inflight
+                         && ep->inflight_bytes + len[i] > ep->max_inflight_bytes;
+            struct pd_ctx *c = capped ? NULL : pd_ctx_get(ep);
             ssize_t ret = -FI_EAGAIN;
             if (c) {
                 c->tag = tag;
+                c->len = len[i];
                 ret = fi_writedata(ep->ep, lbase + src[i], len[i], local->desc, imm,
                                    (fi_addr_t)peer, remote_base + dst[i], remote_key, &c->fi);
-                if (ret == 0) { ep->inflight++; break; }
+                if (ret == 0) { ep->inflight++; ep->inflight_bytes += len[i]; break; }
                 pd_ctx_put(ep, c);
             }
             if (ret != -FI_EAGAIN) {
@@ -613,7 +635,7 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
 #define PD_WAIT(cond) do { \
     int64_t deadline = pd_now_ns() + timeout_ns; unsigned spins = 0, empty = 0; \
     for (;;) { \
-        int p = pd_poll(ep, 1u << 16); if (p < 0) return p; \
+        int p = pd_poll(ep, PD_CQ_BATCH); if (p < 0) return p; /* bounded: check often */ \
         if (cond) return 0; \
         if (p == 0) pd_idle(ep, &empty);  /* let a peer sharing this core run */ \
         else empty = 0; \

@@ -76,6 +76,11 @@ _FAMILY_LEN = {2: 16, 10: 28}  # AF_INET, AF_INET6 -> sizeof(sockaddr_in[6])
 _ADDR_STR_MAX = 256            # shm's SMR_NAME_MAX
 _ERRBUF = 512
 DEFAULT_TIMEOUT_S = 30.0
+# Completion-queue entries; 0 = the provider's default (small CQs made shm slower at 64 KiB).
+# Local writes in flight are capped in BYTES instead (see write_batch): that is what bounds how
+# long one poll of the target can run on shm, where the target copies every queued write.
+DEFAULT_MAX_INFLIGHT_BYTES = 64 << 20
+DEFAULT_CQ_SIZE = 0
 MAX_SLOTS = 1 << 16  # 16 bits of slot in the 32-bit immediate
 
 
@@ -126,7 +131,7 @@ def available_providers() -> list[str]:
         info = _ffi.new("struct pd_info *")
         out = _ffi.new("pd_ep **")
         err = _ffi.new("char[]", _ERRBUF)
-        if _lib.pd_open(out, prov.encode(), _ffi.NULL, _ffi.NULL, _ffi.NULL, 0, 1, info, err,
+        if _lib.pd_open(out, prov.encode(), _ffi.NULL, _ffi.NULL, _ffi.NULL, 0, 1, 0, info, err,
                         _ERRBUF) == 0:
             _lib.pd_close(out[0])
             found.append(prov)
@@ -235,11 +240,18 @@ class Endpoint:
         yield_when_idle: bool = True,
         idle_spins: int = 64,
         idle_sleep_s: float = 0.0,
+        cq_size: int = DEFAULT_CQ_SIZE,
+        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
     ) -> None:
         if not 0 < max_slots <= MAX_SLOTS:
             raise ValueError(f"max_slots must be in [1, {MAX_SLOTS}], got {max_slots}")
         if max_outstanding < 1:
             raise ValueError(f"max_outstanding must be >= 1, got {max_outstanding}")
+        if not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 0:
+            raise ValueError(f"max_inflight_bytes must be an int >= 0 (0: no cap), got "
+                             f"{max_inflight_bytes!r}")
+        if not isinstance(cq_size, int) or cq_size < 0:
+            raise ValueError(f"cq_size must be an int >= 0, got {cq_size!r}")
         if not isinstance(idle_spins, int) or idle_spins < 0:
             raise ValueError(f"idle_spins must be an int >= 0, got {idle_spins!r}")
         if not 0 <= idle_sleep_s < 1:
@@ -257,7 +269,7 @@ class Endpoint:
             return s.encode() if s else _ffi.NULL
 
         ret = _lib.pd_open(out, provider.encode(), c(domain), c(node), c(service),
-                           int(remote_counter), max_outstanding, info, err, _ERRBUF)
+                           int(remote_counter), max_outstanding, cq_size, info, err, _ERRBUF)
         _check(ret, "open endpoint", f"provider={provider!r} domain={domain!r} node={node!r} "
                f"service={service!r}; see `fi_info -p '{provider}'`", err)
         self._h = out[0]
@@ -268,6 +280,7 @@ class Endpoint:
         # instead (a long wait then costs almost no CPU). Off by default: on tcp;ofi_rxm the
         # polling itself moves the bytes, and sleeping halved throughput in bench/transfer.py.
         _lib.pd_set_idle(self._h, int(yield_when_idle), idle_spins, int(idle_sleep_s * 1e9))
+        _lib.pd_set_max_inflight_bytes(self._h, max_inflight_bytes)
         self.addr_format: int = int(info.addr_format)
         self.provider: str = _ffi.string(info.provider).decode()
         self.fabric: str = _ffi.string(info.fabric).decode()
@@ -450,9 +463,10 @@ class Endpoint:
         each carrying `imm` as remote CQ data and counted in `send_done[tag]` on completion.
 
         Every range is checked (in C, before anything is submitted) -> ValueError naming the
-        write. On a full queue the C loop drains the CQ and retries until `timeout` seconds
-        pass -> FabricError. A FabricError mid-batch says how many writes were submitted
-        (`.submitted`); those still complete or fail via the CQ.
+        write. On a full queue, or with `max_inflight_bytes` already in flight, the C loop
+        drains the CQ and retries until `timeout` seconds pass -> FabricError. A FabricError
+        mid-batch says how many writes were submitted (`.submitted`); those still complete or
+        fail via the CQ.
         """
         if local._ep is not self or local._h is None:
             raise ValueError("write_batch: local MemoryRegion is closed or from another endpoint")
@@ -567,6 +581,12 @@ class Endpoint:
     def remote_writes(self) -> int:
         """All remote CQ-data completions seen (counted + stale)."""
         return int(_lib.pd_remote_writes(self._live()))
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Bytes of local writes submitted and not yet completed (capped by the
+        `max_inflight_bytes` the endpoint was opened with, except for a single larger write)."""
+        return int(_lib.pd_inflight_bytes(self._live()))
 
     @property
     def inflight(self) -> int:
