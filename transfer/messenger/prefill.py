@@ -642,7 +642,9 @@ class PrefillMessenger(Worker):
     def _write(self, x: _Req, d: _Dest, mr: Any, region: Any, so: np.ndarray, do: np.ndarray,
                ln: np.ndarray) -> None:
         """Submit in calls of at most `_BATCH_BYTES`, each bounded in time well under the
-        peers' liveness timeout (this thread also answers their PINGs)."""
+        peers' liveness timeout. Between calls the control socket is served (PINGs answered,
+        REQUESTs assembled, ABORTs seen): one pass can hold GiBs of writes, and new requests
+        must not wait for all of it (their decoders idle meanwhile); an ABORT stops the rest."""
         from ..fabric import FabricError
 
         cuts = [0]
@@ -652,7 +654,9 @@ class PrefillMessenger(Worker):
             cuts += sorted({int(i) for i in np.searchsorted(csum, marks, side="right")} - {0})
         cuts.append(len(ln))
         for a, b in itertools.pairwise(cuts):
-            if a >= b:
+            for peer, msg in self._chan.recv():
+                self._on_message(peer, msg)
+            if a >= b or x.state != "sending":
                 continue
             try:
                 self._ep.write_batch(d.fi_addr, mr, region, so[a:b], do[a:b], ln[a:b], d.imm,
