@@ -6,7 +6,7 @@ a seeded generator, runs it, and checks the invariants of the failure model:
 * kill a prefill instance (SIGKILL) before the request, mid-layer, after its last KV write or
   while its metadata (aux rows) is copied; stall it past the transfer timeout; kill the decoder
   right after submitting or mid-transfer; drop or delay control messages (REQUEST, ABORTED,
-  PONG) with the control plane's fault hook (`PDTOOL_CONTROL_FAULTS`);
+  PONG, the decoder's PINGs) with the control plane's fault hook (`PDTOOL_CONTROL_FAULTS`);
 * the survivor fails exactly the affected requests (the faulty instance's, or those whose
   REQUEST was lost) with a clear reason, detected within the configured timeout and settled
   (pages free) within the fencing bound; every other request succeeds byte for byte;
@@ -36,11 +36,12 @@ from transfer.messenger.loopback import Scenario, run
 TRIALS = int(os.environ.get("PDTOOL_FAULT_TRIALS", "12"))
 SEED = int(os.environ.get("PDTOOL_FAULT_SEED", "7"))
 TIMEOUT_S, PEER_TIMEOUT_S, HEARTBEAT_S, GRACE_S = 1.5, 0.6, 0.15, 2.0
+ALL = -2    # Trial.faulty: the fault may hit any request
 SLACK_S = 2.5  # two shared cores: scheduling noise on top of the protocol's own bounds
 
 KINDS = ["pkill@before", "pkill@layer", "pkill@last", "pkill@meta", "pstall@layer",
          "dkill@submit", "dkill@writes", "drop-request", "delay-request", "drop-aborted+stall",
-         "delay-pong"]
+         "delay-pong", "drop-ping"]
 
 
 @dataclass
@@ -94,10 +95,15 @@ def _draw(n: int, rng: random.Random) -> Trial:
         s = Scenario(**base, **two, faults=((0, f"stall@layer:{layer}"),),
                      control_faults=(("prefill0", f"drop=ABORTED:0.5,seed={n}"),))
         return Trial(n, kind, s, 0, True, r"timed out|aborted")
-    # PONGs of instance 0 arrive later than the liveness timeout: it looks dead for a while
-    s = Scenario(**base, **two, control_faults=(
+    if kind == "drop-ping":  # the decoder's heartbeats are lost: every prefill sees it silent
+        s = Scenario(**base, **two, faults=((0, f"stall@layer:{layer}"),),
+                     control_faults=(("decode", f"drop=PING:1,seed={n}"),))
+        return Trial(n, kind, s, ALL, False, r"silent for more than|aborted")
+    # PONGs of instance 0 arrive later than the liveness timeout while it stalls: the decoder
+    # thinks it dead though it is alive (and gets the ABORT): an asymmetric partition
+    s = Scenario(**base, **two, faults=((0, f"stall@layer:{layer}"),), control_faults=(
         ("prefill0", f"delay=PONG:{PEER_TIMEOUT_S + 0.4},seed={n}"),))
-    return Trial(n, kind, s, 0, False, r"silent for more than|aborted")
+    return Trial(n, kind, s, 0, True, r"silent for more than|aborted|timed out")
 
 
 def _check(t: Trial, out) -> tuple[Counter, list[float], list[str]]:
@@ -116,7 +122,8 @@ def _check(t: Trial, out) -> tuple[Counter, list[float], list[str]]:
     for dec in out.decode:
         for rid, r in dec["requests"].items():
             first = rid.startswith("w0-")
-            affected = (first and r.get("peer") == t.faulty) or rid in dropped
+            affected = (first and r.get("peer") == t.faulty) or rid in dropped or \
+                t.faulty == ALL
             counts[r["status"]] += 1
             if r["status"] == "success":
                 if r.get("bad_layers") or not r.get("aux_ok"):
