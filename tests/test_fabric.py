@@ -339,6 +339,23 @@ def test_arm_takes_the_endpoint_lock():
             ep.arm(ep.max_slots, 0)
 
 
+def test_wait_change_returns_when_another_thread_writes_a_word():
+    """The prefill messenger waits for the engine's progress word (or a command doorbell) in
+    C: it returns once the word moves, and on its timeout otherwise."""
+    with Endpoint("shm") as ep:
+        word, bell = np.zeros(1, np.int64), np.zeros(1, np.int64)
+        assert not ep.wait_change(word, 0, bell, 0, timeout=0.05)
+        assert ep.wait_change(word, 5, timeout=0.05)  # already differs: at once
+        for target in (word, bell):
+            t = threading.Timer(0.05, lambda target=target: target.__setitem__(0, 7))
+            t.start()
+            assert ep.wait_change(word, int(word[0]), bell, int(bell[0]), timeout=WAIT_S)
+            t.join()
+        assert int(word[0]) == 7 and int(bell[0]) == 7
+        with pytest.raises(ValueError, match="int64"):
+            ep.wait_change(np.zeros(1, np.int32), 0)
+
+
 def test_imm_encoding_and_descriptor_validation():
     for slot, gen in [(0, 0), (1, 2), (65535, 65535), (700, 1)]:
         imm = encode_imm(slot, gen)

@@ -82,6 +82,8 @@ int pd_poll(pd_ep *ep, size_t max_entries);
 int pd_wait_recv(pd_ep *ep, uint32_t slot, uint32_t target, int64_t timeout_ns);
 int pd_wait_send(pd_ep *ep, uint32_t tag, uint32_t target, int64_t timeout_ns);
 int pd_wait_idle(pd_ep *ep, int64_t timeout_ns);
+int pd_wait_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const int64_t *b, int64_t b_seen,
+                   int64_t sleep_ns, int64_t timeout_ns);
 size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max);
 const char *pd_strerror(int err);
 
@@ -654,6 +656,31 @@ int pd_wait_send(pd_ep *ep, uint32_t tag, uint32_t target, int64_t timeout_ns) {
 
 int pd_wait_idle(pd_ep *ep, int64_t timeout_ns) {
     PD_WAIT(ep->inflight == 0);
+}
+
+/* Wait for another thread to write a new value into *a or *b (an engine's per-layer progress
+   word, a command doorbell), draining the CQ meanwhile: 1 = changed, 0 = timeout. Meant for
+   waits on COMPUTE (a prefill forward pass): after a few empty polls it sleeps `sleep_ns` per
+   poll, so the waiting thread neither spins a core the engine needs nor holds the GIL (a
+   Python loop calling poll() did both). */
+int pd_wait_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const int64_t *b, int64_t b_seen,
+                   int64_t sleep_ns, int64_t timeout_ns) {
+    const volatile int64_t *va = a, *vb = b;
+    int64_t deadline = pd_now_ns() + timeout_ns;
+    unsigned spins = 0;
+    for (;;) {
+        int p = pd_poll(ep, PD_CQ_BATCH);
+        if (p < 0) return p;
+        if ((va && *va != a_seen) || (vb && *vb != b_seen)) return 1;
+        if (pd_now_ns() > deadline) return 0;
+        if (p > 0) { spins = 0; continue; }
+        if (++spins > 16 && sleep_ns > 0) {
+            struct timespec ts = { 0, (long)(sleep_ns > 999999999 ? 999999999 : sleep_ns) };
+            nanosleep(&ts, NULL);
+        } else {
+            sched_yield();
+        }
+    }
 }
 """
 

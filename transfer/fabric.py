@@ -554,6 +554,26 @@ class Endpoint:
             err.errors = mine  # type: ignore[attr-defined]
             raise err
 
+    def wait_change(self, a: np.ndarray, a_seen: int, b: np.ndarray | None = None,
+                    b_seen: int = 0, *, timeout: float = 0.001,
+                    sleep_s: float = 50e-6) -> bool:
+        """Drain the CQ (in C, GIL released) until another thread stores a value other than
+        `a_seen` in `a[0]` (or `b_seen` in `b[0]`): True; False on timeout. For waiting on
+        compute, e.g. a prefill engine's progress word: after a few empty polls it sleeps
+        `sleep_s` per poll, so the wait costs neither a core nor the GIL."""
+        for name, arr in (("a", a), ("b", b)):
+            if arr is not None and (type(arr) is not np.ndarray or arr.dtype != np.int64
+                                    or arr.size < 1 or not arr.flags.c_contiguous):
+                raise ValueError(f"wait_change: {name} must be a contiguous int64 numpy array")
+        pa = _ffi.cast("int64_t *", a.ctypes.data)
+        pb = _ffi.cast("int64_t *", b.ctypes.data) if b is not None else _ffi.NULL
+        with self._lock:
+            ret = _lib.pd_wait_change(self._live(), pa, a_seen, pb, b_seen,
+                                      int(sleep_s * 1e9), int(timeout * 1e9))
+        if ret < 0:
+            _check(ret, "wait_change", self.provider)
+        return ret == 1
+
     def wait_idle(self, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
         """Poll until no local write is outstanding; False on timeout."""
         return self._wait(_lib.pd_wait_idle, (), timeout, "wait_idle")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import numpy as np
 import zmq
 
 from ..control import check_bind_host, check_secret
@@ -212,6 +213,20 @@ class PeerClock:
         return out
 
 
+class CommandQueue(deque):
+    """Commands from the engine thread to the messenger thread. Appending also bumps `bell[0]`
+    (an int64 the messenger thread's C waits watch, `Endpoint.wait_change`), so a command
+    wakes a thread that waits for the engine without a Python loop polling the deque."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bell = np.zeros(1, dtype=np.int64)
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        self.bell[0] += 1  # only the engine thread appends; the reader just sees "changed"
+
+
 class Worker:
     """Runs `_setup`, then `_step` in a loop on the messenger thread, then `_teardown`."""
 
@@ -220,7 +235,7 @@ class Worker:
 
     def __init__(self, config: CommonConfig) -> None:
         self.config = config
-        self._cmds: deque[tuple[Any, ...]] = deque()
+        self._cmds = CommandQueue()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ready = threading.Event()

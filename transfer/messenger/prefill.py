@@ -159,6 +159,7 @@ class PrefillMessenger(Worker):
 
     role = "prefill"
     POLL_SLICE_S = 0.0002
+    WAIT_SLICE_S = 0.001   # longest wait for the engine before control messages are read
 
     def __init__(self, config: PrefillConfig, kv_buffers: Sequence[Any], layout: str = "HND",
                  aux_buffers: Sequence[Any] = (), progress: np.ndarray | None = None) -> None:
@@ -332,6 +333,8 @@ class PrefillMessenger(Worker):
         self._dead_names: set[bytes] = set()
         self.writes_issued = 0
         self.leaked_tags = 0
+        self._bell_seen = 0
+        self._word_seen = int(self.progress[0])
 
     def _teardown(self) -> None:
         ch = getattr(self, "_chan", None)
@@ -352,12 +355,21 @@ class PrefillMessenger(Worker):
             self._chan.sock.poll(max(1, int(seconds * 1000)), zmq.POLLIN)
 
     def _step(self) -> bool:
-        if self._reqs and not self.config.busy_sleep_s and self._ep.inflight:
+        waiting = bool(self._reqs or self._passes) and not self.config.busy_sleep_s
+        if waiting and self._ep.inflight:
             # writes in flight: poll in C for a short slice (GIL released, yields when idle);
             # short enough that a bumped progress word is picked up at once
             self._ep.wait_idle(timeout=self.POLL_SLICE_S)
+        elif waiting and not self._cmds:
+            # nothing in flight, the engine is computing (next layer, pass or finish): wait in
+            # C for the progress word or a command, sleeping between polls. A Python loop of
+            # poll() here spun a core the engine needs and contended for its GIL.
+            self._ep.wait_change(self.progress, self._word_seen, self._cmds.bell,
+                                 self._bell_seen, timeout=self.WAIT_SLICE_S)
         else:
             self._ep.poll()
+        self._bell_seen = int(self._cmds.bell[0])  # before draining: no wake-up is lost
+        self._word_seen = int(self.progress[0])    # _progress reads it (again) below
         while self._cmds:
             cmd = self._cmds.popleft()
             getattr(self, f"_cmd_{cmd[0]}")(*cmd[1:])
