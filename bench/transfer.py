@@ -410,19 +410,26 @@ class MessengerRunner:
     REQUEST over the signed control plane, per-layer progress, imm-counted writes, SUCCESS when
     the decoder's count is reached) starts its own prefill and decode processes per call and
     returns GB/s on the decoder's clock (first submit to last SUCCESS), so process start-up is
-    not timed. Pages go where the decoder's allocator puts them, not to `Workload.dst_pages`.
+    not timed. Pages go where the decoder's allocator puts them, not to `Workload.dst_pages`,
+    but within a KV buffer of the same `--region-mib` per side as the other systems (pages cycle
+    over it), so every system touches the same amount of memory. CPU s/GiB: prefill (initiator)
+    and decode (target) process, all threads, as the messenger's processes measured them.
     """
 
-    def __init__(self, provider: str) -> None:
+    def __init__(self, provider: str, region: int) -> None:
         from transfer.messenger.loopback import measure_transfer
 
         self.provider = provider
+        self.region = region
         self.measure = measure_transfer
 
     def run(self, w: Workload) -> float:
-        out = self.measure(self.provider, w.page, w.nbytes, waves=1)
+        out = self.measure(self.provider, w.page, w.nbytes, waves=1, region_bytes=self.region)
         if not out["ok"]:
             raise RuntimeError(f"messenger transfer did not succeed: {out}")
+        cpu = out.get("cpu_per_gib", {})
+        self.cpu_per_gib = (sum(cpu.get("prefill", {}).values()),
+                            sum(cpu.get("decode", {}).values()))
         return out["bytes"] / (out["gbps"] * 1e9)
 
     def close(self) -> None:
@@ -431,10 +438,10 @@ class MessengerRunner:
 
 def run_messenger(provider: str, src: np.ndarray, region: int) -> Any:
     """Runner for the messenger, or raise why it is unavailable (recorded, never faked)."""
-    del src, region  # the messenger allocates its own KV caches in its own processes
+    del src  # the messenger allocates its own KV caches (of `region` bytes) in its processes
     if importlib.util.find_spec("transfer.messenger") is None:
         raise ModuleNotFoundError("transfer.messenger is not present")
-    return MessengerRunner(provider)
+    return MessengerRunner(provider, region)
 
 
 # ------------------------------------------------------------------ driver

@@ -88,6 +88,7 @@ class Scenario:
     verify: bool = True
     wrap_pages: bool = False              # page ids cycle over the buffers (benchmark only)
     run_timeout_s: float = 60.0
+    engine_poll_s: float = 0.005          # the mini engines' loop period when idle/waiting
 
 
 @dataclass
@@ -281,7 +282,7 @@ def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any]
             # an aborted request may be settled before its last chunk: stop computing it
             active = [a for a in active if a[0].rid not in results]
             if not chunks and not new:
-                time.sleep(0.005)
+                time.sleep(s.engine_poll_s)
         if s.track:
             report["stats"] = m.stats()
             report["control_log"] = _control_log()
@@ -389,7 +390,7 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
                     m.release(rid)
                     if st.status is TransferStatus.FAILED:
                         ev["decoder_failed"].set()
-                time.sleep(0.005)
+                time.sleep(s.engine_poll_s)
             if wave >= 0:
                 report["waves"].append({"seconds": time.perf_counter() - t0,
                                         "pages": sum(len(dpages[r[0]]) for r in batch),
@@ -526,7 +527,7 @@ def measure_transfer(provider: str = "shm", page_bytes: int = 1 << 16,
                  page_size=1, head_dim=page_bytes, dtype="uint8", num_layers=num_layers,
                  src_pages=buf_pages, dst_pages=buf_pages, wrap_pages=buf_pages < total,
                  prompts=(per_req + 1,) * requests, chunk_pages=per_req, aux_row_bytes=(),
-                 waves=waves, warmup=True, busy_sleep_s=busy_sleep_s,
+                 waves=waves, warmup=True, busy_sleep_s=busy_sleep_s, engine_poll_s=0.001,
                  prefill_busy_sleep_s=prefill_busy_sleep_s, verify=False,
                  timeout_s=120.0, run_timeout_s=300.0)
     out = run(s)
