@@ -6,14 +6,17 @@ thread owns everything else — the libfabric endpoint, the ZeroMQ sockets, the 
 and loops: drain the CQ, run commands, read control messages, watch the progress counter, check
 counts, and every few milliseconds run timers (timeouts, heartbeats, quarantine). Keeping every
 poll in one place matters on small machines: two busy-polling threads per process halve the
-throughput (DESIGN §5). While nothing is in flight the thread sleeps on its sockets
-(`idle_sleep_s`); while writes are due it polls the completion queue in short C slices (the GIL
-released, the core yielded when a poll finds nothing), or, with `busy_sleep_s` > 0, polls once
-per loop and sleeps that long.
+throughput (DESIGN §5). While nothing is in flight the thread sleeps on its sockets and the
+engine's command doorbell (so a message or a command wakes it at once; `idle_sleep_s` only
+paces the timers); while writes are due it polls the completion queue in short C slices (the
+GIL released, the core yielded when a poll finds nothing), or, with `busy_sleep_s` > 0, polls
+once per loop and sleeps that long. A prefill thread waiting for the engine's next layer waits
+in C on the progress word and the doorbell, sleeping between polls (no core, no GIL taken).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets as _secrets
@@ -70,7 +73,7 @@ class CommonConfig:
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 5.0
     busy_sleep_s: float = 0.0
-    idle_sleep_s: float = 0.002
+    idle_sleep_s: float = 0.005  # = Worker.TIMER_S: messages and commands wake it anyway
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -214,17 +217,34 @@ class PeerClock:
 
 
 class CommandQueue(deque):
-    """Commands from the engine thread to the messenger thread. Appending also bumps `bell[0]`
-    (an int64 the messenger thread's C waits watch, `Endpoint.wait_change`), so a command
-    wakes a thread that waits for the engine without a Python loop polling the deque."""
+    """Commands from the engine thread to the messenger thread. Appending also rings two
+    doorbells, so a command wakes the thread at once wherever it waits: `bell[0]` (an int64
+    its C waits watch, `Endpoint.wait_change`) and a byte on a pipe (`wake_fd`, which its idle
+    wait polls along with its sockets; before, a new request waited out `idle_sleep_s`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bell = np.zeros(1, dtype=np.int64)
+        self.wake_fd, self._wfd = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        os.set_blocking(self._wfd, False)
 
     def append(self, item: Any) -> None:
         super().append(item)
         self.bell[0] += 1  # only the engine thread appends; the reader just sees "changed"
+        with contextlib.suppress(OSError):  # pipe full: a wake-up is pending anyway
+            os.write(self._wfd, b"\0")
+
+    def drain_wakeups(self) -> None:
+        """Messenger thread, after its idle wait returned: forget the pending wake-ups."""
+        with contextlib.suppress(OSError):  # BlockingIOError once empty
+            while os.read(self.wake_fd, 4096):
+                pass
+
+    def __del__(self) -> None:  # not at close: a late append must never hit a reused fd
+        for fd in (self.wake_fd, self._wfd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class Worker:

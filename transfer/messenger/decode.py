@@ -233,6 +233,7 @@ class DecodeMessenger(Worker):
         for group in self._chans:
             for ch in group:
                 self._poller.register(ch.sock, zmq.POLLIN)
+        self._poller.register(self._cmds.wake_fd, zmq.POLLIN)
         now = time.monotonic()
         self._clock = PeerClock(cfg.peer_timeout_s)
         for g, group in enumerate(self._chans):
@@ -262,7 +263,8 @@ class DecodeMessenger(Worker):
 
     def _idle_wait(self, seconds: float) -> None:
         if seconds > 0:
-            self._poller.poll(max(1, int(seconds * 1000)))
+            self._poller.poll(max(1, int(seconds * 1000)))  # sockets + the command doorbell
+            self._cmds.drain_wakeups()
 
     def _set(self, x: _Xfer, status: TransferStatus, reason: str = "") -> None:
         x.status = status

@@ -318,6 +318,9 @@ class PrefillMessenger(Worker):
         self._chan = Channel.listen(self._ctx, Codec(cfg.secret, self.identity), cfg.bind_host,
                                     cfg.port, allow_any_interface=cfg.allow_any_interface)
         self.address = self._chan.address
+        self._idle_poller = zmq.Poller()
+        self._idle_poller.register(self._chan.sock, zmq.POLLIN)
+        self._idle_poller.register(self._cmds.wake_fd, zmq.POLLIN)
         self._tags = list(range(min(self._ep.max_slots, cfg.max_requests * cfg.peer_spec.attn_tp)
                                 - 1, -1, -1))
         self._clock = PeerClock(cfg.peer_timeout_s)
@@ -352,7 +355,8 @@ class PrefillMessenger(Worker):
 
     def _idle_wait(self, seconds: float) -> None:
         if seconds > 0:
-            self._chan.sock.poll(max(1, int(seconds * 1000)), zmq.POLLIN)
+            self._idle_poller.poll(max(1, int(seconds * 1000)))  # socket + command doorbell
+            self._cmds.drain_wakeups()
 
     def _step(self) -> bool:
         waiting = bool(self._reqs or self._passes) and not self.config.busy_sleep_s
