@@ -369,3 +369,33 @@ def test_front_fails_requests_of_a_dead_decode_instance_promptly(tmp_path):
             assert st_["pages_free"] == st_["pages_total"], st_
     finally:
         dep.stop()
+
+
+# ----------------------------------------------------------------------------- cancellation
+def test_a_streaming_client_that_goes_away_is_cancelled(launched):
+    """The decoder drops a request whose client disconnected (pages and batch slot freed at
+    once) instead of generating thousands of tokens for nobody."""
+    import socket
+
+    host, port = launched.url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "talk for a long time", "max_tokens": 4096,
+                       "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body)
+        seen = b""
+        while b"data: " not in seen:  # generating
+            chunk = sock.recv(4096)
+            assert chunk, seen
+            seen += chunk
+        assert seen.startswith(b"HTTP/1.0 200") or seen.startswith(b"HTTP/1.1 200"), seen
+    assert _wait_log(launched, "cancelled by the front (client gone)", timeout=20)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        decoders = [get_json(f"{u}/stats")[1] for u in launched.leaders[1:]]
+        if all(d["running"] == 0 and d["pages_free"] == d["pages_total"] for d in decoders):
+            break
+        time.sleep(0.1)
+    assert all(d["running"] == 0 and d["pages_free"] == d["pages_total"] for d in decoders), \
+        decoders

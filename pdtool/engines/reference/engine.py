@@ -120,6 +120,12 @@ class DecodeLink(Protocol):
     def release(self, rid: str) -> None:
         """Every rank: the request left the transfer stage (done or failed)."""
 
+    def cancel(self, rid: str, reason: str) -> None:
+        """Every rank: give up a transfer in flight; it ends up in `failed()`."""
+
+    def reason(self, rid: str) -> str:
+        """Why a failed transfer failed on this rank ("" if it did not fail here)."""
+
 
 # -- prefill ------------------------------------------------------------------------------------
 
@@ -307,6 +313,9 @@ class DecodeEngine:
         self.ran = False
         events: list[Event] = []
         for m in new:
+            if m.get("cancel"):
+                self._cancel(m["rid"], events)
+                continue
             toks = list(m["tokens"])
             if not toks or m["max_tokens"] < 1:
                 events.append(Event(m["rid"], [], True, {"error": "empty prompt or max_tokens"}))
@@ -363,9 +372,11 @@ class DecodeEngine:
         ready = settled - failed
         for rid in sorted(failed):
             r = self.transfer.pop(rid)
+            why = r.error or getattr(self.link, "reason", lambda _rid: "")(rid)
             self.link.release(rid)
             self.kv.pages.free(r.pages)
-            events.append(Event(rid, [], True, {"error": "KV transfer failed"}))
+            events.append(Event(rid, [], True, {"error": f"KV transfer failed: {why}" if why
+                                                else "KV transfer failed"}))
         for rid in sorted(ready):
             r = self.transfer.pop(rid)
             hidden = self.link.hidden(rid).to(self.model.cfg.torch_dtype)
@@ -374,6 +385,25 @@ class DecodeEngine:
             r.first_draft = r.draft
             self.link.release(rid)
             self.running.append(r)
+
+    def _cancel(self, rid: str, events: list[Event]) -> None:
+        """The client went away: drop the request wherever it is. A transfer in flight is
+        cancelled in the messenger and its pages freed only once they are safe (`failed()`)."""
+        reason = "cancelled: the client went away"
+        for r in list(self.waiting):
+            if r.rid == rid:
+                self.waiting.remove(r)
+                events.append(Event(rid, [], True, {"error": reason}))
+        r = self.transfer.get(rid)
+        if r is not None and not r.error:
+            r.error = reason
+            self.link.cancel(rid, reason)
+        for r in list(self.running):
+            if r.rid == rid:
+                self.running.remove(r)
+                if r.pages:
+                    self.kv.pages.free(r.pages)
+                events.append(Event(rid, [], True, {"error": reason}))
 
     def _inject_faults(self, r: _DReq, hidden: torch.Tensor) -> None:
         f = r.faults

@@ -182,8 +182,8 @@ class Front:
                             break
                         if item is None:
                             return
-                        idx, body = item
-                        socks[idx].send_multipart(self.wire.pack("GEN", body))
+                        idx, body, kind = item
+                        socks[idx].send_multipart(self.wire.pack(kind, body))
                 for i, s in enumerate(socks):
                     if s in events:
                         self._drain(i, s)
@@ -240,8 +240,17 @@ class Front:
             self.inflight[idx] += 1
             p = _Pending(instance=idx)
             self.pending[rid] = p
-            self._push.send_pyobj((idx, {"rid": rid, "tokens": tokens, "max_tokens": max_tokens}))
+            self._push.send_pyobj((idx, {"rid": rid, "tokens": tokens, "max_tokens": max_tokens},
+                                   "GEN"))
         return rid, p
+
+    def cancel(self, rid: str) -> None:
+        """The client went away: tell its decode instance to drop the request (frees its
+        pages and batch slot at once instead of generating for nobody)."""
+        with self._lock:
+            p = self.pending.get(rid)
+            if p is not None:
+                self._push.send_pyobj((p.instance, {"rid": rid, "tokens": []}, "CANCEL"))
 
     def finish(self, rid: str) -> None:
         with self._lock:
@@ -352,6 +361,9 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
             rid, pending = front.submit(req["tokens"], req["max_tokens"])  # 503 before headers
             try:
                 self._stream_results(req, t0, front.results(rid, pending))
+            except (BrokenPipeError, ConnectionResetError):
+                front.cancel(rid)
+                raise
             finally:
                 front.finish(rid)  # also when the client went away before the first token
 

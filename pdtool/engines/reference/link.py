@@ -95,6 +95,14 @@ class DecodeSide:
     def release(self, rid: str) -> None:
         self.m.release(rid)
 
+    def reason(self, rid: str) -> str:
+        """Why a failed transfer failed (empty if it failed on another decode rank)."""
+        return self.m.status(rid).reason
+
+    def cancel(self, rid: str, reason: str) -> None:
+        """Give up a transfer; it shows up in `failed()` once its pages are safe to free."""
+        self.m.cancel(rid, reason)
+
     def close(self) -> None:
         self.m.close()
 

@@ -199,13 +199,17 @@ def _take_requests(sock: zmq.Socket, wire: Wire, owner: dict[str, bytes],
             return new
         if len(frames) < 2:
             continue
-        got = wire.unpack(frames[1:], ("GEN", "PING"))
+        got = wire.unpack(frames[1:], ("GEN", "PING", "CANCEL"))
         if got is None:
             continue
         kind, body = got
         if kind == "PING":
             sock.send_multipart([frames[0], *wire.pack("PONG", {"rid": body["rid"],
                                                                   "tokens": []})])
+        elif kind == "CANCEL":  # only whoever sent the request may cancel it
+            if owner.get(body["rid"]) == frames[0]:
+                log.info("request %s cancelled by the front (client gone)", body["rid"])
+                new.append({"rid": body["rid"], "cancel": True})
         elif body["rid"] in owner:
             log.warning("duplicate request id %s refused", body["rid"])
         else:

@@ -10,6 +10,8 @@ re-run a request and receive its output. Only these kinds travel here:
   * OUT (decoder → front): {"rid": str, "tokens": [int], "done": bool, "info": {...}}
   * PING (front → decoder) / PONG (decoder → front): {"rid": str, "tokens": []}, so the front
     knows which decode instances are up (its /health) without the decoder knowing the front.
+  * CANCEL (front → decoder): {"rid": str, "tokens": []}: the client went away; honoured only
+    from the socket that sent the GEN.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _check(kind: str, body: Any) -> dict:
             isinstance(faults, dict) and set(faults) <= {"page", "hidden"}
         ):
             raise WireError("GEN.faults: expected a map with 'page' and/or 'hidden'")
-    elif kind in ("PING", "PONG"):
+    elif kind in ("PING", "PONG", "CANCEL"):
         pass
     elif kind == "OUT":
         if not isinstance(body.get("done"), bool) or not isinstance(body.get("info"), dict):
