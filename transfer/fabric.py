@@ -11,6 +11,12 @@ Completion counting (DESIGN §4-5): every write carries 32 bits of immediate dat
 from a timed-out transfer never advances the slot's new owner. The sender passes a `tag` with each
 batch; local completions add one to `send_done[tag]`, so it knows when its pages are free again.
 
+Flow control (measured on shm, libfabric 1.17): the target performs the copy (CMA,
+process_vm_readv, one copy; FI_SHM_DISABLE_CMA's two-copy SAR path measured ~20% slower) inside
+its CQ reads, and one read copies everything queued for it. So `write_batch` caps the bytes in
+flight per endpoint (`max_inflight_bytes`, not just the provider's queue depth): with 1 MiB pages
+the queue alone let one poll of the target copy 1 GiB, blind to its control work for ~200 ms.
+
 Errors: caller mistakes raise `ValueError`; provider faults raise `FabricError` carrying the
 failing call, the provider's message and context. Completion errors are data: `poll()` records
 them and `errors` hands them out as `(tag, errno, message)`.
