@@ -24,7 +24,7 @@ def test_frames_round_trip_and_reject_tampering(monkeypatch) -> None:
     with pytest.raises(ValueError, match="bad HMAC"):
         conn.decode_frame(evil)
     monkeypatch.setenv("PDTOOL_SECRET", "other")
-    with pytest.raises(ValueError, match="secret .*differs"):
+    with pytest.raises(ValueError, match=r"secret .*differs"):
         conn.decode_frame(frame)
     with pytest.raises(ValueError, match="not a pdtool control frame"):
         conn.decode_frame([b"KV_STATUS", b"1", b"4", b"0"])
@@ -58,3 +58,35 @@ def test_expected_writes_follow_the_routes(mla, heads, p_tp, d_tp, per_page) -> 
                              decode_rank=d_tp - 1, page_size=64, num_pages=10,
                              num_buffers=2 * 61, num_aux=10)
     assert n == 10 * 2 * 61 * per_page + 10
+
+
+def test_frames_cannot_be_replayed(monkeypatch) -> None:
+    monkeypatch.setenv("PDTOOL_SECRET", "s3cret")
+    frame = conn.encode_frame(conn.KIND_META, {"room": 9})
+    assert conn.decode_frame(frame)[1]["room"] == 9
+    with pytest.raises(ValueError, match="nonce: already seen"):
+        conn.decode_frame(frame)
+
+
+def test_secret_comes_from_the_0600_file(monkeypatch, tmp_path) -> None:
+    from transfer.control import write_secret
+
+    path = tmp_path / "secret.key"
+    write_secret(path)
+    monkeypatch.delenv("PDTOOL_SECRET", raising=False)
+    monkeypatch.setenv("PDTOOL_SECRET_FILE", str(path))
+    frame = conn.encode_frame(conn.KIND_META, {"room": 1})
+    assert conn.decode_frame(frame)[1]["room"] == 1
+    monkeypatch.setenv("PDTOOL_SECRET", "ignored-when-a-file-is-given")
+    assert conn._secret() == conn._load_secret(str(path), "")
+    other = tmp_path / "other.key"
+    write_secret(other)
+    monkeypatch.setenv("PDTOOL_SECRET_FILE", str(other))
+    with pytest.raises(ValueError, match=r"secret .*differs"):
+        conn.decode_frame(frame)
+    loose = tmp_path / "loose.key"
+    write_secret(loose)
+    loose.chmod(0o644)
+    monkeypatch.setenv("PDTOOL_SECRET_FILE", str(loose))
+    with pytest.raises(conn.PdtoolBackendError, match="lets others read it"):
+        conn.encode_frame(conn.KIND_META, {"room": 1})

@@ -75,6 +75,7 @@ from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_device
 
 from transfer import fabric
+from transfer.control import ControlError, ReplayGuard
 from transfer.layout import KVLayout, LayoutError, write_plan
 from transfer.routes import RouteError, ShardSpec, Slice, routes_for, writes_per_page
 
@@ -103,7 +104,7 @@ def _secret() -> bytes:
 def _load_secret(path: str, fallback: str) -> bytes:
     """The secret file's bytes (mode checked by transfer.control.read_secret), read once."""
     if path:
-        from ..control import ControlError, read_secret
+        from ..control import read_secret
 
         try:
             return read_secret(path)
@@ -112,9 +113,15 @@ def _load_secret(path: str, fallback: str) -> bytes:
     return fallback.encode()
 
 
+_replay = ReplayGuard(30.0)  # frames older than 30 s, or whose nonce was seen, are replays
+
+
 def encode_frame(kind: bytes, body: dict[str, Any]) -> list[bytes]:
-    """[TAG, kind, msgpack body, HMAC-SHA256(kind + body)] for SGLang's ZMQ PUSH sockets."""
-    payload = msgpack.packb({"v": WIRE_VERSION, **body}, use_bin_type=True)
+    """[TAG, kind, msgpack body, HMAC-SHA256(kind + body)] for SGLang's ZMQ PUSH sockets. The
+    signed body carries a timestamp and a random nonce (`t`, `n`) so a captured frame cannot be
+    replayed (a replayed META would make the prefill write into pages that moved on)."""
+    payload = msgpack.packb({"v": WIRE_VERSION, **body, "t": time.time(),
+                             "n": os.urandom(16)}, use_bin_type=True)
     mac = hmac.new(_secret(), kind + payload, hashlib.sha256).digest()
     return [TAG, kind, payload, mac]
 
@@ -132,6 +139,13 @@ def decode_frame(msg: list[bytes]) -> tuple[bytes, dict[str, Any]]:
     version = body.get("v") if isinstance(body, dict) else None
     if version != WIRE_VERSION:
         raise ValueError(f"unsupported pdtool wire version {version!r} (want {WIRE_VERSION})")
+    ts, nonce = body.pop("t", None), body.pop("n", None)
+    if not isinstance(ts, float) or not isinstance(nonce, bytes) or len(nonce) != 16:
+        raise ValueError("t/n: expected a timestamp and a 16-byte nonce")
+    try:
+        _replay.check(ts, nonce, time.time())
+    except ControlError as exc:
+        raise ValueError(str(exc)) from None
     return kind, body
 
 
