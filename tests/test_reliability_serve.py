@@ -331,6 +331,8 @@ def test_front_fails_requests_of_a_dead_decode_instance_promptly(tmp_path):
     dep, url, leaders, _model = deployment(tmp_path / "dep", decoders=2)
     dep.start()
     try:
+        secret = dep.specs[0].secret_hex  # handed over in 0600 files, not on command lines
+        assert all(secret not in " ".join(psutil.Process(p.pid).cmdline()) for p in dep.procs)
         results: list[tuple[int, dict, float]] = []
 
         def long_request() -> None:

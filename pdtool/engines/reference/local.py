@@ -71,13 +71,20 @@ class Deployment:
 
     def start(self, timeout_s: float = 120.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        from transfer.control import write_secret
+
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         for i, spec in enumerate(self.specs):
             path = self.log_dir / f"{i}-{spec.role}-{spec.instance}-{spec.rank}.log"
+            # the secret goes in a 0600 file, never on a command line others can read (ps)
+            key = self.log_dir / f"{i}.key"
+            write_secret(key, spec.secret)
+            public = json.dumps({**asdict(spec), "secret_hex": ""})
             with open(path, "w") as log:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "pdtool.engines.reference.serve", "--spec",
-                     json.dumps(asdict(spec))], stdout=log, stderr=subprocess.STDOUT, env=env))
+                    [sys.executable, "-m", "pdtool.engines.reference.serve", "--spec", public],
+                    stdout=log, stderr=subprocess.STDOUT,
+                    env={**env, "PDTOOL_SECRET_FILE": str(key)}))
         deadline = time.monotonic() + timeout_s
         for spec in self.specs:
             if spec.rank != 0:
