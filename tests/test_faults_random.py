@@ -193,3 +193,42 @@ def test_randomized_faults_fail_only_affected_requests_and_leak_nothing():
           f"{dict(by_kind)}; outcomes {dict(total)}; failed transfers settled (pages free) "
           f"in max {max(settle, default=0):.2f} s; violations in {len(failures)} trials")
     assert not failures, failures
+
+
+def test_control_fault_hook_drops_and_delays_only_what_it_is_told():
+    """The hook the trials use, over real sockets: parse errors name the variable; a dropped
+    type never arrives (and is logged with its rid); a delayed one arrives later; others pass."""
+    import pytest
+    import zmq
+
+    from transfer.control import Channel, Codec, ControlError, ControlFaults
+
+    with pytest.raises(ControlError, match="PDTOOL_CONTROL_FAULTS: cannot read 'oops'"):
+        ControlFaults.parse("oops")
+    with pytest.raises(ControlError, match="drop=HELLO: unknown message type"):
+        ControlFaults.parse("drop=HELLO:1")
+    faults = ControlFaults.parse("drop=ABORT:1,delay=PING:0.3")
+    secret = b"f" * 32
+    ctx = zmq.Context()
+    try:
+        server = Channel.listen(ctx, Codec(secret, "p0"), "127.0.0.1")
+        client = Channel.connect(ctx, Codec(secret, "d0"), server.address, faults=faults)
+        client.send("ABORT", {"rid": "gone", "slot": 1, "gen": 2, "reason": "x"})
+        client.send("PING", {})
+        client.send("PONG", {})
+
+        def drain(seconds: float) -> list[str]:
+            got, end = [], time.monotonic() + seconds
+            while time.monotonic() < end:
+                client.recv()  # the owner's loop: releases held messages when due
+                if server.sock.poll(20):
+                    got += [m.type for _, m in server.recv()]
+            return got
+
+        assert drain(0.15) == ["PONG"]
+        assert drain(1.0) == ["PING"]
+        assert faults.log == [("drop", "ABORT", "gone"), ("delay", "PING", "")]
+        server.close()
+        client.close()
+    finally:
+        ctx.term()
