@@ -73,7 +73,9 @@ def _draw(n: int, rng: random.Random) -> Trial:
     if kind.startswith("pkill"):
         point = kind.split("@")[1]
         point = f"layer:{layer}" if point == "layer" else point
-        s = Scenario(**base, **two, faults=((0, f"kill@{point}"),))
+        # one more follow-up goes to the dead instance: it must fail at once, not time out
+        dead = {**two, "followups": (*prompts, 5), "followup_peers": (1,) * (2 * k) + (0,)}
+        s = Scenario(**base, **dead, faults=((0, f"kill@{point}"),))
         return Trial(n, kind, s, 0, point in ("before",) or point.startswith("layer"),
                      r"silent for more than|aborted")
     if kind == "pstall@layer":
@@ -122,8 +124,11 @@ def _check(t: Trial, out) -> tuple[Counter, list[float], list[str]]:
     for dec in out.decode:
         for rid, r in dec["requests"].items():
             first = rid.startswith("w0-")
+            to_dead = not first and r.get("peer") == t.faulty and t.kind.startswith("pkill")
             affected = (first and r.get("peer") == t.faulty) or rid in dropped or \
-                t.faulty == ALL
+                t.faulty == ALL or to_dead
+            if to_dead and not re.search(r"not answering|silent for more than", r["reason"]):
+                errs.append(f"{rid}: sent to a dead instance, reason {r['reason']!r}")
             counts[r["status"]] += 1
             if r["status"] == "success":
                 if r.get("bad_layers") or not r.get("aux_ok"):

@@ -22,7 +22,9 @@ allocated (non-evictable), the engine calls `submit`; the messenger
 
 Failure handling. A transfer fails on its timeout, on an ABORTED from any prefill rank, on a
 prefill rank silent for `peer_timeout_s` (its lease: this side stops being sure it is alive),
-or on `cancel`. It then goes ABORTING: an ABORT goes to every prefill rank of the instance
+or on `cancel`; a request for a prefill instance that is silent right now fails at once (no
+REQUEST is sent, no slot taken) until it answers a heartbeat again. A failed transfer goes
+ABORTING: an ABORT goes to every prefill rank of the instance
 (re-sent until answered), and the destination pages plus the slot's aux row stay quarantined —
 see transfer.slots for when they are released. Only then is the request FAILED and in `failed()`:
 the engine must not free or reuse the pages before that.
@@ -331,6 +333,12 @@ class DecodeMessenger(Worker):
         src, dst = cfg.peer_spec, cfg.spec
         groups = len(cfg.prefill_endpoints)
         x.group = x.peer if x.peer is not None else zlib.crc32(x.rid.encode()) % groups
+        dead = sorted(r for g, r in self._clock.dead if g == x.group)
+        if dead:  # fail fast: a REQUEST to a silent instance would only wait for timeout_s
+            self._set(x, TransferStatus.FAILED, f"prefill {x.group} rank {dead[0]} is not "
+                                                f"answering (silent for more than "
+                                                f"{cfg.peer_timeout_s:.1f} s)")
+            return
         slices = routes_for(src, dst, cfg.rank, self._rng)
         lay, n = self.layout, len(x.pages)
         per_rank = [0] * src.attn_tp
