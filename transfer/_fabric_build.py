@@ -60,6 +60,7 @@ uint64_t pd_stale(pd_ep *ep);
 void pd_set_yield(pd_ep *ep, int on);
 void pd_set_idle(pd_ep *ep, int yield_idle, uint32_t spins_before_sleep, int64_t sleep_ns);
 void pd_set_max_inflight_bytes(pd_ep *ep, uint64_t max_bytes);
+void pd_set_drain(pd_ep *ep, int64_t sleep_ns);
 uint64_t pd_inflight_bytes(pd_ep *ep);
 uint64_t pd_inflight(pd_ep *ep);
 uint64_t pd_remote_cntr(pd_ep *ep);
@@ -178,6 +179,9 @@ struct pd_ep {
     uint64_t inflight;
     uint64_t inflight_bytes;
     uint64_t max_inflight_bytes;  /* 0 = only the provider's queue depth limits */
+    int64_t drain_sleep_ns;       /* > 0: refill in bursts, sleeping while the queue drains */
+    uint64_t drain_low;           /* draining until inflight_bytes <= this */
+    int draining;
     int yield_idle;         /* sched_yield() when a wait/retry loop found nothing to do */
     uint32_t idle_spins;    /* ... and after this many empty polls in a row, */
     int64_t idle_sleep_ns;  /* sleep this long per empty poll (0: never sleep) */
@@ -482,6 +486,10 @@ void pd_set_yield(pd_ep *ep, int on) { ep->yield_idle = on; }
 void pd_set_max_inflight_bytes(pd_ep *ep, uint64_t max_bytes) {
     ep->max_inflight_bytes = max_bytes;
 }
+void pd_set_drain(pd_ep *ep, int64_t sleep_ns) {
+    ep->drain_sleep_ns = sleep_ns < 0 ? 0 : (sleep_ns > 999999999 ? 999999999 : sleep_ns);
+    ep->draining = 0;
+}
 uint64_t pd_inflight_bytes(pd_ep *ep) { return ep->inflight_bytes; }
 void pd_set_idle(pd_ep *ep, int yield_idle, uint32_t spins_before_sleep, int64_t sleep_ns) {
     ep->yield_idle = yield_idle;
@@ -595,6 +603,10 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
                capped, only our own CQ is polled: no spinning on the peer's queue lock. */
             int capped = ep->max_inflight_bytes && ep->inflight
                          && ep->inflight_bytes + len[i] > ep->max_inflight_bytes;
+            if (ep->draining) {
+                if (ep->inflight && ep->inflight_bytes > ep->drain_low) capped = 1;
+                else ep->draining = 0;
+            }
             struct pd_ctx *c = capped ? NULL : pd_ctx_get(ep);
             ssize_t ret = -FI_EAGAIN;
             if (c) {
@@ -610,14 +622,29 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
                 *done = i;
                 return (int)ret;
             }
+            /* Burst refill (drain_sleep_ns > 0, the shm default): once the queue is full, let
+               it drain to half before posting again, sleeping between polls. On shm the target
+               does the copy and holds its queue lock while copying, so a sender that posts one
+               write per completion spins on that lock (a whole core, measured with perf) that
+               the target needs on a small box; the half-full queue keeps the target busy. */
+            if (ep->drain_sleep_ns && ep->inflight && !ep->draining) {
+                ep->draining = 1;
+                ep->drain_low = ep->inflight_bytes / 2;
+            }
             int p = pd_poll(ep, 1u << 16);
             if (p < 0) {
                 pd_seterr(errbuf, errlen, "fi_cq_read", p);
                 *done = i;
                 return p;
             }
-            if (p == 0) pd_idle(ep, &empty);  /* let a peer sharing this core run */
-            else empty = 0;
+            if (ep->draining) {
+                struct timespec ts = { 0, (long)ep->drain_sleep_ns };
+                nanosleep(&ts, NULL);
+            } else if (p == 0) {
+                pd_idle(ep, &empty);  /* let a peer sharing this core run */
+            } else {
+                empty = 0;
+            }
             if ((++spins & 255) == 0) {
                 int64_t now = pd_now_ns();
                 if (!deadline) deadline = now + timeout_ns;

@@ -86,6 +86,7 @@ DEFAULT_TIMEOUT_S = 30.0
 # Local writes in flight are capped in BYTES instead (see write_batch): that is what bounds how
 # long one poll of the target can run on shm, where the target copies every queued write.
 DEFAULT_MAX_INFLIGHT_BYTES = 64 << 20
+SHM_DRAIN_SLEEP_S = 50e-6
 DEFAULT_CQ_SIZE = 0
 MAX_SLOTS = 1 << 16  # 16 bits of slot in the 32-bit immediate
 
@@ -248,11 +249,14 @@ class Endpoint:
         idle_sleep_s: float = 0.0,
         cq_size: int = DEFAULT_CQ_SIZE,
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+        drain_sleep_s: float | None = None,
     ) -> None:
         if not 0 < max_slots <= MAX_SLOTS:
             raise ValueError(f"max_slots must be in [1, {MAX_SLOTS}], got {max_slots}")
         if max_outstanding < 1:
             raise ValueError(f"max_outstanding must be >= 1, got {max_outstanding}")
+        if drain_sleep_s is not None and not 0 <= drain_sleep_s < 1:
+            raise ValueError(f"drain_sleep_s must be in [0, 1) seconds, got {drain_sleep_s!r}")
         if not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 0:
             raise ValueError(f"max_inflight_bytes must be an int >= 0 (0: no cap), got "
                              f"{max_inflight_bytes!r}")
@@ -289,6 +293,13 @@ class Endpoint:
         _lib.pd_set_max_inflight_bytes(self._h, max_inflight_bytes)
         self.addr_format: int = int(info.addr_format)
         self.provider: str = _ffi.string(info.provider).decode()
+        # Burst refill when the send queue is full: wait (sleeping `drain_sleep_s` per poll)
+        # until half of it drained. Default on for shm only, where the target does the copy
+        # and a sender posting one write per completion spins on the target's queue lock; on
+        # tcp/verbs/efa the sender's own progress moves bytes, so it keeps polling.
+        if drain_sleep_s is None:
+            drain_sleep_s = SHM_DRAIN_SLEEP_S if self.provider == "shm" else 0.0
+        _lib.pd_set_drain(self._h, int(drain_sleep_s * 1e9))
         self.fabric: str = _ffi.string(info.fabric).decode()
         self.domain: str = _ffi.string(info.domain).decode()
         self.mr_mode: int = int(info.mr_mode)
