@@ -527,7 +527,7 @@ def measure_transfer(provider: str = "shm", page_bytes: int = 1 << 16,
                  page_size=1, head_dim=page_bytes, dtype="uint8", num_layers=num_layers,
                  src_pages=buf_pages, dst_pages=buf_pages, wrap_pages=buf_pages < total,
                  prompts=(per_req + 1,) * requests, chunk_pages=per_req, aux_row_bytes=(),
-                 waves=waves, warmup=True, busy_sleep_s=busy_sleep_s, engine_poll_s=0.001,
+                 waves=waves, warmup=True, busy_sleep_s=busy_sleep_s,
                  prefill_busy_sleep_s=prefill_busy_sleep_s, verify=False,
                  timeout_s=120.0, run_timeout_s=300.0)
     out = run(s)
