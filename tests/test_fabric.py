@@ -322,6 +322,33 @@ def test_peer_names_are_checked_before_the_address_vector(provider):
         assert np.array_equal(dst, src)
 
 
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_bytes_in_flight_are_capped(provider):
+    """write_batch never has more than `max_inflight_bytes` outstanding (the bound on how much
+    one poll of a shm target copies), and every page still lands, counted and byte-exact."""
+    cap, page, n = 4 * PAGE, 4 * PAGE, 24
+    with Endpoint(provider, max_inflight_bytes=cap, **ep_kwargs(provider)) as a, \
+            Endpoint(provider, **ep_kwargs(provider)) as b:
+        src = np.random.default_rng(3).integers(0, 256, n * page, dtype=np.uint8)
+        dst = np.zeros(n * page, dtype=np.uint8)
+        mr_a, mr_b = a.register_buffer(src), b.register_buffer(dst)
+        peer = a.insert_peer(b.name)
+        b.arm(1, 1)
+        got: list[bool] = []
+        target = threading.Thread(target=lambda: got.append(b.wait_recv(1, n, WAIT_S)))
+        target.start()
+        order = np.random.default_rng(4).permutation(n).astype(np.uint64)
+        offs = np.arange(n, dtype=np.uint64) * np.uint64(page)
+        a.write_batch(peer, mr_a, mr_b.descriptor(), offs, order * np.uint64(page),
+                      np.full(n, page, np.uint64), encode_imm(1, 1), 2)
+        assert 0 < a.inflight_bytes <= cap or a.inflight == 0
+        assert a.wait_send(2, n, WAIT_S) and a.inflight_bytes == 0
+        target.join(WAIT_S + 5)
+        assert got == [True]
+        assert np.array_equal(dst.reshape(n, page)[order.astype(np.int64)],
+                              src.reshape(n, page))
+
+
 def test_arm_takes_the_endpoint_lock():
     """arm() re-arms a slot only between two CQ drains: it waits for a poll holding the lock
     (the SGLang backend arms from the scheduler thread while its writer thread polls)."""
