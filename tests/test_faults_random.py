@@ -148,6 +148,7 @@ def _check(t: Trial, out) -> tuple[Counter, list[float], list[str]]:
             else:
                 errs.append(f"{rid}: never settled ({r['status']})")
         st = dec.get("stats", {})
+        counts["stale-writes-fenced"] += st.get("stale_writes", 0)
         if (st.get("slots_free") != st.get("slots_total") or st.get("quarantined")
                 or st.get("requests")):
             errs.append(f"decode rank {dec['rank']}: not idle {st}")
