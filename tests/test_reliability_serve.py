@@ -345,6 +345,15 @@ def test_front_fails_requests_of_a_dead_decode_instance_promptly(tmp_path):
             t.start()
             time.sleep(0.3)
         time.sleep(0.5)
+        # and a long prompt straight to decode instance 1: the prefill is still computing it
+        # when that decoder dies, and must stop (free its pages) instead of finishing it
+        _, health = get_json(f"{leaders[2]}/health")
+        sock = dealer(zmq.Context.instance(), health["engine"])
+        sock.send_multipart(Wire(bytes.fromhex(secret)).pack("GEN", {
+            "rid": "long-prompt", "tokens": [65 + i % 26 for i in range(8000)],
+            "max_tokens": 1}))
+        time.sleep(1.0)
+        sock.close(0)
         victim = next(p for p, s in zip(dep.procs, dep.specs, strict=True)
                       if s.role == "decode" and s.instance == 1)
         killed_at = time.monotonic()
@@ -363,12 +372,14 @@ def test_front_fails_requests_of_a_dead_decode_instance_promptly(tmp_path):
         code, health = get_json(f"{url}/health")
         assert health["decode_up"] == 1
         for u in (leaders[0], leaders[1]):  # nothing leaked on the survivors
-            for _ in range(100):
+            for _ in range(300):
                 st_ = get_json(f"{u}/stats")[1]
-                if st_["pages_free"] == st_["pages_total"]:
+                if st_["pages_free"] == st_["pages_total"] and st_["running"] == 0:
                     break
-                time.sleep(0.05)
-            assert st_["pages_free"] == st_["pages_total"], st_
+                time.sleep(0.1)
+            assert st_["pages_free"] == st_["pages_total"] and st_["running"] == 0, st_
+        prefill_log = next(dep.log_dir.glob("*-prefill-0-0.log")).read_text()
+        assert "request long-prompt: aborted by the messenger, stopped after" in prefill_log
     finally:
         dep.stop()
 

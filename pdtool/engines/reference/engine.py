@@ -203,11 +203,19 @@ class PrefillEngine:
                 continue
             self.running.append(r)
         ran = self._forward()
-        if not self.sending:
+        if not self.sending and not self.running:
             return ran
-        (done,) = self.coord.agree(self.link.done() & set(self.sending))
+        # a request still computing can be done too: the messenger aborted it (its decoder
+        # died, timed out or cancelled) once its issued writes completed; stop computing it
+        computing = {r.rid for r in self.running}
+        (done,) = self.coord.agree(self.link.done() & (set(self.sending) | computing))
         for rid in sorted(done):
-            r = self.sending.pop(rid)
+            r = self.sending.pop(rid, None)
+            if r is None:
+                r = next(x for x in self.running if x.rid == rid)
+                self.running.remove(r)
+                log.warning("request %s: aborted by the messenger, stopped after %d of %d "
+                            "prompt tokens", rid, r.done, r.todo)
             self.kv.pages.free(r.pages)
             self.link.release(rid)
         return ran
