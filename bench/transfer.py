@@ -33,11 +33,13 @@ Usage (from the repository root; both sides busy-poll, so keep other load off th
 Targets (issue 4): messenger on shm >= 0.8x copy at 64 KiB and >= 0.95x at 1 MiB; on
 tcp;ofi_rxm >= 2x Mooncake-TCP.
 
-Seen on the 2-core dev box (2026-11-30, load average 4-9 from other jobs, so wall-clock figures
-swing by 2x between runs; GB/s at 64 KiB / 1 MiB): copy 4.3 / 7.2, fabric shm 1.9 / 4.1,
-fabric tcp 0.8 / 1.7, NIXL-UCX 0.9 / 2.2, Mooncake-TCP 0.7 / 0.6. CPU s/GiB, which the load
-does not distort: copy 0.19 / 0.15; fabric shm target 0.23 / 0.17 (the target does the CMA
-copy; ~0.85x / 0.87x of the copy's cost), initiator mostly idle-yielding.
+Seen on the 2-core dev box (2026-11-30 13:10 UTC, load average 1.1-1.9 from other jobs; GB/s
+at 64 KiB / 1 MiB, best of 3 rounds): copy 6.0 / 6.9, fabric shm 4.2 / 5.7, fabric tcp 2.4 / 5.2,
+messenger shm 3.6 / 4.7, messenger tcp 2.1 / 3.9, NIXL-UCX 4.6 / 5.8, Mooncake-TCP 1.4 / 1.7.
+Wall clock swings by 30% between runs at this load; CPU s/GiB is steadier: copy 0.18 / 0.16,
+fabric shm target 0.25 / 0.20 (the target does the CMA copy), initiator 0.04-0.2 (it sleeps
+while its queue drains, see transfer.fabric), messenger shm prefill 0.2 / 0.06, decode
+0.26 / 0.23.
 """
 
 from __future__ import annotations
