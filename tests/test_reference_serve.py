@@ -45,6 +45,7 @@ CHUNK = 16  # prefill chunk (tokens); page size 4: prompts below span up to 9 ch
 CONFIGS = {
     # name: (attention, prefill tp, decode tp, decode instances); tiny-local is the recipe's
     # 1 prefill (TP1) : 2 decode (TP1), launched with `pdtool launch`
+    "gqa-tp2-tp1": ("gqa", 2, 1, 1),  # the decoder rebuilds each page from 2 prefill ranks
     "gqa-tp4-tp1": ("gqa", 4, 1, 1),  # 2 KV heads on 4 ranks: replicated, random sources
     "gqa-tp1-tp2": ("gqa", 1, 2, 1),
     "mla-tp2-tp1": ("mla", 2, 1, 1),
@@ -183,7 +184,7 @@ def _check_exact(s: Served, prompts: list[str], max_tokens: list[int], workers: 
     return bodies
 
 
-@pytest.mark.parametrize("name", ["gqa-tp4-tp1", "mla-tp2-tp1", "gqa-tp1-tp2"])
+@pytest.mark.parametrize("name", ["gqa-tp2-tp1", "gqa-tp4-tp1", "mla-tp2-tp1", "gqa-tp1-tp2"])
 def test_token_exact_across_tp(served, name):
     s = served(name)
     prompts = [*_prompts(5, seed=7, lo=40, hi=140), "ab", "x"]
