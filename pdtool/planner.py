@@ -183,6 +183,8 @@ class TransferPlan:
     pages_per_request: int  # pages prefill sends (it stops one token short)
     routes: tuple[RoutePlan, ...]  # one per decode attention rank (same in every DP group)
     summary: str  # one line: how sources map to destinations
+    peer_timeout_s: float = 5.0  # messenger liveness (transfer.peer_timeout_s)
+    heartbeat_s: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -548,6 +550,8 @@ def _transfer(cfg: Config, tokens: int) -> TransferPlan:
         backend_name=tr.backend_name,
         timeout_s=tr.timeout_s,
         connect_timeout_s=tr.connect_timeout_s,
+        peer_timeout_s=tr.peer_timeout_s,
+        heartbeat_s=tr.heartbeat_s,
         aux_writes=tr.aux_writes,
         page_size=cfg.decode.page_size,
         kv_dtype=kv_dtype(model, cfg.decode),

@@ -152,6 +152,8 @@ class TransferConfig:
     aux_writes: int = 1  # context copies per request and decode rank (e.g. last hidden state)
     timeout_s: float = 60.0
     connect_timeout_s: float = 30.0
+    peer_timeout_s: float = 5.0  # a messenger peer silent this long is dead (its lease)
+    heartbeat_s: float = 0.5  # messenger liveness pings; must be < peer_timeout_s
     backend_name: str = "pdtool"  # name given to SGLang's --disaggregation-transfer-backend
 
 

@@ -56,3 +56,18 @@ def test_what_the_engine_cannot_run_names_the_key(override, key):
     plan = build_plan(recipe("tiny-local", override))
     with pytest.raises(SpecError, match=f"^{key}"):
         spec_from_context(_ctx(plan, "prefill"))
+
+
+def test_liveness_timeouts_reach_the_messenger_settings(secret):
+    """transfer.peer_timeout_s / heartbeat_s (reliability issue) travel plan -> RankSpec."""
+    plan = build_plan(recipe("tiny-local", "transfer.peer_timeout_s=2.5",
+                             "transfer.heartbeat_s=0.25"))
+    spec = spec_from_context(_ctx(plan, "decode", 1))
+    assert spec.messenger["peer_timeout_s"] == 2.5 and spec.messenger["heartbeat_s"] == 0.25
+
+
+def test_a_peer_timeout_not_above_the_heartbeat_is_refused():
+    from pdtool_cfg import assert_error
+
+    assert_error(recipe("tiny-local", "transfer.peer_timeout_s=0.5", "transfer.heartbeat_s=0.5"),
+                 "transfer.peer_timeout_s", "not longer than transfer.heartbeat_s")

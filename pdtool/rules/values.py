@@ -263,10 +263,15 @@ def check_transfer(cfg: Config) -> list[Finding]:
     out += _choice("transfer.layout", t.layout, LAYOUTS)
     out += _choice("transfer.completion", t.completion, COMPLETION_MODES)
     out += _at_least("transfer.aux_writes", t.aux_writes, 0)
-    for name in ("timeout_s", "connect_timeout_s"):
+    for name in ("timeout_s", "connect_timeout_s", "peer_timeout_s", "heartbeat_s"):
         v = getattr(t, name)
         if v <= 0:
             out.append(error(f"transfer.{name}", f"must be > 0, got {v}", f"set transfer.{name}"))
+    if 0 < t.peer_timeout_s <= t.heartbeat_s:
+        out.append(error("transfer.peer_timeout_s",
+                         f"{t.peer_timeout_s} s is not longer than transfer.heartbeat_s "
+                         f"({t.heartbeat_s} s): every peer would look dead",
+                         "set transfer.peer_timeout_s to several heartbeats (default 5.0)"))
     if t.completion == "counter" and t.provider in PROVIDERS and t.provider != "shm":
         out.append(
             error(
