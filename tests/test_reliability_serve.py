@@ -43,6 +43,7 @@ from pdtool.engines.reference.local import get_json
 from pdtool.engines.reference.soak import deployment, run_soak
 from pdtool.engines.reference.wire import Wire, dealer
 from transfer.control import PROTOCOL_VERSION, SCHEMAS, Codec
+from transfer.fabric import shm_leftovers
 
 FUZZ_ID = "fuzzer"
 
@@ -382,6 +383,7 @@ def test_front_fails_requests_of_a_dead_decode_instance_promptly(tmp_path):
         assert "request long-prompt: aborted by the messenger, stopped after" in prefill_log
     finally:
         dep.stop()
+    assert not shm_leftovers([p.pid for p in dep.procs])  # the killed one's file is removed
 
 
 # ----------------------------------------------------------------------------- cancellation
