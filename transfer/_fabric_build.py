@@ -21,7 +21,8 @@ from cffi import FFI
 
 MODULE = "transfer._fabric"
 
-CDEF = r"""
+# the C types shared by the declarations cffi reads and the source it compiles
+TYPES = r"""
 typedef struct pd_ep pd_ep;
 typedef struct pd_mr pd_mr;
 
@@ -48,7 +49,9 @@ struct pd_err {
     int prov_errno;
     char msg[256];
 };
+"""
 
+CDEF = TYPES + r"""
 int pd_open(pd_ep **out, const char *prov, const char *domain, const char *node,
             const char *service, int want_remote_cntr, uint32_t ctx_pool, size_t cq_size,
             struct pd_info *info, char *errbuf, size_t errlen);
@@ -124,33 +127,7 @@ SOURCE = r"""
 #define PD_MAX_ERRORS 64
 #define PD_CQ_BATCH 64
 
-typedef struct pd_ep pd_ep;
-typedef struct pd_mr pd_mr;
-
-struct pd_info {
-    char provider[64];
-    char fabric[128];
-    char domain[128];
-    uint64_t mr_mode;
-    uint64_t caps;
-    uint64_t mode;
-    size_t cq_data_size;
-    size_t max_msg_size;
-    size_t tx_size;
-    size_t mr_key_size;
-    int has_rma_event;
-    int has_remote_cntr;
-    uint32_t addr_format;
-    size_t addrlen;
-};
-
-struct pd_err {
-    uint64_t tag;
-    int err;
-    int prov_errno;
-    char msg[256];
-};
-
+""" + TYPES + r"""
 /* One outstanding local write: the provider hands `ctx` back in the completion, so the tag rides
    along and providers that demand FI_CONTEXT/FI_CONTEXT2 scratch space get it. */
 struct pd_ctx {

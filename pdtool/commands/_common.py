@@ -45,13 +45,17 @@ class Run:
         return self.compose_findings + self.findings
 
 
-def add_config_arguments(p: argparse.ArgumentParser) -> None:
+def add_overrides_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "overrides",
         nargs="*",
         metavar="OVERRIDE",
         help="Hydra overrides: +recipe=NAME, key=value, group=option",
     )
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    add_overrides_argument(p)
     p.add_argument(
         "-m",
         "--multirun",

@@ -20,12 +20,9 @@ HELP = "write the launch scripts, resolved config and plan of a deployment into 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Overrides and the job folder; `pdtool launch` takes the same two."""
-    p.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="OVERRIDE",
-        help="Hydra overrides: +recipe=NAME, key=value, group=option",
-    )
+    from pdtool.commands._common import add_overrides_argument
+
+    add_overrides_argument(p)
     p.add_argument(
         "--out",
         type=Path,

@@ -23,6 +23,7 @@ import secrets as _secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -31,6 +32,7 @@ import numpy as np
 import zmq
 
 from ..control import check_bind_host, check_secret
+from ..layout import KVLayout, LayoutError
 from ..routes import RouteError, ShardSpec
 
 log = logging.getLogger("transfer.messenger")
@@ -264,6 +266,22 @@ class Worker:
         self._ctx: zmq.Context | None = None
         self._thread = threading.Thread(target=self._main, name=f"pdtool-{self.role}",
                                          daemon=True)
+
+    def _check_kv_buffers(self, kv_buffers: Sequence[Any], layout: str) -> KVLayout:
+        """The one layout every layer buffer shares, checked against this rank's shard spec."""
+        per_layer = self.config.buffers_per_layer
+        if not kv_buffers or len(kv_buffers) % per_layer:
+            raise LayoutError(f"kv_buffers: need a positive multiple of buffers_per_layer="
+                              f"{per_layer}, got {len(kv_buffers)}")
+        first = KVLayout.from_tensor(kv_buffers[0], layout)
+        for i, b in enumerate(kv_buffers):
+            if KVLayout.from_tensor(b, layout) != first:
+                raise LayoutError(f"kv_buffers[{i}]: shape differs from kv_buffers[0]")
+        spec = self.config.spec
+        if first.heads_local != spec.heads_per_rank:
+            raise LayoutError(f"kv_buffers: {first.heads_local} local heads, but spec "
+                              f"{spec} gives {spec.heads_per_rank} per rank")
+        return first
 
     def _start(self, timeout: float = 60.0) -> None:
         self._thread.start()

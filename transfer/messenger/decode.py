@@ -48,7 +48,7 @@ import numpy as np
 import zmq
 
 from ..control import Channel, Codec
-from ..layout import AuxSpec, KVLayout, LayoutError, as_buffer, aux_spec
+from ..layout import AuxSpec, LayoutError, as_buffer, aux_spec
 from ..routes import Slice, expected_writes, pages_for, routes_for, writes_per_page
 from ..slots import SlotTable
 from .common import DecodeConfig, MessengerError, PeerClock, TransferState, TransferStatus, Worker
@@ -87,17 +87,7 @@ class DecodeMessenger(Worker):
                  aux_buffers: Sequence[Any] = ()) -> None:
         super().__init__(config)
         self.config: DecodeConfig = config
-        if not kv_buffers or len(kv_buffers) % config.buffers_per_layer:
-            raise LayoutError(f"kv_buffers: need a positive multiple of buffers_per_layer="
-                              f"{config.buffers_per_layer}, got {len(kv_buffers)}")
-        self.layout = KVLayout.from_tensor(kv_buffers[0], layout)
-        for i, b in enumerate(kv_buffers):
-            if KVLayout.from_tensor(b, layout) != self.layout:
-                raise LayoutError(f"kv_buffers[{i}]: shape differs from kv_buffers[0]")
-        want_heads = config.spec.heads_per_rank
-        if self.layout.heads_local != want_heads:
-            raise LayoutError(f"kv_buffers: {self.layout.heads_local} local heads, but spec "
-                              f"{config.spec} gives {want_heads} per rank")
+        self.layout = self._check_kv_buffers(kv_buffers, layout)
         self.num_layers = len(kv_buffers) // config.buffers_per_layer
         self._kv = [as_buffer(b) for b in kv_buffers]
         self._aux_objs = list(aux_buffers)

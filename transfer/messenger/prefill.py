@@ -165,16 +165,7 @@ class PrefillMessenger(Worker):
                  aux_buffers: Sequence[Any] = (), progress: np.ndarray | None = None) -> None:
         super().__init__(config)
         self.config: PrefillConfig = config
-        if not kv_buffers or len(kv_buffers) % config.buffers_per_layer:
-            raise LayoutError(f"kv_buffers: need a positive multiple of buffers_per_layer="
-                              f"{config.buffers_per_layer}, got {len(kv_buffers)}")
-        self.layout = KVLayout.from_tensor(kv_buffers[0], layout)
-        for i, b in enumerate(kv_buffers):
-            if KVLayout.from_tensor(b, layout) != self.layout:
-                raise LayoutError(f"kv_buffers[{i}]: shape differs from kv_buffers[0]")
-        if self.layout.heads_local != config.spec.heads_per_rank:
-            raise LayoutError(f"kv_buffers: {self.layout.heads_local} local heads, but spec "
-                              f"{config.spec} gives {config.spec.heads_per_rank} per rank")
+        self.layout = self._check_kv_buffers(kv_buffers, layout)
         self.num_layers = len(kv_buffers) // config.buffers_per_layer
         if self.num_layers > LAYER_MASK - 1:
             raise LayoutError(f"kv_buffers: at most {LAYER_MASK - 1} layers")

@@ -126,23 +126,29 @@ def make_link(spec: RankSpec, kv: PagedKV, model: TinyModel) -> Any:
     return messenger_link(spec, kv, model)
 
 
+def _start_rank(spec: RankSpec, stop: threading.Event, link: Any) -> tuple[Any, ...]:
+    """Process group, model, warmed-up KV cache and messenger link of one serving rank."""
+    from .cache import PagedKV
+    from .model import TinyModel
+
+    coord, tp = _init(spec)
+    model = TinyModel(spec.cfg, tp)
+    kv = PagedKV(spec.cfg, len(model.kv_heads), spec.num_pages, spec.page_size)
+    _warm_up(model, kv)
+    log.info("%s %d rank %d: model and cache ready", spec.role, spec.instance, spec.rank)
+    link = link if link is not None else make_link(spec, kv, model)
+    log.info("%s %d rank %d: messenger ready", spec.role, spec.instance, spec.rank)
+    _stop_on_signals(stop)
+    return coord, model, kv, link
+
+
 # -- decode ---------------------------------------------------------------------------------------
 
 
 def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dict[str, Any]:
-    from .cache import PagedKV
     from .engine import DecodeEngine
-    from .model import TinyModel
 
-    coord, tp = _init(spec)
-    cfg = spec.cfg
-    model = TinyModel(cfg, tp)
-    kv = PagedKV(cfg, len(model.kv_heads), spec.num_pages, spec.page_size)
-    _warm_up(model, kv)
-    log.info("decode %d rank %d: model and cache ready", spec.instance, spec.rank)
-    link = link if link is not None else make_link(spec, kv, model)
-    log.info("decode %d rank %d: messenger ready", spec.instance, spec.rank)
-    _stop_on_signals(stop)
+    coord, model, kv, link = _start_rank(spec, stop, link)
     engine = DecodeEngine(model, kv, link, coord, spec.max_running)
 
     def stats() -> dict[str, Any]:
@@ -233,19 +239,9 @@ def _send_events(sock: zmq.Socket, wire: Wire, owner: dict[str, bytes],
 
 
 def serve_prefill(spec: RankSpec, stop: threading.Event, link: Any = None) -> dict[str, Any]:
-    from .cache import PagedKV
     from .engine import PrefillEngine
-    from .model import TinyModel
 
-    coord, tp = _init(spec)
-    cfg = spec.cfg
-    model = TinyModel(cfg, tp)
-    kv = PagedKV(cfg, len(model.kv_heads), spec.num_pages, spec.page_size)
-    _warm_up(model, kv)
-    log.info("prefill %d rank %d: model and cache ready", spec.instance, spec.rank)
-    link = link if link is not None else make_link(spec, kv, model)
-    log.info("prefill %d rank %d: messenger ready", spec.instance, spec.rank)
-    _stop_on_signals(stop)
+    coord, model, kv, link = _start_rank(spec, stop, link)
     engine = PrefillEngine(model, kv, link, coord, spec.chunk)
 
     def stats() -> dict[str, Any]:
