@@ -22,8 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-pytest.importorskip("sglang")  # CI installs it (scripts/install.sh); never skipped there
+import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
 
 PAGE = 4
 SLOTS = 16 * PAGE  # 16 pages per buffer

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-
-pytest.importorskip("sglang")  # CI installs it (scripts/install.sh); never skipped there
+import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
 
 from transfer.layout import LayoutError
 from transfer.sglang import conn

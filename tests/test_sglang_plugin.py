@@ -12,11 +12,10 @@ import sys
 import textwrap
 
 import pytest
+import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
 from pdtool_cfg import assert_error, assert_warning, compose, recipe
 
 from pdtool.rules import validate
-
-pytest.importorskip("sglang")  # CI installs it (scripts/install.sh); never skipped there
 
 
 def _python(code: str, timeout: int = 240) -> str:
