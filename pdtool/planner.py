@@ -5,6 +5,8 @@ worker entry): which process runs where (node index within the job's allocation,
 NIC, NUMA node, CPU list, fabric environment), which ports it binds, how the router pairs
 prefill and decode instances, and how KV pages travel (routes from `transfer.routes`, the same
 code the messenger runs, so the plan and the messenger always agree on the writes to count).
+Write counts follow the pages the engine really has (`page_layout`): SGLang keeps its own NHD
+pools whatever `transfer.layout` says.
 
 Placement:
 * `launcher.kind == local`: one machine; every instance on node 0, GPUs (CPU worker slots)
@@ -46,6 +48,10 @@ from transfer import routes as R
 
 PLAN_VERSION = 1
 DEFAULT_TOKENS = 4096
+
+#: TransferPlan.layout_source: the page layout is `transfer.layout`, or SGLang's own KV pools.
+LAYOUT_FROM_CONFIG = "transfer.layout"
+LAYOUT_FROM_SGLANG = "sglang pools"
 
 #: NIC kinds each libfabric provider can drive.
 PROVIDER_NIC_KINDS: dict[str, tuple[str, ...]] = {
@@ -138,7 +144,7 @@ class SlicePlan:
     num_heads: int
     src_head_off: int
     dst_head_off: int
-    writes_per_page: int  # per page and layer buffer, for transfer.layout
+    writes_per_page: int  # per page and layer buffer, in the effective layout (page_layout)
 
 
 @dataclass(frozen=True)
@@ -147,8 +153,8 @@ class RoutePlan:
 
     dst_rank: int
     slices: tuple[SlicePlan, ...]
-    writes_per_page: int  # sum over slices, per page and layer
-    writes_per_request: int  # for `tokens` prompt tokens: pages x layers x per_page + aux
+    writes_per_page: int  # sum over slices, per page and layer buffer
+    writes_per_request: int  # `tokens` prompt tokens: pages x layers x buffers x per_page + aux
 
 
 @dataclass(frozen=True)
@@ -166,7 +172,7 @@ class ShardPlan:
 @dataclass(frozen=True)
 class TransferPlan:
     provider: str
-    layout: str
+    layout: str  # the page layout written (page_layout), not always transfer.layout
     completion: str
     backend_name: str
     timeout_s: float
@@ -174,9 +180,9 @@ class TransferPlan:
     aux_writes: int
     page_size: int
     kv_dtype: str
-    kv_parts: int  # 2: K and V fused per head in a page; 1: MLA latent
+    kv_parts: int  # per head in a page: 2 K and V fused; 1 MLA latent or K/V in own buffers
     head_width: int  # elements per head and part
-    buffers_per_layer: int
+    buffers_per_layer: int  # 1: fused K/V (or MLA latent); 2: separate K and V (SGLang)
     prefill: ShardPlan
     decode: ShardPlan
     tokens: int  # prompt length the write counts below are for
@@ -185,6 +191,7 @@ class TransferPlan:
     summary: str  # one line: how sources map to destinations
     peer_timeout_s: float = 5.0  # messenger liveness (transfer.peer_timeout_s)
     heartbeat_s: float = 0.5
+    layout_source: str = LAYOUT_FROM_CONFIG  # where `layout` comes from (page_layout)
 
 
 @dataclass(frozen=True)
@@ -407,12 +414,32 @@ def shard_spec(cfg: Config, rname: str) -> R.ShardSpec:
     )
 
 
+def page_layout(cfg: Config) -> tuple[str, int]:
+    """(page layout, buffers per layer) of the KV pages the transfer really writes.
+
+    pdtool's messenger and reference engine keep one buffer per layer (K and V fused per head)
+    in `transfer.layout`. SGLang 0.5.23 keeps its own pools, NHD with separate K and V buffers
+    (MLA: one latent buffer), whatever `transfer.layout` says; counting writes with the config
+    value would show the wrong number.
+    """
+    if cfg.engine.kind == "sglang":
+        return "NHD", kv_parts(cfg.model)  # one buffer per K/V part: K and V, or the latent
+    return cfg.transfer.layout, 1
+
+
+def layout_source(cfg: Config) -> str:
+    """Where `page_layout(cfg)` takes the layout from (shown beside it by `pdtool plan`)."""
+    return LAYOUT_FROM_SGLANG if cfg.engine.kind == "sglang" else LAYOUT_FROM_CONFIG
+
+
 # --- building the plan ---------------------------------------------------------------------
 
 
 def _instances(cfg: Config) -> tuple[InstancePlan, ...]:
     cl, tr = cfg.cluster, cfg.transfer
     places = placements(cfg)
+    # SGLang's own pools, not the role's kv_layout (which only the reference engine follows)
+    pools = page_layout(cfg)[0] if layout_source(cfg) == LAYOUT_FROM_SGLANG else None
     out: list[InstancePlan] = []
     for rname in ROLES:
         rc = role(cfg, rname)
@@ -456,7 +483,7 @@ def _instances(cfg: Config) -> tuple[InstancePlan, ...]:
                     dist_init_port=rc.dist_init_port + i,
                     page_size=rc.page_size,
                     kv_dtype=kv_dtype(cfg.model, rc),
-                    kv_layout=rc.kv_layout,
+                    kv_layout=pools or rc.kv_layout,
                     chunked_prefill_size=rc.chunked_prefill_size,
                     mem_fraction=rc.mem_fraction,
                     ranks=tuple(ranks),
@@ -477,9 +504,12 @@ def _shard_plan(spec: R.ShardSpec) -> ShardPlan:
 
 
 def route_plans(cfg: Config, tokens: int) -> tuple[RoutePlan, ...]:
-    """Routes for every decode attention rank, from transfer.routes (raises RouteError)."""
+    """Routes for every decode attention rank, from transfer.routes (raises RouteError).
+
+    Counted in the engine's real pages (`page_layout`), as its messenger/backend counts them.
+    """
     src, dst = shard_spec(cfg, "prefill"), shard_spec(cfg, "decode")
-    layout, page = cfg.transfer.layout, cfg.decode.page_size
+    (layout, buffers), page = page_layout(cfg), cfg.decode.page_size
     pages = R.pages_for(tokens, page)
     out = []
     for d in range(dst.attn_tp):
@@ -510,6 +540,7 @@ def route_plans(cfg: Config, tokens: int) -> tuple[RoutePlan, ...]:
                     page_size=page,
                     num_pages=pages,
                     num_layers=cfg.model.num_layers,
+                    buffers_per_layer=buffers,
                     aux_writes=cfg.transfer.aux_writes,
                 ),
             )
@@ -543,9 +574,11 @@ def route_summary(cfg: Config) -> str:
 def _transfer(cfg: Config, tokens: int) -> TransferPlan:
     tr, model = cfg.transfer, cfg.model
     src, dst = shard_spec(cfg, "prefill"), shard_spec(cfg, "decode")
+    layout, buffers = page_layout(cfg)
     return TransferPlan(
         provider=tr.provider,
-        layout=tr.layout,
+        layout=layout,
+        layout_source=layout_source(cfg),
         completion=tr.completion,
         backend_name=tr.backend_name,
         timeout_s=tr.timeout_s,
@@ -555,9 +588,9 @@ def _transfer(cfg: Config, tokens: int) -> TransferPlan:
         aux_writes=tr.aux_writes,
         page_size=cfg.decode.page_size,
         kv_dtype=kv_dtype(model, cfg.decode),
-        kv_parts=kv_parts(model),
+        kv_parts=kv_parts(model) // buffers,  # K and V in their own buffers: one part each
         head_width=kv_head_width(model),
-        buffers_per_layer=1,
+        buffers_per_layer=buffers,
         prefill=_shard_plan(src),
         decode=_shard_plan(dst),
         tokens=tokens,

@@ -7,7 +7,9 @@ import math
 
 import pytest
 from pdtool_cfg import compose, recipe
+from rich.console import Console
 
+from pdtool.commands.plan import print_plan
 from pdtool.planner import (
     PLAN_VERSION,
     Plan,
@@ -20,6 +22,8 @@ from pdtool.planner import (
     rank_cpus,
     to_json,
 )
+from pdtool.rules.sglang import sglang_writes_per_request
+from pdtool.schema import Config
 from transfer import routes as R
 
 
@@ -151,13 +155,21 @@ def test_kv_sizes():
     assert r1.weights_gb == pytest.approx(671e9 / 8 / 2**30, rel=1e-3)
 
 
-def _expected(tokens: int, page: int, layers: int, per_page: int, aux: int) -> int:
-    return math.ceil((tokens - 1) / page) * layers * per_page + aux
+def _expected(
+    tokens: int, page: int, layers: int, per_page: int, aux: int, buffers: int = 1
+) -> int:
+    return math.ceil((tokens - 1) / page) * layers * buffers * per_page + aux
+
+
+#: The reference engine's pages follow transfer.layout (K and V fused, one buffer per layer);
+#: a byte vocabulary makes the Llama shape one it could run. SGLang recipes keep NHD pools.
+REFERENCE = ("engine=reference", "model.vocab_size=256")
 
 
 def test_routes_gqa_prefill_tp8_to_decode_tp4():
-    plan = build_plan(recipe("llama-3.1-70b"), tokens=1000)
+    plan = build_plan(recipe("llama-3.1-70b", *REFERENCE), tokens=1000)
     t = plan.transfer
+    assert (t.layout, t.layout_source, t.buffers_per_layer) == ("HND", "transfer.layout", 1)
     assert t.pages_per_request == math.ceil(999 / 64) == 16
     assert len(t.routes) == 4
     for d, route in enumerate(t.routes):
@@ -172,10 +184,64 @@ def test_routes_gqa_prefill_tp8_to_decode_tp4():
 
 
 def test_routes_nhd_counts_per_token_writes():
-    plan = build_plan(recipe("llama-3.1-70b", "transfer.layout=NHD"), tokens=1000)
+    plan = build_plan(recipe("llama-3.1-70b", *REFERENCE, "transfer.layout=NHD"), tokens=1000)
+    assert plan.transfer.layout == "NHD" and plan.transfer.buffers_per_layer == 1
     route = plan.transfer.routes[0]
     assert [s.writes_per_page for s in route.slices] == [64, 64]
     assert route.writes_per_request == _expected(1000, 64, 80, 128, 1)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_sglang_routes_count_its_own_pools(layout):
+    """engine=sglang: NHD pages, K and V in separate buffers, whatever transfer.layout says."""
+    cfg = recipe("llama-3.1-70b", f"transfer.layout={layout}")
+    t = build_plan(cfg, tokens=1000).transfer
+    assert (t.layout, t.layout_source, t.buffers_per_layer, t.kv_parts) == (
+        "NHD",
+        "sglang pools",
+        2,
+        1,
+    )
+    assert {i.kv_layout for i in build_plan(cfg).instances} == {"NHD"}
+    for route in t.routes:
+        assert [s.writes_per_page for s in route.slices] == [64, 64]  # a head run per token
+        assert route.writes_per_request == _expected(1000, 64, 80, 128, 1, buffers=2)
+
+
+def test_sglang_plan_and_rule_count_the_same_writes():
+    cfg = recipe("llama-3.1-70b")  # engine=sglang, GQA 8 KV heads, prefill TP8 -> decode TP4
+    t = build_plan(cfg, tokens=4096).transfer
+    worst, equal = sglang_writes_per_request(cfg, 4096)
+    # 64 pages x 80 layers x 2 buffers (K, V) x 2 slices x 64 tokens + 1 aux
+    assert {r.writes_per_request for r in t.routes} == {worst} == {1_310_721}
+    assert equal == 64 * 80 * 2 + 1  # the warning's figures (tests/test_rules.py)
+    mla = recipe("deepseek-r1")  # one latent buffer per layer, every rank holds it
+    t = build_plan(mla, tokens=4096).transfer
+    assert (t.layout, t.buffers_per_layer, t.kv_parts) == ("NHD", 1, 1)
+    assert {r.writes_per_request for r in t.routes} == {sglang_writes_per_request(mla)[0]}
+    assert sglang_writes_per_request(mla) == (_expected(4096, 64, 61, 1, 1),) * 2
+
+
+def test_plan_output_shows_the_layout_written():
+    def shown(cfg: Config) -> str:
+        con = Console(record=True, width=300)
+        print_plan(con, build_plan(cfg), show_ranks=False)
+        return con.export_text()
+
+    out = shown(recipe("llama-3.1-70b", "transfer.layout=HND"))
+    assert "layout NHD (sglang pools, K and V buffers per layer; transfer.layout does not" in out
+    assert "(64 pages x 80 layers x 2 buffers (K, V) + 1 aux)" in out
+    assert "1,310,721" in out
+    out = shown(recipe("deepseek-r1"))
+    assert "layout NHD (sglang pools, one buffer per layer;" in out
+    out = shown(recipe("llama-3.1-70b", *REFERENCE))
+    assert "layout HND, page 64 tokens" in out and "(64 pages x 80 layers + 1 aux)" in out
+    data = plan_to_dict(build_plan(recipe("llama-3.1-70b")))  # what plan --json prints
+    assert (data["transfer"]["layout"], data["transfer"]["layout_source"]) == (
+        "NHD",
+        "sglang pools",
+    )
+    assert data["transfer"]["buffers_per_layer"] == 2
 
 
 def test_routes_gqa_decode_has_more_shards():
@@ -219,8 +285,16 @@ def test_routes_dp_attention_pairs_groups():
     assert "one of 8 prefill and one of 8 decode attention groups" in t.summary
 
 
-def test_routes_match_transfer_routes_module():
-    cfg = recipe("llama-3.1-70b")
+@pytest.mark.parametrize(
+    ("overrides", "layout", "buffers"),
+    [
+        (REFERENCE, "HND", 1),  # the messenger's pages: K and V fused, one buffer per layer
+        ((*REFERENCE, "transfer.layout=NHD"), "NHD", 1),
+        ((), "NHD", 2),  # engine=sglang: its NHD pools, separate K and V buffers
+    ],
+)
+def test_routes_match_transfer_routes_module(overrides, layout, buffers):
+    cfg = recipe("llama-3.1-70b", *overrides)
     plan = build_plan(cfg, tokens=777)
     src, dst = R.ShardSpec(8, 8), R.ShardSpec(8, 4)
     for route in plan.transfer.routes:
@@ -229,10 +303,11 @@ def test_routes_match_transfer_routes_module():
             slices,
             src,
             dst,
-            layout="HND",
+            layout=layout,
             page_size=64,
             num_pages=R.pages_for(777, 64),
             num_layers=80,
+            buffers_per_layer=buffers,
             aux_writes=1,
         )
 

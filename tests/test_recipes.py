@@ -11,6 +11,10 @@ from pdtool.rules import validate
 
 RECIPES = sorted(recipe_files())
 
+#: HND counts are the reference engine's (its pages follow transfer.layout); SGLang recipes keep
+#: SGLang's NHD pools. A byte vocabulary makes these model shapes ones it could run.
+REFERENCE = ("engine=reference", "model.vocab_size=256")
+
 
 def test_the_required_recipes_exist():
     assert {
@@ -72,11 +76,19 @@ def test_qwen3_coder_equal_tp_hnd():
     assert (m.num_layers, m.num_q_heads, m.num_kv_heads, m.head_dim) == (62, 96, 8, 128)
     assert (m.num_experts, m.experts_per_token, m.dtype) == (160, 8, "fp8")
     plan = build_plan(cfg)
-    assert plan.transfer.layout == "HND"
+    assert plan.transfer.layout == "NHD"  # SGLang's pools: transfer.layout=HND does not apply
     assert [i.tp for i in plan.instances] == [8, 8, 8, 8]
     for d, route in enumerate(plan.transfer.routes):
         (s,) = route.slices
-        assert s.src_candidates == (d,) and s.head_lo == d and route.writes_per_page == 1
+        assert s.src_candidates == (d,) and s.head_lo == d
+        assert route.writes_per_page == 1  # equal TP: a whole NHD page of a buffer is contiguous
+        assert route.writes_per_request == 64 * 62 * 2 + 1  # pages x layers x K, V + aux
+    ref = recipe("qwen3-coder-480b", *REFERENCE)
+    assert not [f for f in validate(ref) if f.severity == "error"]
+    hnd = build_plan(ref).transfer
+    assert (hnd.layout, hnd.buffers_per_layer) == ("HND", 1)
+    for route in hnd.routes:
+        assert route.writes_per_page == 1 and route.writes_per_request == 64 * 62 + 1
 
 
 def test_llama_tp8_to_tp4_reconstructs_from_two_ranks():
@@ -85,10 +97,15 @@ def test_llama_tp8_to_tp4_reconstructs_from_two_ranks():
     assert (m.num_layers, m.num_q_heads, m.num_kv_heads, m.head_dim) == (80, 64, 8, 128)
     plan = build_plan(cfg)
     assert (cfg.prefill.tp, cfg.decode.tp) == (8, 4)
-    for route in plan.transfer.routes:
+    for route in plan.transfer.routes:  # engine=sglang: NHD pools, one write per token
+        assert len(route.slices) == 2
+        assert route.writes_per_page == 2 * 64
+    ref = recipe("llama-3.1-70b", *REFERENCE)
+    assert not [f for f in validate(ref) if f.severity == "error"]
+    for route in build_plan(ref).transfer.routes:  # HND: one contiguous write per slice
         assert len(route.slices) == 2
         assert route.writes_per_page == 2
-    nhd = build_plan(recipe("llama-3.1-70b", "transfer.layout=NHD")).transfer.routes
+    nhd = build_plan(recipe("llama-3.1-70b", *REFERENCE, "transfer.layout=NHD")).transfer.routes
     assert all(r.writes_per_page == 2 * 64 for r in nhd)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from pdtool_cfg import assert_error, assert_warning, compose, recipe
 
+from pdtool.planner import build_plan
 from pdtool.rules import validate
 from pdtool.schema import NicConfig
 
@@ -209,6 +210,19 @@ def test_nhd_with_tp_mismatch_warns_with_op_count():
     assert f"costs {64 * 80 * 128 + 1} writes instead of {64 * 80 * 2 + 1}" in f.message
     # equal TP: an NHD page of all local heads is still one write: no warning
     assert not validate(recipe("qwen3-coder-480b", "transfer.layout=NHD"))
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_sglang_token_writes_warning_shows_the_plans_count(layout):
+    # SGLang's NHD pools (separate K and V buffers) apply whatever transfer.layout says; the
+    # warning's count is the plan's writes per request, not a second derivation
+    cfg = recipe("llama-3.1-70b", f"transfer.layout={layout}")  # GQA 8 heads, TP8 -> TP4
+    f = assert_warning(cfg, "decode.tp", "engine=sglang keeps NHD", "64 per page")
+    worst = max(r.writes_per_request for r in build_plan(cfg, tokens=4096).transfer.routes)
+    assert worst == 64 * 80 * 2 * 128 + 1 == 1_310_721  # pages x layers x K,V x writes/page
+    assert f"costs {worst} writes instead of {64 * 80 * 2 + 1}" in f.message
+    # equal TP keeps whole pages (one write per page and buffer): no warning at all
+    assert not validate(recipe("llama-3.1-70b", "decode.tp=8", "decode.instances=1"))
 
 
 # --- topology -------------------------------------------------------------------------------

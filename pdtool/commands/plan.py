@@ -58,6 +58,14 @@ def _nics(names: tuple[str, ...], kind: str) -> str:
     return f"{shown or 'none'} {kind}".strip()
 
 
+def _layout(t: Any) -> str:
+    """The layout written, and where it comes from when the config value does not apply."""
+    if t.layout_source == "transfer.layout":
+        return t.layout
+    parts = "K and V buffers" if t.buffers_per_layer > 1 else "one buffer"
+    return f"{t.layout} ({t.layout_source}, {parts} per layer; transfer.layout does not apply)"
+
+
 def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
     from rich.table import Table
 
@@ -137,7 +145,7 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
     con.print(mt)
 
     con.print(
-        f"transfer: provider [cyan]{t.provider}[/], layout [cyan]{t.layout}[/], page "
+        f"transfer: provider [cyan]{t.provider}[/], layout [cyan]{_layout(t)}[/], page "
         f"{t.page_size} tokens, completion {t.completion}; prefill attention TP "
         f"{t.prefill.attn_tp} ({t.prefill.heads_per_rank} head(s)/rank"
         f"{', replicated' if t.prefill.replicated else ''}) -> decode attention TP "
@@ -147,7 +155,9 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
     con.print(f"routes: {t.summary}")
     ct = Table(
         title=f"routes for a {t.tokens}-token request ({t.pages_per_request} pages x "
-        f"{m.num_layers} layers + {t.aux_writes} aux)",
+        f"{m.num_layers} layers"
+        + (f" x {t.buffers_per_layer} buffers (K, V)" if t.buffers_per_layer > 1 else "")
+        + f" + {t.aux_writes} aux)",
         title_justify="left",
     )
     for col in ("decode rank", "receives", "writes/page", "writes/request"):

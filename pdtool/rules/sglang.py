@@ -8,43 +8,37 @@ therefore writes:
   * one write per token per (page, layer buffer, source rank) for MHA/GQA with different
     attention TP: a head slice of an NHD page is not contiguous. It works, but costs
     `page_size` times the ops; the warning shows the count so the user can pick equal TP.
+The counts are the plan's (`planner.route_plans`, which takes SGLang's pools from
+`planner.page_layout`), so the warning and `pdtool plan` always show the same number.
 SGLang flags for state the backend does not carry (draft KV, PP, CP, KV sharding) are errors.
 """
 
 from __future__ import annotations
 
-from pdtool.planner import DEFAULT_TOKENS, shard_spec
+from pdtool.planner import DEFAULT_TOKENS, page_layout, route_plans, shard_spec
 from pdtool.rules.finding import Finding, error, warning
 from pdtool.schema import Config
 from transfer import routes as R
 
 
 def sglang_writes_per_request(cfg: Config, tokens: int = DEFAULT_TOKENS) -> tuple[int, int]:
-    """(worst decode rank's writes for a `tokens` request, same with equal sharding)."""
-    src, dst = shard_spec(cfg, "prefill"), shard_spec(cfg, "decode")
-    mla = cfg.model.attention == "mla"
-    buffers = cfg.model.num_layers * (1 if mla else 2)  # SGLang: separate K and V buffers
-    pages = -(-max(tokens - 1, 0) // cfg.decode.page_size)
-    aux = cfg.transfer.aux_writes
-    worst = 0
-    for d in range(dst.attn_tp):
-        slices = R.routes_for(src, dst, d)
-        per_page = (
-            1
-            if mla
-            else sum(R.writes_per_page(s, src, dst, "NHD", cfg.decode.page_size) for s in slices)
-        )
-        worst = max(worst, pages * buffers * per_page + aux)
-    return worst, pages * buffers + aux
+    """(worst decode rank's writes for a `tokens` request, same with equal sharding).
+
+    The first is the plan's own count; the second is one write per (page, layer buffer).
+    """
+    worst = max(r.writes_per_request for r in route_plans(cfg, tokens))
+    _, buffers = page_layout(cfg)
+    pages = R.pages_for(tokens, cfg.decode.page_size)
+    return worst, pages * cfg.model.num_layers * buffers + cfg.transfer.aux_writes
 
 
 def check_sglang_nhd_tp_mismatch(cfg: Config) -> list[Finding]:
     """Warn when SGLang's NHD pools make the backend write token by token."""
-    if cfg.engine.kind != "sglang" or cfg.model.attention == "mla":
+    if cfg.engine.kind != "sglang":
         return []
+    if all(r.writes_per_page == len(r.slices) for r in route_plans(cfg, DEFAULT_TOKENS)):
+        return []  # whole pages (equal sharding, MLA's latent): one write per page and buffer
     src, dst = shard_spec(cfg, "prefill"), shard_spec(cfg, "decode")
-    if src.heads_per_rank == dst.heads_per_rank:
-        return []
     worst, equal = sglang_writes_per_request(cfg)
     return [
         warning(
