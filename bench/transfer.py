@@ -9,8 +9,9 @@ round so background load hits all of them alike:
 * `copy`        in-process numpy copy of the same pages (the baseline; best of a per-page
                  loop and a vectorised gather/scatter);
 * `fabric`      the raw binding (transfer.fabric): one `write_batch` C call for all pages with
-                 32-bit immediate data, the target counting CQ data per slot in C (`wait_recv`);
-                 on `shm` and `tcp;ofi_rxm` (loopback);
+                 32-bit immediate data, pages grouped by the provider's iov limit into one
+                 operation each (4 on both), the target counting CQ data per slot in C
+                 (`wait_recv`); on `shm` and `tcp;ofi_rxm` (loopback);
 * `messenger`   transfer.messenger's own bench hook when that module provides one (see
                  `run_messenger`); the full protocol with counting;
 * `nixl`        NIXL (pip `nixl-cu12`), UCX backend, DRAM, one WRITE transfer of all page
@@ -247,12 +248,17 @@ class FabricRunner:
         self.tag = (self.tag + 1) % 1024
         self.ep.send_done[self.tag] = 0
         src, dst, ln = w.src_off(), w.dst_off(), w.lengths()
-        self.peer.send("wait", self.SLOT, w.n)
+        # as many pages per operation as the provider takes (the messenger's default too)
+        k = self.ep.iov_limit
+        nops = -(-w.n // k)
+        ops = np.full(nops, k, dtype=np.uint32)
+        ops[-1] = w.n - k * (nops - 1)
+        self.peer.send("wait", self.SLOT, nops)
         c0 = time.process_time()
         t0 = time.monotonic()
         self.ep.write_batch(self.addr, self.mr, self.remote, src, dst, ln,
-                            self.encode_imm(self.SLOT, gen), self.tag, timeout=WAIT_S)
-        if not self.ep.wait_send(self.tag, w.n, WAIT_S):
+                            self.encode_imm(self.SLOT, gen), self.tag, ops=ops, timeout=WAIT_S)
+        if not self.ep.wait_send(self.tag, nops, WAIT_S):
             raise TimeoutError("local completions did not arrive")
         t_local = time.monotonic()
         cpu_local = time.process_time() - c0

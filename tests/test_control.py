@@ -37,7 +37,7 @@ def _request_body(**over):
         "regions": [{"base": 1, "key": 2, "length": 3}] * 2, "aux_regions": [],
         "aux_row": 1, "slices": [{"src_rank": 0, "head_lo": 0, "num_heads": 2, "src_head_off": 0,
                                   "dst_head_off": 0}],
-        "aux_rank": 0, "expected": [2, 0], "timeout_s": 5.0,
+        "aux_rank": 0, "expected": [2, 0], "writes_per_op": 4, "timeout_s": 5.0,
     }
     body.update(over)
     return body

@@ -63,8 +63,10 @@ def _draw(n: int, rng: random.Random) -> Trial:
     dtp = 1 if dkill else rng.choice([1, 1, 2])
     k = rng.randint(1, 3)  # first-wave requests per prefill instance
     prompts = tuple(rng.randint(2, 37) for _ in range(2 * k))
+    chunk = rng.randint(1, 4)
     base = dict(provider=provider, prefill_tp=ptp, decode_tp=dtp, num_layers=layers,
-                num_kv_heads=4, prompts=prompts, chunk_pages=rng.randint(1, 4),
+                num_kv_heads=4, prompts=prompts, chunk_pages=chunk,
+                writes_per_op=rng.choice([0, 0, 1, 3]),  # 0: the provider's limit (4)
                 timeout_s=TIMEOUT_S, heartbeat_s=HEARTBEAT_S, peer_timeout_s=PEER_TIMEOUT_S,
                 track=True, run_timeout_s=30.0)
     two = dict(prefill_instances=2, peers=(0,) * k + (1,) * k,
@@ -82,6 +84,8 @@ def _draw(n: int, rng: random.Random) -> Trial:
         s = Scenario(**base, **two, faults=((0, f"stall@layer:{layer}"),))
         return Trial(n, kind, s, 0, True, r"timed out|aborted")
     if dkill:
+        if kind.endswith("writes"):  # "hold" needs layer 0 of the first chunk to complete an
+            base["writes_per_op"] = chunk  # operation (a partial one waits for the next chunk)
         s = Scenario(**{**base, "prompts": prompts[:k]}, decode_kill_at=kind.split("@")[1],
                      faults=((0, "hold"),) if kind.endswith("writes") else (),
                      linger_s=2 * PEER_TIMEOUT_S + 1.5)

@@ -4,10 +4,15 @@ torch tensors, chunked prefill, several layers and two aux (metadata) buffers.
 Every decode rank checks its pages byte for byte against the prefill's deterministic cache, and
 the write counts are checked against arithmetic done here, independently of routes.py: with HND
 a decode rank receives exactly one write per (page, layer, source shard), plus one per aux
-buffer, and the prefill ranks together issue exactly that many.
+buffer, and the prefill ranks together issue exactly that many. The prefill groups up to
+`writes_per_op` consecutive page writes of a (slice, layer buffer) into one RMA operation (4 on
+shm and tcp;ofi_rxm), and the decoder counts one completion per operation:
+ceil(pages / writes_per_op) per (layer, source shard), whatever the chunking.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -18,6 +23,7 @@ from transfer.messenger.loopback import Scenario, run
 from transfer.routes import pages_for
 
 PROVIDERS = ["shm", "tcp;ofi_rxm"]
+PROVIDER_IOV_LIMIT = 4  # fi_info: iov_limit and rma_iov_limit of both providers
 PROMPTS = (17, 33, 5, 2)  # 4, 8, 1 and 1 pages of 4 tokens; 33 tokens = 4 chunked passes
 AUX = (48, 20)
 
@@ -26,17 +32,22 @@ def _check(s: Scenario, sources_per_rank: int) -> list[dict]:
     before = set(shm_leftovers())
     out = run(s)
     assert len(out.decode) == s.decode_tp and len(out.prefill) == s.prefill_tp
-    want_total = 0
+    want_writes = want_ops = 0
     for rep in out.decode:
         assert rep["stale_writes"] == 0
+        k = rep["writes_per_op"]
+        assert k == (s.writes_per_op or PROVIDER_IOV_LIMIT)
         for rid, r in rep["requests"].items():
             n = pages_for(len_of(s, rid), s.page_size)
-            want = n * s.num_layers * sources_per_rank + len(s.aux_row_bytes)
+            aux = len(s.aux_row_bytes)
+            ops = math.ceil(n / k) * s.num_layers * sources_per_rank + aux
             assert r["status"] == "success", (rid, r)
             assert r["bad_layers"] == [] and r["aux_ok"], (rid, r)
-            assert r["received"] == r["expected"] == want, (rid, r)
-            want_total += want
-    assert sum(p["writes_issued"] for p in out.prefill) == want_total
+            assert r["received"] == r["expected"] == ops, (rid, r)
+            want_writes += n * s.num_layers * sources_per_rank + aux
+            want_ops += ops
+    assert sum(p["writes_issued"] for p in out.prefill) == want_writes
+    assert sum(p["ops_issued"] for p in out.prefill) == want_ops
     for p in out.prefill:
         assert all(r["ok"] for r in p["results"].values())
     assert set(shm_leftovers()) <= before
@@ -66,9 +77,10 @@ def test_prefill_tp4_to_decode_tp2(provider):
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_prefill_tp2_to_decode_tp4(provider):
-    """Each decode rank takes its one-head slice out of a prefill rank's two-head pages."""
+    """Each decode rank takes its one-head slice out of a prefill rank's two-head pages; one
+    operation per page write (writes_per_op=1)."""
     _check(Scenario(provider=provider, num_kv_heads=4, prefill_tp=2, decode_tp=4,
-                    prompts=PROMPTS, aux_row_bytes=AUX), sources_per_rank=1)
+                    prompts=PROMPTS, aux_row_bytes=AUX, writes_per_op=1), sources_per_rank=1)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -82,15 +94,20 @@ def test_mla_replicas_8_prefill_to_2_decode(provider):
 
 
 def test_nhd_tp_mismatch_writes_per_token():
-    """NHD with a partial head run costs one write per token (what the validator warns of)."""
+    """NHD with a partial head run costs one write per token (what the validator warns of);
+    with writes_per_op=3 the per-token writes of a slice go three to an operation."""
     s = Scenario(layout="NHD", num_kv_heads=4, prefill_tp=4, decode_tp=2, prompts=(17, 9),
-                 aux_row_bytes=(16,))
+                 aux_row_bytes=(16,), writes_per_op=3)
     out = run(s)
     for rep in out.decode:
         for rid, r in rep["requests"].items():
             n = pages_for(s.prompts[int(rid.split("-r")[1])], s.page_size)
             assert r["status"] == "success" and r["bad_layers"] == [] and r["aux_ok"]
-            assert r["received"] == n * s.num_layers * 2 * s.page_size + 1
+            per_token = n * s.page_size  # writes per (layer, source shard)
+            assert r["received"] == math.ceil(per_token / 3) * s.num_layers * 2 + 1
+    issued = sum(p["writes_issued"] for p in out.prefill)
+    pages = sum(pages_for(t, s.page_size) for t in s.prompts)
+    assert issued == s.decode_tp * (pages * s.page_size * s.num_layers * 2 + len(s.prompts))
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)

@@ -79,8 +79,10 @@ void *pd_mr_desc(pd_mr *mr);
 
 int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
                    uint64_t remote_key, uint64_t remote_len, const uint64_t *src,
-                   const uint64_t *dst, const uint64_t *len, size_t n, uint32_t imm,
-                   uint32_t tag, int64_t timeout_ns, size_t *done, char *errbuf, size_t errlen);
+                   const uint64_t *dst, const uint64_t *len, size_t n, const uint32_t *op_len,
+                   size_t nops, uint32_t imm, uint32_t tag, int64_t timeout_ns, size_t *done,
+                   char *errbuf, size_t errlen);
+size_t pd_iov_limit(pd_ep *ep);
 size_t pd_nerr(pd_ep *ep);
 int pd_poll(pd_ep *ep, size_t max_entries);
 int pd_wait_recv(pd_ep *ep, uint32_t slot, uint32_t target, int64_t timeout_ns);
@@ -88,6 +90,8 @@ int pd_wait_send(pd_ep *ep, uint32_t tag, uint32_t target, int64_t timeout_ns);
 int pd_wait_idle(pd_ep *ep, int64_t timeout_ns);
 int pd_wait_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const int64_t *b, int64_t b_seen,
                    int64_t sleep_ns, int64_t timeout_ns);
+void pd_set_targets(pd_ep *ep, const uint32_t *targets);
+int pd_wait_complete(pd_ep *ep, const int64_t *bell, int64_t bell_seen, int64_t timeout_ns);
 size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max);
 const char *pd_strerror(int err);
 
@@ -126,6 +130,7 @@ SOURCE = r"""
 #define PD_ADDR_STR FI_ADDR_STR
 #define PD_MAX_ERRORS 64
 #define PD_CQ_BATCH 64
+#define PD_MAX_IOV 16
 
 """ + TYPES + r"""
 /* One outstanding local write: the provider hands `ctx` back in the completion, so the tag rides
@@ -150,6 +155,8 @@ struct pd_ep {
     uint32_t *recv_counts;
     uint16_t *recv_gen;
     uint32_t *send_done;
+    const uint32_t *recv_target;  /* per slot: the count that completes it (NULL: not watched) */
+    int completed;                /* a slot reached its target since the last pd_wait_complete */
     uint32_t nslots;
     uint64_t stale;
     uint64_t remote_writes;
@@ -250,9 +257,10 @@ static void pd_count_remote(pd_ep *ep, uint64_t data) {
     uint32_t slot = imm >> 16;
     uint16_t gen = (uint16_t)(imm & 0xffff);
     ep->remote_writes++;
-    if (ep->recv_counts && slot < ep->nslots && ep->recv_gen[slot] == gen)
-        ep->recv_counts[slot]++;
-    else
+    if (ep->recv_counts && slot < ep->nslots && ep->recv_gen[slot] == gen) {
+        uint32_t c = ++ep->recv_counts[slot];
+        if (ep->recv_target && c == ep->recv_target[slot]) ep->completed = 1;
+    } else
         ep->stale++;
 }
 
@@ -546,14 +554,47 @@ void pd_mr_close(pd_mr *m) {
 /* Submit n writes with one call. Each carries `imm` as remote CQ data and a context naming `tag`,
    so the sender counts local completions per tag. On -FI_EAGAIN (queue full) or an empty context
    pool, drain the CQ (that also drives manual progress) and retry, bounded by timeout_ns. */
+/* Writes per operation the provider takes on both sides: local iovs and remote rma iovs. */
+size_t pd_iov_limit(pd_ep *ep) {
+    size_t a = ep->info->tx_attr->iov_limit, b = ep->info->tx_attr->rma_iov_limit;
+    size_t m = a < b ? a : b;
+    if (m > PD_MAX_IOV) m = PD_MAX_IOV;
+    return m ? m : 1;
+}
+
+/* Submit n writes as nops operations: operation j carries the next op_len[j] writes (NULL: one
+   write per operation) as ONE fi_writemsg with an iov per write, one imm and one completion on
+   each side. Grouping several scattered pages into one operation divides the per-operation cost
+   (a command, a CQ entry, a syscall on shm/tcp) by up to the iov limit; the decoder counts
+   operations, so the grouping is the caller's part of the count protocol. */
 int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
                    uint64_t remote_key, uint64_t remote_len, const uint64_t *src,
-                   const uint64_t *dst, const uint64_t *len, size_t n, uint32_t imm,
-                   uint32_t tag, int64_t timeout_ns, size_t *done, char *errbuf, size_t errlen) {
+                   const uint64_t *dst, const uint64_t *len, size_t n, const uint32_t *op_len,
+                   size_t nops, uint32_t imm, uint32_t tag, int64_t timeout_ns, size_t *done,
+                   char *errbuf, size_t errlen) {
     int64_t deadline = 0;
     char *lbase = (char *)(uintptr_t)local->base;
     size_t max_msg = ep->info->ep_attr->max_msg_size;
+    size_t iov_max = pd_iov_limit(ep);
     *done = 0;
+    if (op_len) {
+        size_t sum = 0;
+        for (size_t j = 0; j < nops; j++) {
+            if (op_len[j] < 1 || op_len[j] > iov_max) {
+                snprintf(errbuf, errlen, "write op %zu: %u writes in one operation, the provider "
+                         "takes 1..%zu", j, op_len[j], iov_max);
+                return -FI_EINVAL;
+            }
+            sum += op_len[j];
+        }
+        if (sum != n) {
+            snprintf(errbuf, errlen, "write ops: operations cover %zu writes, the batch has %zu",
+                     sum, n);
+            return -FI_EINVAL;
+        }
+    } else {
+        nops = n;
+    }
     /* Bounds first, all of them, so a bad batch submits nothing (-FI_EINVAL = caller error). */
     for (size_t i = 0; i < n; i++) {
         const char *what = NULL;
@@ -570,8 +611,12 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
             return -FI_EINVAL;
         }
     }
-    for (size_t i = 0; i < n; i++) {
+    size_t i = 0;  /* first write of operation j */
+    for (size_t j = 0; j < nops; j++) {
         unsigned spins = 0, empty = 0;
+        size_t k = op_len ? op_len[j] : 1;
+        uint64_t op_bytes = 0;
+        for (size_t q = 0; q < k; q++) op_bytes += len[i + q];
         for (;;) {
             /* Bytes in flight are capped (one write may always go): the queue is bounded in
                entries, so with big pages the target would otherwise have up to tx_size pages
@@ -579,7 +624,7 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
                of 1 MiB pages: its poll loop blind for ~200 ms, new requests waiting). While
                capped, only our own CQ is polled: no spinning on the peer's queue lock. */
             int capped = ep->max_inflight_bytes && ep->inflight
-                         && ep->inflight_bytes + len[i] > ep->max_inflight_bytes;
+                         && ep->inflight_bytes + op_bytes > ep->max_inflight_bytes;
             if (ep->draining) {
                 if (ep->inflight && ep->inflight_bytes > ep->drain_low) capped = 1;
                 else ep->draining = 0;
@@ -588,14 +633,33 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
             ssize_t ret = -FI_EAGAIN;
             if (c) {
                 c->tag = tag;
-                c->len = len[i];
-                ret = fi_writedata(ep->ep, lbase + src[i], len[i], local->desc, imm,
-                                   (fi_addr_t)peer, remote_base + dst[i], remote_key, &c->fi);
-                if (ret == 0) { ep->inflight++; ep->inflight_bytes += len[i]; break; }
+                c->len = op_bytes;
+                if (k == 1) {
+                    ret = fi_writedata(ep->ep, lbase + src[i], len[i], local->desc, imm,
+                                       (fi_addr_t)peer, remote_base + dst[i], remote_key, &c->fi);
+                } else {
+                    struct iovec iov[PD_MAX_IOV];
+                    void *desc[PD_MAX_IOV];
+                    struct fi_rma_iov rma[PD_MAX_IOV];
+                    for (size_t q = 0; q < k; q++) {
+                        iov[q].iov_base = lbase + src[i + q];
+                        iov[q].iov_len = len[i + q];
+                        desc[q] = local->desc;
+                        rma[q].addr = remote_base + dst[i + q];
+                        rma[q].len = len[i + q];
+                        rma[q].key = remote_key;
+                    }
+                    struct fi_msg_rma msg = {
+                        .msg_iov = iov, .desc = desc, .iov_count = k, .addr = (fi_addr_t)peer,
+                        .rma_iov = rma, .rma_iov_count = k, .context = &c->fi, .data = imm,
+                    };
+                    ret = fi_writemsg(ep->ep, &msg, FI_REMOTE_CQ_DATA | FI_COMPLETION);
+                }
+                if (ret == 0) { ep->inflight++; ep->inflight_bytes += op_bytes; break; }
                 pd_ctx_put(ep, c);
             }
             if (ret != -FI_EAGAIN) {
-                pd_seterr(errbuf, errlen, "fi_writedata", (int)ret);
+                pd_seterr(errbuf, errlen, k == 1 ? "fi_writedata" : "fi_writemsg", (int)ret);
                 *done = i;
                 return (int)ret;
             }
@@ -632,6 +696,7 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
                 }
             }
         }
+        i += k;
     }
     *done = n;
     return 0;
@@ -662,6 +727,28 @@ int pd_wait_send(pd_ep *ep, uint32_t tag, uint32_t target, int64_t timeout_ns) {
 
 int pd_wait_idle(pd_ep *ep, int64_t timeout_ns) {
     PD_WAIT(ep->inflight == 0);
+}
+
+void pd_set_targets(pd_ep *ep, const uint32_t *targets) { ep->recv_target = targets; }
+
+/* The decoder's wait while transfers are being counted: drive progress (on shm this thread
+   does the copies) until some slot's count reaches its target (1), the engine rang *bell (2),
+   or the timeout (0). Returning only then keeps the Python loop out of the copy path: one
+   return per completed request instead of one per short slice. */
+int pd_wait_complete(pd_ep *ep, const int64_t *bell, int64_t bell_seen, int64_t timeout_ns) {
+    const volatile int64_t *vb = bell;
+    ep->completed = 0;
+    int64_t deadline = pd_now_ns() + timeout_ns;
+    unsigned spins = 0, empty = 0;
+    for (;;) {
+        int p = pd_poll(ep, PD_CQ_BATCH);
+        if (p < 0) return p;
+        if (ep->completed) return 1;
+        if (vb && *vb != bell_seen) return 2;
+        if (p == 0) pd_idle(ep, &empty);
+        else empty = 0;
+        if ((p > 0 || (++spins & 63) == 0) && pd_now_ns() > deadline) return 0;
+    }
 }
 
 /* Wait for another thread to write a new value into *a or *b (an engine's per-layer progress

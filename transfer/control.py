@@ -222,7 +222,8 @@ SCHEMAS: dict[str, Check] = {
         "aux_row": _NAT,
         "slices": list_field(_SLICE, 4096),        # what each prefill rank sends this rank
         "aux_rank": _NAT,                          # the prefill rank that sends the aux rows
-        "expected": list_field(_NAT, 1 << 16),     # writes each prefill rank issues to it
+        "expected": list_field(_NAT, 1 << 16),     # operations each prefill rank issues to it
+        "writes_per_op": int_field(1, 64),          # page writes grouped into one operation
         "timeout_s": float_field(0.001, 86400.0),
     }),
     # decode -> prefill: stop writing for this transfer and confirm with ABORTED

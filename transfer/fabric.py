@@ -305,6 +305,8 @@ class Endpoint:
         self.mr_mode: int = int(info.mr_mode)
         self.cq_data_size: int = int(info.cq_data_size)
         self.max_msg_size: int = int(info.max_msg_size)
+        # writes one operation may carry (write_batch `ops`): the provider's iov and rma_iov limit
+        self.iov_limit: int = int(_lib.pd_iov_limit(out[0]))
         self.mr_virt_addr = bool(info.mr_mode & _FI_MR_VIRT_ADDR)
         self.mr_prov_key = bool(info.mr_mode & _FI_MR_PROV_KEY)
         self.mr_local = bool(info.mr_mode & _FI_MR_LOCAL)
@@ -474,10 +476,14 @@ class Endpoint:
         imm: int,
         tag: int,
         *,
+        ops: np.ndarray | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         """Submit len(lengths) writes in one C call: local[src:src+len] -> remote[dst:dst+len],
-        each carrying `imm` as remote CQ data and counted in `send_done[tag]` on completion.
+        each operation carrying `imm` as remote CQ data and counted in `send_done[tag]` on
+        completion. `ops` groups the writes into operations: operation j carries the next
+        `ops[j]` writes (1..`iov_limit`) as one fi_writemsg, so the target counts ONE write for
+        it; None = one operation per write.
 
         Every range is checked (in C, before anything is submitted) -> ValueError naming the
         write. On a full queue, or with `max_inflight_bytes` already in flight, the C loop
@@ -503,15 +509,21 @@ class Endpoint:
         if n == 0:
             return
         fb = _ffi.from_buffer
+        if ops is None:
+            op_arr, nops = _ffi.NULL, n
+        else:
+            op_arr = np.ascontiguousarray(ops, dtype=np.uint32)
+            nops = len(op_arr)
+            op_arr = fb("uint32_t[]", op_arr)
         with self._lock:
             ret = _lib.pd_write_batch(
                 self._live(), peer, local._h, remote.base, remote.key, remote.length,
-                fb("uint64_t[]", src), fb("uint64_t[]", dst), fb("uint64_t[]", ln), n, imm, tag,
-                int(timeout * 1e9), self._done, self._errbuf, _ERRBUF,
+                fb("uint64_t[]", src), fb("uint64_t[]", dst), fb("uint64_t[]", ln), n, op_arr,
+                nops, imm, tag, int(timeout * 1e9), self._done, self._errbuf, _ERRBUF,
             )
             submitted = int(self._done[0])
             msg = _ffi.string(self._errbuf).decode(errors="replace") if ret else ""
-        if ret == -_lib.PD_EINVAL and submitted == 0 and msg.startswith("write "):
+        if ret == -_lib.PD_EINVAL and submitted == 0 and msg.startswith("write"):
             raise ValueError(f"write_batch: {msg}")
         if ret:
             err = FabricError("write_batch", ret, msg, f"peer={peer} tag={tag} imm={imm:#x} "
@@ -590,6 +602,26 @@ class Endpoint:
         if ret < 0:
             _check(ret, "wait_change", self.provider)
         return ret == 1
+
+    def watch_targets(self, targets: np.ndarray) -> None:
+        """Let `wait_complete` return when a slot's count reaches `targets[slot]` (a uint32
+        array of `max_slots` entries that the caller keeps alive and updates when it arms)."""
+        if targets.dtype != np.uint32 or targets.shape != (self.max_slots,) or \
+                not targets.flags.c_contiguous:
+            raise ValueError(f"targets: expected a contiguous uint32 array of {self.max_slots}")
+        self._targets = targets  # keep it alive as long as C may read it
+        with self._lock:
+            _lib.pd_set_targets(self._live(), _ffi.cast("uint32_t *", targets.ctypes.data))
+
+    def wait_complete(self, bell: np.ndarray, bell_seen: int, timeout: float) -> int:
+        """Poll (in C) until a watched slot reaches its target (1), `bell[0]` differs from
+        `bell_seen` (2) or `timeout` seconds pass (0)."""
+        with self._lock:
+            ret = _lib.pd_wait_complete(self._live(), _ffi.cast("int64_t *", bell.ctypes.data),
+                                        bell_seen, int(timeout * 1e9))
+        if ret < 0:
+            _check(ret, "wait_complete", self.provider)
+        return ret
 
     def wait_idle(self, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
         """Poll until no local write is outstanding; False on timeout."""

@@ -173,6 +173,29 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return math.ceil(max(num_tokens - 1, 0) / page_size)
 
 
+def slice_ops(
+    sl: Slice,
+    src: ShardSpec,
+    dst: ShardSpec,
+    *,
+    layout: str,
+    page_size: int,
+    num_pages: int,
+    writes_per_op: int = 1,
+) -> int:
+    """Completions one slice produces per layer buffer for a request of `num_pages` pages.
+
+    Its writes, in page order, go `writes_per_op` to an operation (one fi_writemsg with an iov
+    per write, one CQ entry on each side); operation boundaries sit at multiples of
+    `writes_per_op` from the first write, so the count does not depend on how the prompt was
+    chunked. 1 = one operation per write.
+    """
+    if writes_per_op < 1:
+        raise RouteError(f"writes_per_op must be >= 1, got {writes_per_op}")
+    writes = num_pages * writes_per_page(sl, src, dst, layout, page_size)
+    return -(-writes // writes_per_op)
+
+
 def expected_writes(
     slices: Sequence[Slice],
     src: ShardSpec,
@@ -184,11 +207,16 @@ def expected_writes(
     num_layers: int,
     buffers_per_layer: int = 1,
     aux_writes: int = 0,
+    writes_per_op: int = 1,
 ) -> int:
-    """Writes a decode rank counts before a request is complete.
+    """Completions a decode rank counts before a request is complete.
 
-    pages × layers × layer buffers × Σ_slices(writes per page) + context/metadata copies.
-    `buffers_per_layer` is 1 for a fused K/V page (or MLA's latent), 2 for separate K and V.
+    With one write per operation: pages × layers × layer buffers × Σ_slices(writes per page) +
+    context/metadata copies. `buffers_per_layer` is 1 for a fused K/V page (or MLA's latent),
+    2 for separate K and V. With `writes_per_op` > 1 each slice's writes per layer buffer are
+    grouped (`slice_ops`); context copies stay one operation each.
     """
-    per_page = sum(writes_per_page(s, src, dst, layout, page_size) for s in slices)
-    return num_pages * num_layers * buffers_per_layer * per_page + aux_writes
+    per_buffer = sum(slice_ops(s, src, dst, layout=layout, page_size=page_size,
+                               num_pages=num_pages, writes_per_op=writes_per_op)
+                     for s in slices)
+    return num_layers * buffers_per_layer * per_buffer + aux_writes

@@ -135,12 +135,15 @@ class DecodeConfig(CommonConfig):
     control addresses (`tcp://host:port`, rank 0 first; a prefill instance with DP attention
     gives one group per DP rank, and the engine's `peer` or a hash of the request id picks
     one); `max_inflight` transfer slots (aux rows must be at least this many);
-    `quarantine_grace_s`: see transfer.slots."""
+    `quarantine_grace_s`: see transfer.slots; `writes_per_op`: page writes the prefill groups
+    into one RMA operation (one completion counted here): 0 = as many as the provider takes
+    (its iov limit, 4 on shm and tcp), 1 = one operation per write."""
 
     prefill_endpoints: tuple[tuple[str, ...], ...]
     max_inflight: int = 256
     quarantine_grace_s: float = 5.0
     seed: int | None = None
+    writes_per_op: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -157,6 +160,9 @@ class DecodeConfig(CommonConfig):
         if not isinstance(self.max_inflight, int) or not 0 < self.max_inflight <= 1 << 16:
             raise ValueError(f"max_inflight: expected 1..65536, got {self.max_inflight!r}")
         _positive("quarantine_grace_s", self.quarantine_grace_s)
+        if not isinstance(self.writes_per_op, int) or not 0 <= self.writes_per_op <= 64:
+            raise ValueError(f"writes_per_op: expected 0 (the provider's limit) .. 64, got "
+                             f"{self.writes_per_op!r}")
 
 
 class TransferStatus(StrEnum):
@@ -192,7 +198,7 @@ class PrefillResult:
     rid: str
     ok: bool
     reason: str = ""
-    writes: int = 0
+    writes: int = 0  # RMA operations issued for it (what the decode ranks count)
 
 
 @dataclass

@@ -17,8 +17,10 @@ allocated (non-evictable), the engine calls `submit`; the messenger
    control hop, no race between a request reaching a rank and its routing data. ABORT and PING
    go to every prefill rank directly, because each rank has its own writes in flight;
 4. computes how many writes will land here (routes.expected_writes: pages × layers × buffers ×
-   writes per page summed over its source slices, plus one per aux buffer) and hands the request
-   to the engine (`ready()`) exactly when `recv_counts[slot]` reaches it. No completion message.
+   writes per page summed over its source slices, plus one per aux buffer; the prefill groups
+   up to `writes_per_op` consecutive page writes of a slice into one RMA operation, which lands
+   as one completion, so the count is per operation) and hands the request to the engine
+   (`ready()`) exactly when `recv_counts[slot]` reaches it. No completion message.
 
 Failure handling. A transfer fails on its timeout, on an ABORTED from any prefill rank, on a
 prefill rank silent for `peer_timeout_s` (its lease: this side stops being sure it is alive),
@@ -49,7 +51,7 @@ import zmq
 
 from ..control import Channel, Codec
 from ..layout import AuxSpec, LayoutError, as_buffer, aux_spec
-from ..routes import Slice, expected_writes, pages_for, routes_for, writes_per_page
+from ..routes import Slice, expected_writes, pages_for, routes_for, slice_ops
 from ..slots import SlotTable
 from .common import DecodeConfig, MessengerError, PeerClock, TransferState, TransferStatus, Worker
 
@@ -81,7 +83,7 @@ class DecodeMessenger(Worker):
     The caller keeps every buffer alive until `close()`."""
 
     role = "decode"
-    POLL_SLICE_S = 0.0005
+    POLL_SLICE_S = 0.002
 
     def __init__(self, config: DecodeConfig, kv_buffers: Sequence[Any], layout: str = "HND",
                  aux_buffers: Sequence[Any] = ()) -> None:
@@ -198,6 +200,11 @@ class DecodeMessenger(Worker):
                 "requests": known, "stale_writes": self._stale if slots is not None else 0}
 
     @property
+    def writes_per_op(self) -> int:
+        """Page writes the prefill groups into one counted operation (after start-up)."""
+        return self._writes_per_op
+
+    @property
     def stale_writes(self) -> int:
         """Writes that arrived for a slot generation no longer current (fenced, not counted)."""
         return self._stale
@@ -208,6 +215,8 @@ class DecodeMessenger(Worker):
 
         cfg = self.config
         self._ep = Endpoint(cfg.provider, max_slots=max(cfg.max_inflight, 1))
+        limit = self._ep.iov_limit
+        self._writes_per_op = min(cfg.writes_per_op or limit, limit)
         self._kv_mrs = [self._ep.register(b.addr, b.nbytes) for b in self._kv]
         self._aux_mrs = [self._ep.register(*_addr_len(a)) for a in self._aux_objs]
         self._regions = [m.descriptor().to_dict() for m in self._kv_mrs]
@@ -215,6 +224,7 @@ class DecodeMessenger(Worker):
                              for m, s in zip(self._aux_mrs, self._aux, strict=True)]
         self._slots = SlotTable(cfg.max_inflight, self._ep.recv_counts, self._ep.recv_gen,
                                 cfg.quarantine_grace_s)
+        self._ep.watch_targets(self._slots.expected)
         self._counts = self._ep.recv_counts
         self._stale = 0
         codec = Codec(cfg.secret, self.identity)
@@ -268,11 +278,12 @@ class DecodeMessenger(Worker):
                                                     x.expected, x.slot)
 
     def _step(self) -> bool:
-        slot = self._slots.first_active() if not self.config.busy_sleep_s else -1
-        if slot >= 0:
-            # while writes are due, poll in C for a short slice (the GIL is released, an idle
-            # loop yields the core): the receiver's polling is what moves bytes on tcp/verbs
-            self._ep.wait_recv(slot, int(self._slots.expected[slot]), timeout=self.POLL_SLICE_S)
+        if not self.config.busy_sleep_s and self._slots.first_active() >= 0:
+            # while writes are due, poll in C (the GIL released, an idle loop yields the core)
+            # until a transfer completes, the engine sends a command, or a slice passes (control
+            # messages and timers wait at most that long): the receiver's polling is what moves
+            # bytes on shm (it does the copies), tcp and verbs
+            self._ep.wait_complete(self._cmds.bell, int(self._cmds.bell[0]), self.POLL_SLICE_S)
         else:
             self._ep.poll()
         while self._cmds:
@@ -330,17 +341,18 @@ class DecodeMessenger(Worker):
                                                 f"{cfg.peer_timeout_s:.1f} s)")
             return
         slices = routes_for(src, dst, cfg.rank, self._rng)
-        lay, n = self.layout, len(x.pages)
+        lay, n, k = self.layout, len(x.pages), self._writes_per_op
         per_rank = [0] * src.attn_tp
         for s in slices:
-            per_rank[s.src_rank] += (n * self.num_layers * cfg.buffers_per_layer
-                                     * writes_per_page(s, src, dst, lay.kind, lay.page_size))
+            per_rank[s.src_rank] += self.num_layers * cfg.buffers_per_layer * slice_ops(
+                s, src, dst, layout=lay.kind, page_size=lay.page_size, num_pages=n,
+                writes_per_op=k)
         aux_rank = slices[0].src_rank
         per_rank[aux_rank] += len(self._aux)
         x.expected = expected_writes(slices, src, dst, layout=lay.kind, page_size=lay.page_size,
                                      num_pages=n, num_layers=self.num_layers,
                                      buffers_per_layer=cfg.buffers_per_layer,
-                                     aux_writes=len(self._aux))
+                                     aux_writes=len(self._aux), writes_per_op=k)
         if x.expected != sum(per_rank):  # pragma: no cover - both from routes.py
             raise MessengerError(f"{x.rid}: expected {x.expected} != per-rank sum {per_rank}")
         alloc = self._slots.allocate(x.expected)
@@ -363,7 +375,7 @@ class DecodeMessenger(Worker):
             "fabric_name": self._ep.name,
             "regions": self._regions, "aux_regions": self._aux_regions, "aux_row": x.slot,
             "slices": [_slice_dict(s) for s in slices],
-            "aux_rank": aux_rank, "expected": per_rank,
+            "aux_rank": aux_rank, "expected": per_rank, "writes_per_op": k,
             "timeout_s": max(0.001, cfg.timeout_s - (time.monotonic() - x.submitted)),
         }
         self._set(x, TransferStatus.PENDING)

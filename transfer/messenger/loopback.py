@@ -14,7 +14,9 @@ every transfer to settle, verify pages and aux rows, and report counts.
   * "stall": stop bumping the progress counter until the decoder has failed the transfer, then
     finish the pass (no write may be issued after the abort);
   * "hold": wait until the decoder has counted writes before finishing the pass (layer
-    streaming: completions of layer 0 arrive before the last layer is written).
+    streaming: completions of layer 0 arrive before the last layer is written); the first
+    chunk must complete an operation (`chunk_pages` >= `writes_per_op`, or the whole prompt),
+    since a partial one waits for the layer's next chunk.
 A fault may name another point (the randomized fault suite uses them):
   * "kill@before": SIGKILL on receiving the first request, before binding it;
   * "kill@layer:K" / "stall@layer:K": after layer K of the first pass;
@@ -72,6 +74,7 @@ class Scenario:
     warmup: bool = False                  # one untimed 1-page request first (connections)
     chunk_pages: int = 2
     max_inflight: int = 64                # decoder transfer slots (fewer queue the rest)
+    writes_per_op: int = 0                # DecodeConfig.writes_per_op (0: provider's iov limit)
     split_kv: bool = False                # K and V in separate buffers (buffers_per_layer=2)
     aux_row_bytes: tuple[int, ...] = (48,)
     faults: tuple[tuple[int, str], ...] = ()  # (prefill instance, "kill"|"stall"|"hold")
@@ -290,7 +293,7 @@ def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any]
         for rid in m.done():
             r = m.result(rid)
             results[rid] = {"ok": r.ok, "reason": r.reason, "writes": r.writes}
-        report.update(results=results, writes_issued=m.writes_issued,
+        report.update(results=results, writes_issued=m.writes_issued, ops_issued=m.ops_issued,
                       cpu=_cpu_delta(cpu0 or {}, cpu1) if cpu0 else {})
     finally:
         m.close()
@@ -334,7 +337,8 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
                        prefill_endpoints=endpoints, max_inflight=s.max_inflight,
                        timeout_s=s.timeout_s,
                        heartbeat_s=s.heartbeat_s, peer_timeout_s=s.peer_timeout_s,
-                       busy_sleep_s=s.busy_sleep_s, quarantine_grace_s=2.0)
+                       busy_sleep_s=s.busy_sleep_s, quarantine_grace_s=2.0,
+                       writes_per_op=s.writes_per_op)
     cf = dict(s.control_faults).get("decode")
     if cf:
         os.environ["PDTOOL_CONTROL_FAULTS"] = cf
@@ -400,6 +404,7 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
                 report["requests"][rid] = {"status": st.status.value, "reason": st.reason,
                                            "received": st.received, "expected": st.expected}
         report["stale_writes"] = m.stale_writes
+        report["writes_per_op"] = m.writes_per_op
         if s.track:  # released slots go back on the messenger thread: let it catch up
             end = time.monotonic() + 5
             while time.monotonic() < end and m.stats()["slots_free"] < cfg.max_inflight:

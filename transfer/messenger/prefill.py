@@ -51,7 +51,15 @@ import zmq
 
 from ..control import Channel, Codec
 from ..layout import AuxSpec, KVLayout, LayoutError, as_buffer, aux_spec, write_plan
-from ..routes import RouteError, ShardSpec, Slice, pages_for, routes_for, writes_per_page
+from ..routes import (
+    RouteError,
+    ShardSpec,
+    Slice,
+    pages_for,
+    routes_for,
+    slice_ops,
+    writes_per_page,
+)
 from .common import (
     LAYER_MASK,
     PASS_SHIFT,
@@ -95,13 +103,29 @@ class _Dest:
     regions: list[Any]
     aux_regions: list[Any]
     aux_row: int
-    plans: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]  # src, dst, len, writes/page
+    plans: list[_Plan]
     send_aux: bool
     expected: int
     tag: int
     base: int
-    issued: int = 0
+    per_op: int              # page writes grouped into one operation (the decoder's choice)
+    issued: int = 0          # operations submitted (what the decoder counts)
     errored: int = 0
+
+
+@dataclass
+class _Plan:
+    """One slice's writes for a request, in page order (`per_page` consecutive writes per page),
+    and how many of them each layer has submitted. Operations group `_Dest.per_op` writes from
+    the first one on; a chunk that ends inside a group holds those writes back until the next
+    chunk of that layer (or the prompt's end), so the decoder's count never depends on how the
+    prompt was chunked."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    lengths: np.ndarray
+    per_page: int
+    sent: np.ndarray  # per layer: writes submitted
 
 
 @dataclass
@@ -325,7 +349,8 @@ class PrefillMessenger(Worker):
             OrderedDict()
         self._peers: dict[bytes, int] = {}      # fabric name -> fi_addr
         self._dead_names: set[bytes] = set()
-        self.writes_issued = 0
+        self.writes_issued = 0  # page writes (iov entries)
+        self.ops_issued = 0     # RMA operations: what decoders count
         self.leaked_tags = 0
         self._bell_seen = 0
         self._word_seen = int(self.progress[0])
@@ -489,10 +514,15 @@ class PrefillMessenger(Worker):
             raise ValueError("slices: not the routes for the chosen source ranks")
         if b["aux_rank"] >= src.attn_tp or len(b["expected"]) != src.attn_tp:
             raise ValueError(f"aux_rank/expected: must index the {src.attn_tp} prefill ranks")
+        if b["writes_per_op"] > self._ep.iov_limit:
+            raise ValueError(f"writes_per_op: decode groups {b['writes_per_op']} writes per "
+                             f"operation, this prefill's provider takes at most "
+                             f"{self._ep.iov_limit} (set the decoder's writes_per_op)")
         per = [0] * src.attn_tp
         for s in slices:
-            per[s.src_rank] += n * self.num_layers * cfg.buffers_per_layer * writes_per_page(
-                s, src, dst, lay.kind, lay.page_size)
+            per[s.src_rank] += self.num_layers * cfg.buffers_per_layer * slice_ops(
+                s, src, dst, layout=lay.kind, page_size=lay.page_size, num_pages=n,
+                writes_per_op=b["writes_per_op"])
         per[b["aux_rank"]] += len(self._aux)
         if per != b["expected"]:
             raise ValueError(f"expected: decode counts {b['expected']} writes per prefill "
@@ -566,14 +596,14 @@ class PrefillMessenger(Worker):
         dlay = KVLayout.from_dict(p["layout"])
         dpages = np.frombuffer(p["dst_pages"], dtype=_U32)
         plans, count = [], 0
-        src, dst = cfg.spec, cfg.peer_spec
+        src, dst, per_op = cfg.spec, cfg.peer_spec, p["writes_per_op"]
         for s in slices:
             so, do, ln = write_plan(self.layout, dlay, src_pages, dpages, s)
             k = writes_per_page(s, src, dst, self.layout.kind, self.layout.page_size)
             if len(ln) != k * len(src_pages):
                 raise ValueError(f"write plan of {len(ln)} writes, routes say {k} per page")
-            plans.append((so, do, ln, k))
-            count += len(ln) * self.num_layers * cfg.buffers_per_layer
+            plans.append(_Plan(so, do, ln, k, np.zeros(self.num_layers, dtype=np.int64)))
+            count += -(-len(ln) // per_op) * self.num_layers * cfg.buffers_per_layer
         count += len(self._aux) if send_aux else 0
         if count != p["expected"][me]:
             raise ValueError(f"expected: the decoder counts {p['expected'][me]} writes from "
@@ -589,7 +619,7 @@ class PrefillMessenger(Worker):
                   [RemoteRegion.from_dict(r) for r in p["regions"]],
                   [RemoteRegion.from_dict({k: r[k] for k in ("base", "key", "length")})
                    for r in p["aux_regions"]], p["aux_row"], plans, send_aux,
-                  p["expected"][me], tag, int(self._ep.send_done[tag]))
+                  p["expected"][me], tag, int(self._ep.send_done[tag]), per_op)
         self._tag_owner[tag] = d
         return d
 
@@ -637,44 +667,61 @@ class PrefillMessenger(Worker):
             self._passes.pop(0)
 
     def _send_layer(self, x: _Req, layer: int, lo: int, hi: int) -> None:
+        """Pages [lo, hi) of `layer` are in the cache: submit every whole operation they
+        complete (all of them at the prompt's end), per destination, slice and layer buffer."""
         bpl = self.config.buffers_per_layer
+        final = hi >= x.num_pages
         for d in x.dests:
-            for so, do, ln, k in d.plans:
-                a, b = lo * k, hi * k
+            for pl in d.plans:
+                a, end = int(pl.sent[layer]), hi * pl.per_page
+                b = end if final else a + (end - a) // d.per_op * d.per_op
+                if b <= a:
+                    continue
+                pl.sent[layer] = b
                 for j in range(bpl):
                     buf = layer * bpl + j
-                    self._write(x, d, self._kv_mrs[buf], d.regions[buf], so[a:b], do[a:b],
-                                ln[a:b])
+                    self._write(x, d, self._kv_mrs[buf], d.regions[buf], pl.src[a:b],
+                                pl.dst[a:b], pl.lengths[a:b], d.per_op)
 
     def _write(self, x: _Req, d: _Dest, mr: Any, region: Any, so: np.ndarray, do: np.ndarray,
-               ln: np.ndarray) -> None:
-        """Submit in calls of at most `_BATCH_BYTES`, each bounded in time well under the
-        peers' liveness timeout. Between calls the control socket is served (PINGs answered,
-        REQUESTs assembled, ABORTs seen): one pass can hold GiBs of writes, and new requests
-        must not wait for all of it (their decoders idle meanwhile); an ABORT stops the rest."""
+               ln: np.ndarray, per_op: int = 1) -> None:
+        """Submit in calls of at most `_BATCH_BYTES` (cut at operation boundaries), each
+        bounded in time well under the peers' liveness timeout. Between calls the control
+        socket is served (PINGs answered, REQUESTs assembled, ABORTs seen): one pass can hold
+        GiBs of writes, and new requests must not wait for all of it (their decoders idle
+        meanwhile); an ABORT stops the rest. `per_op` writes go in one operation (the last one
+        of the range may carry fewer)."""
         from ..fabric import FabricError
 
         cuts = [0]
-        if len(ln) > 1 and int(ln.sum()) > _BATCH_BYTES:
+        if len(ln) > per_op and int(ln.sum()) > _BATCH_BYTES:
             csum = np.cumsum(ln, dtype=np.uint64)
             marks = np.arange(_BATCH_BYTES, int(csum[-1]), _BATCH_BYTES, dtype=np.uint64)
-            cuts += sorted({int(i) for i in np.searchsorted(csum, marks, side="right")} - {0})
+            at = np.searchsorted(csum, marks, side="right") // per_op * per_op
+            cuts += sorted({int(i) for i in at} - {0, len(ln)})
         cuts.append(len(ln))
         for a, b in itertools.pairwise(cuts):
             for peer, msg in self._chan.recv():
                 self._on_message(peer, msg)
             if a >= b or x.state != "sending":
                 continue
+            ops = None
+            if per_op > 1:
+                ops = np.full(-(-(b - a) // per_op), per_op, dtype=np.uint32)
+                ops[-1] = b - a - per_op * (len(ops) - 1)
+            n_ops = (b - a) if ops is None else len(ops)
             try:
                 self._ep.write_batch(d.fi_addr, mr, region, so[a:b], do[a:b], ln[a:b], d.imm,
-                                     d.tag, timeout=self.config.peer_timeout_s / 2)
+                                     d.tag, ops=ops, timeout=self.config.peer_timeout_s / 2)
             except FabricError as exc:
-                n = int(getattr(exc, "submitted", 0))
-                d.issued += n
+                n = int(getattr(exc, "submitted", 0))  # writes, always whole operations
+                d.issued += -(-n // per_op)
+                self.ops_issued += -(-n // per_op)
                 self.writes_issued += n
                 self._abort(x, f"write to decode rank {d.dst_rank} failed: {exc}")
                 return
-            d.issued += b - a
+            d.issued += n_ops
+            self.ops_issued += n_ops
             self.writes_issued += b - a
 
     def _send_aux(self, x: _Req) -> None:
