@@ -9,9 +9,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from transfer.layout import KVLayout, LayoutError, as_buffer, aux_spec, write_plan
-from transfer.routes import ShardSpec, all_routes, routes_for, writes_per_page
+from transfer.routes import (
+    ShardSpec,
+    all_routes,
+    routes_for,
+    sendable,
+    slice_ops,
+    writes_per_page,
+)
 
 PAGE, DIM, PAGES = 4, 8, 6
 
@@ -113,3 +122,22 @@ def test_errors_name_the_field():
 def test_aux_spec_rows():
     t = torch.zeros(16, 3, 5, dtype=torch.float16)
     assert aux_spec(t).rows == 16 and aux_spec(t).row_bytes == 30
+
+
+@given(total=st.integers(0, 300), per_op=st.integers(1, 8),
+       chunks=st.lists(st.integers(1, 40), min_size=1, max_size=30))
+def test_grouped_operations_do_not_depend_on_the_chunking(total, per_op, chunks):
+    """Whatever chunks the prompt arrives in, the sender cuts the same operations: all full
+    (per_op writes) but the last, in order, exactly slice_ops(...) of them, all sent at the end."""
+    sl = routes_for(ShardSpec(4, 1, 1), ShardSpec(4, 1, 1), 0)[0]
+    spec = ShardSpec(4, 1, 1)
+    sent, ops, ready = 0, [], 0
+    for c in [*chunks, total]:  # the last chunk always reaches the prompt's end
+        ready = min(total, ready + c)
+        b = sendable(sent, ready, total, per_op)
+        ops += [min(per_op, b - a) for a in range(sent, b, per_op)]
+        sent = b
+    assert sent == total
+    assert sum(ops) == total and all(o == per_op for o in ops[:-1])
+    assert len(ops) == slice_ops(sl, spec, spec, layout="HND", page_size=PAGE, num_pages=total,
+                                 writes_per_op=per_op)

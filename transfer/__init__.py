@@ -20,6 +20,7 @@ _EXPORTS = {
     "ShardSpec": "routes", "Slice": "routes", "RouteError": "routes", "routes_for": "routes",
     "all_routes": "routes", "candidate_sources": "routes", "writes_per_page": "routes",
     "pages_for": "routes", "expected_writes": "routes", "slice_ops": "routes",
+    "sendable": "routes",
     "KVLayout": "layout", "LayoutError": "layout", "AuxSpec": "layout", "write_plan": "layout",
     "Codec": "control", "Channel": "control", "ControlError": "control",
     "read_secret": "control", "write_secret": "control", "generate_secret": "control",

@@ -196,6 +196,16 @@ def slice_ops(
     return -(-writes // writes_per_op)
 
 
+def sendable(sent: int, ready: int, total: int, writes_per_op: int) -> int:
+    """How far a sender may go in a slice's write sequence: writes [sent, ready) are in the
+    cache, `total` make the request. Only whole operations leave before the end (operations
+    start at multiples of `writes_per_op`), so the count the decoder expects (`slice_ops`)
+    holds for any chunking; at the end the last, shorter operation goes too."""
+    if ready >= total:
+        return total
+    return sent + (ready - sent) // writes_per_op * writes_per_op
+
+
 def expected_writes(
     slices: Sequence[Slice],
     src: ShardSpec,

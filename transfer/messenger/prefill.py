@@ -57,6 +57,7 @@ from ..routes import (
     Slice,
     pages_for,
     routes_for,
+    sendable,
     slice_ops,
     writes_per_page,
 )
@@ -670,11 +671,10 @@ class PrefillMessenger(Worker):
         """Pages [lo, hi) of `layer` are in the cache: submit every whole operation they
         complete (all of them at the prompt's end), per destination, slice and layer buffer."""
         bpl = self.config.buffers_per_layer
-        final = hi >= x.num_pages
         for d in x.dests:
             for pl in d.plans:
-                a, end = int(pl.sent[layer]), hi * pl.per_page
-                b = end if final else a + (end - a) // d.per_op * d.per_op
+                a = int(pl.sent[layer])
+                b = sendable(a, hi * pl.per_page, len(pl.lengths), d.per_op)
                 if b <= a:
                     continue
                 pl.sent[layer] = b
