@@ -31,7 +31,7 @@ overrides use Hydra syntax: +recipe=NAME, key=value (prefill.tp=4), group=option
 (cluster=p5en, launcher=slurm), +launcher.env.prefill.NAME=value; with -m, key=a,b,c
 sweeps. Examples:
   pdtool validate +recipe=deepseek-r1
-  pdtool plan +recipe=llama-3.1-70b transfer.layout=NHD --tokens 8192
+  pdtool plan +recipe=llama-3.1-70b decode.tp=8 cluster.nodes=3 --tokens 8192
   pdtool validate -m +recipe=deepseek-r1 decode.instances=1,2,3
 """
 
