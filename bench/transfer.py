@@ -34,13 +34,13 @@ Usage (from the repository root; both sides busy-poll, so keep other load off th
 Targets (issue 4): messenger on shm >= 0.8x copy at 64 KiB and >= 0.95x at 1 MiB; on
 tcp;ofi_rxm >= 2x Mooncake-TCP.
 
-Seen on the 2-core dev box (2026-11-30 13:10 UTC, load average 1.1-1.9 from other jobs; GB/s
-at 64 KiB / 1 MiB, best of 3 rounds): copy 6.0 / 6.9, fabric shm 4.2 / 5.7, fabric tcp 2.4 / 5.2,
-messenger shm 3.6 / 4.7, messenger tcp 2.1 / 3.9, NIXL-UCX 4.6 / 5.8, Mooncake-TCP 1.4 / 1.7.
-Wall clock swings by 30% between runs at this load; CPU s/GiB is steadier: copy 0.18 / 0.16,
-fabric shm target 0.25 / 0.20 (the target does the CMA copy), initiator 0.04-0.2 (it sleeps
-while its queue drains, see transfer.fabric), messenger shm prefill 0.2 / 0.06, decode
-0.26 / 0.23.
+Seen on the 2-core dev box (2026-11-30 15:37 UTC, `--rounds 3`, load average 0.8; GB/s at
+64 KiB / 1 MiB, best of 3 rounds): copy 6.69 / 7.29, fabric shm 5.56 / 6.17, fabric tcp
+4.40 / 4.66, messenger shm 4.35 / 4.74, messenger tcp 3.88 / 4.34, NIXL-UCX 5.24 / 6.29,
+Mooncake-TCP 1.41 / 1.66. Pages go 4 to an RMA operation (the providers' iov limit): before that
+the raw binding on tcp at 64 KiB ran 2.5 GB/s. Wall clock swings by 20-30% between runs on a
+shared box; CPU s/GiB is steadier: copy 0.16 / 0.15, fabric shm target 0.19 / 0.17 (the target
+does the CMA copy), messenger shm decode 0.24 / 0.22, prefill 0.09 / 0.05.
 """
 
 from __future__ import annotations
