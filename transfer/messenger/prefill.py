@@ -526,7 +526,7 @@ class PrefillMessenger(Worker):
                 writes_per_op=b["writes_per_op"])
         per[b["aux_rank"]] += len(self._aux)
         if per != b["expected"]:
-            raise ValueError(f"expected: decode counts {b['expected']} writes per prefill "
+            raise ValueError(f"expected: decode counts {b['expected']} operations per prefill "
                              f"rank, this prefill computes {per}")
 
     def _on_abort(self, peer: bytes, b: dict[str, Any], now: float) -> None:
@@ -607,7 +607,7 @@ class PrefillMessenger(Worker):
             count += -(-len(ln) // per_op) * self.num_layers * cfg.buffers_per_layer
         count += len(self._aux) if send_aux else 0
         if count != p["expected"][me]:
-            raise ValueError(f"expected: the decoder counts {p['expected'][me]} writes from "
+            raise ValueError(f"expected: the decoder counts {p['expected'][me]} operations from "
                              f"rank {me}, this rank would send {count}")
         name = p["fabric_name"]
         if name not in self._peers:
