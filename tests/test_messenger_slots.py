@@ -19,6 +19,7 @@ from transfer.fabric import encode_imm
 from transfer.messenger import (
     DecodeConfig,
     DecodeMessenger,
+    MessengerError,
     PrefillConfig,
     PrefillMessenger,
     TransferStatus,
@@ -264,5 +265,49 @@ def test_late_writes_of_an_old_generation_are_never_counted():
             assert torch.equal(d[[2, 3]].view(torch.int16), p[[4, 5]].view(torch.int16))
     finally:
         rogue.close()
+        dec.close()
+        pre.close()
+
+
+def test_a_stuck_messenger_thread_is_reported_not_waited_on():
+    """When the messenger thread does not come back from a call (seen with libfabric 1.17's shm:
+    a peer killed while holding this endpoint's queue lock), `stats()` shows for how long and
+    the engine's next `submit` is refused with the reason instead of queued forever. The stall
+    is made here by holding the decoder's loop in its step; once it goes round again, requests
+    are accepted and served."""
+    import threading
+
+    pre, dec, _keep = _pair(decode_kw={"peer_timeout_s": 0.3, "heartbeat_s": 0.05})
+    release, entered = threading.Event(), threading.Event()
+    step = dec._step
+
+    def stuck_step():
+        entered.set()
+        release.wait(10)
+        return step()
+
+    try:
+        dec._step = stuck_step
+        assert entered.wait(5)
+        time.sleep(0.8)  # > 2 x peer_timeout_s
+        assert dec.stats()["stalled_s"] > 0.6
+        with pytest.raises(MessengerError, match=r"decode messenger thread stuck for \d"):
+            dec.submit("r1", list(range(9)), [0, 1])
+        dec._step = step
+        release.set()
+        end = time.monotonic() + 5
+        while dec.stats()["stalled_s"] > 0.1 and time.monotonic() < end:
+            time.sleep(0.01)
+        time.sleep(0.5)  # the prefill's PONGs are read again (the stall made it look silent)
+        dec.submit("r1", list(range(9)), [0, 1])
+        (req,) = _pull(pre)
+        pre.bind(req, [4, 5])
+        pre.begin_pass([("r1", 0, 8)])
+        for layer in range(2):
+            pre.layer_done(layer)
+        pre.finish("r1")
+        assert _settle(dec, "r1").status is TransferStatus.SUCCESS
+    finally:
+        release.set()
         dec.close()
         pre.close()

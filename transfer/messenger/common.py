@@ -269,6 +269,7 @@ class Worker:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._fatal = ""
+        self._beat = time.monotonic()  # the messenger loop's last round (see stalled_s)
         self._ctx: zmq.Context | None = None
         self._thread = threading.Thread(target=self._main, name=f"pdtool-{self.role}",
                                          daemon=True)
@@ -304,6 +305,21 @@ class Worker:
             raise MessengerError(f"{self.role} messenger thread died: {self._fatal}")
         if self._stop.is_set():
             raise MessengerError(f"{self.role} messenger is closed")
+        stuck = self.stalled_s()
+        if stuck > 2 * self.config.peer_timeout_s:
+            raise MessengerError(
+                f"{self.role} messenger thread stuck for {stuck:.1f} s in one call (more than "
+                f"2 x peer_timeout_s): the fabric provider does not return (on shm: a peer "
+                f"killed while holding this endpoint's queue lock?)")
+
+    def stalled_s(self) -> float:
+        """Any thread: seconds since the messenger thread last went round its loop. Every wait
+        in the loop is bounded (well under peer_timeout_s), so a large value means it is stuck
+        inside the provider; `submit`/`bind` then refuse with that reason instead of queueing
+        work nobody will do."""
+        if not self._thread.is_alive():
+            return 0.0
+        return max(0.0, time.monotonic() - self._beat)
 
     # -- thread ------------------------------------------------------------------------------
     def _main(self) -> None:
@@ -315,13 +331,14 @@ class Worker:
             self._ready.set()
             self._safe_teardown()
             return
+        self._beat = time.monotonic()
         self._ready.set()
         next_timer = 0.0
         cfg = self.config
         try:
             while not self._stop.is_set():
                 busy = self._step()
-                now = time.monotonic()
+                now = self._beat = time.monotonic()
                 if now >= next_timer:
                     self._timers(now)
                     next_timer = now + self.TIMER_S

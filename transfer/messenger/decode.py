@@ -188,7 +188,7 @@ class DecodeMessenger(Worker):
         self._cmds.append(("release", rid, st.slot if st.status is TransferStatus.SUCCESS
                            else -1))
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         """Any thread: a snapshot for health checks and tests. Idle means every slot is free
         (none quarantined, none counting) and no request is known."""
         slots = getattr(self, "_slots", None)
@@ -197,7 +197,8 @@ class DecodeMessenger(Worker):
         return {"slots_total": self.config.max_inflight,
                 "slots_free": slots.free if slots is not None else 0,
                 "quarantined": len(slots.quarantined) if slots is not None else 0,
-                "requests": known, "stale_writes": self._stale if slots is not None else 0}
+                "requests": known, "stale_writes": self._stale if slots is not None else 0,
+                "stalled_s": round(self.stalled_s(), 3)}
 
     @property
     def writes_per_op(self) -> int:

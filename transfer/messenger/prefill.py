@@ -305,7 +305,7 @@ class PrefillMessenger(Worker):
                 raise ValueError(f"release of {rid!r}: request is not done")
             self._bound.pop(rid, None)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         """Any thread: a snapshot for health checks and tests. Idle means nothing bound or in
         flight, every aux row and fabric tag back (`leaked_tags` were retired for good)."""
         with self._lock:
@@ -314,7 +314,8 @@ class PrefillMessenger(Worker):
                 "assembling": len(getattr(self, "_assembling", ())),
                 "aux_rows_free": aux_free, "tags_free": len(getattr(self, "_tags", ())),
                 "leaked_tags": getattr(self, "leaked_tags", 0),
-                "writes_issued": getattr(self, "writes_issued", 0)}
+                "writes_issued": getattr(self, "writes_issued", 0),
+                "stalled_s": round(self.stalled_s(), 3)}
 
     def abort(self, rid: str, reason: str = "aborted by the prefill engine") -> None:
         """Engine thread: stop sending a bound request; it shows up in `done()` as failed."""
