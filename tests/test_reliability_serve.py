@@ -347,11 +347,14 @@ def test_front_fails_requests_of_a_dead_decode_instance_promptly(tmp_path):
             time.sleep(0.3)
         time.sleep(0.5)
         # and a long prompt straight to decode instance 1: the prefill is still computing it
-        # when that decoder dies, and must stop (free its pages) instead of finishing it
+        # when that decoder dies, and must stop (free its pages) instead of finishing it. Its
+        # writes to the dead decoder are given up 2 x peer_timeout_s (10 s) after the death, so
+        # the prompt must take longer than that to compute (8000 tokens sometimes did not):
+        # 12000 tokens = 3000 of the decoder's 4096 pages, next to the other request's
         _, health = get_json(f"{leaders[2]}/health")
         sock = dealer(zmq.Context.instance(), health["engine"])
         sock.send_multipart(Wire(bytes.fromhex(secret)).pack("GEN", {
-            "rid": "long-prompt", "tokens": [65 + i % 26 for i in range(8000)],
+            "rid": "long-prompt", "tokens": [65 + i % 26 for i in range(12000)],
             "max_tokens": 1}))
         time.sleep(1.0)
         sock.close(0)
