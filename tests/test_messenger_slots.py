@@ -194,17 +194,23 @@ def test_signed_but_broken_requests_do_not_stop_the_prefill():
         # the real decoder is still served
         dec.submit("good", list(range(9)), [2, 3])
         (req,) = _pull(pre)
-        pre.bind(req, [4, 5])
-        pre.begin_pass([("good", 0, 8)])
-        for layer in range(2):
-            pre.layer_done(layer)
-        pre.finish("good")
+        _prefill(pre, req)
         assert _settle(dec, "good").status is TransferStatus.SUCCESS
     finally:
         evil.close()
         ctx.term()
         dec.close()
         pre.close()
+
+
+def _prefill(pre, req, src_pages=(4, 5)):
+    """The prefill engine's part for one 9-token (2-page) request: bind, one pass over both
+    layers, finish."""
+    pre.bind(req, list(src_pages))
+    pre.begin_pass([(req.rid, 0, 8)])
+    for layer in range(2):
+        pre.layer_done(layer)
+    pre.finish(req.rid)
 
 
 def _pull(pre, timeout=10.0):
@@ -253,11 +259,7 @@ def test_late_writes_of_an_old_generation_are_never_counted():
             time.sleep(0.01)
         assert dec.stale_writes == n
         assert dec.status("new").received == 0
-        pre.bind(new, [4, 5])
-        pre.begin_pass([("new", 0, 8)])
-        for layer in range(2):
-            pre.layer_done(layer)
-        pre.finish("new")
+        _prefill(pre, new)
         st = _settle(dec, "new")
         ops = 2 * -(-2 // dec.writes_per_op)  # 2 layers x 2 pages, grouped into operations
         assert st.status is TransferStatus.SUCCESS and st.received == st.expected == ops
@@ -301,11 +303,7 @@ def test_a_stuck_messenger_thread_is_reported_not_waited_on():
         time.sleep(0.5)  # the prefill's PONGs are read again (the stall made it look silent)
         dec.submit("r1", list(range(9)), [0, 1])
         (req,) = _pull(pre)
-        pre.bind(req, [4, 5])
-        pre.begin_pass([("r1", 0, 8)])
-        for layer in range(2):
-            pre.layer_done(layer)
-        pre.finish("r1")
+        _prefill(pre, req)
         assert _settle(dec, "r1").status is TransferStatus.SUCCESS
     finally:
         release.set()
