@@ -251,13 +251,11 @@ class FabricRunner:
         # as many pages per operation as the provider takes (the messenger's default too)
         k = self.ep.iov_limit
         nops = -(-w.n // k)
-        ops = np.full(nops, k, dtype=np.uint32)
-        ops[-1] = w.n - k * (nops - 1)
         self.peer.send("wait", self.SLOT, nops)
         c0 = time.process_time()
         t0 = time.monotonic()
         self.ep.write_batch(self.addr, self.mr, self.remote, src, dst, ln,
-                            self.encode_imm(self.SLOT, gen), self.tag, ops=ops, timeout=WAIT_S)
+                            self.encode_imm(self.SLOT, gen), self.tag, per_op=k, timeout=WAIT_S)
         if not self.ep.wait_send(self.tag, nops, WAIT_S):
             raise TimeoutError("local completions did not arrive")
         t_local = time.monotonic()

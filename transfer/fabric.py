@@ -476,14 +476,14 @@ class Endpoint:
         imm: int,
         tag: int,
         *,
-        ops: np.ndarray | None = None,
+        per_op: int = 1,
         timeout: float = DEFAULT_TIMEOUT_S,
-    ) -> None:
+    ) -> int:
         """Submit len(lengths) writes in one C call: local[src:src+len] -> remote[dst:dst+len],
-        each operation carrying `imm` as remote CQ data and counted in `send_done[tag]` on
-        completion. `ops` groups the writes into operations: operation j carries the next
-        `ops[j]` writes (1..`iov_limit`) as one fi_writemsg, so the target counts ONE write for
-        it; None = one operation per write.
+        `per_op` consecutive writes (1..`iov_limit`; the last operation may carry fewer) to one
+        operation (one fi_writemsg), which carries `imm` as remote CQ data, so the target counts
+        ONE completion for it, and is counted in `send_done[tag]` on completion. Returns the
+        number of operations submitted.
 
         Every range is checked (in C, before anything is submitted) -> ValueError naming the
         write. On a full queue, or with `max_inflight_bytes` already in flight, the C loop
@@ -507,14 +507,17 @@ class Endpoint:
             raise ValueError(f"write_batch: src/dst/lengths differ in length: "
                              f"{len(src)}, {len(dst)}, {n}")
         if n == 0:
-            return
+            return 0
         fb = _ffi.from_buffer
-        if ops is None:
-            op_arr, nops = _ffi.NULL, n
-        else:
-            op_arr = np.ascontiguousarray(ops, dtype=np.uint32)
-            nops = len(op_arr)
-            op_arr = fb("uint32_t[]", op_arr)
+        if not 1 <= per_op <= self.iov_limit:
+            raise ValueError(f"per_op must be in [1, {self.iov_limit}] (the provider's iov "
+                             f"limit), got {per_op}")
+        nops = -(-n // per_op)
+        op_arr: Any = _ffi.NULL
+        if per_op > 1:
+            ops = np.full(nops, per_op, dtype=np.uint32)
+            ops[-1] = n - per_op * (nops - 1)
+            op_arr = fb("uint32_t[]", ops)
         with self._lock:
             ret = _lib.pd_write_batch(
                 self._live(), peer, local._h, remote.base, remote.key, remote.length,
@@ -530,6 +533,7 @@ class Endpoint:
                               f"submitted {submitted}/{n}")
             err.submitted = submitted  # type: ignore[attr-defined]
             raise err
+        return nops
 
     def poll(self, max_entries: int = 1 << 16) -> int:
         """Drain the CQ once (drives manual progress). Returns the entries handled."""

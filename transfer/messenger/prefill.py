@@ -605,7 +605,9 @@ class PrefillMessenger(Worker):
             if len(ln) != k * len(src_pages):
                 raise ValueError(f"write plan of {len(ln)} writes, routes say {k} per page")
             plans.append(_Plan(so, do, ln, k, np.zeros(self.num_layers, dtype=np.int64)))
-            count += -(-len(ln) // per_op) * self.num_layers * cfg.buffers_per_layer
+            count += self.num_layers * cfg.buffers_per_layer * slice_ops(
+                s, src, dst, layout=self.layout.kind, page_size=self.layout.page_size,
+                num_pages=len(src_pages), writes_per_op=per_op)
         count += len(self._aux) if send_aux else 0
         if count != p["expected"][me]:
             raise ValueError(f"expected: the decoder counts {p['expected'][me]} operations from "
@@ -706,14 +708,10 @@ class PrefillMessenger(Worker):
                 self._on_message(peer, msg)
             if a >= b or x.state != "sending":
                 continue
-            ops = None
-            if per_op > 1:
-                ops = np.full(-(-(b - a) // per_op), per_op, dtype=np.uint32)
-                ops[-1] = b - a - per_op * (len(ops) - 1)
-            n_ops = (b - a) if ops is None else len(ops)
             try:
-                self._ep.write_batch(d.fi_addr, mr, region, so[a:b], do[a:b], ln[a:b], d.imm,
-                                     d.tag, ops=ops, timeout=self.config.peer_timeout_s / 2)
+                n_ops = self._ep.write_batch(d.fi_addr, mr, region, so[a:b], do[a:b], ln[a:b],
+                                             d.imm, d.tag, per_op=per_op,
+                                             timeout=self.config.peer_timeout_s / 2)
             except FabricError as exc:
                 n = int(getattr(exc, "submitted", 0))  # writes, always whole operations
                 d.issued += -(-n // per_op)
