@@ -6,12 +6,15 @@ the TP splits the messenger supports, and check the decoder's pages byte for byt
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from transfer.hostmem import host_buffer
 from transfer.layout import KVLayout, LayoutError, as_buffer, aux_spec, write_plan
 from transfer.routes import (
     ShardSpec,
@@ -141,3 +144,31 @@ def test_grouped_operations_do_not_depend_on_the_chunking(total, per_op, chunks)
     assert sum(ops) == total and all(o == per_op for o in ops[:-1])
     assert len(ops) == slice_ops(sl, spec, spec, layout="HND", page_size=PAGE, num_pages=total,
                                  writes_per_op=per_op)
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds `addr` (from /proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def test_host_buffers_are_zeroed_huge_page_advised_and_outlive_their_mapping_object():
+    import gc
+    import os
+
+    t = host_buffer((64, 2, 2, 16, 128), torch.bfloat16)
+    gc.collect()
+    assert t.shape == (64, 2, 2, 16, 128) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert not t.view(torch.uint8).any()
+    t[5, 1, 0, 3] = 2.5
+    assert float(t.float().sum()) == 2.5 * 128
+    if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        assert "hg" in _vm_flags(t.data_ptr())  # MADV_HUGEPAGE
+    assert host_buffer((0, 8), torch.float32).shape == (0, 8)

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from ..hostmem import host_buffer
 from ..routes import ShardSpec, pages_for
 
 SECRET = b"loopback-test-secret-0123456789ab"
@@ -123,11 +124,11 @@ def _local(s: Scenario, full: Any, spec: ShardSpec, rank: int) -> Any:
 
 
 def _split(s: Scenario, t: Any) -> list[Any]:
-    """The layer's buffers: the fused tensor, or its K and V parts as two buffers."""
-    if not s.split_kv:
-        return [t]
+    """The layer's buffers (in huge-page host memory, as an engine's KV cache would be): the
+    fused tensor, or its K and V parts as two buffers."""
     dim = 2 if s.layout == "HND" else 3
-    return [t.narrow(dim, j, 1).contiguous() for j in range(t.shape[dim])]
+    parts = [t.narrow(dim, j, 1) for j in range(t.shape[dim])] if s.split_kv else [t]
+    return [host_buffer(tuple(p.shape), p.dtype).copy_(p) for p in parts]
 
 
 def _requests(s: Scenario) -> list[tuple[str, int, int, int]]:
@@ -329,7 +330,7 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
     heads = dst.heads_per_rank
     shape = ((s.dst_pages, heads, parts, s.page_size, s.head_dim) if s.layout == "HND"
              else (s.dst_pages, s.page_size, heads, parts, s.head_dim))
-    kv = [torch.zeros(shape, dtype=_torch_dtype(s.dtype))
+    kv = [host_buffer(shape, _torch_dtype(s.dtype))
           for _ in range(s.num_layers * (2 if s.split_kv else 1))]
     aux = [torch.zeros((64, rb), dtype=torch.uint8) for rb in s.aux_row_bytes]
     cfg = DecodeConfig(secret=SECRET, spec=dst, peer_spec=src, rank=rank, provider=s.provider,

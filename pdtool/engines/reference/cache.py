@@ -7,7 +7,7 @@ range: the messenger writes it with one RMA write per (page, layer, source shard
 
 from __future__ import annotations
 
-import torch
+from transfer.hostmem import host_buffer
 
 from .model import TinyConfig
 
@@ -52,7 +52,7 @@ class PagedKV:
         self.page_size = page_size
         self.shape = (num_pages, heads_local, cfg.kv_parts, page_size, cfg.cache_dim)
         self.layers = [
-            torch.zeros(self.shape, dtype=cfg.torch_kv_dtype) for _ in range(cfg.num_layers)
+            host_buffer(self.shape, cfg.torch_kv_dtype) for _ in range(cfg.num_layers)
         ]
         self.pages = PageAllocator(num_pages)
 
