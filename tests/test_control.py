@@ -34,7 +34,7 @@ def _request_body(**over):
         "layout": {"kind": "HND", "num_pages": 8, "heads_local": 4, "kv_parts": 2,
                    "page_size": 16, "head_dim": 64, "itemsize": 2},
         "num_layers": 2, "buffers_per_layer": 1, "fabric_name": b"name",
-        "regions": [{"base": 1, "key": 2, "length": 3}] * 2, "aux_regions": [],
+        "regions": [{"base": 1, "key": 2, "length": 3}] * 2, "aux_regions": [], "lanes": [],
         "aux_row": 1, "slices": [{"src_rank": 0, "head_lo": 0, "num_heads": 2, "src_head_off": 0,
                                   "dst_head_off": 0}],
         "aux_rank": 0, "expected": [2, 0], "writes_per_op": 4, "timeout_s": 5.0,

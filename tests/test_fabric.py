@@ -349,6 +349,65 @@ def test_bytes_in_flight_are_capped(provider):
                               src.reshape(n, page))
 
 
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_receive_lanes_count_into_one_slot_table(provider):
+    """A sender spreading operations over two receive lanes (an owner endpoint and a lane
+    counting into the owner's slots from its own C thread): every operation lands once,
+    byte-exact, both lanes carry some, the owner's wait_complete sees a slot the LANE
+    completed, and a stale generation arriving on the lane is fenced there."""
+    cap, page, n, k = 4 * PAGE, PAGE, 48, 2   # 2 pages per lane in flight: lanes alternate
+    nops = n // k
+    with Endpoint(provider, max_inflight_bytes=cap, **ep_kwargs(provider)) as a, \
+            Endpoint(provider, **ep_kwargs(provider)) as owner, \
+            Endpoint(provider, **ep_kwargs(provider)) as lane:
+        src = np.random.default_rng(5).integers(0, 256, n * page, dtype=np.uint8)
+        dst = np.zeros(n * page, dtype=np.uint8)
+        mr_a = a.register_buffer(src)
+        regions = [owner.register_buffer(dst).descriptor(), lane.register_buffer(dst).descriptor()]
+        peers = [a.insert_peer(owner.name), a.insert_peer(lane.name)]
+        lane.share_counts(owner)
+        lane.start_progress()
+        with pytest.raises(ValueError, match="progress thread"):
+            lane.poll()
+        targets = np.zeros(owner.max_slots, dtype=np.uint32)
+        targets[7] = nops
+        owner.watch_targets(targets)
+        owner.arm(7, 3)
+        owner.set_active(True)
+        seen: list[int] = []
+
+        def count() -> None:
+            deadline = time.monotonic() + WAIT_S
+            while int(owner.recv_counts[7]) < nops and time.monotonic() < deadline:
+                seen.append(owner.wait_complete(np.zeros(1, np.int64), 0, 0.05))
+
+        target = threading.Thread(target=count)
+        target.start()
+        order = np.random.default_rng(6).permutation(n).astype(np.uint64)
+        offs = np.arange(n, dtype=np.uint64) * np.uint64(page)
+        assert a.write_batch(peers, mr_a, regions, offs, order * np.uint64(page),
+                             np.full(n, page, np.uint64), encode_imm(7, 3), 2, per_op=k) == nops
+        a.write_batch(peers[1:], mr_a, regions[1:], offs[:3], offs[:3], np.full(3, 64, np.uint64),
+                      encode_imm(7, 2), 3)  # an older generation, on the lane only
+        assert a.wait_send(2, nops, WAIT_S) and a.wait_send(3, 3, WAIT_S)
+        target.join(WAIT_S + 5)
+        deadline = time.monotonic() + WAIT_S
+        while lane.stale_writes < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        owner.set_active(False)
+        lane.stop_progress()
+        assert int(owner.recv_counts[7]) == nops and 1 in seen
+        assert lane.stale_writes == 3 and owner.stale_writes == 0
+        assert owner.remote_writes > 0 and lane.remote_writes - 3 > 0
+        assert owner.remote_writes + lane.remote_writes == nops + 3
+        lane.poll()  # stopped: callable again
+        assert a.errors == [] and owner.errors == [] and lane.errors == []
+        expect = np.zeros((n, page), dtype=np.uint8)
+        expect[order.astype(np.int64)] = src.reshape(n, page)
+        expect[:3, :64] = src.reshape(n, page)[:3, :64]  # the stale writes land all the same
+        assert np.array_equal(dst.reshape(n, page), expect)
+
+
 def test_arm_takes_the_endpoint_lock():
     """arm() re-arms a slot only between two CQ drains: it waits for a poll holding the lock
     (the SGLang backend arms from the scheduler thread while its writer thread polls)."""

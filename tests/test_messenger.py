@@ -35,6 +35,8 @@ def _check(s: Scenario, sources_per_rank: int) -> list[dict]:
     want_writes = want_ops = 0
     for rep in out.decode:
         assert rep["stale_writes"] == 0
+        assert len(rep["lane_writes"]) == (s.lanes or (2 if s.provider == "shm" else 1))
+        assert sum(rep["lane_writes"]) == sum(r["received"] for r in rep["requests"].values())
         k = rep["writes_per_op"]
         assert k == (s.writes_per_op or PROVIDER_IOV_LIMIT)
         for rid, r in rep["requests"].items():
@@ -64,6 +66,20 @@ def test_equal_tp(provider):
     _check(Scenario(provider=provider, num_kv_heads=4, prefill_tp=2, decode_tp=2,
                     prompts=PROMPTS, aux_row_bytes=AUX, busy_sleep_s=0.0,
                     prefill_busy_sleep_s=0.0002), sources_per_rank=1)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_writes_spread_over_receive_lanes(provider):
+    # three receive lanes per decode rank, and so little in flight (one operation per lane)
+    # that the prefill must alternate: every lane carries writes, counted as one transfer
+    out = run(Scenario(provider=provider, num_kv_heads=4, prefill_tp=2, decode_tp=2,
+                       prompts=PROMPTS, aux_row_bytes=AUX, lanes=3, prefill_inflight_bytes=1,
+                       busy_sleep_s=0.0))
+    for rep in out.decode:
+        assert all(r["status"] == "success" and r["bad_layers"] == [] and r["aux_ok"]
+                   for r in rep["requests"].values()), rep["requests"]
+        assert len(rep["lane_writes"]) == 3 and min(rep["lane_writes"]) > 0, rep["lane_writes"]
+        assert sum(rep["lane_writes"]) == sum(r["received"] for r in rep["requests"].values())
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)

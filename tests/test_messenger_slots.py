@@ -176,6 +176,7 @@ def test_signed_but_broken_requests_do_not_stop_the_prefill():
                        "page_size": 4, "head_dim": 8, "itemsize": 2},
             "num_layers": 2, "buffers_per_layer": 1, "fabric_name": b"\xff" * 7,
             "regions": [{"base": 4096, "key": 1, "length": 1 << 20}] * 2, "aux_regions": [],
+            "lanes": [],
             "aux_row": 0, "slices": [{"src_rank": 0, "head_lo": 0, "num_heads": 2,
                                       "src_head_off": 0, "dst_head_off": 0}],
             "aux_rank": 0, "expected": [4], "writes_per_op": 1, "timeout_s": 5.0,

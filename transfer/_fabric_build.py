@@ -77,8 +77,9 @@ int pd_mr_reg(pd_ep *ep, void *addr, size_t len, uint64_t access, int iface, int
 void pd_mr_close(pd_mr *mr);
 void *pd_mr_desc(pd_mr *mr);
 
-int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
-                   uint64_t remote_key, uint64_t remote_len, const uint64_t *src,
+int pd_write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_bases,
+                   const uint64_t *remote_keys, size_t nlanes, pd_mr *local,
+                   uint64_t remote_len, const uint64_t *src,
                    const uint64_t *dst, const uint64_t *len, size_t n, const uint32_t *op_len,
                    size_t nops, uint32_t imm, uint32_t tag, int64_t timeout_ns, size_t *done,
                    char *errbuf, size_t errlen);
@@ -91,6 +92,10 @@ int pd_wait_idle(pd_ep *ep, int64_t timeout_ns);
 int pd_wait_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const int64_t *b, int64_t b_seen,
                    int64_t sleep_ns, int64_t timeout_ns);
 void pd_set_targets(pd_ep *ep, const uint32_t *targets);
+void pd_share_counts(pd_ep *lane, pd_ep *owner);
+void pd_set_active(pd_ep *ep, int on);
+int pd_progress_start(pd_ep *ep, int64_t sleep_ns);
+void pd_progress_stop(pd_ep *ep);
 int pd_wait_complete(pd_ep *ep, const int64_t *bell, int64_t bell_seen, int64_t timeout_ns);
 size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max);
 const char *pd_strerror(int err);
@@ -107,6 +112,7 @@ const char *pd_strerror(int err);
 
 SOURCE = r"""
 #include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -131,6 +137,8 @@ SOURCE = r"""
 #define PD_MAX_ERRORS 64
 #define PD_CQ_BATCH 64
 #define PD_MAX_IOV 16
+#define PD_MAX_PEERS 1024   /* fi_addrs (FI_AV_TABLE: 0, 1, ...) with per-peer bytes in flight */
+#define PD_NO_PEER UINT32_MAX
 
 """ + TYPES + r"""
 /* One outstanding local write: the provider hands `ctx` back in the completion, so the tag rides
@@ -140,6 +148,7 @@ struct pd_ctx {
     uint64_t len;
     uint32_t tag;
     uint32_t next_free;
+    uint32_t peer;           /* fi_addr for per-peer accounting, PD_NO_PEER when untracked */
 };
 
 struct pd_ep {
@@ -156,7 +165,20 @@ struct pd_ep {
     uint16_t *recv_gen;
     uint32_t *send_done;
     const uint32_t *recv_target;  /* per slot: the count that completes it (NULL: not watched) */
-    int completed;                /* a slot reached its target since the last pd_wait_complete */
+    int completed;                /* a slot reached its target (cleared by pd_wait_complete) */
+    /* Receive lanes: an endpoint whose counts live in `owner` (its arrays, targets and
+       `completed`), drained by its own progress thread; counting is atomic for that reason. */
+    struct pd_ep *owner;
+    int active;                   /* owner: transfers are being counted (lanes poll eagerly) */
+    pthread_t thread;
+    int thread_on;
+    int thread_stop;
+    int64_t thread_sleep_ns;
+    pthread_mutex_t err_lock;     /* the error ring is filled by a progress thread */
+    /* sender: bytes in flight per peer, and peers being let drain (several lanes) */
+    uint64_t peer_bytes[PD_MAX_PEERS];
+    uint8_t peer_drain[PD_MAX_PEERS];
+    size_t lane_cursor;
     uint32_t nslots;
     uint64_t stale;
     uint64_t remote_writes;
@@ -206,6 +228,8 @@ static void pd_idle(pd_ep *ep, unsigned *empty) {
     }
 }
 
+void pd_progress_stop(pd_ep *ep);
+
 static void pd_seterr(char *buf, size_t len, const char *call, int ret) {
     if (buf && len)
         snprintf(buf, len, "%s: %s (%d)", call, fi_strerror(ret < 0 ? -ret : ret), ret);
@@ -214,6 +238,7 @@ static void pd_seterr(char *buf, size_t len, const char *call, int ret) {
 const char *pd_strerror(int err) { return fi_strerror(err < 0 ? -err : err); }
 
 static void pd_record_err(pd_ep *ep, uint64_t tag, int err, int prov_errno, const char *msg) {
+    pthread_mutex_lock(&ep->err_lock);
     if (ep->nerr == PD_MAX_ERRORS) {
         memmove(&ep->errs[0], &ep->errs[1], sizeof(ep->errs[0]) * (PD_MAX_ERRORS - 1));
         ep->nerr--;
@@ -224,15 +249,18 @@ static void pd_record_err(pd_ep *ep, uint64_t tag, int err, int prov_errno, cons
     e->err = err;
     e->prov_errno = prov_errno;
     snprintf(e->msg, sizeof(e->msg), "%s", msg ? msg : "");
+    pthread_mutex_unlock(&ep->err_lock);
 }
 
 size_t pd_nerr(pd_ep *ep) { return ep->nerr; }
 
 size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max) {
+    pthread_mutex_lock(&ep->err_lock);
     size_t n = ep->nerr < max ? ep->nerr : max;
     memcpy(out, ep->errs, n * sizeof(*out));
     memmove(&ep->errs[0], &ep->errs[n], (ep->nerr - n) * sizeof(*out));
     ep->nerr -= n;
+    pthread_mutex_unlock(&ep->err_lock);
     return n;
 }
 
@@ -256,21 +284,30 @@ static void pd_count_remote(pd_ep *ep, uint64_t data) {
     uint32_t imm = (uint32_t)data;
     uint32_t slot = imm >> 16;
     uint16_t gen = (uint16_t)(imm & 0xffff);
+    pd_ep *o = ep->owner ? ep->owner : ep;  /* a lane counts into its owner's slots */
     ep->remote_writes++;
-    if (ep->recv_counts && slot < ep->nslots && ep->recv_gen[slot] == gen) {
-        uint32_t c = ++ep->recv_counts[slot];
-        if (ep->recv_target && c == ep->recv_target[slot]) ep->completed = 1;
+    if (o->recv_counts && slot < o->nslots
+        && __atomic_load_n(&o->recv_gen[slot], __ATOMIC_ACQUIRE) == gen) {
+        /* atomic: the owner's thread and its lanes' threads count the same slots */
+        uint32_t c = __atomic_add_fetch(&o->recv_counts[slot], 1, __ATOMIC_ACQ_REL);
+        const uint32_t *t = __atomic_load_n(&o->recv_target, __ATOMIC_ACQUIRE);
+        if (t && c == t[slot]) __atomic_store_n(&o->completed, 1, __ATOMIC_RELEASE);
     } else
         ep->stale++;
+}
+
+static void pd_unaccount(pd_ep *ep, struct pd_ctx *c) {
+    ep->inflight--;
+    ep->inflight_bytes -= c->len;
+    if (c->peer != PD_NO_PEER) ep->peer_bytes[c->peer] -= c->len;
+    pd_ctx_put(ep, c);
 }
 
 static void pd_complete_local(pd_ep *ep, void *op_context) {
     if (!pd_is_our_ctx(ep, op_context)) return;
     struct pd_ctx *c = (struct pd_ctx *)op_context;
     if (ep->send_done && c->tag < ep->nslots) ep->send_done[c->tag]++;
-    ep->inflight--;
-    ep->inflight_bytes -= c->len;
-    pd_ctx_put(ep, c);
+    pd_unaccount(ep, c);
 }
 
 /* Read the error entry behind -FI_EAVAIL; a failed local write still returns its context. */
@@ -288,9 +325,7 @@ static int pd_read_cq_error(pd_ep *ep) {
     if (pd_is_our_ctx(ep, e.op_context)) {
         struct pd_ctx *c = (struct pd_ctx *)e.op_context;
         tag = c->tag;
-        ep->inflight--;
-        ep->inflight_bytes -= c->len;
-        pd_ctx_put(ep, c);
+        pd_unaccount(ep, c);
     } else if (e.flags & FI_REMOTE_CQ_DATA) {
         tag = (uint32_t)e.data;
     }
@@ -354,6 +389,7 @@ static struct fi_info *pd_hints(const char *prov, uint64_t extra_caps) {
 
 void pd_close(pd_ep *ep) {
     if (!ep) return;
+    pd_progress_stop(ep);
     if (ep->ep) fi_close(&ep->ep->fid);
     if (ep->av) fi_close(&ep->av->fid);
     if (ep->cq) fi_close(&ep->cq->fid);
@@ -361,6 +397,7 @@ void pd_close(pd_ep *ep) {
     if (ep->domain) fi_close(&ep->domain->fid);
     if (ep->fabric) fi_close(&ep->fabric->fid);
     if (ep->info) fi_freeinfo(ep->info);
+    pthread_mutex_destroy(&ep->err_lock);
     free(ep->ctx);
     free(ep);
 }
@@ -374,6 +411,7 @@ int pd_open(pd_ep **out, const char *prov, const char *domain, const char *node,
     *out = NULL;
     pd_ep *ep = calloc(1, sizeof(*ep));
     if (!ep) { pd_seterr(errbuf, errlen, "calloc", -FI_ENOMEM); return -FI_ENOMEM; }
+    pthread_mutex_init(&ep->err_lock, NULL);
     struct fi_info *list = NULL, *hints;
     int ret = -FI_ENODATA;
     /* The remote-write counter needs FI_RMA_EVENT, which tcp/efa/verbs lack: ask with it first,
@@ -562,13 +600,42 @@ size_t pd_iov_limit(pd_ep *ep) {
     return m ? m : 1;
 }
 
+/* Pick the lane for an operation of `op_bytes` among several receive lanes of one peer, or -1
+   when every lane is full. A lane is refilled only once it has drained COMPLETELY: on shm the
+   receiver holds its queue lock while it copies what is queued, so a sender posting to a busy
+   lane spins on that lock instead of feeding the idle one. A lane is filled up to `cap` bytes
+   before the next one is used, so each receiver gets long bursts. */
+static int pd_pick_lane(pd_ep *ep, const uint64_t *peers, size_t nlanes, uint64_t op_bytes,
+                        uint64_t cap) {
+    for (size_t t = 0; t < nlanes; t++) {
+        size_t l = (ep->lane_cursor + t) % nlanes;
+        uint64_t p = peers[l];
+        if (p >= PD_MAX_PEERS) return (int)l;  /* untracked: the provider's queue limits */
+        if (ep->peer_drain[p]) {
+            if (ep->peer_bytes[p]) continue;
+            ep->peer_drain[p] = 0;
+        }
+        if (ep->peer_bytes[p] && ep->peer_bytes[p] + op_bytes > cap) {
+            ep->peer_drain[p] = 1;
+            continue;
+        }
+        ep->lane_cursor = l;
+        return (int)l;
+    }
+    return -1;
+}
+
 /* Submit n writes as nops operations: operation j carries the next op_len[j] writes (NULL: one
    write per operation) as ONE fi_writemsg with an iov per write, one imm and one completion on
    each side. Grouping several scattered pages into one operation divides the per-operation cost
    (a command, a CQ entry, a syscall on shm/tcp) by up to the iov limit; the decoder counts
-   operations, so the grouping is the caller's part of the count protocol. */
-int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
-                   uint64_t remote_key, uint64_t remote_len, const uint64_t *src,
+   operations, so the grouping is the caller's part of the count protocol.
+   `nlanes` > 1: the peer has several receive lanes (peers[l], remote_bases[l], remote_keys[l]
+   for the same remote memory); each operation goes to one of them (pd_pick_lane), and with
+   max_inflight_bytes set each lane gets an equal share of it. */
+int pd_write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_bases,
+                   const uint64_t *remote_keys, size_t nlanes, pd_mr *local,
+                   uint64_t remote_len, const uint64_t *src,
                    const uint64_t *dst, const uint64_t *len, size_t n, const uint32_t *op_len,
                    size_t nops, uint32_t imm, uint32_t tag, int64_t timeout_ns, size_t *done,
                    char *errbuf, size_t errlen) {
@@ -576,7 +643,13 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
     char *lbase = (char *)(uintptr_t)local->base;
     size_t max_msg = ep->info->ep_attr->max_msg_size;
     size_t iov_max = pd_iov_limit(ep);
+    uint64_t lane_cap = nlanes > 1 && ep->max_inflight_bytes
+                        ? ep->max_inflight_bytes / nlanes : UINT64_MAX;
     *done = 0;
+    if (nlanes < 1) {
+        snprintf(errbuf, errlen, "write lanes: at least one peer is needed");
+        return -FI_EINVAL;
+    }
     if (op_len) {
         size_t sum = 0;
         for (size_t j = 0; j < nops; j++) {
@@ -618,25 +691,35 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
         uint64_t op_bytes = 0;
         for (size_t q = 0; q < k; q++) op_bytes += len[i + q];
         for (;;) {
-            /* Bytes in flight are capped (one write may always go): the queue is bounded in
-               entries, so with big pages the target would otherwise have up to tx_size pages
-               queued, and shm's target copies everything queued inside ONE fi_cq_read (1 GiB
-               of 1 MiB pages: its poll loop blind for ~200 ms, new requests waiting). While
-               capped, only our own CQ is polled: no spinning on the peer's queue lock. */
-            int capped = ep->max_inflight_bytes && ep->inflight
+            int lane = 0, capped;
+            if (nlanes > 1) {
+                lane = pd_pick_lane(ep, peers, nlanes, op_bytes, lane_cap);
+                capped = lane < 0;
+            } else {
+                /* Bytes in flight are capped (one write may always go): the queue is bounded
+                   in entries, so with big pages the target would otherwise have up to tx_size
+                   pages queued, and shm's target copies everything queued inside ONE
+                   fi_cq_read (1 GiB of 1 MiB pages: its poll loop blind for ~200 ms, new
+                   requests waiting). While capped, only our own CQ is polled: no spinning on
+                   the peer's queue lock. */
+                capped = ep->max_inflight_bytes && ep->inflight
                          && ep->inflight_bytes + op_bytes > ep->max_inflight_bytes;
-            if (ep->draining) {
-                if (ep->inflight && ep->inflight_bytes > ep->drain_low) capped = 1;
-                else ep->draining = 0;
+                if (ep->draining) {
+                    if (ep->inflight && ep->inflight_bytes > ep->drain_low) capped = 1;
+                    else ep->draining = 0;
+                }
             }
             struct pd_ctx *c = capped ? NULL : pd_ctx_get(ep);
             ssize_t ret = -FI_EAGAIN;
+            uint64_t peer = peers[lane < 0 ? 0 : lane];
             if (c) {
                 c->tag = tag;
                 c->len = op_bytes;
+                c->peer = peer < PD_MAX_PEERS ? (uint32_t)peer : PD_NO_PEER;
+                uint64_t rbase = remote_bases[lane], rkey = remote_keys[lane];
                 if (k == 1) {
                     ret = fi_writedata(ep->ep, lbase + src[i], len[i], local->desc, imm,
-                                       (fi_addr_t)peer, remote_base + dst[i], remote_key, &c->fi);
+                                       (fi_addr_t)peer, rbase + dst[i], rkey, &c->fi);
                 } else {
                     struct iovec iov[PD_MAX_IOV];
                     void *desc[PD_MAX_IOV];
@@ -645,9 +728,9 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
                         iov[q].iov_base = lbase + src[i + q];
                         iov[q].iov_len = len[i + q];
                         desc[q] = local->desc;
-                        rma[q].addr = remote_base + dst[i + q];
+                        rma[q].addr = rbase + dst[i + q];
                         rma[q].len = len[i + q];
-                        rma[q].key = remote_key;
+                        rma[q].key = rkey;
                     }
                     struct fi_msg_rma msg = {
                         .msg_iov = iov, .desc = desc, .iov_count = k, .addr = (fi_addr_t)peer,
@@ -655,8 +738,15 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
                     };
                     ret = fi_writemsg(ep->ep, &msg, FI_REMOTE_CQ_DATA | FI_COMPLETION);
                 }
-                if (ret == 0) { ep->inflight++; ep->inflight_bytes += op_bytes; break; }
+                if (ret == 0) {
+                    ep->inflight++;
+                    ep->inflight_bytes += op_bytes;
+                    if (c->peer != PD_NO_PEER) ep->peer_bytes[c->peer] += op_bytes;
+                    break;
+                }
                 pd_ctx_put(ep, c);
+                if (ret == -FI_EAGAIN && nlanes > 1 && peer < PD_MAX_PEERS)
+                    ep->peer_drain[peer] = 1;  /* its queue is full: let it drain */
             }
             if (ret != -FI_EAGAIN) {
                 pd_seterr(errbuf, errlen, k == 1 ? "fi_writedata" : "fi_writemsg", (int)ret);
@@ -668,7 +758,7 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
                does the copy and holds its queue lock while copying, so a sender that posts one
                write per completion spins on that lock (a whole core, measured with perf) that
                the target needs on a small box; the half-full queue keeps the target busy. */
-            if (ep->drain_sleep_ns && ep->inflight && !ep->draining) {
+            if (nlanes == 1 && ep->drain_sleep_ns && ep->inflight && !ep->draining) {
                 ep->draining = 1;
                 ep->drain_low = ep->inflight_bytes / 2;
             }
@@ -678,7 +768,8 @@ int pd_write_batch(pd_ep *ep, uint64_t peer, pd_mr *local, uint64_t remote_base,
                 *done = i;
                 return p;
             }
-            if (ep->draining) {
+            /* every lane full: sleep like a draining single lane */
+            if ((nlanes > 1 ? capped : ep->draining) && ep->drain_sleep_ns) {
                 struct timespec ts = { 0, (long)ep->drain_sleep_ns };
                 nanosleep(&ts, NULL);
             } else if (p == 0) {
@@ -729,7 +820,61 @@ int pd_wait_idle(pd_ep *ep, int64_t timeout_ns) {
     PD_WAIT(ep->inflight == 0);
 }
 
-void pd_set_targets(pd_ep *ep, const uint32_t *targets) { ep->recv_target = targets; }
+void pd_set_targets(pd_ep *ep, const uint32_t *targets) {
+    __atomic_store_n(&ep->recv_target, targets, __ATOMIC_RELEASE);
+}
+
+/* Make `lane` count into `owner`'s slots (before its progress thread starts). */
+void pd_share_counts(pd_ep *lane, pd_ep *owner) { lane->owner = owner; }
+
+/* Owner: whether transfers are being counted. Its lanes' threads poll eagerly while on, and
+   sleep `thread_sleep_ns` x 50 per empty poll while off (1 ms by default: an idle decoder
+   costs no core, and a new transfer waits at most that long for its first copy). */
+void pd_set_active(pd_ep *ep, int on) { __atomic_store_n(&ep->active, on, __ATOMIC_RELEASE); }
+
+static void *pd_progress_main(void *arg) {
+    pd_ep *ep = arg;
+    pd_ep *o = ep->owner ? ep->owner : ep;
+    unsigned empty = 0;
+    while (!__atomic_load_n(&ep->thread_stop, __ATOMIC_ACQUIRE)) {
+        int p = pd_poll(ep, PD_CQ_BATCH);
+        if (p < 0) {
+            pd_record_err(ep, UINT64_MAX, -p, 0, "progress thread: fi_cq_read failed");
+            struct timespec ts = { 0, 1000000 };
+            nanosleep(&ts, NULL);
+            continue;
+        }
+        if (p > 0) { empty = 0; continue; }
+        if (++empty <= ep->idle_spins && __atomic_load_n(&o->active, __ATOMIC_ACQUIRE)) {
+            sched_yield();
+            continue;
+        }
+        int64_t ns = ep->thread_sleep_ns * (__atomic_load_n(&o->active, __ATOMIC_ACQUIRE) ? 1 : 50);
+        struct timespec ts = { ns / 1000000000LL, (long)(ns % 1000000000LL) };
+        nanosleep(&ts, NULL);
+    }
+    return NULL;
+}
+
+/* Drive this endpoint's progress (and so, on shm, its copies) from a thread of its own until
+   pd_progress_stop. While it runs nobody else may call into the endpoint. */
+int pd_progress_start(pd_ep *ep, int64_t sleep_ns) {
+    if (ep->thread_on) return -FI_EBUSY;
+    ep->thread_sleep_ns = sleep_ns > 0 ? sleep_ns : 1;
+    ep->thread_stop = 0;
+    int r = pthread_create(&ep->thread, NULL, pd_progress_main, ep);
+    if (r) return -r;
+    pthread_setname_np(ep->thread, "pdtool-lane");  /* shows in top -H, perf, /proc */
+    ep->thread_on = 1;
+    return 0;
+}
+
+void pd_progress_stop(pd_ep *ep) {
+    if (!ep->thread_on) return;
+    __atomic_store_n(&ep->thread_stop, 1, __ATOMIC_RELEASE);
+    pthread_join(ep->thread, NULL);
+    ep->thread_on = 0;
+}
 
 /* The decoder's wait while transfers are being counted: drive progress (on shm this thread
    does the copies) until some slot's count reaches its target (1), the engine rang *bell (2),
@@ -737,13 +882,14 @@ void pd_set_targets(pd_ep *ep, const uint32_t *targets) { ep->recv_target = targ
    return per completed request instead of one per short slice. */
 int pd_wait_complete(pd_ep *ep, const int64_t *bell, int64_t bell_seen, int64_t timeout_ns) {
     const volatile int64_t *vb = bell;
-    ep->completed = 0;
     int64_t deadline = pd_now_ns() + timeout_ns;
     unsigned spins = 0, empty = 0;
     for (;;) {
         int p = pd_poll(ep, PD_CQ_BATCH);
         if (p < 0) return p;
-        if (ep->completed) return 1;
+        /* consumed, not reset on entry: a lane thread may complete a slot at any moment, and
+           a flag set just before this call must not be lost (a spare return is harmless) */
+        if (__atomic_exchange_n(&ep->completed, 0, __ATOMIC_ACQ_REL)) return 1;
         if (vb && *vb != bell_seen) return 2;
         if (p == 0) pd_idle(ep, &empty);
         else empty = 0;
@@ -830,7 +976,8 @@ ffibuilder.set_source(
     include_dirs=[d for d in _inc if d != "/usr/include"],
     library_dirs=_library_dirs(),
     runtime_library_dirs=_library_dirs(),
-    extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],
+    extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function", "-pthread"],
+    extra_link_args=["-pthread"],
 )
 
 if __name__ == "__main__":

@@ -219,6 +219,10 @@ SCHEMAS: dict[str, Check] = {
         "fabric_name": bytes_field(1024, min_len=1),
         "regions": list_field(_REGION, 8192),
         "aux_regions": list_field(_AUX_REGION, 64),
+        # extra receive lanes of this decode rank (the same KV buffers registered on each;
+        # KV writes may go to any of them, aux copies go to `fabric_name`)
+        "lanes": list_field(map_field({"fabric_name": bytes_field(1024, min_len=1),
+                                       "regions": list_field(_REGION, 8192)}), 7),
         "aux_row": _NAT,
         "slices": list_field(_SLICE, 4096),        # what each prefill rank sends this rank
         "aux_rank": _NAT,                          # the prefill rank that sends the aux rows

@@ -28,6 +28,7 @@ import contextlib
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,6 +272,8 @@ class Endpoint:
         self._h: Any = None
         self._next_key = 1
         self._peers: set[int] = set()
+        self._progress = False
+        self._owner: Endpoint | None = None
         info = _ffi.new("struct pd_info *")
         out = _ffi.new("pd_ep **")
         err = _ffi.new("char[]", _ERRBUF)
@@ -344,12 +347,20 @@ class Endpoint:
             raise ValueError("endpoint is closed")
         return self._h
 
+    def _calls(self) -> Any:
+        """The handle, for calls into the provider: refused while a progress thread owns it."""
+        if self._progress:
+            raise ValueError("endpoint is driven by its progress thread (start_progress); "
+                             "stop_progress first")
+        return self._live()
+
     @property
     def closed(self) -> bool:
         return self._h is None
 
     def close(self) -> None:
         """Close MRs, endpoint, AV, CQ, domain, fabric (in that order). Idempotent."""
+        self.stop_progress()
         for mr in list(self._mrs):
             mr.close()
         with self._lock:
@@ -388,7 +399,7 @@ class Endpoint:
         key = _ffi.new("uint64_t *")
         err = _ffi.new("char[]", _ERRBUF)
         with self._lock:
-            h = self._live()
+            h = self._calls()
             requested = self._next_key
             self._next_key += 1
             ret = _lib.pd_mr_reg(h, _ffi.cast("void *", addr), length, access,
@@ -449,7 +460,7 @@ class Endpoint:
         out = _ffi.new("uint64_t *")
         buf = _ffi.new("char[]", bytes(name))
         with self._lock:
-            ret = _lib.pd_av_insert(self._live(), buf, out)
+            ret = _lib.pd_av_insert(self._calls(), buf, out)
         _check(ret, "fi_av_insert", f"name={bytes(name)!r}")
         self._peers.add(int(out[0]))
         return int(out[0])
@@ -461,15 +472,15 @@ class Endpoint:
             raise ValueError(f"remove_peer: {fi_addr} is not a peer of this endpoint")
         self._peers.discard(fi_addr)
         with self._lock:
-            ret = _lib.pd_av_remove(self._live(), fi_addr)
+            ret = _lib.pd_av_remove(self._calls(), fi_addr)
         _check(ret, "fi_av_remove", f"fi_addr={fi_addr}")
 
     # ----------------------------------------------------------------- data path
     def write_batch(
         self,
-        peer: int,
+        peer: int | Sequence[int],
         local: MemoryRegion,
-        remote: RemoteRegion,
+        remote: RemoteRegion | Sequence[RemoteRegion],
         src_offsets: np.ndarray,
         dst_offsets: np.ndarray,
         lengths: np.ndarray,
@@ -485,6 +496,10 @@ class Endpoint:
         ONE completion for it, and is counted in `send_done[tag]` on completion. Returns the
         number of operations submitted.
 
+        Receive lanes: `peer` and `remote` may be equally long sequences, the same remote
+        memory registered on each of the peer's lane endpoints (see `start_progress`); each
+        operation then goes to one lane, a lane refilled only once it drained.
+
         Every range is checked (in C, before anything is submitted) -> ValueError naming the
         write. On a full queue, or with `max_inflight_bytes` already in flight, the C loop
         drains the CQ and retries until `timeout` seconds pass -> FabricError. A FabricError
@@ -493,8 +508,14 @@ class Endpoint:
         """
         if local._ep is not self or local._h is None:
             raise ValueError("write_batch: local MemoryRegion is closed or from another endpoint")
-        if peer not in self._peers:  # libfabric would dereference a bad fi_addr and crash
-            raise ValueError(f"write_batch: peer {peer} was not returned by insert_peer")
+        peers = [peer] if isinstance(peer, int) else list(peer)
+        remotes = [remote] if isinstance(remote, RemoteRegion) else list(remote)
+        if not peers or len(peers) != len(remotes):
+            raise ValueError(f"write_batch: {len(peers)} peer lanes and {len(remotes)} remote "
+                             f"regions; give one region per lane")
+        for p in peers:  # libfabric would dereference a bad fi_addr and crash
+            if p not in self._peers:
+                raise ValueError(f"write_batch: peer {p} was not returned by insert_peer")
         if not 0 <= imm < 1 << 32:
             raise ValueError(f"imm must fit 32 bits, got {imm}")
         if not 0 <= tag < self.max_slots:
@@ -518,9 +539,14 @@ class Endpoint:
             ops = np.full(nops, per_op, dtype=np.uint32)
             ops[-1] = n - per_op * (nops - 1)
             op_arr = fb("uint32_t[]", ops)
+        lanes = np.array([(p, r.base, r.key) for p, r in zip(peers, remotes, strict=True)],
+                         dtype=np.uint64)
+        remote_len = min(r.length for r in remotes)
         with self._lock:
             ret = _lib.pd_write_batch(
-                self._live(), peer, local._h, remote.base, remote.key, remote.length,
+                self._calls(), fb("uint64_t[]", lanes[:, 0].copy()),
+                fb("uint64_t[]", lanes[:, 1].copy()), fb("uint64_t[]", lanes[:, 2].copy()),
+                len(peers), local._h, remote_len,
                 fb("uint64_t[]", src), fb("uint64_t[]", dst), fb("uint64_t[]", ln), n, op_arr,
                 nops, imm, tag, int(timeout * 1e9), self._done, self._errbuf, _ERRBUF,
             )
@@ -529,7 +555,7 @@ class Endpoint:
         if ret == -_lib.PD_EINVAL and submitted == 0 and msg.startswith("write"):
             raise ValueError(f"write_batch: {msg}")
         if ret:
-            err = FabricError("write_batch", ret, msg, f"peer={peer} tag={tag} imm={imm:#x} "
+            err = FabricError("write_batch", ret, msg, f"peer={peers} tag={tag} imm={imm:#x} "
                               f"submitted {submitted}/{n}")
             err.submitted = submitted  # type: ignore[attr-defined]
             raise err
@@ -538,14 +564,14 @@ class Endpoint:
     def poll(self, max_entries: int = 1 << 16) -> int:
         """Drain the CQ once (drives manual progress). Returns the entries handled."""
         with self._lock:
-            ret = _lib.pd_poll(self._live(), max_entries)
+            ret = _lib.pd_poll(self._calls(), max_entries)
         if ret < 0:
             _check(ret, "fi_cq_read", self.provider)
         return ret
 
     def _wait(self, fn: Any, args: tuple, timeout: float, what: str) -> bool:
         with self._lock:
-            ret = fn(self._live(), *args, int(timeout * 1e9))
+            ret = fn(self._calls(), *args, int(timeout * 1e9))
         if ret == -_lib.PD_ETIMEDOUT:
             return False
         if ret:
@@ -601,7 +627,7 @@ class Endpoint:
         pa = _ffi.cast("int64_t *", a.ctypes.data)
         pb = _ffi.cast("int64_t *", b.ctypes.data) if b is not None else _ffi.NULL
         with self._lock:
-            ret = _lib.pd_wait_change(self._live(), pa, a_seen, pb, b_seen,
+            ret = _lib.pd_wait_change(self._calls(), pa, a_seen, pb, b_seen,
                                       int(sleep_s * 1e9), int(timeout * 1e9))
         if ret < 0:
             _check(ret, "wait_change", self.provider)
@@ -617,11 +643,54 @@ class Endpoint:
         with self._lock:
             _lib.pd_set_targets(self._live(), _ffi.cast("uint32_t *", targets.ctypes.data))
 
+    # ----------------------------------------------------------------- receive lanes
+    def share_counts(self, owner: Endpoint) -> None:
+        """Make this endpoint a receive lane of `owner`: CQ data arriving here is counted in
+        `owner`'s slots (`recv_counts`, its watched targets, `wait_complete`), atomically,
+        so several lanes and the owner can count the same transfer from different threads.
+        Why lanes: on shm the RECEIVER performs every copy (process_vm_readv inside its CQ
+        poll), so one receiving thread caps a decoder at one core's copy speed; a sender that
+        spreads operations over lanes (`write_batch` with several peers) gets one copying
+        thread per lane."""
+        if owner is self or owner._owner is not None:
+            raise ValueError("share_counts: the owner must be another, non-lane endpoint")
+        if owner.max_slots != self.max_slots:
+            raise ValueError(f"share_counts: owner has {owner.max_slots} slots, this endpoint "
+                             f"{self.max_slots}")
+        with self._lock:
+            _lib.pd_share_counts(self._calls(), owner._live())
+        self._owner = owner  # keeps the owner's arrays alive while C may count into them
+
+    def start_progress(self, sleep_s: float = 20e-6) -> None:
+        """Drain this endpoint's CQ (and so, on shm, perform its copies) from a C thread of its
+        own until `stop_progress`/`close`. Register memory and insert peers BEFORE: while the
+        thread runs, calls into the provider are refused (the endpoint is single-threaded).
+        When a poll finds nothing the thread yields, then sleeps `sleep_s` per poll while
+        the owner's transfers are active (`set_active`) and 50x that while not."""
+        if not 0 < sleep_s < 0.05:
+            raise ValueError(f"sleep_s must be in (0, 0.05) seconds, got {sleep_s!r}")
+        with self._lock:
+            ret = _lib.pd_progress_start(self._calls(), int(sleep_s * 1e9))
+        _check(ret, "start progress thread", self.provider)
+        self._progress = True
+
+    def stop_progress(self) -> None:
+        """Stop the progress thread (idempotent); the endpoint is callable again."""
+        if self._progress and self._h is not None:
+            with self._lock:
+                _lib.pd_progress_stop(self._h)
+        self._progress = False
+
+    def set_active(self, on: bool) -> None:
+        """Owner: say whether transfers are being counted, so its lanes poll eagerly (on) or
+        sleep between polls (off, an idle decoder costs no core)."""
+        _lib.pd_set_active(self._live(), int(on))
+
     def wait_complete(self, bell: np.ndarray, bell_seen: int, timeout: float) -> int:
         """Poll (in C) until a watched slot reaches its target (1), `bell[0]` differs from
         `bell_seen` (2) or `timeout` seconds pass (0)."""
         with self._lock:
-            ret = _lib.pd_wait_complete(self._live(), _ffi.cast("int64_t *", bell.ctypes.data),
+            ret = _lib.pd_wait_complete(self._calls(), _ffi.cast("int64_t *", bell.ctypes.data),
                                         bell_seen, int(timeout * 1e9))
         if ret < 0:
             _check(ret, "wait_complete", self.provider)

@@ -114,12 +114,15 @@ class CommonConfig:
 class PrefillConfig(CommonConfig):
     """Prefill side: where its control socket listens (a configured interface, never every
     interface unless `allow_any_interface`), and how many requests may be bound at once
-    (`max_requests`: each needs one fabric tag per destination rank)."""
+    (`max_requests`: each needs one fabric tag per destination rank). `inflight_bytes`: bytes
+    of writes in flight at once (split evenly over a decoder's receive lanes); on shm it bounds
+    how long one poll of the receiver copies before it looks at its control work again."""
 
     bind_host: str = "127.0.0.1"
     port: int = 0
     allow_any_interface: bool = False
     max_requests: int = 4096
+    inflight_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -127,6 +130,9 @@ class PrefillConfig(CommonConfig):
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port: expected 0..65535, got {self.port!r}")
         _positive("max_requests", self.max_requests)
+        if not isinstance(self.inflight_bytes, int) or self.inflight_bytes < 1:
+            raise ValueError(f"inflight_bytes: expected a positive int, got "
+                             f"{self.inflight_bytes!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,13 +143,17 @@ class DecodeConfig(CommonConfig):
     one); `max_inflight` transfer slots (aux rows must be at least this many);
     `quarantine_grace_s`: see transfer.slots; `writes_per_op`: page writes the prefill groups
     into one RMA operation (one completion counted here): 0 = as many as the provider takes
-    (its iov limit, 4 on shm and tcp), 1 = one operation per write."""
+    (its iov limit, 4 on shm and tcp), 1 = one operation per write; `lanes`: receive
+    endpoints, each drained by a thread of its own, that the prefill spreads KV writes over:
+    0 = 2 on shm (where the receiver performs every copy, so one thread caps the decoder at one
+    core's copy speed) and 1 elsewhere (the NIC or the sender moves the bytes)."""
 
     prefill_endpoints: tuple[tuple[str, ...], ...]
     max_inflight: int = 256
     quarantine_grace_s: float = 5.0
     seed: int | None = None
     writes_per_op: int = 0
+    lanes: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -163,6 +173,13 @@ class DecodeConfig(CommonConfig):
         if not isinstance(self.writes_per_op, int) or not 0 <= self.writes_per_op <= 64:
             raise ValueError(f"writes_per_op: expected 0 (the provider's limit) .. 64, got "
                              f"{self.writes_per_op!r}")
+        if not isinstance(self.lanes, int) or not 0 <= self.lanes <= 8:
+            raise ValueError(f"lanes: expected 0 (2 on shm, else 1) .. 8, got {self.lanes!r}")
+
+    @property
+    def receive_lanes(self) -> int:
+        """The number of receive endpoints `lanes` resolves to for this provider."""
+        return self.lanes or (2 if self.provider == "shm" else 1)
 
 
 class TransferStatus(StrEnum):

@@ -198,12 +198,18 @@ class DecodeMessenger(Worker):
                 "slots_free": slots.free if slots is not None else 0,
                 "quarantined": len(slots.quarantined) if slots is not None else 0,
                 "requests": known, "stale_writes": self._stale if slots is not None else 0,
-                "stalled_s": round(self.stalled_s(), 3)}
+                "stalled_s": round(self.stalled_s(), 3), "lanes": len(self.lane_writes)}
 
     @property
     def writes_per_op(self) -> int:
         """Page writes the prefill groups into one counted operation (after start-up)."""
         return self._writes_per_op
+
+    @property
+    def lane_writes(self) -> list[int]:
+        """Completions that arrived on each receive lane (the main endpoint first)."""
+        eps = [getattr(self, "_ep", None), *getattr(self, "_lanes", [])]
+        return [ep.remote_writes for ep in eps if ep is not None and not ep.closed]
 
     @property
     def stale_writes(self) -> int:
@@ -219,6 +225,18 @@ class DecodeMessenger(Worker):
         limit = self._ep.iov_limit
         self._writes_per_op = min(cfg.writes_per_op or limit, limit)
         self._kv_mrs = [self._ep.register(b.addr, b.nbytes) for b in self._kv]
+        # extra receive lanes: the same KV buffers, counted into this endpoint's slots, each
+        # drained (on shm: copied) by a C thread of its own
+        self._lanes: list[Any] = []
+        self._lane_info: list[dict[str, Any]] = []
+        for _ in range(cfg.receive_lanes - 1):
+            lane = Endpoint(cfg.provider, max_slots=max(cfg.max_inflight, 1))
+            self._lanes.append(lane)
+            mrs = [lane.register(b.addr, b.nbytes) for b in self._kv]
+            lane.share_counts(self._ep)
+            lane.start_progress()
+            self._lane_info.append({"fabric_name": lane.name,
+                                    "regions": [m.descriptor().to_dict() for m in mrs]})
         self._aux_mrs = [self._ep.register(*_addr_len(a)) for a in self._aux_objs]
         self._regions = [m.descriptor().to_dict() for m in self._kv_mrs]
         self._aux_regions = [{**m.descriptor().to_dict(), "row_bytes": s.row_bytes}
@@ -227,6 +245,7 @@ class DecodeMessenger(Worker):
                                 cfg.quarantine_grace_s)
         self._ep.watch_targets(self._slots.expected)
         self._counts = self._ep.recv_counts
+        self._lanes_active = False
         self._stale = 0
         codec = Codec(cfg.secret, self.identity)
         assert self._ctx is not None
@@ -251,6 +270,8 @@ class DecodeMessenger(Worker):
         for group in getattr(self, "_chans", []):
             for ch in group:
                 ch.close()
+        for lane in getattr(self, "_lanes", []):
+            lane.close()  # stops its thread first; it counts into the main endpoint's arrays
         ep = getattr(self, "_ep", None)
         if ep is not None:
             self._counts = None
@@ -304,7 +325,11 @@ class DecodeMessenger(Worker):
                 self._fail(x, f"received {got} writes, expected {x.expected} (protocol error)")
             else:
                 self._set(x, TransferStatus.SUCCESS)
-        return bool(self._waiting) or self._slots.busy
+        busy = self._slots.busy
+        if self._lanes and busy != self._lanes_active:
+            self._ep.set_active(busy)  # the lanes poll eagerly only while writes may land
+            self._lanes_active = busy
+        return bool(self._waiting) or busy
 
     # -- commands ---------------------------------------------------------------------------
     def _cmd_submit(self, x: _Xfer) -> None:
@@ -375,6 +400,7 @@ class DecodeMessenger(Worker):
             "buffers_per_layer": cfg.buffers_per_layer,
             "fabric_name": self._ep.name,
             "regions": self._regions, "aux_regions": self._aux_regions, "aux_row": x.slot,
+            "lanes": self._lane_info,
             "slices": [_slice_dict(s) for s in slices],
             "aux_rank": aux_rank, "expected": per_rank, "writes_per_op": k,
             "timeout_s": max(0.001, cfg.timeout_s - (time.monotonic() - x.submitted)),
@@ -430,7 +456,7 @@ class DecodeMessenger(Worker):
     # -- timers -----------------------------------------------------------------------------
     def _timers(self, now: float) -> None:
         cfg = self.config
-        self._stale = self._ep.stale_writes
+        self._stale = self._ep.stale_writes + sum(lane.stale_writes for lane in self._lanes)
         if now >= self._next_ping:
             self._next_ping = now + cfg.heartbeat_s
             for group in self._chans:

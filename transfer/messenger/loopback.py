@@ -76,6 +76,8 @@ class Scenario:
     chunk_pages: int = 2
     max_inflight: int = 64                # decoder transfer slots (fewer queue the rest)
     writes_per_op: int = 0                # DecodeConfig.writes_per_op (0: provider's iov limit)
+    lanes: int = 0                        # DecodeConfig.lanes (0: 2 on shm, else 1)
+    prefill_inflight_bytes: int = 64 << 20  # PrefillConfig.inflight_bytes
     split_kv: bool = False                # K and V in separate buffers (buffers_per_layer=2)
     aux_row_bytes: tuple[int, ...] = (48,)
     faults: tuple[tuple[int, str], ...] = ()  # (prefill instance, "kill"|"stall"|"hold")
@@ -172,7 +174,8 @@ def _tokens(rid: str, n: int) -> np.ndarray:
 
 
 def _thread_cpu() -> dict[str, float]:
-    """CPU seconds (user + system) of each live thread of this process, by thread name.
+    """CPU seconds (user + system) of each live thread of this process, by thread name (the
+    Python name, else the kernel's: the messenger's C lane threads are "pdtool-lane").
 
     Load-independent cost accounting for the benchmark: on a shared 2-core box wall clock says
     how much CPU the processes got, these say what the transfer cost and which thread spent it.
@@ -180,14 +183,17 @@ def _thread_cpu() -> dict[str, float]:
     import threading
 
     tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
     out: dict[str, float] = {}
-    for t in threading.enumerate():
+    for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{t.native_id}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                comm, fields = f.read().split(" (", 1)[1].rsplit(")", 1)
+        except (OSError, IndexError, ValueError):
             continue
-        out[t.name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        name = names.get(int(tid), comm)
+        ticks = int(fields.split()[11]) + int(fields.split()[12])  # utime, stime
+        out[name] = out.get(name, 0.0) + ticks / tick
     return out
 
 
@@ -210,7 +216,7 @@ def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any]
     cfg = PrefillConfig(secret=SECRET, spec=src, peer_spec=dst, rank=rank, provider=s.provider,
                         buffers_per_layer=2 if s.split_kv else 1,
                         timeout_s=s.timeout_s, heartbeat_s=s.heartbeat_s,
-                        peer_timeout_s=s.peer_timeout_s,
+                        peer_timeout_s=s.peer_timeout_s, inflight_bytes=s.prefill_inflight_bytes,
                         busy_sleep_s=s.busy_sleep_s if s.prefill_busy_sleep_s is None
                         else s.prefill_busy_sleep_s)
     fault = dict(s.faults).get(inst, "")
@@ -339,7 +345,7 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
                        timeout_s=s.timeout_s,
                        heartbeat_s=s.heartbeat_s, peer_timeout_s=s.peer_timeout_s,
                        busy_sleep_s=s.busy_sleep_s, quarantine_grace_s=2.0,
-                       writes_per_op=s.writes_per_op)
+                       writes_per_op=s.writes_per_op, lanes=s.lanes)
     cf = dict(s.control_faults).get("decode")
     if cf:
         os.environ["PDTOOL_CONTROL_FAULTS"] = cf
@@ -406,6 +412,7 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
                                            "received": st.received, "expected": st.expected}
         report["stale_writes"] = m.stale_writes
         report["writes_per_op"] = m.writes_per_op
+        report["lane_writes"] = m.lane_writes
         if s.track:  # released slots go back on the messenger thread: let it catch up
             end = time.monotonic() + 5
             while time.monotonic() < end and m.stats()["slots_free"] < cfg.max_inflight:

@@ -96,12 +96,12 @@ class _Dest:
 
     sender: bytes
     dst_rank: int
-    name: bytes
-    fi_addr: int
+    names: list[bytes]       # the decode rank's receive lanes (the first also takes aux copies)
+    fi_addrs: list[int]
     imm: int
     slot: int
     gen: int
-    regions: list[Any]
+    regions: list[list[Any]]  # per layer buffer: its remote region on each lane
     aux_regions: list[Any]
     aux_row: int
     plans: list[_Plan]
@@ -326,7 +326,7 @@ class PrefillMessenger(Worker):
         from ..fabric import Endpoint
 
         cfg = self.config
-        self._ep = Endpoint(cfg.provider)
+        self._ep = Endpoint(cfg.provider, max_inflight_bytes=cfg.inflight_bytes)
         self._kv_mrs = [self._ep.register(b.addr, b.nbytes, remote_write=False)
                         for b in self._kv]
         self._aux_mrs = [self._ep.register(as_buffer(a).addr, as_buffer(a).nbytes,
@@ -483,13 +483,16 @@ class PrefillMessenger(Worker):
             raise ValueError(f"num_layers/buffers_per_layer: decode has {b['num_layers']}/"
                              f"{b['buffers_per_layer']}, prefill {self.num_layers}/"
                              f"{cfg.buffers_per_layer}")
-        if len(b["regions"]) != self.num_layers * cfg.buffers_per_layer:
-            raise ValueError(f"regions: {len(b['regions'])} for "
-                             f"{self.num_layers * cfg.buffers_per_layer} layer buffers")
-        for i, r in enumerate(b["regions"]):
-            if r["length"] < dlay.buffer_bytes:
-                raise ValueError(f"regions[{i}].length: {r['length']} < layer buffer "
-                                 f"{dlay.buffer_bytes} bytes")
+        lanes = [("", b)] + [(f"lanes[{i}].", lane) for i, lane in enumerate(b["lanes"])]
+        for where, lane in lanes:
+            if len(lane["regions"]) != self.num_layers * cfg.buffers_per_layer:
+                raise ValueError(f"{where}regions: {len(lane['regions'])} for "
+                                 f"{self.num_layers * cfg.buffers_per_layer} layer buffers")
+            for i, r in enumerate(lane["regions"]):
+                if r["length"] < dlay.buffer_bytes:
+                    raise ValueError(f"{where}regions[{i}].length: {r['length']} < layer "
+                                     f"buffer {dlay.buffer_bytes} bytes")
+            _check_fabric_name(lane["fabric_name"], self._ep.name, f"{where}fabric_name")
         n = pages_for(b["num_tokens"], lay.page_size)
         if len(b["dst_pages"]) != 4 * n:
             raise ValueError(f"dst_pages: {len(b['dst_pages']) // 4} pages for "
@@ -509,7 +512,6 @@ class PrefillMessenger(Worker):
                     r["row_bytes"]:
                 raise ValueError(f"aux_regions[{i}]: row of {r['row_bytes']} bytes (prefill "
                                  f"{mine.row_bytes}) or row {b['aux_row']} outside the buffer")
-        _check_fabric_name(b["fabric_name"], self._ep.name)
         slices = _slices(b)
         want = routes_for(src, dst, b["dst_rank"], _Chosen([s.src_rank for s in slices]))
         if want != slices:
@@ -612,15 +614,18 @@ class PrefillMessenger(Worker):
         if count != p["expected"][me]:
             raise ValueError(f"expected: the decoder counts {p['expected'][me]} operations from "
                              f"rank {me}, this rank would send {count}")
-        name = p["fabric_name"]
-        if name not in self._peers:
-            self._peers[name] = self._ep.insert_peer(name)
+        lanes = [p, *p["lanes"]]
+        names = [lane["fabric_name"] for lane in lanes]
+        for name in names:
+            if name not in self._peers:
+                self._peers[name] = self._ep.insert_peer(name)
         if not self._tags:
             raise ValueError("no free fabric tag (raise max_requests)")
         tag = self._tags.pop()
-        d = _Dest(p["sender"], p["dst_rank"], name, self._peers[name],
+        d = _Dest(p["sender"], p["dst_rank"], names, [self._peers[n] for n in names],
                   encode_imm(p["slot"], p["gen"]), p["slot"], p["gen"],
-                  [RemoteRegion.from_dict(r) for r in p["regions"]],
+                  [[RemoteRegion.from_dict(lane["regions"][buf]) for lane in lanes]
+                   for buf in range(len(p["regions"]))],
                   [RemoteRegion.from_dict({k: r[k] for k in ("base", "key", "length")})
                    for r in p["aux_regions"]], p["aux_row"], plans, send_aux,
                   p["expected"][me], tag, int(self._ep.send_done[tag]), per_op)
@@ -683,17 +688,17 @@ class PrefillMessenger(Worker):
                 pl.sent[layer] = b
                 for j in range(bpl):
                     buf = layer * bpl + j
-                    self._write(x, d, self._kv_mrs[buf], d.regions[buf], pl.src[a:b],
-                                pl.dst[a:b], pl.lengths[a:b], d.per_op)
+                    self._write(x, d, d.fi_addrs, self._kv_mrs[buf], d.regions[buf],
+                                pl.src[a:b], pl.dst[a:b], pl.lengths[a:b], d.per_op)
 
-    def _write(self, x: _Req, d: _Dest, mr: Any, region: Any, so: np.ndarray, do: np.ndarray,
-               ln: np.ndarray, per_op: int = 1) -> None:
+    def _write(self, x: _Req, d: _Dest, peers: list[int], mr: Any, regions: list[Any],
+               so: np.ndarray, do: np.ndarray, ln: np.ndarray, per_op: int = 1) -> None:
         """Submit in calls of at most `_BATCH_BYTES` (cut at operation boundaries), each
         bounded in time well under the peers' liveness timeout. Between calls the control
         socket is served (PINGs answered, REQUESTs assembled, ABORTs seen): one pass can hold
         GiBs of writes, and new requests must not wait for all of it (their decoders idle
         meanwhile); an ABORT stops the rest. `per_op` writes go in one operation (the last one
-        of the range may carry fewer)."""
+        of the range may carry fewer). `peers`/`regions`: the receive lanes to spread over."""
         from ..fabric import FabricError
 
         cuts = [0]
@@ -709,7 +714,7 @@ class PrefillMessenger(Worker):
             if a >= b or x.state != "sending":
                 continue
             try:
-                n_ops = self._ep.write_batch(d.fi_addr, mr, region, so[a:b], do[a:b], ln[a:b],
+                n_ops = self._ep.write_batch(peers, mr, regions, so[a:b], do[a:b], ln[a:b],
                                              d.imm, d.tag, per_op=per_op,
                                              timeout=self.config.peer_timeout_s / 2)
             except FabricError as exc:
@@ -729,7 +734,8 @@ class PrefillMessenger(Worker):
                 continue
             for i, (mr, spec) in enumerate(zip(self._aux_mrs, self._aux, strict=True)):
                 rb = spec.row_bytes
-                self._write(x, d, mr, d.aux_regions[i], np.array([x.aux_row * rb], np.uint64),
+                self._write(x, d, d.fi_addrs[:1], mr, d.aux_regions[i:i + 1],
+                            np.array([x.aux_row * rb], np.uint64),
                             np.array([d.aux_row * rb], np.uint64), np.array([rb], np.uint64))
         x.aux_sent = True
 
@@ -802,7 +808,8 @@ class PrefillMessenger(Worker):
                         self.config.peer_timeout_s)
             for x in list(self._reqs.values()):
                 if any(d.sender == peer for d in x.dests):
-                    self._dead_names.update(d.name for d in x.dests if d.sender == peer)
+                    self._dead_names.update(n for d in x.dests if d.sender == peer
+                                            for n in d.names)
                     self._abort(x, f"decode peer {peer.decode(errors='replace')} silent for "
                                    f"more than {self.config.peer_timeout_s:.1f} s")
             for rid, a in list(self._assembling.items()):
@@ -833,7 +840,7 @@ class PrefillMessenger(Worker):
     def _drop_dead_peers(self) -> None:
         if not self._dead_names:
             return
-        busy = {d.name for x in self._reqs.values() for d in x.dests}
+        busy = {n for x in self._reqs.values() for d in x.dests for n in d.names}
         for name in list(self._dead_names - busy):
             self._dead_names.discard(name)
             addr = self._peers.pop(name, None)
@@ -841,7 +848,7 @@ class PrefillMessenger(Worker):
                 self._ep.remove_peer(addr)
 
 
-def _check_fabric_name(name: bytes, own: bytes) -> None:
+def _check_fabric_name(name: bytes, own: bytes, field: str = "fabric_name") -> None:
     """A peer address must look like this provider's (same length; for socket addresses the
     same family; for shm the same scheme): the provider reads a fixed-size address and a failed
     insert can leave its address vector unusable, so nonsense never reaches fi_av_insert."""
@@ -850,7 +857,7 @@ def _check_fabric_name(name: bytes, own: bytes) -> None:
     else:
         ok = len(name) == len(own) and (len(own) not in (16, 28) or name[:2] == own[:2])
     if not ok:
-        raise ValueError(f"fabric_name: {name[:32]!r} is not an address of this provider "
+        raise ValueError(f"{field}: {name[:32]!r} is not an address of this provider "
                          f"(like {own[:32]!r})")
 
 
