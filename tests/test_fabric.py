@@ -395,7 +395,8 @@ def test_receive_lanes_count_into_one_slot_table(provider):
         while lane.stale_writes < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         owner.set_active(False)
-        lane.stop_progress()
+        assert lane.progress_stalled_s < 1.0  # between polls, or inside a short one
+        assert lane.stop_progress() and lane.progress_stalled_s == 0.0
         assert int(owner.recv_counts[7]) == nops and 1 in seen
         assert lane.stale_writes == 3 and owner.stale_writes == 0
         assert owner.remote_writes > 0 and lane.remote_writes - 3 > 0

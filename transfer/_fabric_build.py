@@ -95,7 +95,8 @@ void pd_set_targets(pd_ep *ep, const uint32_t *targets);
 void pd_share_counts(pd_ep *lane, pd_ep *owner);
 void pd_set_active(pd_ep *ep, int on);
 int pd_progress_start(pd_ep *ep, int64_t sleep_ns);
-void pd_progress_stop(pd_ep *ep);
+int pd_progress_stop(pd_ep *ep, int64_t timeout_ns);
+int64_t pd_progress_stalled_ns(pd_ep *ep);
 int pd_wait_complete(pd_ep *ep, const int64_t *bell, int64_t bell_seen, int64_t timeout_ns);
 size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max);
 const char *pd_strerror(int err);
@@ -174,6 +175,7 @@ struct pd_ep {
     int thread_on;
     int thread_stop;
     int64_t thread_sleep_ns;
+    int64_t thread_in_poll_ns;    /* when the thread's current poll began (0: not polling) */
     pthread_mutex_t err_lock;     /* the error ring is filled by a progress thread */
     /* sender: bytes in flight per peer, and peers being let drain (several lanes) */
     uint64_t peer_bytes[PD_MAX_PEERS];
@@ -228,7 +230,7 @@ static void pd_idle(pd_ep *ep, unsigned *empty) {
     }
 }
 
-void pd_progress_stop(pd_ep *ep);
+int pd_progress_stop(pd_ep *ep, int64_t timeout_ns);
 
 static void pd_seterr(char *buf, size_t len, const char *call, int ret) {
     if (buf && len)
@@ -389,7 +391,8 @@ static struct fi_info *pd_hints(const char *prov, uint64_t extra_caps) {
 
 void pd_close(pd_ep *ep) {
     if (!ep) return;
-    pd_progress_stop(ep);
+    /* a progress thread stuck inside the provider still uses everything: leak, don't free */
+    if (pd_progress_stop(ep, 2000000000LL)) return;
     if (ep->ep) fi_close(&ep->ep->fid);
     if (ep->av) fi_close(&ep->av->fid);
     if (ep->cq) fi_close(&ep->cq->fid);
@@ -837,7 +840,9 @@ static void *pd_progress_main(void *arg) {
     pd_ep *o = ep->owner ? ep->owner : ep;
     unsigned empty = 0;
     while (!__atomic_load_n(&ep->thread_stop, __ATOMIC_ACQUIRE)) {
+        __atomic_store_n(&ep->thread_in_poll_ns, pd_now_ns(), __ATOMIC_RELEASE);
         int p = pd_poll(ep, PD_CQ_BATCH);
+        __atomic_store_n(&ep->thread_in_poll_ns, 0, __ATOMIC_RELEASE);
         if (p < 0) {
             pd_record_err(ep, UINT64_MAX, -p, 0, "progress thread: fi_cq_read failed");
             struct timespec ts = { 0, 1000000 };
@@ -869,11 +874,26 @@ int pd_progress_start(pd_ep *ep, int64_t sleep_ns) {
     return 0;
 }
 
-void pd_progress_stop(pd_ep *ep) {
-    if (!ep->thread_on) return;
+/* Stop and join the progress thread: 0, or -FI_ETIMEDOUT when it did not come back within
+   timeout_ns (stuck inside the provider: on shm 1.17, spinning on a queue lock that a killed
+   peer held); it is then left running and the endpoint must be leaked, not closed. */
+int pd_progress_stop(pd_ep *ep, int64_t timeout_ns) {
+    if (!ep->thread_on) return 0;
     __atomic_store_n(&ep->thread_stop, 1, __ATOMIC_RELEASE);
-    pthread_join(ep->thread, NULL);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    int64_t end = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec + timeout_ns;
+    ts.tv_sec = end / 1000000000LL;
+    ts.tv_nsec = end % 1000000000LL;
+    if (pthread_timedjoin_np(ep->thread, NULL, &ts)) return -FI_ETIMEDOUT;
     ep->thread_on = 0;
+    return 0;
+}
+
+/* How long the progress thread has been inside its current poll (0: not in one). */
+int64_t pd_progress_stalled_ns(pd_ep *ep) {
+    int64_t since = __atomic_load_n(&ep->thread_in_poll_ns, __ATOMIC_ACQUIRE);
+    return since ? pd_now_ns() - since : 0;
 }
 
 /* The decoder's wait while transfers are being counted: drive progress (on shm this thread

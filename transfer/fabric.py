@@ -25,6 +25,7 @@ them and `errors` hands them out as `(tag, errno, message)`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -54,6 +55,7 @@ except ImportError as exc:  # the .so is absent, or libfabric.so.1 cannot be loa
 
 _ffi = _fabric.ffi
 _lib = _fabric.lib
+log = logging.getLogger("transfer.fabric")
 
 __all__ = [
     "Endpoint",
@@ -359,8 +361,16 @@ class Endpoint:
         return self._h is None
 
     def close(self) -> None:
-        """Close MRs, endpoint, AV, CQ, domain, fabric (in that order). Idempotent."""
-        self.stop_progress()
+        """Close MRs, endpoint, AV, CQ, domain, fabric (in that order). Idempotent. An
+        endpoint whose progress thread is stuck inside the provider is leaked instead (the
+        thread still uses it), with a warning."""
+        if not self.stop_progress():
+            log.warning("endpoint %s: its progress thread is stuck inside the provider (%.1f s "
+                        "in one poll); leaking the endpoint instead of closing it under the "
+                        "thread", self.name, self.progress_stalled_s)
+            self._mrs.clear()
+            self._h = None
+            return
         for mr in list(self._mrs):
             mr.close()
         with self._lock:
@@ -674,12 +684,24 @@ class Endpoint:
         _check(ret, "start progress thread", self.provider)
         self._progress = True
 
-    def stop_progress(self) -> None:
-        """Stop the progress thread (idempotent); the endpoint is callable again."""
+    def stop_progress(self, timeout: float = 2.0) -> bool:
+        """Stop the progress thread (idempotent); the endpoint is callable again. False when
+        the thread did not come back within `timeout` s (stuck inside the provider): it keeps
+        running and the endpoint stays its own."""
         if self._progress and self._h is not None:
             with self._lock:
-                _lib.pd_progress_stop(self._h)
+                if _lib.pd_progress_stop(self._h, int(timeout * 1e9)):
+                    return False
         self._progress = False
+        return True
+
+    @property
+    def progress_stalled_s(self) -> float:
+        """Seconds the progress thread has been inside its current poll (0 when it is not in
+        one). Polls are short; a large value means the provider does not return."""
+        if not self._progress or self._h is None:
+            return 0.0
+        return int(_lib.pd_progress_stalled_ns(self._h)) / 1e9
 
     def set_active(self, on: bool) -> None:
         """Owner: say whether transfers are being counted, so its lanes poll eagerly (on) or

@@ -205,6 +205,12 @@ class DecodeMessenger(Worker):
         """Page writes the prefill groups into one counted operation (after start-up)."""
         return self._writes_per_op
 
+    def stalled_s(self) -> float:
+        """As Worker.stalled_s, counting the receive lanes' progress threads too: a lane stuck
+        inside the provider holds its transfers as surely as a stuck messenger thread."""
+        lanes = [lane.progress_stalled_s for lane in getattr(self, "_lanes", [])]
+        return max([super().stalled_s(), *lanes])
+
     @property
     def lane_writes(self) -> list[int]:
         """Completions that arrived on each receive lane (the main endpoint first)."""
