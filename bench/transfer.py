@@ -13,7 +13,9 @@ round so background load hits all of them alike:
                  operation each (4 on both), the target counting CQ data per slot in C
                  (`wait_recv`); on `shm` and `tcp;ofi_rxm` (loopback);
 * `messenger`   transfer.messenger's own bench hook when that module provides one (see
-                 `run_messenger`); the full protocol with counting;
+                 `run_messenger`); the full protocol with counting, in its default setting
+                 (on shm two receive lanes, so two decoder threads copy; huge-page KV buffers,
+                 as numpy gives every other system here);
 * `nixl`        NIXL (pip `nixl-cu12`), UCX backend, DRAM, one WRITE transfer of all page
                  descriptors with a notification, no progress threads (fastest on 2 cores);
 * `mooncake`    Mooncake transfer engine (pip `mooncake-transfer-engine-non-cuda`), TCP,
@@ -34,13 +36,15 @@ Usage (from the repository root; both sides busy-poll, so keep other load off th
 Targets (issue 4): messenger on shm >= 0.8x copy at 64 KiB and >= 0.95x at 1 MiB; on
 tcp;ofi_rxm >= 2x Mooncake-TCP.
 
-Seen on the 2-core dev box (2026-11-30 15:37 UTC, `--rounds 3`, load average 0.8; GB/s at
-64 KiB / 1 MiB, best of 3 rounds): copy 6.69 / 7.29, fabric shm 5.56 / 6.17, fabric tcp
-4.40 / 4.66, messenger shm 4.35 / 4.74, messenger tcp 3.88 / 4.34, NIXL-UCX 5.24 / 6.29,
-Mooncake-TCP 1.41 / 1.66. Pages go 4 to an RMA operation (the providers' iov limit): before that
-the raw binding on tcp at 64 KiB ran 2.5 GB/s. Wall clock swings by 20-30% between runs on a
-shared box; CPU s/GiB is steadier: copy 0.16 / 0.15, fabric shm target 0.19 / 0.17 (the target
-does the CMA copy), messenger shm decode 0.24 / 0.22, prefill 0.09 / 0.05.
+Seen on the 2-core dev box (2026-11-30 17:21 UTC, `--rounds 3`, load average 1.2; GB/s at
+64 KiB / 1 MiB, best of 3 rounds): copy 6.06 / 7.29, fabric shm 5.31 / 5.86, fabric tcp
+4.27 / 4.66, messenger shm 6.92 / 7.59 (1.14x / 1.04x the copy), messenger tcp 3.78 / 4.08
+(2.9x / 2.6x Mooncake), NIXL-UCX 4.79 / 4.86, Mooncake-TCP 1.31 / 1.58. Pages go 4 to an RMA
+operation (the providers' iov limit): before that the raw binding on tcp at 64 KiB ran 2.5 GB/s.
+Wall clock swings by 20-30% between runs on a shared box; CPU s/GiB is steadier: copy
+0.18 / 0.16, fabric shm target 0.20 / 0.18 (the target does the CMA copy), messenger shm decode
+0.23 / 0.19 (both lanes together), prefill 0.04 / 0.06. The messenger beats the single-threaded
+copy on shm because its two lanes copy on two cores at the same CPU cost per GiB.
 """
 
 from __future__ import annotations

@@ -33,7 +33,9 @@ the engine must not free or reuse the pages before that.
 
 Thread contract: `submit`, `cancel`, `release`, `status`, `ready`, `failed`, `aux` are called by
 the engine's thread; they never block on the network. Everything else runs on the messenger
-thread (the only one touching the endpoint and sockets).
+thread (the only one touching the endpoint and sockets), except the copies of extra receive
+lanes (`DecodeConfig.lanes`): each lane endpoint is drained by a C progress thread of its own,
+counting into the messenger's slot table (see transfer.fabric `share_counts`).
 """
 
 from __future__ import annotations
