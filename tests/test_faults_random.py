@@ -67,6 +67,9 @@ def _draw(n: int, rng: random.Random) -> Trial:
     base = dict(provider=provider, prefill_tp=ptp, decode_tp=dtp, num_layers=layers,
                 num_kv_heads=4, prompts=prompts, chunk_pages=chunk,
                 writes_per_op=rng.choice([0, 0, 1, 3]),  # 0: the provider's limit (4)
+                lanes=rng.choice([0, 0, 1, 3]),  # 0: 2 on shm, 1 on tcp
+                # 1 byte in flight: the prefill alternates lanes operation by operation
+                prefill_inflight_bytes=rng.choice([64 << 20, 1]),
                 timeout_s=TIMEOUT_S, heartbeat_s=HEARTBEAT_S, peer_timeout_s=PEER_TIMEOUT_S,
                 track=True, run_timeout_s=30.0)
     two = dict(prefill_instances=2, peers=(0,) * k + (1,) * k,
@@ -194,7 +197,8 @@ def test_randomized_faults_fail_only_affected_requests_and_leak_nothing():
         by_kind[t.kind] += 1
         settle += times
         line = (f"trial {n:3d} {t.kind:18s} {t.scenario.provider:11s} "
-                f"P{t.scenario.prefill_tp}->D{t.scenario.decode_tp} "
+                f"P{t.scenario.prefill_tp}->D{t.scenario.decode_tp} lanes={t.scenario.lanes} "
+                f"k={t.scenario.writes_per_op} "
                 f"{dict(counts)} {time.monotonic() - start:.1f}s")
         print(line + ("" if not errs else f"  VIOLATIONS: {errs}"))
         if errs:
