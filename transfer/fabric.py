@@ -2,8 +2,10 @@
 
 One `Endpoint` = one RDM endpoint + address vector + one completion queue (FI_CQ_FORMAT_DATA),
 opened with FI_THREAD_DOMAIN: use it from ONE thread (a lock makes accidental sharing safe, not
-fast). Progress is manual on shm and rxm: the target must keep calling `poll()` (or a `wait_*`)
-or nothing lands; the sender's `write_batch` drains the CQ itself when the queue is full.
+fast), or hand it to its own C progress thread as a decoder's receive lane (`share_counts`,
+`start_progress`). Progress is manual on shm and rxm: the target must keep calling `poll()` (or
+a `wait_*`) or nothing lands; the sender's `write_batch` drains the CQ itself when the queue is
+full.
 
 Completion counting (DESIGN §4-5): every write carries 32 bits of immediate data,
 `encode_imm(slot, gen)`. The target's `poll()` adds one to `recv_counts[slot]` when `gen` equals
@@ -549,14 +551,13 @@ class Endpoint:
             ops = np.full(nops, per_op, dtype=np.uint32)
             ops[-1] = n - per_op * (nops - 1)
             op_arr = fb("uint32_t[]", ops)
-        lanes = np.array([(p, r.base, r.key) for p, r in zip(peers, remotes, strict=True)],
-                         dtype=np.uint64)
-        remote_len = min(r.length for r in remotes)
+        lane_peers = np.array(peers, dtype=np.uint64)
+        bases = np.array([r.base for r in remotes], dtype=np.uint64)
+        keys = np.array([r.key for r in remotes], dtype=np.uint64)
         with self._lock:
             ret = _lib.pd_write_batch(
-                self._calls(), fb("uint64_t[]", lanes[:, 0].copy()),
-                fb("uint64_t[]", lanes[:, 1].copy()), fb("uint64_t[]", lanes[:, 2].copy()),
-                len(peers), local._h, remote_len,
+                self._calls(), fb("uint64_t[]", lane_peers), fb("uint64_t[]", bases),
+                fb("uint64_t[]", keys), len(peers), local._h, min(r.length for r in remotes),
                 fb("uint64_t[]", src), fb("uint64_t[]", dst), fb("uint64_t[]", ln), n, op_arr,
                 nops, imm, tag, int(timeout * 1e9), self._done, self._errbuf, _ERRBUF,
             )
