@@ -294,6 +294,7 @@ def test_a_stuck_messenger_thread_is_reported_not_waited_on():
         assert entered.wait(5)
         time.sleep(0.8)  # > 2 x peer_timeout_s
         assert dec.stats()["stalled_s"] > 0.6
+        assert dec.problem().startswith("decode messenger thread stuck for ")
         with pytest.raises(MessengerError, match=r"decode messenger thread stuck for \d"):
             dec.submit("r1", list(range(9)), [0, 1])
         dec._step = step
@@ -301,6 +302,7 @@ def test_a_stuck_messenger_thread_is_reported_not_waited_on():
         end = time.monotonic() + 5
         while dec.stats()["stalled_s"] > 0.1 and time.monotonic() < end:
             time.sleep(0.01)
+        assert dec.problem() == ""
         time.sleep(0.5)  # the prefill's PONGs are read again (the stall made it look silent)
         dec.submit("r1", list(range(9)), [0, 1])
         (req,) = _pull(pre)

@@ -233,3 +233,34 @@ def test_attention_reads_scattered_pages_like_contiguous_ones(attention, page_si
         start += len(run)
         run = out[-1:]
     assert out == want
+
+
+def test_health_reports_a_messenger_that_cannot_take_work():
+    """/health is 503 "starting" until ready, 200 while the messenger can take work, and 503
+    with the messenger's reason while it cannot (e.g. its thread stuck inside the provider)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from pdtool.engines.reference.health import HealthServer
+
+    reason = [""]
+    srv = HealthServer("127.0.0.1", 0, lambda: {"role": "decode"}, lambda: {},
+                       lambda: reason[0])
+
+    def get() -> tuple[int, dict]:
+        url = f"http://127.0.0.1:{srv.httpd.server_address[1]}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        assert get() == (503, {"status": "starting"})
+        srv.ready = True
+        assert get() == (200, {"status": "ok", "role": "decode"})
+        reason[0] = "decode messenger thread stuck for 12.0 s in one call"
+        assert get() == (503, {"status": "unhealthy", "reason": reason[0]})
+    finally:
+        srv.close()

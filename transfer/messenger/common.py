@@ -317,17 +317,24 @@ class Worker:
             raise MessengerError(f"{self.role} messenger failed to start: {self._error}") \
                 from self._error
 
-    def _check_alive(self) -> None:
+    def problem(self) -> str:
+        """Any thread: why this messenger cannot take work now, '' when it can (for an
+        engine's health check; `submit`/`bind` refuse with the same text)."""
         if self._fatal:
-            raise MessengerError(f"{self.role} messenger thread died: {self._fatal}")
+            return f"{self.role} messenger thread died: {self._fatal}"
         if self._stop.is_set():
-            raise MessengerError(f"{self.role} messenger is closed")
+            return f"{self.role} messenger is closed"
         stuck = self.stalled_s()
         if stuck > 2 * self.config.peer_timeout_s:
-            raise MessengerError(
-                f"{self.role} messenger thread stuck for {stuck:.1f} s in one call (more than "
-                f"2 x peer_timeout_s): the fabric provider does not return (on shm: a peer "
-                f"killed while holding this endpoint's queue lock?)")
+            return (f"{self.role} messenger thread stuck for {stuck:.1f} s in one call (more "
+                    f"than 2 x peer_timeout_s): the fabric provider does not return (on shm: a "
+                    f"peer killed while holding this endpoint's queue lock?)")
+        return ""
+
+    def _check_alive(self) -> None:
+        reason = self.problem()
+        if reason:
+            raise MessengerError(reason)
 
     def stalled_s(self) -> float:
         """Any thread: seconds since the messenger thread last went round its loop. Every wait

@@ -16,8 +16,14 @@ from typing import Any
 
 
 class HealthServer:
+    """`problem()` says why a ready instance cannot serve now ('' when it can), e.g. its KV
+    messenger thread is stuck inside the fabric provider: /health then answers 503 with the
+    reason, so whoever watches it (a load balancer, an operator, Slurm's health check) sees
+    the instance is down although its process is alive."""
+
     def __init__(self, host: str, port: int, info: Callable[[], dict[str, Any]],
-                 stats: Callable[[], dict[str, Any]]) -> None:
+                 stats: Callable[[], dict[str, Any]],
+                 problem: Callable[[], str] = lambda: "") -> None:
         self.ready = False
         outer = self
 
@@ -27,8 +33,13 @@ class HealthServer:
 
             def do_GET(self) -> None:
                 if self.path == "/health":
-                    code, body = (200, {"status": "ok", **info()}) if outer.ready else (
-                        503, {"status": "starting"})
+                    reason = problem() if outer.ready else ""
+                    if not outer.ready:
+                        code, body = 503, {"status": "starting"}
+                    elif reason:
+                        code, body = 503, {"status": "unhealthy", "reason": reason}
+                    else:
+                        code, body = 200, {"status": "ok", **info()}
                 elif self.path == "/stats":
                     code, body = 200, stats()
                 else:

@@ -66,7 +66,20 @@ def _common(spec: Any, model: TinyModel) -> dict[str, Any]:
     }
 
 
-class DecodeSide:
+class _Side:
+    """What both links do with their messenger `m`."""
+
+    m: Any
+
+    def problem(self) -> str:
+        """Why the messenger cannot take work now ('' when it can): read by /health."""
+        return self.m.problem()
+
+    def close(self) -> None:
+        self.m.close()
+
+
+class DecodeSide(_Side):
     """DecodeLink over a DecodeMessenger."""
 
     def __init__(self, spec: Any, kv: PagedKV, model: TinyModel) -> None:
@@ -105,8 +118,6 @@ class DecodeSide:
         """Give up a transfer; it shows up in `failed()` once its pages are safe to free."""
         self.m.cancel(rid, reason)
 
-    def close(self) -> None:
-        self.m.close()
 
 
 def messenger_link(spec: Any, kv: PagedKV, model: TinyModel) -> Any:
@@ -115,7 +126,7 @@ def messenger_link(spec: Any, kv: PagedKV, model: TinyModel) -> Any:
     return PrefillSide(spec, kv, model)
 
 
-class PrefillSide:
+class PrefillSide(_Side):
     """PrefillLink over a PrefillMessenger."""
 
     def __init__(self, spec: Any, kv: PagedKV, model: TinyModel) -> None:
@@ -155,6 +166,3 @@ class PrefillSide:
 
     def release(self, rid: str) -> None:
         self.m.release(rid)
-
-    def close(self) -> None:
-        self.m.close()

@@ -167,7 +167,8 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
         sock = router(ctx, spec.host, 0)
         address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         health = HealthServer(spec.host, spec.http_port,
-                              lambda: {"role": "decode", "engine": address}, stats)
+                              lambda: {"role": "decode", "engine": address}, stats,
+                              getattr(link, "problem", lambda: ""))
         health.ready = True
     try:
         while True:
@@ -254,7 +255,8 @@ def serve_prefill(spec: RankSpec, stop: threading.Event, link: Any = None) -> di
     if coord.leader:
         control = list(getattr(link, "control", []))
         health = HealthServer(spec.host, spec.http_port,
-                              lambda: {"role": "prefill", "control": control}, stats)
+                              lambda: {"role": "prefill", "control": control}, stats,
+                              getattr(link, "problem", lambda: ""))
         health.ready = True
     ran = False
     idle = PREFILL_IDLE_S[0]
