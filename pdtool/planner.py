@@ -191,6 +191,7 @@ class TransferPlan:
     summary: str  # one line: how sources map to destinations
     peer_timeout_s: float = 5.0  # messenger liveness (transfer.peer_timeout_s)
     heartbeat_s: float = 0.5
+    lanes: int = 0  # decoder receive lanes (transfer.lanes; 0: the messenger's default)
     layout_source: str = LAYOUT_FROM_CONFIG  # where `layout` comes from (page_layout)
 
 
@@ -585,6 +586,7 @@ def _transfer(cfg: Config, tokens: int) -> TransferPlan:
         connect_timeout_s=tr.connect_timeout_s,
         peer_timeout_s=tr.peer_timeout_s,
         heartbeat_s=tr.heartbeat_s,
+        lanes=tr.lanes,
         aux_writes=tr.aux_writes,
         page_size=cfg.decode.page_size,
         kv_dtype=kv_dtype(model, cfg.decode),

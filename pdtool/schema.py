@@ -27,6 +27,7 @@ PROVIDERS = ("efa", "verbs;ofi_rxm", "tcp;ofi_rxm", "shm")
 NIC_KINDS = ("efa", "connectx", "tcp", "shm")
 DEVICES = ("cuda", "cpu")
 COMPLETION_MODES = ("cq_data", "counter")
+MAX_LANES = 8  # transfer.lanes (the messenger's DecodeConfig takes 0..8)
 LAUNCHERS = ("local", "slurm")
 ENGINES = ("reference", "sglang")
 ROLES = ("prefill", "decode")
@@ -154,6 +155,8 @@ class TransferConfig:
     connect_timeout_s: float = 30.0
     peer_timeout_s: float = 5.0  # a messenger peer silent this long is dead (its lease)
     heartbeat_s: float = 0.5  # messenger liveness pings; must be < peer_timeout_s
+    lanes: int = 0  # receive endpoints per decode rank, each copying on its own thread (0: 2 on
+    # shm, where the receiver does every copy; 1 elsewhere)
     backend_name: str = "pdtool"  # name given to SGLang's --disaggregation-transfer-backend
 
 

@@ -32,6 +32,7 @@ from pdtool.schema import NicConfig
         ("transfer.completion", "poll", "transfer.completion", "not one of"),
         ("transfer.timeout_s", 0.0, "transfer.timeout_s", "> 0"),
         ("transfer.backend_name", "Bad Name", "transfer.backend_name", "not a backend"),
+        ("transfer.lanes", 9, "transfer.lanes", "0 (automatic) to 8"),
         ("launcher.kind", "k8s", "launcher.kind", "local | slurm"),
         ("launcher.job_name", " ", "launcher.job_name", "empty"),
         ("engine.kind", "vllm", "engine.kind", "reference | sglang"),

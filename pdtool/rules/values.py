@@ -19,6 +19,7 @@ from pdtool.schema import (
     KV_DTYPES,
     LAUNCHERS,
     LAYOUTS,
+    MAX_LANES,
     NIC_KINDS,
     PROVIDERS,
     ROLES,
@@ -263,6 +264,10 @@ def check_transfer(cfg: Config) -> list[Finding]:
     out += _choice("transfer.layout", t.layout, LAYOUTS)
     out += _choice("transfer.completion", t.completion, COMPLETION_MODES)
     out += _at_least("transfer.aux_writes", t.aux_writes, 0)
+    if not 0 <= t.lanes <= MAX_LANES:
+        out.append(error("transfer.lanes", f"receive lanes per decode rank must be 0 (automatic) "
+                         f"to {MAX_LANES}, got {t.lanes}",
+                         "set transfer.lanes=0 (2 on shm, 1 on network providers)"))
     for name in ("timeout_s", "connect_timeout_s", "peer_timeout_s", "heartbeat_s"):
         v = getattr(t, name)
         if v <= 0:

@@ -123,6 +123,6 @@ def messenger_settings(plan: Any, inst: Any, rank: Any, host: str) -> dict[str, 
     prefill = [{"health": f"http://{_host_of(i.nodes[0], host)}:{i.http_port}/health"}
                for i in plan.role_instances("prefill")]
     return {"provider": t.provider, "timeout_s": t.timeout_s,
-            "peer_timeout_s": t.peer_timeout_s, "heartbeat_s": t.heartbeat_s,
+            "peer_timeout_s": t.peer_timeout_s, "heartbeat_s": t.heartbeat_s, "lanes": t.lanes,
             "connect_timeout_s": max(t.connect_timeout_s, 120.0), "prefill": prefill,
             "prefill_tp": t.prefill.attn_tp, "decode_tp": t.decode.attn_tp}

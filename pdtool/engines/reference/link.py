@@ -91,7 +91,7 @@ class DecodeSide(_Side):
         groups = tuple(_endpoints(p["health"], timeout) for p in m["prefill"])
         self.aux = torch.zeros(AUX_ROWS, model.cfg.hidden, dtype=torch.float32)
         config = DecodeConfig(**_common(spec, model), prefill_endpoints=groups,
-                              max_inflight=AUX_ROWS)
+                              max_inflight=AUX_ROWS, lanes=int(m.get("lanes", 0)))
         self.m = DecodeMessenger(config, kv.layers, "HND", [self.aux])
 
     def submit(self, rid: str, tokens: list[int], pages: list[int], peer: int) -> None:
