@@ -603,6 +603,21 @@ size_t pd_iov_limit(pd_ep *ep) {
     return m ? m : 1;
 }
 
+/* One receive lane: whether an operation of `op_bytes` must wait. Bytes in flight are capped
+   (one write may always go): the queue is bounded in entries, so with big pages the target
+   would otherwise have up to tx_size pages queued, and shm's target copies everything queued
+   inside ONE fi_cq_read (1 GiB of 1 MiB pages: its poll loop blind for ~200 ms, new requests
+   waiting). While capped, only our own CQ is polled: no spinning on the peer's queue lock. */
+static int pd_capped(pd_ep *ep, uint64_t op_bytes) {
+    int capped = ep->max_inflight_bytes && ep->inflight
+                 && ep->inflight_bytes + op_bytes > ep->max_inflight_bytes;
+    if (ep->draining) {
+        if (ep->inflight && ep->inflight_bytes > ep->drain_low) capped = 1;
+        else ep->draining = 0;
+    }
+    return capped;
+}
+
 /* Pick the lane for an operation of `op_bytes` among several receive lanes of one peer, or -1
    when every lane is full. A lane is refilled only once it has drained COMPLETELY: on shm the
    receiver holds its queue lock while it copies what is queued, so a sender posting to a busy
@@ -699,18 +714,7 @@ int pd_write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_base
                 lane = pd_pick_lane(ep, peers, nlanes, op_bytes, lane_cap);
                 capped = lane < 0;
             } else {
-                /* Bytes in flight are capped (one write may always go): the queue is bounded
-                   in entries, so with big pages the target would otherwise have up to tx_size
-                   pages queued, and shm's target copies everything queued inside ONE
-                   fi_cq_read (1 GiB of 1 MiB pages: its poll loop blind for ~200 ms, new
-                   requests waiting). While capped, only our own CQ is polled: no spinning on
-                   the peer's queue lock. */
-                capped = ep->max_inflight_bytes && ep->inflight
-                         && ep->inflight_bytes + op_bytes > ep->max_inflight_bytes;
-                if (ep->draining) {
-                    if (ep->inflight && ep->inflight_bytes > ep->drain_low) capped = 1;
-                    else ep->draining = 0;
-                }
+                capped = pd_capped(ep, op_bytes);
             }
             struct pd_ctx *c = capped ? NULL : pd_ctx_get(ep);
             ssize_t ret = -FI_EAGAIN;
