@@ -120,7 +120,7 @@ STOP_SIGNAL = {"supervisor": signal.SIGINT, "script": signal.SIGTERM}
 
 @pytest.mark.parametrize("how", list(STARTERS))
 def test_starts_waits_for_health_and_stops_on_signal(how: str, tmp_path: Path) -> None:
-    base = 37000 if how == "supervisor" else 37100
+    base = 27000 if how == "supervisor" else 27100
     run = STARTERS[how](base, tmp_path / "job")
     try:
         run.wait_for("deployment ready")
@@ -144,7 +144,7 @@ def test_starts_waits_for_health_and_stops_on_signal(how: str, tmp_path: Path) -
 
 @pytest.mark.parametrize("how", list(STARTERS))
 def test_one_process_dying_stops_everything(how: str, tmp_path: Path) -> None:
-    base = 37200 if how == "supervisor" else 37300
+    base = 27200 if how == "supervisor" else 27300
     run = STARTERS[how](base, tmp_path / "job")
     try:
         run.wait_for("deployment ready")
@@ -158,7 +158,7 @@ def test_one_process_dying_stops_everything(how: str, tmp_path: Path) -> None:
 
 
 def test_worker_that_never_comes_up_fails_clearly(tmp_path: Path) -> None:
-    base = 37400
+    base = 27400
     blocker = socket.socket()
     blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     blocker.bind(("127.0.0.1", base + 10))  # decode-0's port
@@ -177,7 +177,7 @@ def test_worker_that_never_comes_up_fails_clearly(tmp_path: Path) -> None:
 
 def test_dry_run_prints_commands_and_starts_nothing(tmp_path: Path) -> None:
     out = tmp_path / "job"
-    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "launch", *overrides(37500),
+    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "launch", *overrides(27500),
                           "launcher=slurm", "transfer=tcp", "cluster.nodes=2", "--dry-run",
                           "--out", str(out)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
@@ -198,7 +198,7 @@ def run_worker(plan: Path, *args: str, env: dict[str, str] | None = None, timeou
 
 @pytest.fixture(scope="module")
 def plan_file(tmp_path_factory) -> Path:
-    rendered, findings = render(overrides(37600), tmp_path_factory.mktemp("w") / "job")
+    rendered, findings = render(overrides(27600), tmp_path_factory.mktemp("w") / "job")
     assert rendered is not None, findings
     return rendered.out / "plan.json"
 
@@ -229,10 +229,10 @@ def test_worker_sets_fabric_environment_and_serves_health(plan_file: Path) -> No
         fields = dict(kv.split("=", 1) for kv in line.split()[2:])
         assert fields["role"] == "decode" and fields["instance"] == "0"
         assert fields["ranks"] == "0" and fields["nics"] == "shm"
-        assert fields["FI_PROVIDER"] == "shm" and fields["port"] == "37610"
+        assert fields["FI_PROVIDER"] == "shm" and fields["port"] == "27610"
         assert "preflight" in p.stdout.readline()
         assert "healthy" in p.stdout.readline()
-        assert health(37610)["role"] == "decode"
+        assert health(27610)["role"] == "decode"
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=10) == 0
     finally:
@@ -249,7 +249,7 @@ def test_worker_execs_the_sglang_line_with_messenger_environment(tmp_path: Path)
     from pdtool.planner import build_plan
     from pdtool.render import write_job_folder
 
-    cfg, findings = load_config([*overrides(37700), "engine=sglang", "transfer=tcp",
+    cfg, findings = load_config([*overrides(27700), "engine=sglang", "transfer=tcp",
                                  "cluster.device=cuda"])
     assert cfg is not None, findings
     cfg.engine.python = str(Path(__file__).parent / "argv_dump.py")

@@ -23,9 +23,9 @@ from pdtool.planner import from_json
 OVERRIDES = [
     "+recipe=tiny-local", "launcher=slurm", "transfer=tcp", "cluster.nodes=4",
     "cluster.gpus_per_node=1", "cluster.gpu_numa=[0]", "prefill.tp=2", "prefill.nodes=2",
-    "decode.instances=2", "prefill.http_port=36100", "decode.http_port=36200",
-    "prefill.bootstrap_port=36150", "prefill.dist_init_port=36160", "decode.dist_init_port=36260",
-    "router.port=36300", "launcher.health_timeout_s=120",
+    "decode.instances=2", "prefill.http_port=26100", "decode.http_port=26200",
+    "prefill.bootstrap_port=26150", "prefill.dist_init_port=26160", "decode.dist_init_port=26260",
+    "router.port=26300", "launcher.health_timeout_s=120",
 ]
 
 
@@ -105,7 +105,7 @@ def test_worker_that_cannot_start_fails_the_job(slurm, tmp_path: Path) -> None:
     out = tmp_path / "job"
     blocker = socket.socket()
     blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    blocker.bind(("127.0.0.1", 36201))
+    blocker.bind(("127.0.0.1", 26201))
     blocker.listen()
     try:
         job = launch(slurm, out, "launcher.job_name=pdtool-fail")
@@ -115,7 +115,7 @@ def test_worker_that_cannot_start_fails_the_job(slurm, tmp_path: Path) -> None:
     batch = (out / "logs" / f"slurm-{job}.out").read_text()
     assert state == "FAILED", batch
     assert "decode-1.r0 exited" in batch
-    assert "cannot serve health on 127.0.0.1:36201" in batch
+    assert "cannot serve health on 127.0.0.1:26201" in batch
     assert "pdtool: ERROR: deployment did not become healthy" in batch
     # the other workers were stopped with the job: no step of it is left
     steps = slurm.run("squeue", "-h", "-s", "-j", job, check=False)
