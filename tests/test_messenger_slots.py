@@ -193,10 +193,7 @@ def test_signed_but_broken_requests_do_not_stop_the_prefill():
         assert reasons[1] == "refused: slices: not the routes for the chosen source ranks"
         assert pre.poll_requests() == []
         # the real decoder is still served
-        dec.submit("good", list(range(9)), [2, 3])
-        (req,) = _pull(pre)
-        _prefill(pre, req)
-        assert _settle(dec, "good").status is TransferStatus.SUCCESS
+        assert _serve(pre, dec, "good", [2, 3]).status is TransferStatus.SUCCESS
     finally:
         evil.close()
         ctx.term()
@@ -212,6 +209,14 @@ def _prefill(pre, req, src_pages=(4, 5)):
     for layer in range(2):
         pre.layer_done(layer)
     pre.finish(req.rid)
+
+
+def _serve(pre, dec, rid, dst_pages):
+    """One 9-token request end to end: submit, the prefill engine's part, the settled state."""
+    dec.submit(rid, list(range(9)), dst_pages)
+    (req,) = _pull(pre)
+    _prefill(pre, req)
+    return _settle(dec, rid)
 
 
 def _pull(pre, timeout=10.0):
@@ -304,10 +309,7 @@ def test_a_stuck_messenger_thread_is_reported_not_waited_on():
             time.sleep(0.01)
         assert dec.problem() == ""
         time.sleep(0.5)  # the prefill's PONGs are read again (the stall made it look silent)
-        dec.submit("r1", list(range(9)), [0, 1])
-        (req,) = _pull(pre)
-        _prefill(pre, req)
-        assert _settle(dec, "r1").status is TransferStatus.SUCCESS
+        assert _serve(pre, dec, "r1", [0, 1]).status is TransferStatus.SUCCESS
     finally:
         release.set()
         dec.close()
