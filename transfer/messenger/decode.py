@@ -200,7 +200,7 @@ class DecodeMessenger(Worker):
                 "slots_free": slots.free if slots is not None else 0,
                 "quarantined": len(slots.quarantined) if slots is not None else 0,
                 "requests": known, "stale_writes": self._stale if slots is not None else 0,
-                "stalled_s": round(self.stalled_s(), 3), "lanes": len(self.lane_writes)}
+                "stalled_s": round(self.stalled_s(), 3), "lanes": self.config.receive_lanes}
 
     @property
     def writes_per_op(self) -> int:
@@ -253,7 +253,6 @@ class DecodeMessenger(Worker):
                                 cfg.quarantine_grace_s)
         self._ep.watch_targets(self._slots.expected)
         self._counts = self._ep.recv_counts
-        self._lanes_active = False
         self._stale = 0
         codec = Codec(cfg.secret, self.identity)
         assert self._ctx is not None
@@ -334,9 +333,8 @@ class DecodeMessenger(Worker):
             else:
                 self._set(x, TransferStatus.SUCCESS)
         busy = self._slots.busy
-        if self._lanes and busy != self._lanes_active:
+        if self._lanes:
             self._ep.set_active(busy)  # the lanes poll eagerly only while writes may land
-            self._lanes_active = busy
         return bool(self._waiting) or busy
 
     # -- commands ---------------------------------------------------------------------------

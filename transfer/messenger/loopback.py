@@ -126,11 +126,11 @@ def _local(s: Scenario, full: Any, spec: ShardSpec, rank: int) -> Any:
 
 
 def _split(s: Scenario, t: Any) -> list[Any]:
-    """The layer's buffers (in huge-page host memory, as an engine's KV cache would be): the
-    fused tensor, or its K and V parts as two buffers."""
+    """The layer's buffers as views: the fused tensor, or its K and V parts."""
+    if not s.split_kv:
+        return [t]
     dim = 2 if s.layout == "HND" else 3
-    parts = [t.narrow(dim, j, 1) for j in range(t.shape[dim])] if s.split_kv else [t]
-    return [host_buffer(tuple(p.shape), p.dtype).copy_(p) for p in parts]
+    return [t.narrow(dim, j, 1) for j in range(t.shape[dim])]
 
 
 def _requests(s: Scenario) -> list[tuple[str, int, int, int]]:
@@ -210,7 +210,8 @@ def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any]
     from .prefill import PrefillMessenger
 
     src, dst = ShardSpec(s.num_kv_heads, s.prefill_tp), ShardSpec(s.num_kv_heads, s.decode_tp)
-    kv = [b for layer in range(s.num_layers)
+    # in huge-page host memory, as an engine's KV cache would be (transfer.hostmem)
+    kv = [host_buffer(tuple(b.shape), b.dtype).copy_(b) for layer in range(s.num_layers)
           for b in _split(s, _local(s, _global_layer(s, layer), src, rank))]
     aux = [torch.zeros((64, rb), dtype=torch.uint8) for rb in s.aux_row_bytes]
     cfg = PrefillConfig(secret=SECRET, spec=src, peer_spec=dst, rank=rank, provider=s.provider,

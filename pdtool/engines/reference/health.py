@@ -33,10 +33,9 @@ class HealthServer:
 
             def do_GET(self) -> None:
                 if self.path == "/health":
-                    reason = problem() if outer.ready else ""
                     if not outer.ready:
                         code, body = 503, {"status": "starting"}
-                    elif reason:
+                    elif reason := problem():
                         code, body = 503, {"status": "unhealthy", "reason": reason}
                     else:
                         code, body = 200, {"status": "ok", **info()}
