@@ -1,9 +1,9 @@
 """Serving processes of the reference engine: prefill ranks, decode ranks and the front.
 
-Entry points for the worker entry (`pdtool.worker`): `run_prefill(plan, rank_info)`,
-`run_decode(plan, rank_info)`, `run_front(plan, rank_info)`. Each turns the plan into a
-`RankSpec` (plain data, also accepted as JSON by `python -m pdtool.engines.reference.serve`, which
-the engine's own tests use) and serves until SIGTERM/SIGINT.
+The worker entry (`pdtool.worker`) calls `run_worker(ctx)`: it turns this process's share of the
+plan into a `RankSpec` (plain data, also accepted as JSON by
+`python -m pdtool.engines.reference.serve`, which the engine's own tests use) and serves until
+SIGTERM/SIGINT.
 
 Per instance, TP ranks form one gloo process group (rendezvous on rank 0's host at the
 instance's `dist_init_port`). Rank 0 leads: it takes new requests (the front's, or the
@@ -358,18 +358,6 @@ def run_worker(ctx: Any) -> int:
         print(f"pdtool-reference: ERROR: {exc}", file=sys.stderr, flush=True)
         return 2
     return run(spec)
-
-
-def run_prefill(plan: Any, ctx: Any) -> int:
-    return run_worker(ctx)
-
-
-def run_decode(plan: Any, ctx: Any) -> int:
-    return run_worker(ctx)
-
-
-def run_front(plan: Any, ctx: Any) -> int:
-    return run_worker(ctx)
 
 
 # -- entry points ---------------------------------------------------------------------------------
