@@ -75,7 +75,7 @@ class CommonConfig:
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 5.0
     busy_sleep_s: float = 0.0
-    idle_sleep_s: float = 0.005  # = Worker.TIMER_S: messages and commands wake it anyway
+    idle_sleep_s: float = 0.005  # = MessengerThread.TIMER_S: messages and commands wake it anyway
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -272,7 +272,7 @@ class CommandQueue(deque):
                 os.close(fd)
 
 
-class Worker:
+class MessengerThread:
     """Runs `_setup`, then `_step` in a loop on the messenger thread, then `_teardown`."""
 
     role = "worker"
@@ -392,7 +392,7 @@ class Worker:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def __enter__(self) -> Worker:
+    def __enter__(self) -> MessengerThread:
         return self
 
     def __exit__(self, *exc: object) -> None:

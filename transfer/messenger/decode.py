@@ -55,7 +55,14 @@ from ..control import Channel, Codec
 from ..layout import AuxSpec, LayoutError, as_buffer, aux_spec
 from ..routes import Slice, expected_writes, pages_for, routes_for, slice_ops
 from ..slots import SlotTable
-from .common import DecodeConfig, MessengerError, PeerClock, TransferState, TransferStatus, Worker
+from .common import (
+    DecodeConfig,
+    MessengerError,
+    MessengerThread,
+    PeerClock,
+    TransferState,
+    TransferStatus,
+)
 
 log = logging.getLogger("transfer.messenger.decode")
 _U32 = np.dtype("<u4")
@@ -78,7 +85,7 @@ class _Xfer:
     last_abort: float = 0.0
 
 
-class DecodeMessenger(Worker):
+class DecodeMessenger(MessengerThread):
     """See the module docstring. `kv_buffers`: one tensor per layer (or per layer and K/V with
     `buffers_per_layer=2`), all of the documented 5-D `layout`; `aux_buffers`: tensors of
     `[rows >= max_inflight, ...]` receiving context rows (hidden states, logits) — row = slot.
@@ -208,8 +215,8 @@ class DecodeMessenger(Worker):
         return self._writes_per_op
 
     def stalled_s(self) -> float:
-        """As Worker.stalled_s, counting the receive lanes' progress threads too: a lane stuck
-        inside the provider holds its transfers as surely as a stuck messenger thread."""
+        """As MessengerThread.stalled_s, counting the receive lanes' progress threads too: a lane
+        stuck inside the provider holds its transfers as surely as a stuck messenger thread."""
         lanes = [lane.progress_stalled_s for lane in getattr(self, "_lanes", [])]
         return max([super().stalled_s(), *lanes])
 

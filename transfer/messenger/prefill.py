@@ -65,10 +65,10 @@ from .common import (
     LAYER_MASK,
     PASS_SHIFT,
     MessengerError,
+    MessengerThread,
     PeerClock,
     PrefillConfig,
     PrefillResult,
-    Worker,
 )
 
 log = logging.getLogger("transfer.messenger.prefill")
@@ -175,7 +175,7 @@ class _Chosen(random.Random):
         return r
 
 
-class PrefillMessenger(Worker):
+class PrefillMessenger(MessengerThread):
     """See the module docstring. `kv_buffers`: one tensor per layer (or per layer and K/V),
     all of the 5-D `layout`; `aux_buffers`: staging tensors `[rows, ...]`, one row per request
     bound at once, rows of the same byte size as the decoder's aux rows. The caller keeps the
