@@ -26,6 +26,7 @@ MODULE_MARKS: dict[str, tuple[str, ...]] = {
     "test_reference_smoke": ("fabric",),
     "test_reference_slurm": ("fabric",),
     "test_reliability_serve": ("fabric",),
+    "test_workerenv": ("fabric",),
     "test_sglang_backend": ("fabric", "sglang"),
     # SGLang's own classes and parsers
     "test_sglang_frames": ("sglang",),

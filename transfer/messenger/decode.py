@@ -233,10 +233,8 @@ class DecodeMessenger(MessengerThread):
 
     # ================================================================ messenger thread
     def _setup(self) -> None:
-        from ..fabric import Endpoint  # imported here: validate/plan never need libfabric
-
         cfg = self.config
-        self._ep = Endpoint(cfg.provider, max_slots=max(cfg.max_inflight, 1))
+        self._ep = self._open_endpoint(max_slots=max(cfg.max_inflight, 1))
         limit = self._ep.iov_limit
         self._writes_per_op = min(cfg.writes_per_op or limit, limit)
         self._kv_mrs = [self._ep.register(b.addr, b.nbytes) for b in self._kv]
@@ -245,7 +243,7 @@ class DecodeMessenger(MessengerThread):
         self._lanes: list[Any] = []
         self._lane_info: list[dict[str, Any]] = []
         for _ in range(cfg.receive_lanes - 1):
-            lane = Endpoint(cfg.provider, max_slots=max(cfg.max_inflight, 1))
+            lane = self._open_endpoint(max_slots=max(cfg.max_inflight, 1))
             self._lanes.append(lane)
             mrs = [lane.register(b.addr, b.nbytes) for b in self._kv]
             lane.share_counts(self._ep)

@@ -323,10 +323,8 @@ class PrefillMessenger(MessengerThread):
 
     # ================================================================ messenger thread
     def _setup(self) -> None:
-        from ..fabric import Endpoint
-
         cfg = self.config
-        self._ep = Endpoint(cfg.provider, max_inflight_bytes=cfg.inflight_bytes)
+        self._ep = self._open_endpoint(max_inflight_bytes=cfg.inflight_bytes)
         self._kv_mrs = [self._ep.register(b.addr, b.nbytes, remote_write=False)
                         for b in self._kv]
         self._aux_mrs = [self._ep.register(as_buffer(a).addr, as_buffer(a).nbytes,
