@@ -173,7 +173,6 @@ class ShardPlan:
 class TransferPlan:
     provider: str
     layout: str  # the page layout written (page_layout), not always transfer.layout
-    completion: str
     backend_name: str
     timeout_s: float
     connect_timeout_s: float
@@ -583,7 +582,6 @@ def _transfer(cfg: Config, tokens: int) -> TransferPlan:
         provider=tr.provider,
         layout=layout,
         layout_source=layout_source(cfg),
-        completion=tr.completion,
         backend_name=tr.backend_name,
         timeout_s=tr.timeout_s,
         connect_timeout_s=tr.connect_timeout_s,

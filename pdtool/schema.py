@@ -26,7 +26,6 @@ LAYOUTS = ("HND", "NHD")
 PROVIDERS = ("efa", "verbs;ofi_rxm", "tcp;ofi_rxm", "shm")
 NIC_KINDS = ("efa", "connectx", "tcp", "shm")
 DEVICES = ("cuda", "cpu")
-COMPLETION_MODES = ("cq_data", "counter")
 MAX_LANES = 8  # transfer.lanes (the messenger's DecodeConfig takes 0..8)
 LAUNCHERS = ("local", "slurm")
 ENGINES = ("reference", "sglang")
@@ -145,11 +144,11 @@ class RoleConfig:
 
 @dataclass
 class TransferConfig:
-    """The KV messenger: libfabric provider, page layout, completion counting, timeouts."""
+    """The KV messenger: libfabric provider, page layout, timeouts. Completions are counted
+    from the immediate data every KV write carries (the only mode the messenger has)."""
 
     provider: str = "shm"  # efa | verbs;ofi_rxm | tcp;ofi_rxm | shm
     layout: str = "HND"  # HND | NHD
-    completion: str = "cq_data"  # cq_data (portable) | counter (FI_RMA_EVENT providers)
     aux_writes: int = 1  # context copies per request and decode rank (e.g. last hidden state)
     timeout_s: float = 60.0
     connect_timeout_s: float = 30.0
