@@ -414,7 +414,7 @@ class MooncakeRunner:
 
 # ------------------------------------------------------------------ messenger hook
 class MessengerRunner:
-    """The full messenger protocol via `transfer.messenger.loopback.measure_transfer`.
+    """The full messenger protocol via `transfer.testing.loopback.measure_transfer`.
 
     That function (the messenger's own, so the protocol is exercised exactly as in production:
     REQUEST over the signed control plane, per-layer progress, imm-counted writes, SUCCESS when
@@ -427,7 +427,7 @@ class MessengerRunner:
     """
 
     def __init__(self, provider: str, region: int) -> None:
-        from transfer.messenger.loopback import measure_transfer
+        from transfer.testing.loopback import measure_transfer
 
         self.provider = provider
         self.region = region
