@@ -279,7 +279,8 @@ class FabricRunner:
 def _nixl_agent(name: str) -> Any:
     from nixl_cu12._api import nixl_agent, nixl_agent_config
 
-    # no progress/listen threads: on 2 cores a third spinning thread halves throughput (DESIGN §5)
+    # no progress/listen threads: on 2 cores a third spinning thread halves throughput
+    # (docs/libfabric.md)
     cfg = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
                             backends=["UCX"])
     return nixl_agent(name, cfg)

@@ -1,4 +1,4 @@
-"""A real Slurm cluster on this one machine, for tests (DESIGN.md §7).
+"""A real Slurm cluster on this one machine, for tests (docs/slurm.md).
 
 Debian's `slurm-wlm` + `munge` run without systemd: one `munged` with its own socket and key in
 a temporary folder, one `slurmctld`, and several `slurmd -N nodeK` that all listen on 127.0.0.1

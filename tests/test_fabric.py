@@ -173,7 +173,7 @@ def test_scattered_pages_counted_per_slot_and_byte_exact(provider):
         assert rep["remote_writes"] == total
         if provider == "shm":  # FI_RMA_EVENT: the remote-write counter fast path moves
             assert rep["has_counter"] and rep["counter"] == total
-        else:  # rxm has no FI_RMA_EVENT (DESIGN §5): counting relies on CQ data alone
+        else:  # rxm has no FI_RMA_EVENT (docs/libfabric.md): counting relies on CQ data alone
             assert not rep["has_counter"]
         got = np.frombuffer(rep["kv"], dtype=np.uint8).reshape(N_DST_PAGES, PAGE)
         expect = np.zeros_like(got)

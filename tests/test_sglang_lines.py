@@ -2,7 +2,7 @@
 so no flag is misspelt and every value lands in the field the plan meant.
 
 `--disaggregation-transfer-backend pdtool` is accepted once pdtool's plugin has extended SGLang's
-choices; here the choice is registered the way the plugin does it (DESIGN.md §6, step 1:
+choices; here the choice is registered the way the plugin does it (docs/sglang.md, step 1:
 `arg_groups.choices.add_disagg_transfer_backend_choices`), without importing the backend.
 """
 

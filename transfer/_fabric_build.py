@@ -4,7 +4,7 @@ Why API mode: most `fi_*` calls are `static inline` wrappers around function-poi
 they only exist to a C compiler. Why a C source and not one Python call per `fi_*` call: the hot
 paths (submitting thousands of page writes, draining the completion queue and counting CQ data per
 transfer slot) cost ~1 µs per page through cffi, which caps small pages far below the copy speed
-(DESIGN §5). Here they are C loops; cffi releases the GIL around every call.
+(docs/libfabric.md). Here they are C loops; cffi releases the GIL around every call.
 
 Built at install time by setup.py (only when `rdma/fabric.h` is found), or by hand from the
 repository root: `python transfer/_fabric_build.py`.

@@ -7,7 +7,7 @@ fast), or hand it to its own C progress thread as a decoder's receive lane (`sha
 a `wait_*`) or nothing lands; the sender's `write_batch` drains the CQ itself when the queue is
 full.
 
-Completion counting (DESIGN §4-5): every write carries 32 bits of immediate data,
+Completion counting (docs/libfabric.md): every write carries 32 bits of immediate data,
 `encode_imm(slot, gen)`. The target's `poll()` adds one to `recv_counts[slot]` when `gen` equals
 `recv_gen[slot]` (set by the decoder when it arms the slot), else to `stale_writes`: a late write
 from a timed-out transfer never advances the slot's new owner. The sender passes a `tag` with each

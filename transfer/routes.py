@@ -3,7 +3,7 @@
 Pure functions shared by `pdtool plan` (to show and check a deployment) and by the messenger
 (to issue writes and to know how many to count), so both always agree on the arithmetic.
 
-Sharding model (DESIGN.md §3). A side has `tp` GPUs per instance and `dp` attention replicas;
+Sharding model (docs/sharding.md). A side has `tp` GPUs per instance and `dp` attention replicas;
 attention is sharded over `attn_tp = tp // dp` ranks. With `H` KV heads (MLA: one latent head):
   * `H % attn_tp == 0`: rank r holds heads [r*H/attn_tp, (r+1)*H/attn_tp) (head-sharded);
   * `attn_tp % H == 0`: rank r holds head r // (attn_tp/H), so every head has attn_tp/H
@@ -169,7 +169,8 @@ def writes_per_page(
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
-    """Pages prefill sends for a prompt of `num_tokens`: it stops one token short (DESIGN §4)."""
+    """Pages prefill sends for a prompt of `num_tokens`: it stops one token short
+    (docs/messenger.md, step 4)."""
     return math.ceil(max(num_tokens - 1, 0) / page_size)
 
 

@@ -1,4 +1,4 @@
-"""SGLang launch lines (DESIGN.md §6), checked against SGLang 0.5.23's own parser in the tests.
+"""SGLang launch lines (docs/sglang.md), checked against SGLang 0.5.23's own parser in the tests.
 
 Pure functions of the config and plan; hosts are shell variables (`HOSTS[k]`) because node
 addresses exist only inside the allocation.

@@ -6,7 +6,7 @@ thread owns everything else — the libfabric endpoint, the ZeroMQ sockets, the 
 and loops: drain the CQ, run commands, read control messages, watch the progress counter, check
 counts, and every few milliseconds run timers (timeouts, heartbeats, quarantine). Keeping every
 poll in one place matters on small machines: two busy-polling threads per process halve the
-throughput (DESIGN §5). While nothing is in flight the thread sleeps on its sockets and the
+throughput (docs/libfabric.md). While nothing is in flight the thread sleeps on its sockets and the
 engine's command doorbell (so a message or a command wakes it at once; `idle_sleep_s` only
 paces the timers); while writes are due it polls the completion queue in short C slices (the
 GIL released, the core yielded when a poll finds nothing), or, with `busy_sleep_s` > 0, polls

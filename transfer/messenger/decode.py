@@ -1,4 +1,4 @@
-"""Decode side of the KV messenger (DESIGN §4 steps 1 and 5).
+"""Decode side of the KV messenger (docs/messenger.md, steps 1 and 5).
 
 Per decode attention rank, one `DecodeMessenger`. For each request whose pages the engine has
 allocated (non-evictable), the engine calls `submit`; the messenger

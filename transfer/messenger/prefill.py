@@ -1,4 +1,4 @@
-"""Prefill side of the KV messenger (DESIGN §4 steps 2-5).
+"""Prefill side of the KV messenger (docs/messenger.md, steps 2-5).
 
 One `PrefillMessenger` per prefill attention rank. The lead (rank 0) receives every decode
 rank's REQUEST part, validates each field against its own configuration (sharding, layout,

@@ -5,7 +5,7 @@ backend only moves bytes and reports `KVPoll` states. It subclasses SGLang's `Co
 its mooncake and nixl backends do, so bootstrap (HTTP registry), rank mapping across TP sizes,
 heartbeats, timeouts and failure bookkeeping stay SGLang's own code.
 
-Data plane (pdtool's messenger rules, DESIGN §4–5):
+Data plane (pdtool's messenger rules, docs/messenger.md):
   * every KV/aux buffer of a rank is registered once with one libfabric `Endpoint`;
   * prefill turns a chunk's page ids into (src offset, dst offset, length) arrays with
     `transfer.layout.write_plan` and submits each layer buffer's writes in one C call;
