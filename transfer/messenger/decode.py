@@ -238,15 +238,14 @@ class DecodeMessenger(MessengerThread):
         limit = self._ep.iov_limit
         self._writes_per_op = min(cfg.writes_per_op or limit, limit)
         self._kv_mrs = [self._ep.register(b.addr, b.nbytes) for b in self._kv]
-        # extra receive lanes: the same KV buffers, counted into this endpoint's slots, each
-        # drained (on shm: copied) by a C thread of its own
+        # extra receive lanes: endpoints of the same domain using the same KV registrations,
+        # counted into this endpoint's slots, each drained (on shm: copied) by a C thread
         self._lanes: list[Any] = []
         self._lane_info: list[dict[str, Any]] = []
         for _ in range(cfg.receive_lanes - 1):
-            lane = self._open_endpoint(max_slots=max(cfg.max_inflight, 1))
+            lane = self._ep.open_lane()
             self._lanes.append(lane)
-            mrs = [lane.register(b.addr, b.nbytes) for b in self._kv]
-            lane.share_counts(self._ep)
+            mrs = [lane.lane_region(m) for m in self._kv_mrs]
             lane.start_progress()
             self._lane_info.append({"fabric_name": lane.name,
                                     "regions": [m.descriptor().to_dict() for m in mrs]})
