@@ -50,6 +50,7 @@ import numpy as np
 import zmq
 
 from ..control import Channel, Codec
+from ..geometry import slice_ops, writes_per_page
 from ..layout import AuxSpec, KVLayout, LayoutError, as_buffer, aux_spec, write_plan
 from ..routes import (
     RouteError,
@@ -58,8 +59,6 @@ from ..routes import (
     pages_for,
     routes_for,
     sendable,
-    slice_ops,
-    writes_per_page,
 )
 from .common import (
     LAYER_MASK,
