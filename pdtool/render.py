@@ -26,6 +26,7 @@ from pdtool import __version__
 from pdtool.launch.shell import Var, Word, q, words
 from pdtool.launch.spec import LaunchError, LaunchSpec, build_launch
 from pdtool.paths import templates_dir
+from pdtool.rules import validate
 from pdtool.rules.finding import Finding, error, has_errors
 
 SCRIPT_NAMES = {"slurm": "job.sbatch", "local": "run_local.sh"}
@@ -148,19 +149,6 @@ def write_job_folder(cfg: Any, plan: Any, out: Path) -> Rendered:
     (out / "launch.json").write_text(json.dumps(spec_to_dict(spec), indent=2) + "\n")
     write_secret(out / SECRET_NAME)
     return Rendered(out=out, script=script, spec=spec, plan=plan, cfg=cfg)
-
-
-def validate(cfg: Any) -> list[Finding]:
-    """The validator's findings (pdtool.rules), whatever its entry point is called."""
-    import pdtool.rules as rules
-
-    fn = getattr(rules, "validate", None)
-    if fn is None:  # the foundation's validator entry point not landed yet: per-area checks
-        from pdtool.rules import values
-
-        return [f for name in dir(values) if name.startswith("check_")
-                for f in getattr(values, name)(cfg)]
-    return list(fn(cfg))
 
 
 def prepare(overrides: list[str]) -> tuple[Any, Any, list[Finding]]:

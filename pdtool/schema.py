@@ -30,7 +30,6 @@ LAYOUTS = ("HND", "NHD")
 PROVIDERS = ("efa", "verbs;ofi_rxm", "tcp;ofi_rxm", "shm")
 NIC_KINDS = ("efa", "connectx", "tcp", "shm")
 DEVICES = ("cuda", "cpu")
-COMPLETION_MODES = ("cq_data", "counter")
 MAX_LANES = 8  # transfer.lanes (the messenger's DecodeConfig takes 0..8)
 LAUNCHERS = ("local", "slurm")
 ENGINES = ("reference", "sglang")
@@ -149,11 +148,11 @@ class RoleConfig:
 
 @dataclass
 class TransferConfig:
-    """The KV messenger: libfabric provider, page layout, completion counting, timeouts."""
+    """The KV messenger: libfabric provider, page layout, timeouts. Completions are counted
+    from the immediate data every KV write carries (the only mode the messenger has)."""
 
     provider: str = "shm"  # efa | verbs;ofi_rxm | tcp;ofi_rxm | shm
     layout: str = "HND"  # HND | NHD
-    completion: str = "cq_data"  # cq_data (portable) | counter (FI_RMA_EVENT providers)
     timeout_s: float = 60.0
     connect_timeout_s: float = 30.0
     peer_timeout_s: float = 5.0  # a messenger peer silent this long is dead (its lease)
@@ -192,6 +191,10 @@ class LauncherConfig:
     setup: list[str] = field(default_factory=list)  # shell lines run before workers start
     env: EnvConfig = field(default_factory=EnvConfig)
     health_timeout_s: int = 900
+    # Slurm: GPUs asked per node (conf/launcher/slurm.yaml follows cluster.gpus_per_node; only
+    # on device=cuda) and memory ("" = all of an exclusive node, --mem=0; e.g. "480G")
+    gpus_per_node: int = 0
+    mem: str = ""
 
 
 @dataclass

@@ -63,7 +63,6 @@ def _knobs() -> list[tuple[str, object]]:
     out += [("cluster.nodes", v) for v in (0, 1, 2, 4, 8)]
     out += [("transfer.provider", v) for v in (*PROVIDERS, "ucx")]
     out += [("transfer.layout", v) for v in ("HND", "NHD", "HDN")]
-    out += [("transfer.completion", v) for v in ("cq_data", "counter")]
     out += [("transfer.lanes", v) for v in (-1, 0, 2, 9)]
     out += [("launcher.kind", v) for v in ("local", "slurm", "pbs")]
     out += [("engine.kind", v) for v in ("reference", "sglang", "vllm")]

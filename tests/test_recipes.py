@@ -1,4 +1,4 @@
-"""Every recipe in recipes/ composes, validates clean, and plans routes as DESIGN.md §3 says."""
+"""Every recipe in recipes/ composes, validates clean, and plans routes as docs/sharding.md says."""
 
 from __future__ import annotations
 

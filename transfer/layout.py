@@ -5,7 +5,7 @@ that decoder, heads [h, h+n)" into three uint64 arrays (source offsets, destinat
 lengths) that one C call submits as RMA writes. This module builds those arrays with numpy
 broadcasting, never a Python loop per page, so a batch of thousands of pages costs microseconds.
 
-One buffer per layer (DESIGN "key cross-team decisions"), `kv_parts` = 2 for K and V fused per
+One buffer per layer (docs/sharding.md), `kv_parts` = 2 for K and V fused per
 head, 1 for an MLA latent:
   * HND: `[num_pages, heads_local, kv_parts, page_size, head_dim]` — the pages of one head run are
     contiguous inside a page, so a head slice of a page is ONE write whatever the TP split.

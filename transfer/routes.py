@@ -4,7 +4,7 @@ Pure functions shared by `pdtool plan` (to show and check a deployment), the mes
 SGLang backend (to issue writes), so all agree on who sends what. How many writes a slice costs
 in an engine's pages is `transfer.geometry`'s; the degrees arithmetic is `transfer.parallel`'s.
 
-Sharding model (DESIGN.md §3): `transfer.parallel` (which heads a rank holds, and replicas).
+Sharding model (docs/sharding.md): `transfer.parallel` (which heads a rank holds, and replicas).
 """
 
 from __future__ import annotations
@@ -138,7 +138,8 @@ def routes_for(
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
-    """Pages prefill sends for a prompt of `num_tokens`: it stops one token short (DESIGN §4)."""
+    """Pages prefill sends for a prompt of `num_tokens`: it stops one token short
+    (docs/messenger.md, step 4)."""
     return math.ceil(max(num_tokens - 1, 0) / page_size)
 
 

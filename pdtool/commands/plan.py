@@ -146,7 +146,7 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
 
     con.print(
         f"transfer: provider [cyan]{t.provider}[/], layout [cyan]{_layout(t)}[/], page "
-        f"{t.page_size} tokens, completion {t.completion}; prefill attention TP "
+        f"{t.page_size} tokens; prefill attention TP "
         f"{t.prefill.attn_tp} ({t.prefill.heads_per_rank} head(s)/rank"
         f"{', replicated' if t.prefill.replicated else ''}) -> decode attention TP "
         f"{t.decode.attn_tp} ({t.decode.heads_per_rank} head(s)/rank"

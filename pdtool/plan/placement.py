@@ -114,11 +114,14 @@ def choose_nics(
 def nic_env(provider: str, nics: tuple[str, ...], kind: str) -> dict[str, str]:
     """Environment a rank needs so libfabric (and the messenger) use the NICs chosen for it.
 
-    `PDTOOL_FI_*` are for the messenger (provider string and domain list); the `FI_*`
+    `PDTOOL_FI_PROVIDER` (transfer.workerenv) is for pdtool's SGLang backend; the NICs reach
+    the engines through the worker (`workerenv.worker_env`, from the rank's `nics`). The `FI_*`
     variables restrict libfabric itself. FI_PROVIDER is only set for single providers: layered
     ones (`tcp;ofi_rxm`) are selected by the messenger's fi_getinfo hints.
     """
-    env = {"PDTOOL_FI_PROVIDER": provider, "PDTOOL_FI_DOMAINS": ",".join(nics)}
+    from transfer.workerenv import FI_PROVIDER
+
+    env = {FI_PROVIDER.name: provider}
     if provider == "efa":
         env["FI_PROVIDER"] = "efa"
         env["FI_EFA_IFACE"] = ",".join(nics)

@@ -129,7 +129,6 @@ class ShardPlan:
 class TransferPlan:
     provider: str
     layout: str  # the page layout written (page_layout), not always transfer.layout
-    completion: str
     backend_name: str
     timeout_s: float
     connect_timeout_s: float

@@ -169,7 +169,6 @@ def transfer_plan(cfg: Config, tokens: int) -> TransferPlan:
         provider=tr.provider,
         layout=pool.layout,
         layout_source=layout_source(cfg),
-        completion=tr.completion,
         backend_name=tr.backend_name,
         timeout_s=tr.timeout_s,
         connect_timeout_s=tr.connect_timeout_s,

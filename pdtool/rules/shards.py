@@ -1,4 +1,4 @@
-"""Shard compatibility between prefill and decode (DESIGN.md §3).
+"""Shard compatibility between prefill and decode (docs/sharding.md).
 
 * Each side: KV heads split over attention TP (`heads % tp == 0`) or replicated in groups
   (`tp % heads == 0`; MLA is the one-head case).

@@ -13,7 +13,6 @@ from pdtool.plan import expand_cpus
 from pdtool.rules.finding import Finding, error, warning
 from pdtool.schema import (
     ATTENTION_KINDS,
-    COMPLETION_MODES,
     DEVICES,
     ENGINES,
     KV_DTYPE_CHOICES,
@@ -257,7 +256,6 @@ def check_transfer(cfg: Config) -> list[Finding]:
     t = cfg.transfer
     out = _choice("transfer.provider", t.provider, PROVIDERS)
     out += _choice("transfer.layout", t.layout, LAYOUTS)
-    out += _choice("transfer.completion", t.completion, COMPLETION_MODES)
     if not 0 <= t.lanes <= MAX_LANES:
         out.append(error("transfer.lanes", f"receive lanes per decode rank must be 0 (automatic) "
                          f"to {MAX_LANES}, got {t.lanes}",
@@ -271,15 +269,6 @@ def check_transfer(cfg: Config) -> list[Finding]:
                          f"{t.peer_timeout_s} s is not longer than transfer.heartbeat_s "
                          f"({t.heartbeat_s} s): every peer would look dead",
                          "set transfer.peer_timeout_s to several heartbeats (default 5.0)"))
-    if t.completion == "counter" and t.provider in PROVIDERS and t.provider != "shm":
-        out.append(
-            error(
-                "transfer.completion",
-                f"provider {t.provider!r} has no FI_RMA_EVENT: a remote-write counter never "
-                "moves there",
-                "set transfer.completion=cq_data (immediate data counted per transfer)",
-            )
-        )
     if not t.backend_name or not re.fullmatch(r"[a-z][a-z0-9_-]*", t.backend_name):
         out.append(
             error(

@@ -5,7 +5,7 @@ backend only moves bytes and reports `KVPoll` states. It subclasses SGLang's `Co
 its mooncake and nixl backends do, so bootstrap (HTTP registry), rank mapping across TP sizes,
 heartbeats, timeouts and failure bookkeeping stay SGLang's own code.
 
-Data plane (pdtool's messenger rules, DESIGN §4–5):
+Data plane (pdtool's messenger rules, docs/messenger.md):
   * every KV/aux buffer of a rank is registered once with one libfabric `Endpoint`;
   * prefill turns a chunk's page ids into (src offset, dst offset, length) arrays with
     `transfer.layout.write_plan` and submits each layer buffer's writes in one C call;
@@ -49,7 +49,6 @@ import collections
 import functools
 import hashlib
 import hmac
-import json
 import logging
 import os
 import queue
@@ -74,7 +73,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_device
 
-from transfer import fabric
+from transfer import fabric, workerenv
 from transfer.control import ControlError, ReplayGuard
 from transfer.geometry import sglang_buffer_layouts, sglang_decode_writes, sglang_slices
 from transfer.layout import KVLayout, LayoutError, write_plan
@@ -290,20 +289,16 @@ class PdtoolKVManager(CommonKVManager):
 
     def _nic(self) -> str | None:
         """This rank's NIC: PDTOOL_FI_DOMAIN, else its GPU's first entry of PDTOOL_NICS."""
-        if os.environ.get("PDTOOL_FI_DOMAIN"):
-            return os.environ["PDTOOL_FI_DOMAIN"]
         try:
-            nics = json.loads(os.environ.get("PDTOOL_NICS") or "{}")
-        except ValueError:
-            raise PdtoolBackendError("PDTOOL_NICS is not a JSON object {gpu: 'nic,...'}") from None
-        own = str(nics.get(str(self.kv_args.gpu_id), "")).split(",")[0]
-        return own or None
+            return workerenv.domain_for(self.kv_args.gpu_id)
+        except workerenv.WorkerEnvError as exc:
+            raise PdtoolBackendError(str(exc)) from None
 
     def _open_endpoint(self) -> fabric.Endpoint:
         """Open the rank's endpoint on its NIC. libfabric names domains after the device, but
         EFA's RDM domain carries a `-rdm` suffix; if no domain matches, the provider's default
         NIC is used with a warning (it works, only slower when it is the wrong one)."""
-        provider = os.environ.get("PDTOOL_FI_PROVIDER", DEFAULT_PROVIDER)
+        provider = workerenv.provider(DEFAULT_PROVIDER)
         node = self.local_ip if provider.startswith(("tcp", "sockets")) else None
         nic = self._nic()
         tried: list[str | None] = [nic, f"{nic}-rdm", None] if nic and provider != "shm" \

@@ -10,7 +10,7 @@ Modules, in the order a request meets them:
   wire      signed front ↔ decode messages
   front     the OpenAI-style HTTP front (/v1/completions, streaming)
   health    /health and /stats of each instance lead
-  serve     the serving processes and the worker entry's hooks (run_worker, run_prefill, ...)
+  serve     the serving processes and the worker entry's hook (run_worker)
   fromplan  plan → RankSpec for the worker entry
   local     start a deployment from RankSpecs (the engine's tests)
   client    a streaming OpenAI client measuring TTFT/TPOT (`pdtool launch --smoke`)

@@ -6,7 +6,7 @@ decision after that (page allocation, batching) is a deterministic function of t
 ranks allocate the same page ids without sending them around.
 
 The links (`PrefillLink`, `DecodeLink`) are the engine side of the KV messenger; the schedulers
-call them at the protocol points of DESIGN.md §4.
+call them at the protocol points of docs/messenger.md.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from transfer import workerenv
+
 from .limits import TORCH_KV_DTYPES, instance_problems, model_problems
 from .serve import RankSpec
 
@@ -118,11 +120,14 @@ def spec_from_context(ctx: Any) -> RankSpec:
 
 def messenger_settings(plan: Any, inst: Any, rank: Any, host: str) -> dict[str, Any]:
     """What the messenger adapter needs from the plan (plain data). Prefill ranks' control
-    addresses are read at start-up from each prefill lead's /health (see link.py)."""
+    addresses are read at start-up from each prefill lead's /health (see link.py); the
+    libfabric domain is the NIC the plan chose for this rank's GPU, as the worker exported it
+    (transfer.workerenv)."""
     t = plan.transfer
     prefill = [{"health": f"http://{_host_of(i.nodes[0], host)}:{i.http_port}/health"}
                for i in plan.role_instances("prefill")]
-    return {"provider": t.provider, "timeout_s": t.timeout_s,
+    return {"provider": t.provider, "domain": workerenv.domain_for(rank.gpu),
+            "timeout_s": t.timeout_s,
             "peer_timeout_s": t.peer_timeout_s, "heartbeat_s": t.heartbeat_s, "lanes": t.lanes,
             "connect_timeout_s": max(t.connect_timeout_s, 120.0), "prefill": prefill,
             "prefill_tp": t.prefill.attn_tp, "decode_tp": t.decode.attn_tp}

@@ -58,6 +58,7 @@ def _common(spec: Any, model: TinyModel) -> dict[str, Any]:
         "peer_spec": cfg.shard_spec(peer_tp),
         "rank": spec.rank,
         "provider": m.get("provider", "shm"),
+        "domain": m.get("domain"),
         "timeout_s": float(m.get("timeout_s", 60.0)),
         "peer_timeout_s": float(m.get("peer_timeout_s", 5.0)),
         "heartbeat_s": float(m.get("heartbeat_s", 0.5)),
