@@ -390,3 +390,19 @@ def test_plan_version_mismatch_is_refused():
     data["version"] = 99
     with pytest.raises(ValueError, match="plan version 99"):
         plan_from_dict(data)
+
+
+def test_rules_use_only_the_plans_public_surface():
+    """The validate rules import `pdtool.plan`'s exported names, never its modules' internals."""
+    import ast
+    from pathlib import Path
+
+    import pdtool.plan as plan_pkg
+
+    rules = Path(__file__).resolve().parents[1] / "pdtool" / "rules"
+    for path in sorted(rules.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pdtool.plan"):
+                assert node.module == "pdtool.plan", (path.name, node.module)
+                names = {a.name for a in node.names}
+                assert names <= set(plan_pkg.__all__), (path.name, names - set(plan_pkg.__all__))
