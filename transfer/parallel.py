@@ -119,10 +119,6 @@ class ParallelDims:
             return span * instances
         return math.ceil(instances / per_node)
 
-    def gpus_per_instance_node(self) -> int:
-        """GPUs of one instance on each of its nodes."""
-        return self.gpus // max(self.nodes, 1)
-
     # -- text ------------------------------------------------------------------------------
     def key(self, name: str) -> str:
         return f"{self.role}.{name}" if self.role else name
