@@ -134,7 +134,7 @@ def write_secret(path: Path) -> None:
 def write_job_folder(cfg: Any, plan: Any, out: Path) -> Rendered:
     """Render scripts, config, plan and secret into `out` (created if needed)."""
     from pdtool.compose import config_to_yaml
-    from pdtool.planner import to_json
+    from pdtool.plan import to_json
 
     out = Path(out).resolve()
     spec = build_launch(cfg, plan, str(out))
@@ -154,7 +154,7 @@ def write_job_folder(cfg: Any, plan: Any, out: Path) -> Rendered:
 def prepare(overrides: list[str]) -> tuple[Any, Any, list[Finding]]:
     """(cfg, plan, findings): compose, validate and plan; cfg/plan are None on any error."""
     from pdtool.compose import load_config
-    from pdtool.planner import PlanError, build_plan
+    from pdtool.plan import PlanError, build_plan
 
     cfg, findings = load_config(list(overrides))
     if cfg is None:

@@ -10,6 +10,8 @@ Keys are short and stable because users type them on the command line:
 `model.attention`, `prefill.tp`, `decode.instances`, `transfer.layout`, `launcher.partition`, ...
 
 Nothing here imports torch, SGLang or the libfabric binding: `pdtool validate` must stay fast.
+The parallelism arithmetic (GPUs per instance, attention TP, heads per rank, node span) is
+`transfer.parallel.ParallelDims`'; `role_dims` builds it from a role's keys.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from transfer.parallel import ParallelDims
+
 ATTENTION_KINDS = ("mha", "gqa", "mla")
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "fp8")
-KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+KV_DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 LAYOUTS = ("HND", "NHD")
 PROVIDERS = ("efa", "verbs;ofi_rxm", "tcp;ofi_rxm", "shm")
 NIC_KINDS = ("efa", "connectx", "tcp", "shm")
@@ -149,7 +153,6 @@ class TransferConfig:
 
     provider: str = "shm"  # efa | verbs;ofi_rxm | tcp;ofi_rxm | shm
     layout: str = "HND"  # HND | NHD
-    aux_writes: int = 1  # context copies per request and decode rank (e.g. last hidden state)
     timeout_s: float = 60.0
     connect_timeout_s: float = 30.0
     peer_timeout_s: float = 5.0  # a messenger peer silent this long is dead (its lease)
@@ -252,19 +255,29 @@ def role(cfg: Config, name: str) -> RoleConfig:
     return cfg.prefill if name == "prefill" else cfg.decode
 
 
+def dims(rc: RoleConfig, model: ModelConfig | None = None) -> ParallelDims:
+    """The ParallelDims of a role's degrees (KV heads from `model` when given)."""
+    return ParallelDims(tp=rc.tp, dp=rc.dp, dp_attention=rc.dp_attention,
+                        kv_heads=kv_heads(model) if model is not None else 1, nodes=rc.nodes)
+
+
+def role_dims(cfg: Config, name: str) -> ParallelDims:
+    """Everything `transfer.parallel.ParallelDims` knows about role `name` of a deployment:
+    degrees, KV-cache heads, nodes per instance and node size; messages name `<name>.tp`..."""
+    rc = role(cfg, name)
+    return ParallelDims(tp=rc.tp, dp=rc.dp, dp_attention=rc.dp_attention,
+                        kv_heads=kv_heads(cfg.model), nodes=rc.nodes,
+                        gpus_per_node=cfg.cluster.gpus_per_node, role=name)
+
+
 def gpus_per_instance(rc: RoleConfig) -> int:
     """GPUs one instance occupies (see RoleConfig)."""
-    return rc.tp if rc.dp_attention else rc.tp * rc.dp
+    return dims(rc).gpus
 
 
 def attn_tp(rc: RoleConfig) -> int:
     """Attention TP degree of one attention replica."""
-    return rc.tp // rc.dp if rc.dp_attention else rc.tp
-
-
-def attn_groups(rc: RoleConfig) -> int:
-    """Attention replicas per instance (DP groups), each `attn_tp` GPUs wide."""
-    return rc.dp
+    return dims(rc).attn_tp
 
 
 def kv_heads(model: ModelConfig) -> int:

@@ -46,7 +46,7 @@ class WorkerError(RuntimeError):
 class WorkerContext:
     """What an engine function receives: the plan and this process's place in it."""
 
-    plan: Any  # pdtool.planner.Plan
+    plan: Any  # pdtool.plan.Plan
     plan_path: Path
     role: str  # prefill | decode | router
     instance: Any  # InstancePlan (None for the router)
@@ -77,7 +77,7 @@ def _env_int(slurm: str | None, var: workerenv.Var) -> int | None:
 
 
 def load_plan(path: Path) -> Any:
-    from pdtool.planner import PlanError, from_json
+    from pdtool.plan import PlanError, from_json
 
     try:
         return from_json(path.read_text())

@@ -246,7 +246,7 @@ def test_worker_execs_the_sglang_line_with_messenger_environment(tmp_path: Path)
     NIC and deployment secret in the environment of pdtool's SGLang backend."""
     from pdtool.compose import load_config
     from pdtool.launch.shell import resolve
-    from pdtool.planner import build_plan
+    from pdtool.plan import build_plan
     from pdtool.render import write_job_folder
 
     cfg, findings = load_config([*overrides(27700), "engine=sglang", "transfer=tcp",

@@ -36,7 +36,7 @@ from pdtool.engines.reference.oracle import encode, generate
 from pdtool.engines.reference.serve import RankSpec
 from pdtool.engines.reference.tokens import decode
 from pdtool.engines.reference.wire import Wire, dealer
-from pdtool.planner import from_json
+from pdtool.plan import from_json
 from transfer.control import read_secret
 
 torch.set_num_threads(1)

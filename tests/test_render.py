@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from pdtool.compose import load_config, recipe_files
 from pdtool.launch.shell import Var, q, word, words
-from pdtool.planner import build_plan, expand_cpus, from_json
+from pdtool.plan import build_plan, expand_cpus, from_json
 from pdtool.render import SECRET_NAME, render, write_job_folder
 from pdtool.schema import gpus_per_instance
 

@@ -123,6 +123,8 @@ def test_env_per_role_is_added_with_plus():
     ("overrides", "key", "fragment"),
     [
         (["model.layers=4"], "model.layers", "Could not override"),
+        # metadata writes are the engine's (transfer.geometry), not a setting
+        (["transfer.aux_writes=1"], "transfer.aux_writes", "Could not override"),
         (["prefill.tp=four"], "prefill.tp", "four"),
         (["prefill.dp_attention=maybe"], "prefill.dp_attention", "maybe"),
         (["cluster.gpu_memory_gb=lots"], "cluster.gpu_memory_gb", "lots"),

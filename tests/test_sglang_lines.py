@@ -16,7 +16,7 @@ import pytest
 
 from pdtool.compose import load_config
 from pdtool.launch.shell import resolve
-from pdtool.planner import build_plan
+from pdtool.plan import build_plan
 from pdtool.render import write_job_folder
 
 SGLANG_RECIPES = ["deepseek-r1", "deepseek-r1-dp-attention", "qwen3-coder-480b", "llama-3.1-70b"]

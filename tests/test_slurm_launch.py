@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pdtool.planner import from_json
+from pdtool.plan import from_json
 
 #: prefill TP2 spans nodes 0-1 (one "GPU" per node), decode instances on nodes 2 and 3
 OVERRIDES = [

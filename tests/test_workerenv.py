@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from pdtool_cfg import recipe
 
-from pdtool.planner import build_plan, to_json
+from pdtool.plan import build_plan, to_json
 from pdtool.worker import parse_args, resolve, worker_env
 from transfer import workerenv
 from transfer.control import write_secret

@@ -19,7 +19,7 @@ Pure functions of the config and plan. The shape (README "Slurm job shape"):
 
 from __future__ import annotations
 
-from pdtool.planner import Plan, RankPlan, compress_cpus, expand_cpus
+from pdtool.plan import Plan, RankPlan, compress_cpus, expand_cpus
 from pdtool.schema import Config
 
 

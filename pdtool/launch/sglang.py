@@ -10,12 +10,12 @@ import json
 from collections.abc import Callable
 
 from pdtool.launch.shell import Var, Word, word
-from pdtool.planner import InstancePlan, Plan, RankPlan, gpu_numa
+from pdtool.plan import InstancePlan, Plan, RankPlan, gpu_numa
 from pdtool.schema import Config
 
 #: pdtool KV dtype names -> SGLang --kv-cache-dtype choices
-KV_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
-             "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+SGLANG_KV_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
+                    "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
 
 def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPlan],
@@ -52,7 +52,7 @@ def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPla
     if first_gpu:
         argv += ["--base-gpu-id", str(first_gpu)]
     if rc.kv_dtype != "auto":
-        argv += ["--kv-cache-dtype", KV_DTYPES.get(inst.kv_dtype, inst.kv_dtype)]
+        argv += ["--kv-cache-dtype", SGLANG_KV_DTYPES.get(inst.kv_dtype, inst.kv_dtype)]
     if rc.max_running_requests:
         argv += ["--max-running-requests", str(rc.max_running_requests)]
     ib = {str(r.gpu): ",".join(r.nics) for r in ranks if r.nics}

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pdtool.launch.resources import describe_cpus, job_options, step_options
 from pdtool.launch.sglang import router_argv, server_argv
 from pdtool.launch.shell import Var, Word, word
-from pdtool.planner import InstancePlan, Plan, RankPlan
+from pdtool.plan import InstancePlan, Plan, RankPlan
 from pdtool.schema import Config
 
 #: engines whose one process drives all GPUs of its node

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from pdtool.planner import placements
+from pdtool.plan import placements
 from pdtool.rules.finding import Finding, error
 from pdtool.schema import Config
 

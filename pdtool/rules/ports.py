@@ -10,7 +10,7 @@ with the workers by construction; what can break is a collision with the router'
 
 from __future__ import annotations
 
-from pdtool.planner import placements
+from pdtool.plan import placements
 from pdtool.rules.finding import Finding, error
 from pdtool.schema import ROLES, Config, role
 

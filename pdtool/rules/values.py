@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import re
 
-from pdtool.planner import expand_cpus
+from pdtool.plan import expand_cpus
 from pdtool.rules.finding import Finding, error, warning
 from pdtool.schema import (
     ATTENTION_KINDS,
     DEVICES,
     ENGINES,
-    KV_DTYPES,
+    KV_DTYPE_CHOICES,
     LAUNCHERS,
     LAYOUTS,
     MAX_LANES,
@@ -24,6 +24,7 @@ from pdtool.schema import (
     ROLES,
     WEIGHT_DTYPES,
     Config,
+    dims,
     role,
 )
 
@@ -234,7 +235,7 @@ def check_roles(cfg: Config) -> list[Finding]:
         for name in ("tp", "dp", "nodes", "instances", "page_size", "chunked_prefill_size"):
             out += _at_least(f"{r}.{name}", getattr(rc, name), 1)
         out += _at_least(f"{r}.max_running_requests", rc.max_running_requests, 0)
-        out += _choice(f"{r}.kv_dtype", rc.kv_dtype, KV_DTYPES)
+        out += _choice(f"{r}.kv_dtype", rc.kv_dtype, KV_DTYPE_CHOICES)
         out += _choice(f"{r}.kv_layout", rc.kv_layout, LAYOUTS)
         if not 0 < rc.mem_fraction <= 1:
             out.append(
@@ -245,15 +246,9 @@ def check_roles(cfg: Config) -> list[Finding]:
                     f"set {r}.mem_fraction=0.85 (SGLang's usual static fraction)",
                 )
             )
-        if rc.tp >= 1 and rc.dp >= 1 and rc.dp_attention and rc.tp % rc.dp:
-            out.append(
-                error(
-                    f"{r}.dp",
-                    f"DP attention splits the {rc.tp} GPUs of {r}.tp into {r}.dp={rc.dp} "
-                    f"groups: {rc.tp} % {rc.dp} = {rc.tp % rc.dp}",
-                    f"set {r}.dp to a divisor of {rc.tp} (e.g. {r}.dp={rc.tp})",
-                )
-            )
+        if rc.tp >= 1 and rc.dp >= 1:  # DP attention groups must divide the TP group
+            out += [error(f"{r}.{p.field}", p.message, p.fix)
+                    for p in dims(rc).degree_problems()]
     return out
 
 
@@ -261,7 +256,6 @@ def check_transfer(cfg: Config) -> list[Finding]:
     t = cfg.transfer
     out = _choice("transfer.provider", t.provider, PROVIDERS)
     out += _choice("transfer.layout", t.layout, LAYOUTS)
-    out += _at_least("transfer.aux_writes", t.aux_writes, 0)
     if not 0 <= t.lanes <= MAX_LANES:
         out.append(error("transfer.lanes", f"receive lanes per decode rank must be 0 (automatic) "
                          f"to {MAX_LANES}, got {t.lanes}",

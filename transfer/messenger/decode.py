@@ -21,7 +21,7 @@ allocated (non-evictable), the engine calls `submit`; the messenger
    parts to every prefill rank, and each rank's `bind` picks out what it must send — no extra
    control hop, no race between a request reaching a rank and its routing data. ABORT and PING
    go to every prefill rank directly, because each rank has its own writes in flight;
-5. computes how many writes will land here (routes.expected_writes: pages × layers × buffers ×
+5. computes how many writes will land here (geometry.expected_writes: pages × layers × buffers ×
    writes per page summed over its source slices, plus one per aux buffer; the prefill groups
    up to `writes_per_op` consecutive page writes of a slice into one RMA operation, which lands
    as one completion, so the count is per operation) and hands the request to the engine
@@ -56,8 +56,9 @@ from typing import Any
 import numpy as np
 import zmq
 
+from ..geometry import expected_writes, slice_ops
 from ..layout import AuxSpec, LayoutError, as_buffer, aux_spec
-from ..routes import Slice, expected_writes, pages_for, routes_for, slice_ops
+from ..routes import Slice, pages_for, routes_for
 from ..slots import SlotTable
 from ..wire.channel import Channel
 from ..wire.envelope import Envelope
@@ -435,7 +436,7 @@ class DecodeMessenger(MessengerThread):
                                      num_pages=n, num_layers=self.num_layers,
                                      buffers_per_layer=cfg.buffers_per_layer,
                                      aux_writes=len(self._aux), writes_per_op=k)
-        if x.expected != sum(per_rank):  # pragma: no cover - both from routes.py
+        if x.expected != sum(per_rank):  # pragma: no cover - both from geometry.py
             raise MessengerError(f"{x.rid}: expected {x.expected} != per-rank sum {per_rank}")
         alloc = self._slots.allocate(x.expected)
         if alloc is None:  # pragma: no cover - _start_waiting checks free first

@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from ..geometry import slice_ops, writes_per_page
 from ..layout import AuxSpec, KVLayout, LayoutError, as_buffer, aux_spec, write_plan
 from ..routes import (
     RouteError,
@@ -61,8 +62,6 @@ from ..routes import (
     pages_for,
     routes_for,
     sendable,
-    slice_ops,
-    writes_per_page,
 )
 from ..wire.channel import Channel
 from ..wire.envelope import Envelope

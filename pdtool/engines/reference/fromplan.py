@@ -1,6 +1,6 @@
 """From the plan to a RankSpec: what `pdtool.worker` hands the reference engine.
 
-The plan (pdtool.planner) says where every rank runs, its ports, page size and chunk size, the
+The plan (pdtool.plan) says where every rank runs, its ports, page size and chunk size, the
 model and the transfer settings; `spec_from_context` turns one worker's share of it into the
 engine's plain `RankSpec`. Anything the reference engine cannot run (a vocabulary that is not
 byte-level, DP attention, a KV dtype without a CPU kernel) is a `SpecError` naming the key.
@@ -13,7 +13,7 @@ from typing import Any
 
 from transfer import workerenv
 
-from .limits import KV_DTYPES, instance_problems, model_problems
+from .limits import TORCH_KV_DTYPES, instance_problems, model_problems
 from .serve import RankSpec
 
 ALLOW_FAULTS_ENV = "PDTOOL_REFERENCE_ALLOW_FAULTS"
@@ -45,7 +45,7 @@ def model_fields(model: Any, kv_dtype: str, role: str = "prefill") -> dict[str, 
         "v_head_dim": model.head_dim,
         "intermediate": model.intermediate_size,
         "seed": model.seed,
-        "kv_dtype": KV_DTYPES[kv_dtype],
+        "kv_dtype": TORCH_KV_DTYPES[kv_dtype],
     }
     if mla:
         fields.update(kv_lora_rank=model.kv_lora_rank, qk_rope_dim=model.qk_rope_head_dim)

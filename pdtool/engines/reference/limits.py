@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 #: plan/config KV dtypes the engine has CPU kernels for, and their torch names
-KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+TORCH_KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def model_problems(model: Any, kv_dtype: str, role: str) -> list[tuple[str, str]]:
@@ -18,9 +18,9 @@ def model_problems(model: Any, kv_dtype: str, role: str) -> list[tuple[str, str]
     if model.vocab_size != 256:
         out.append(("model.vocab_size",
                     f"the reference engine is byte-level (256), got {model.vocab_size}"))
-    if kv_dtype not in KV_DTYPES:
+    if kv_dtype not in TORCH_KV_DTYPES:
         out.append((f"{role}.kv_dtype",
-                    f"the reference engine supports {sorted(KV_DTYPES)}, got {kv_dtype!r}"))
+                    f"the reference engine supports {sorted(TORCH_KV_DTYPES)}, got {kv_dtype!r}"))
     mla = model.attention == "mla"
     if mla and model.kv_lora_rank < 1:
         out.append(("model.kv_lora_rank",
