@@ -32,7 +32,16 @@ shopt -s nullglob
 debs=(gpu/debs/*.deb)
 if ((${#debs[@]})); then
     step "unpacking ${#debs[@]} .deb files (dpkg -x)"
-    for deb in "${debs[@]}"; do dpkg -x "$deb" "$WORK/root"; done
+    mkdir -p "$WORK/root"
+    for deb in "${debs[@]}"; do
+        if command -v dpkg >/dev/null; then
+            dpkg -x "$deb" "$WORK/root"
+        else  # not a Debian-family node: a .deb is an ar archive around data.tar.*
+            member=$(ar t "$deb" | grep '^data\.tar')
+            ar p "$deb" "$member" | tar -x -C "$WORK/root" \
+                "$(case $member in *.xz) echo -J;; *.zst) echo --zstd;; *.gz) echo -z;; esac)"
+        fi
+    done
     lib=$WORK/root/usr/lib/x86_64-linux-gnu
     # libpsm_infinipath.so.1 is an update-alternatives link, which dpkg -x does not create
     psm=$(ls "$WORK"/root/usr/lib/libpsm1/libpsm_infinipath.so.1.* 2>/dev/null | head -1 || true)

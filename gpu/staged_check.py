@@ -171,9 +171,15 @@ def check_direct_refused(args: argparse.Namespace) -> dict[str, Any]:
     """transfer.gpu_memory=direct on this libfabric: refused, with the key and the cause."""
     import torch
 
-    from transfer.fabric import Endpoint, GpuMemoryError, check_cuda_pointer, gpu_direct_support
+    from transfer.fabric import (
+        Endpoint,
+        GpuMemoryError,
+        build_features,
+        check_cuda_pointer,
+        gpu_direct_support,
+    )
 
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"build_features": build_features()}
     buf = torch.zeros(1 << 20, dtype=torch.uint8, device=args.device)
     with Endpoint("shm", hmem=True) as ep:
         out["offers_hmem"] = ep.offers_hmem

@@ -147,14 +147,11 @@ int pd_domain_open(pd_dom **out, const char *prov, const char *domain, const cha
     pi->mode = fi->mode;
     pi->cq_data_size = fi->domain_attr->cq_data_size;
     pi->max_msg_size = fi->ep_attr->max_msg_size;
-    pi->tx_size = fi->tx_attr->size;
-    pi->mr_key_size = fi->domain_attr->mr_key_size;
     pi->has_rma_event = (fi->caps & FI_RMA_EVENT) != 0;
     pi->hmem = dom->hmem;
     pi->threading = (int)fi->domain_attr->threading;
     pi->api_version = version;
     pi->addr_format = fi->addr_format;
-    pi->addrlen = fi->src_addrlen;
     *out = dom;
     return 0;
 }
