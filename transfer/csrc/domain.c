@@ -16,13 +16,7 @@ int pd_have_dmabuf(void) {
 #endif
 }
 
-int pd_have_cuda_api_permitted(void) {
-#ifdef FI_OPT_CUDA_API_PERMITTED
-    return 1;
-#else
-    return 0;
-#endif
-}
+int pd_have_cuda_api_permitted(void) { return PD_HAVE_CUDA_API_PERMITTED; }
 
 /* FI_VERSION for fi_getinfo. 1.17 (what the binding was written against) unless FI_HMEM is
    asked for and both the headers and the library are 1.18 or newer: from 1.18 providers
