@@ -288,9 +288,10 @@ class _Domain:
         self.handle = out[0]
 
     def offers_hmem(self) -> bool:
+        """Asked for the domain this one IS (its name), not the one requested (maybe None)."""
         if self._offers_hmem is None:
-            domain, node, service = self.args
-            ret = _lib.pd_offers_hmem(self.provider_arg.encode(), _c(domain), _c(node),
+            _, node, service = self.args
+            ret = _lib.pd_offers_hmem(self.provider_arg.encode(), self.info.domain, _c(node),
                                       _c(service))
             self._offers_hmem = ret == 1
         return self._offers_hmem

@@ -413,7 +413,10 @@ class StagedSender:
         return nops
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every posted write completed locally (bounce buffers all free)."""
+        """Wait until every posted write completed locally (bounce buffers all free). After a
+        FabricError from `send` or `flush` (a peer that stopped draining, a failed write) the
+        pool's buffers may still be read by posted writes: close the pool with the endpoint
+        (and the peer) rather than reuse it."""
         self.pool.wait_all(self.timeout if timeout is None else timeout)
 
     def close(self) -> None:
