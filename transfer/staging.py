@@ -227,15 +227,28 @@ def _scatter_from(host: Any, host_offsets: np.ndarray, dst: Any, offsets: np.nda
 
 
 def _host_memory(nbytes: int, pinned: bool) -> Any:
-    """A zeroed uint8 host tensor: page-locked (cudaHostAlloc) when CUDA copies use it, so they
-    run as DMA without a hidden staging copy; else a huge-page-advised mapping (hostmem)."""
+    """A zeroed uint8 host tensor in its own huge-page-advised anonymous mapping (hostmem),
+    page-locked with cudaHostRegister when CUDA copies use it (so they run as DMA, without a
+    hidden staging copy). Not cudaHostAlloc: shm's receiver reads this memory with
+    process_vm_readv, which needs ordinary process pages, not a driver mapping."""
     import torch
 
     from .hostmem import host_buffer
 
+    buf = host_buffer((nbytes,), torch.uint8)
     if pinned:
-        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
-    return host_buffer((nbytes,), torch.uint8)
+        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
+        if err != 0 or not buf.is_pinned():
+            raise RuntimeError(f"staging: cudaHostRegister of {nbytes} bytes failed (cudaError "
+                               f"{err}); the bounce/landing memory cannot be page-locked")
+    return buf
+
+
+def _release_host_memory(buf: Any, pinned: bool) -> None:
+    if pinned:  # (not buf.is_pinned(): on CPU that asks the CUDA runtime)
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
 
 class BouncePool:
@@ -330,6 +343,7 @@ class BouncePool:
 
     def close(self) -> None:
         self.mr.close()
+        _release_host_memory(self.memory, self.device.type == "cuda")
 
 
 @dataclass
@@ -506,3 +520,4 @@ class LandingPool:
     def close(self) -> None:
         self._copier.close()
         self.mr.close()
+        _release_host_memory(self.memory, self.device.type == "cuda")
