@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -106,6 +107,54 @@ def test_staged_transfer_is_byte_exact_and_counted_between_processes(provider):
     expect[dst_pages] = kv.numpy().reshape(KV_PAGES, PAGE)[src_pages]
     assert np.array_equal(got, expect)
     assert result["cuda"] is False and not torch.cuda.is_initialized()  # CPU tensors: no CUDA
+
+
+def _receiver_then_hang(provider: str, conn) -> None:
+    """Takes the first operation (the connection is up), then stops making progress."""
+    ep = Endpoint(provider, **ep_kwargs(provider))
+    landing = LandingPool(ep, capacity_bytes=64 * PAGE, block_bytes=8 * PAGE)
+    grant = landing.reserve(np.full(64, PAGE, np.uint64))
+    conn.send((ep.name, grant.region.to_dict(), grant.dst_offsets.tolist()))
+    conn.send(ep.wait_recv(0, 1, WAIT_S))
+    time.sleep(120)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_a_stalled_receiver_fails_the_send_within_its_timeout(provider):
+    """A decoder that stops draining its queue: the sender's bounce buffers never come free
+    (or its queue stays full), and send raises FabricError saying so after its timeout
+    instead of hanging."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_then_hang, args=(provider, child), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(WAIT_S)
+        name, region, offsets = parent.recv()
+        from transfer.fabric import FabricError, RemoteRegion
+
+        remote = RemoteRegion.from_dict(region)
+        offsets = np.array(offsets, np.uint64)
+        kv = torch.ones(KV_PAGES * PAGE, dtype=torch.uint8)
+        with Endpoint(provider, **ep_kwargs(provider)) as ep:
+            pool = BouncePool(ep, buffers=2, buffer_bytes=4 * PAGE)
+            sender = StagedSender(ep, pool, timeout=2.0)
+            peer = ep.insert_peer(name)
+            one = Chunk(kv, np.zeros(1, np.uint64), np.array([PAGE], np.uint64), offsets[:1])
+            sender.send(peer, remote, [one], imm=encode_imm(0, 0))
+            assert parent.poll(WAIT_S) and parent.recv() is True
+            chunks = [Chunk(kv, np.arange(4, dtype=np.uint64) * np.uint64(PAGE),
+                            np.full(4, PAGE, np.uint64), offsets[4 * (i % 16):4 * (i % 16) + 4])
+                      for i in range(1024)]  # 64 MiB: more than tcp's socket buffers take
+            t0 = time.monotonic()
+            with pytest.raises(FabricError, match=r"bounce buffer|queue stayed full"):
+                sender.send(peer, remote, chunks, imm=encode_imm(0, 0))
+                sender.flush()
+            assert time.monotonic() - t0 < WAIT_S
+            sender.close()
+    finally:
+        proc.kill()
+        proc.join(WAIT_S)
 
 
 class _Pair:

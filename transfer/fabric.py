@@ -78,6 +78,7 @@ __all__ = [
     "RemoteRegion",
     "available_providers",
     "buffer_address",
+    "build_features",
     "check_cuda_pointer",
     "decode_imm",
     "encode_imm",
@@ -287,9 +288,10 @@ class _Domain:
         self.handle = out[0]
 
     def offers_hmem(self) -> bool:
+        """Asked for the domain this one IS (its name), not the one requested (maybe None)."""
         if self._offers_hmem is None:
-            domain, node, service = self.args
-            ret = _lib.pd_offers_hmem(self.provider_arg.encode(), _c(domain), _c(node),
+            _, node, service = self.args
+            ret = _lib.pd_offers_hmem(self.provider_arg.encode(), self.info.domain, _c(node),
                                       _c(service))
             self._offers_hmem = ret == 1
         return self._offers_hmem
@@ -932,6 +934,12 @@ class Endpoint:
         return int(_lib.pd_remote_cntr(self._live()))
 
     @property
+    def dropped_errors(self) -> int:
+        """Completion errors the native ring dropped (it keeps the newest 64 until `errors`
+        takes them): non-zero means some failed writes were never reported one by one."""
+        return int(_lib.pd_dropped_errors(self._live()))
+
+    @property
     def errors(self) -> list[tuple[int, int, str]]:
         """Completion errors seen so far as (tag, errno, message); taking them clears the
         native ring (which keeps the newest 64). tag is 2**64-1 when unknown."""
@@ -947,6 +955,14 @@ class Endpoint:
             self._errors.append((int(e.tag), int(e.err), msg))
         out, self._errors = self._errors, []
         return out
+
+
+def build_features() -> dict[str, bool]:
+    """What the binding was compiled against: `dmabuf` (headers with FI_MR_DMABUF, libfabric
+    >= 1.20: CUDA memory is registered as a dma-buf where the driver offers one) and
+    `cuda_api_permitted` (FI_OPT_CUDA_API_PERMITTED, >= 1.18: set to false on EFA)."""
+    return {"dmabuf": bool(_lib.pd_have_dmabuf()),
+            "cuda_api_permitted": bool(_lib.pd_have_cuda_api_permitted())}
 
 
 def gpu_direct_support(provider: str, *, domain: str | None = None,

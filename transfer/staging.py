@@ -91,13 +91,15 @@ def _is_cuda(t: Any) -> bool:
     return getattr(getattr(t, "device", None), "type", "cpu") == "cuda"
 
 
-def _uniform(offsets: np.ndarray, lengths: np.ndarray) -> int:
-    """The common length L when every range is an L-aligned L-byte page (the fast path: one
-    index_select/index_copy per chunk instead of one copy per page), else 0."""
+def _uniform(offsets: np.ndarray, lengths: np.ndarray, *buffers: Any) -> int:
+    """The common length L when every range is an L-aligned L-byte page of buffers whose
+    sizes are multiples of L (the fast path: one index_select/index_copy per chunk instead of
+    one copy per page), else 0."""
     if not len(lengths):
         return 0
     size = int(lengths[0])
-    if size and bool((lengths == size).all()) and not bool((offsets % size).any()):
+    if (size and bool((lengths == size).all()) and not bool((offsets % size).any())
+            and all(_nbytes(b) % size == 0 for b in buffers)):
         return size
     return 0
 
@@ -125,7 +127,7 @@ class _Copier:
         torch = self._torch
         self.stream.wait_stream(torch.cuda.current_stream(src.device))  # the pages are ready
         with torch.cuda.stream(self.stream):
-            size = _uniform(offsets, lengths)
+            size = _uniform(offsets, lengths, src)
             keep = None
             if size:
                 idx = torch.as_tensor((offsets // size).astype(np.int64), device=src.device)
@@ -149,8 +151,9 @@ class _Copier:
             _scatter_from(host, host_offsets, dst, offsets, lengths)
             return
         torch = self._torch
+        self.stream.wait_stream(torch.cuda.current_stream(dst.device))  # earlier uses of dst
         with torch.cuda.stream(self.stream):
-            size = _uniform(offsets, lengths)
+            size = _uniform(offsets, lengths, dst)
             if size:
                 # one host -> device copy per contiguous run of landed pages, then one
                 # index_copy_ into the KV pages
@@ -194,7 +197,7 @@ def _runs(offsets: np.ndarray, size: int) -> list[tuple[int, int]]:
 def _gather_into(src: Any, offsets: np.ndarray, lengths: np.ndarray, out: Any) -> None:
     import torch
 
-    size = _uniform(offsets, lengths)
+    size = _uniform(offsets, lengths, src)
     if size:
         idx = torch.as_tensor((offsets // size).astype(np.int64))
         n = len(lengths)
@@ -210,26 +213,42 @@ def _scatter_from(host: Any, host_offsets: np.ndarray, dst: Any, offsets: np.nda
                   lengths: np.ndarray) -> None:
     import torch
 
-    size = _uniform(offsets, lengths)
-    if size and _uniform(host_offsets, lengths):
-        hidx = torch.as_tensor((host_offsets // size).astype(np.int64))
+    size = _uniform(offsets, lengths, dst)
+    if size:
+        # one index_copy_ per contiguous run of landed pages, straight from the landing
+        # memory (an index_select first would allocate and fault in a temporary)
         didx = torch.as_tensor((offsets // size).astype(np.int64))
-        dst.view(-1, size).index_copy_(0, didx, host.view(-1, size).index_select(0, hidx))
+        for a, b in _runs(host_offsets, size):
+            h = int(host_offsets[a])
+            dst.view(-1, size).index_copy_(0, didx[a:b], host[h:h + (b - a) * size].view(-1, size))
         return
     for h, o, n in zip(host_offsets.tolist(), offsets.tolist(), lengths.tolist(), strict=True):
         dst[o:o + n].copy_(host[h:h + n])
 
 
 def _host_memory(nbytes: int, pinned: bool) -> Any:
-    """A zeroed uint8 host tensor: page-locked (cudaHostAlloc) when CUDA copies use it, so they
-    run as DMA without a hidden staging copy; else a huge-page-advised mapping (hostmem)."""
+    """A zeroed uint8 host tensor in its own huge-page-advised anonymous mapping (hostmem),
+    page-locked with cudaHostRegister when CUDA copies use it (so they run as DMA, without a
+    hidden staging copy). Not cudaHostAlloc: shm's receiver reads this memory with
+    process_vm_readv, which needs ordinary process pages, not a driver mapping."""
     import torch
 
     from .hostmem import host_buffer
 
+    buf = host_buffer((nbytes,), torch.uint8)
     if pinned:
-        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
-    return host_buffer((nbytes,), torch.uint8)
+        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
+        if err != 0 or not buf.is_pinned():
+            raise RuntimeError(f"staging: cudaHostRegister of {nbytes} bytes failed (cudaError "
+                               f"{err}); the bounce/landing memory cannot be page-locked")
+    return buf
+
+
+def _release_host_memory(buf: Any, pinned: bool) -> None:
+    if pinned:  # (not buf.is_pinned(): on CPU that asks the CUDA runtime)
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
 
 class BouncePool:
@@ -324,6 +343,7 @@ class BouncePool:
 
     def close(self) -> None:
         self.mr.close()
+        _release_host_memory(self.memory, self.device.type == "cuda")
 
 
 @dataclass
@@ -407,7 +427,10 @@ class StagedSender:
         return nops
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every posted write completed locally (bounce buffers all free)."""
+        """Wait until every posted write completed locally (bounce buffers all free). After a
+        FabricError from `send` or `flush` (a peer that stopped draining, a failed write) the
+        pool's buffers may still be read by posted writes: close the pool with the endpoint
+        (and the peer) rather than reuse it."""
         self.pool.wait_all(self.timeout if timeout is None else timeout)
 
     def close(self) -> None:
@@ -497,3 +520,4 @@ class LandingPool:
     def close(self) -> None:
         self._copier.close()
         self.mr.close()
+        _release_host_memory(self.memory, self.device.type == "cuda")

@@ -16,13 +16,7 @@ int pd_have_dmabuf(void) {
 #endif
 }
 
-int pd_have_cuda_api_permitted(void) {
-#ifdef FI_OPT_CUDA_API_PERMITTED
-    return 1;
-#else
-    return 0;
-#endif
-}
+int pd_have_cuda_api_permitted(void) { return PD_HAVE_CUDA_API_PERMITTED; }
 
 /* FI_VERSION for fi_getinfo. 1.17 (what the binding was written against) unless FI_HMEM is
    asked for and both the headers and the library are 1.18 or newer: from 1.18 providers
@@ -147,14 +141,11 @@ int pd_domain_open(pd_dom **out, const char *prov, const char *domain, const cha
     pi->mode = fi->mode;
     pi->cq_data_size = fi->domain_attr->cq_data_size;
     pi->max_msg_size = fi->ep_attr->max_msg_size;
-    pi->tx_size = fi->tx_attr->size;
-    pi->mr_key_size = fi->domain_attr->mr_key_size;
     pi->has_rma_event = (fi->caps & FI_RMA_EVENT) != 0;
     pi->hmem = dom->hmem;
     pi->threading = (int)fi->domain_attr->threading;
     pi->api_version = version;
     pi->addr_format = fi->addr_format;
-    pi->addrlen = fi->src_addrlen;
     *out = dom;
     return 0;
 }

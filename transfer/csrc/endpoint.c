@@ -6,7 +6,7 @@
 
 #include "pd_internal.h"
 
-#ifdef FI_OPT_CUDA_API_PERMITTED
+#if PD_HAVE_CUDA_API_PERMITTED
 /* EFA with FI_HMEM: forbid the provider's own CUDA calls, so a node without GPUDirect RDMA
    (where EFA would fall back to copies through cudaMemcpy inside libfabric) fails here, at
    start-up, instead of moving KV at a fraction of the speed. */

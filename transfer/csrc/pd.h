@@ -29,14 +29,11 @@ struct pd_info {
     uint64_t mode;
     size_t cq_data_size;
     size_t max_msg_size;
-    size_t tx_size;
-    size_t mr_key_size;
     int has_rma_event;
     int hmem;                 /* FI_HMEM granted (asked for with want_hmem) */
     int threading;            /* enum fi_threading the domain was opened with */
     uint32_t api_version;     /* FI_VERSION passed to fi_getinfo */
     uint32_t addr_format;
-    size_t addrlen;
 };
 
 /* One completion error (the CQ's error entry, or a progress thread's failure). */
@@ -103,6 +100,7 @@ uint64_t pd_remote_writes(pd_ep *ep);
 uint64_t pd_inflight(pd_ep *ep);
 uint64_t pd_inflight_bytes(pd_ep *ep);
 size_t pd_nerr(pd_ep *ep);
+uint64_t pd_dropped_errors(pd_ep *ep);
 size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max);
 int pd_poll(pd_ep *ep, size_t max_entries);
 int pd_wait_recv(pd_ep *ep, uint32_t slot, uint32_t target, int64_t timeout_ns);

@@ -13,6 +13,11 @@
 
 #include "pd.h"
 
+/* FI_OPT_CUDA_API_PERMITTED (libfabric >= 1.18) is an enum value in fi_endpoint.h, not a
+   macro: test the headers' version. */
+#define PD_HAVE_CUDA_API_PERMITTED \
+    FI_VERSION_GE(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION), FI_VERSION(1, 18))
+
 #define PD_CQ_BATCH 64
 #define PD_MAX_IOV 16
 #define PD_MAX_PEERS 1024   /* fi_addrs (FI_AV_TABLE: 0, 1, ...) with per-peer bytes in flight */
