@@ -136,6 +136,44 @@ def test_a_peer_without_the_secret_gets_nothing():
         pre.close()
 
 
+def test_an_old_peer_is_told_the_version_and_no_secret_refuses_to_start():
+    """A version-1 REQUEST (the codec before transfer.wire) reaches a live prefill: refused with
+    the version, not a field; a messenger without a secret does not start."""
+    import hashlib
+    import hmac
+
+    import msgpack
+    import zmq
+
+    from transfer.wire import PROTOCOL_VERSION
+
+    pre, dec, _keep = _pair()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, b"old-decoder")
+    sock.connect(pre.address)
+    try:
+        v1 = msgpack.packb({"v": 1, "type": "REQUEST", "from": "old-decoder", "ts": time.time(),
+                            "nonce": b"n" * 16, "body": {"rid": "r1"}}, use_bin_type=True)
+        sock.send_multipart([v1, hmac.new(SECRET, v1, hashlib.sha256).digest()])
+        end = time.monotonic() + 10
+        while time.monotonic() < end and "protocol version 1" not in pre._chan.last_error:
+            time.sleep(0.02)
+        assert pre._chan.last_error.startswith(
+            f"envelope.v: protocol version 1, expected {PROTOCOL_VERSION}")
+    finally:
+        sock.close(0)
+        ctx.term()
+        dec.close()
+        pre.close()
+    spec = ShardSpec(2, 1)
+    with pytest.raises(ValueError, match="no deployment secret given; refusing to start"):
+        PrefillConfig(secret=b"", spec=spec, peer_spec=spec)
+    with pytest.raises(ValueError, match="no deployment secret given; refusing to start"):
+        DecodeConfig(secret=None, spec=spec, peer_spec=spec, prefill_endpoints=(("tcp://x:1",),))
+
+
 def test_engine_mistakes_raise_value_errors_naming_the_argument():
     pre, dec, _keep = _pair()
     try:

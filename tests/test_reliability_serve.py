@@ -131,7 +131,7 @@ def _bad_frames(secret: bytes, env: Envelope, to: bytes):
         _value.map(lambda e: _signed(secret, e)),                              # not an envelope
         st.sampled_from([{"v": 99}, {"seq": 0}, {"from": "someone-else"}, {"sid": b"x"},
                          {"to": b"y" * 16}, {"to": b""}]).map(
-            lambda over: _signed(secret, _env("PING", {}, to, **over))),
+            lambda over: _signed(secret, {**_env("PING", {}, to), **over})),
     )
 
 
@@ -181,7 +181,17 @@ def test_live_prefill_survives_control_plane_fuzzing(launched):
 
         fuzz()
         _replies(sock, 1.0)  # PONGs to the complete PINGs among the examples
-        # replayed: the first copy is answered, the second refused
+    finally:
+        sock.close(0)
+    # replayed: the first copy is answered, the second refused (a fresh peer: the fuzzer's
+    # hand-made frames under its name opened sessions of their own, retiring `env`'s)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, b"replayer")
+    sock.connect(address)
+    env = Envelope(secret, "replayer", MESSENGER)
+    try:
+        _, to = _handshake(sock, env)
         ping = env.seal("PING", {}, to)
         sock.send_multipart(ping)
         sock.send_multipart(ping)

@@ -8,7 +8,7 @@ threads load the libfabric binding (transfer.fabric), whose absence raises a cle
     routes     ShardSpec, Slice, routes_for, pages_for                     (who sends which heads)
     geometry   PagePool, AuxBuffer, expected_writes, writes_per_page       (pools, write counts)
     layout     KVLayout, write_plan, AuxSpec                               (HND/NHD offsets)
-    control    Codec, Channel, ControlError, read_secret, write_secret     (signed control plane)
+    wire       Envelope, WireError, read_secret, write_secret             (signed control planes)
     slots      SlotTable                                                   (decoder slots)
     messenger  PrefillMessenger, DecodeMessenger, PrefillConfig, DecodeConfig, TransferStatus
 """
@@ -25,8 +25,8 @@ _EXPORTS = {
     "PagePool": "geometry", "AuxBuffer": "geometry", "writes_per_page": "geometry",
     "expected_writes": "geometry", "slice_ops": "geometry",
     "KVLayout": "layout", "LayoutError": "layout", "AuxSpec": "layout", "write_plan": "layout",
-    "Codec": "control", "Channel": "control", "ControlError": "control",
-    "read_secret": "control", "write_secret": "control", "generate_secret": "control",
+    "Envelope": "wire", "WireError": "wire",
+    "read_secret": "wire", "write_secret": "wire", "generate_secret": "wire",
     "SlotTable": "slots",
     "PrefillMessenger": "messenger", "DecodeMessenger": "messenger",
     "PrefillConfig": "messenger", "DecodeConfig": "messenger", "PrefillRequest": "messenger",

@@ -876,6 +876,8 @@ class PrefillMessenger(MessengerThread):
         for peer in self._clock.newly_dead(now):
             log.warning("decode peer %r silent for %.1f s: aborting its requests", peer,
                         self.config.peer_timeout_s)
+            # its HELLO data goes too: a decode rank that lost us sends HELLO again
+            self._peer_hello.pop(peer, None)
             for x in list(self._reqs.values()):
                 if any(d.sender == peer for d in x.dests):
                     self._dead_names.update(n for d in x.dests if d.sender == peer
