@@ -188,6 +188,10 @@ class LauncherConfig:
     setup: list[str] = field(default_factory=list)  # shell lines run before workers start
     env: EnvConfig = field(default_factory=EnvConfig)
     health_timeout_s: int = 900
+    # Slurm: GPUs asked per node (conf/launcher/slurm.yaml follows cluster.gpus_per_node; only
+    # on device=cuda) and memory ("" = all of an exclusive node, --mem=0; e.g. "480G")
+    gpus_per_node: int = 0
+    mem: str = ""
 
 
 @dataclass

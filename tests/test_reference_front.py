@@ -30,11 +30,41 @@ def test_bad_requests_name_the_field(body, field):
         parse_request(body)
 
 
+def _handshaken() -> tuple[Wire, Wire]:
+    """A front and a decoder wire after the front's HELLO and the decoder's answer."""
+    front, w = Wire(b"k" * 32, role="front"), Wire(b"k" * 32, role="decode")
+    assert w.unpack(front.pack("HELLO", front.hello()), ("HELLO",))[0] == "HELLO"
+    assert front.unpack(w.pack("HELLO", w.hello(), session=w.last_session), ("HELLO",))
+    return front, w
+
+
 def test_wire_refuses_forged_and_malformed_messages():
-    w = Wire(b"k" * 32)
-    frames = w.pack("GEN", {"rid": "a", "tokens": [1, 2], "max_tokens": 3})
+    front, w = _handshaken()
+    frames = front.pack("GEN", {"rid": "a", "tokens": [1, 2], "max_tokens": 3}, peer=w.name)
     assert w.unpack(frames, ("GEN",)) == ("GEN", {"rid": "a", "tokens": [1, 2], "max_tokens": 3})
     assert Wire(b"x" * 32).unpack(frames, ("GEN",)) is None  # other secret
     assert w.unpack([frames[0] + b"!", frames[1]], ("GEN",)) is None
     assert w.unpack(frames, ("OUT",)) is None
     assert w.rejected == 2
+
+
+def test_wire_needs_a_hello_and_names_the_version_of_an_old_front():
+    """GEN before HELLO cannot be bound; a HELLO with other limits is refused naming the
+    difference; an unversioned (pre-envelope) front frame is told the version."""
+    import hashlib
+    import hmac
+
+    import msgpack
+
+    from transfer.wire import PROTOCOL_VERSION, WireError
+
+    front, w = Wire(b"k" * 32), Wire(b"k" * 32, role="decode")
+    with pytest.raises(WireError, match="no HELLO from it"):
+        front.pack("GEN", {"rid": "a", "tokens": [1], "max_tokens": 1}, peer=w.name)
+    assert w.unpack(front.pack("HELLO", {**front.hello(), "max_prompt": 7}), ("HELLO",)) is None
+    old = msgpack.packb({"k": "GEN", "b": {"rid": "a", "tokens": [1], "max_tokens": 1},
+                         "t": 1.0, "n": b"n" * 16}, use_bin_type=True)
+    assert w.unpack([old, hmac.new(b"k" * 32, old, hashlib.sha256).digest()], ("GEN",)) is None
+    assert w.rejected == 2
+    with pytest.raises(WireError, match=f"protocol version 0, expected {PROTOCOL_VERSION}"):
+        w.envelope.open([old, hmac.new(b"k" * 32, old, hashlib.sha256).digest()])

@@ -237,10 +237,11 @@ def _direct(s: Served, prompt: str, max_tokens: int, faults: dict | None) -> dic
     _, health = get_json(f"{s.leaders[1]}/health")
     wire = Wire(bytes.fromhex(s.secret))
     ctx = zmq.Context.instance()
-    sock = dealer(ctx, health["engine"])
+    sock = dealer(ctx, health["engine"], wire)
+    decoder = wire.handshake(sock)
     body = {"rid": f"fault-{time.monotonic_ns()}", "tokens": encode(prompt),
             "max_tokens": max_tokens, "faults": faults}
-    sock.send_multipart(wire.pack("GEN", body))
+    sock.send_multipart(wire.pack("GEN", body, peer=decoder))
     toks, info = [], {}
     try:
         while True:

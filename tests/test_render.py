@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from pdtool.compose import load_config, recipe_files
 from pdtool.launch.shell import Var, q, word, words
-from pdtool.planner import build_plan, from_json
+from pdtool.planner import build_plan, expand_cpus, from_json
 from pdtool.render import SECRET_NAME, render, write_job_folder
 from pdtool.schema import gpus_per_instance
 
@@ -234,3 +234,54 @@ def test_slurm_job_folder_with_percent_is_refused(tmp_path: Path) -> None:
     rendered, findings = render(launcher_overrides("deepseek-r1", "slurm"), tmp_path / "a%jb")
     assert rendered is None
     assert findings[-1].key == "launcher.output_dir" and "%" in findings[-1].message
+
+
+def sbatch_header(script: Path) -> list[str]:
+    return [line.split(" ", 1)[1] for line in script.read_text().splitlines()
+            if line.startswith("#SBATCH ")]
+
+
+def test_shared_nodes_ask_for_what_the_processes_use(tmp_path: Path) -> None:
+    """launcher.exclusive=false: the job asks for the busiest node's CPUs, the memory and the
+    GPUs; each step asks for its ranks' CPUs (Slurm chose which CPUs the job has: no mask)."""
+    over = [*launcher_overrides("llama-3.1-70b", "slurm"), "launcher.exclusive=false",
+            "launcher.mem=400G"]
+    rendered, findings = render(over, tmp_path / "job")
+    assert rendered is not None, findings
+    head = sbatch_header(rendered.script)
+    assert "--exclusive" not in head and "--mem=0" not in head
+    # p5: 96 CPUs per NUMA node, 4 GPUs each, so a node of 8 ranks uses all 192
+    assert {"--ntasks-per-node=1", "--cpus-per-task=192", "--mem=400G",
+            "--gpus-per-node=8"} <= set(head)
+    dec = next(p for p in rendered.spec.procs if p.name == "decode-1.n0")
+    assert "--cpus-per-task=96" in dec.argv and "--gres=gpu:8" in dec.argv
+    assert not [a for a in dec.argv if str(a).startswith("--cpu-bind")]
+
+
+def test_exclusive_steps_bind_to_their_ranks_cpus(tmp_path: Path) -> None:
+    rendered, findings = render(launcher_overrides("llama-3.1-70b", "slurm"), tmp_path / "job")
+    assert rendered is not None, findings
+    head = sbatch_header(rendered.script)
+    assert {"--exclusive", "--mem=0", "--gpus-per-node=8", "--ntasks-per-node=1"} <= set(head)
+    plan = rendered.plan
+    for p in rendered.spec.procs:
+        ranks = [r for i in plan.instances if i.role == p.role and i.index == p.instance
+                 for r in i.ranks if r.rank in p.ranks]
+        mask = sum(1 << c for r in ranks for c in expand_cpus(r.cpus))
+        assert f"--cpu-bind=mask_cpu:{hex(mask)}" in p.argv
+        assert "--cpus-per-task=192" in p.argv  # the step holds the node's CPUs
+    (router,) = rendered.spec.router
+    assert "--cpu-bind=none" in router.argv
+
+
+@pytest.mark.parametrize(("over", "key", "fragment"), [
+    (["launcher.exclusive=false"], "launcher.mem", "gets only the memory it asks"),
+    (["launcher.mem=lots"], "launcher.mem", "not a Slurm memory size"),
+    (["launcher.gpus_per_node=4"], "launcher.gpus_per_node", "GPUs 0..7"),
+    (["launcher.gpus_per_node=16"], "launcher.gpus_per_node", "nodes have 8"),
+])
+def test_slurm_resource_keys_are_checked(over, key, fragment) -> None:
+    from pdtool_cfg import assert_error, recipe
+
+    cfg = recipe("llama-3.1-70b", *over)
+    assert_error(cfg, key, fragment)

@@ -67,6 +67,9 @@ CASES = [[f"+recipe={r}"] for r in SGLANG_RECIPES] + list(SHAPES.values())
 
 @pytest.mark.parametrize("overrides", CASES, ids=SGLANG_RECIPES + list(SHAPES))
 def test_server_lines_parse(overrides, server_parser, tmp_path: Path) -> None:
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.numa_utils import get_numa_node_if_available
+
     cfg, plan, rendered = render_slurm(overrides, tmp_path)
     hosts = variables(plan.nodes)
     insts = {(i.role, i.index): i for i in plan.instances}
@@ -101,7 +104,14 @@ def test_server_lines_parse(overrides, server_parser, tmp_path: Path) -> None:
         # one NIC list per GPU of this node, as SGLang's per-GPU JSON map
         ib = json.loads(a.disaggregation_ib_device)
         assert ib == {str(r.gpu): ",".join(r.nics) for r in ranks}
-        assert a.numa_node == [r.numa for r in ranks]
+        # SGLang indexes --numa-node by absolute GPU id (numa_utils: numa_node[gpu_id]):
+        # one entry per GPU of the node, and each rank's GPU finds its own NUMA node
+        assert len(a.numa_node) == cfg.cluster.gpus_per_node
+        server_args = ServerArgs.from_cli_args(a)
+        for k, r in enumerate(sorted(ranks, key=lambda x: x.gpu)):
+            gpu_id = a.base_gpu_id + k * a.gpu_id_step  # the scheduler's gpu_id
+            assert gpu_id == r.gpu
+            assert get_numa_node_if_available(server_args, gpu_id) == r.numa
     if overrides == SHAPES["deepseek-r1-tp16"]:
         assert seen_nodes == {0, 1}
 

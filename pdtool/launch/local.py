@@ -122,9 +122,10 @@ class Supervisor:
         wait_healthy(endpoints, self.dead, self.health_timeout, out=self.out)
 
     def run(self, exit_when_healthy: bool = False,
-            smoke: Callable[[str], int] | None = None) -> int:
+            smoke: Callable[[str], int] | None = None, task: str = "smoke") -> int:
         """Start, wait for health, then supervise until a signal or a process exits.
-        `smoke(router_url)` (launch --smoke) runs once healthy; its status ends the run."""
+        `smoke(router_url)` (launch --smoke, or `task` bench) runs once healthy; its status
+        ends the run."""
         old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
         def raise_stop(signum, _frame):
@@ -152,9 +153,9 @@ class Supervisor:
                 code = smoke(url)
                 if code == 0 and self.dead():
                     code = 1
-                    print("pdtool: ERROR: a process died during the smoke request",
+                    print(f"pdtool: ERROR: a process died during the {task} run",
                           file=sys.stderr, flush=True)
-                self.say(f"smoke {'passed' if code == 0 else 'FAILED'}: stopping")
+                self.say(f"{task} {'passed' if code == 0 else 'FAILED'}: stopping")
                 return code
             if exit_when_healthy:
                 self.say("stopping after a healthy start (--exit-when-healthy)")

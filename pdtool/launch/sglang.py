@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable
 
 from pdtool.launch.shell import Var, Word, word
-from pdtool.planner import InstancePlan, Plan, RankPlan
+from pdtool.planner import InstancePlan, Plan, RankPlan, gpu_numa
 from pdtool.schema import Config
 
 #: pdtool KV dtype names -> SGLang --kv-cache-dtype choices
@@ -58,8 +58,11 @@ def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPla
     ib = {str(r.gpu): ",".join(r.nics) for r in ranks if r.nics}
     if ib:
         argv += ["--disaggregation-ib-device", json.dumps(ib, separators=(",", ":"))]
-    if cfg.cluster.device == "cuda" and any(r.cpus for r in ranks):
-        argv += ["--numa-node", *(str(r.numa) for r in ranks)]
+    if cfg.cluster.device == "cuda" and cfg.cluster.gpu_numa:
+        # SGLang reads numa_node[gpu_id] with the absolute GPU id (base_gpu_id + local index,
+        # utils/numa_utils.py): one entry per GPU of the node, not per GPU of this instance
+        argv += ["--numa-node",
+                 *(str(gpu_numa(cfg.cluster, g)) for g in range(cfg.cluster.gpus_per_node))]
     if cfg.cluster.device != "cuda":
         argv += ["--device", cfg.cluster.device]
     argv += [*cfg.engine.extra_args, *rc.extra_args]

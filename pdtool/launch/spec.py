@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from pdtool.launch.resources import describe_cpus, job_options, step_options
 from pdtool.launch.sglang import router_argv, server_argv
 from pdtool.launch.shell import Var, Word, word
 from pdtool.planner import InstancePlan, Plan, RankPlan
@@ -135,11 +136,13 @@ def _worker_argv(cfg: Config, spec_launcher: str, inst: InstancePlan, node: int,
     return argv
 
 
-def _srun(cfg: Config, p: Proc) -> list[str | Word]:
-    """srun prefix placing one process on allocation node `p.node` as its own job step."""
+def _srun(cfg: Config, p: Proc, ranks: list[RankPlan]) -> list[str | Word]:
+    """srun prefix placing one process on allocation node `p.node` as its own job step, with
+    its CPUs, binding and GPUs (pdtool.launch.resources)."""
     argv: list[str | Word] = [
         "srun", "--nodes=1", "--ntasks=1", f"--relative={p.node}", "--overlap",
         "--kill-on-bad-exit=1", f"--job-name={p.name}", word("--output=", *p.log.parts),
+        *step_options(cfg, ranks),
     ]
     lc = cfg.launcher
     if lc.container_image:
@@ -150,13 +153,13 @@ def _srun(cfg: Config, p: Proc) -> list[str | Word]:
     return argv
 
 
-def _wrap(cfg: Config, launcher: str, p: Proc, env: dict[str, str], numa: list[str],
-          argv: list[str | Word]) -> list[str | Word]:
+def _wrap(cfg: Config, launcher: str, p: Proc, ranks: list[RankPlan], env: dict[str, str],
+          numa: list[str], argv: list[str | Word]) -> list[str | Word]:
     inner: list[str | Word] = []
     if env:
         inner += ["env", *_env_words(env, f"launcher.env.{p.role}")]
     inner += numa + argv
-    return (_srun(cfg, p) if launcher == "slurm" else []) + inner
+    return (_srun(cfg, p, ranks) if launcher == "slurm" else []) + inner
 
 
 def _numactl(ranks: list[RankPlan]) -> list[str]:
@@ -197,7 +200,8 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str) 
             ranks=tuple(r.rank for r in ranks),
             comment=(f"{inst.name}: node {node} (instance node {ranks[0].node_rank}), "
                      f"{_ranks_text(ranks)}, GPUs {gpus}, NICs {nics}, "
-                     f"NUMA {','.join(sorted({str(r.numa) for r in ranks}))}"),
+                     f"NUMA {','.join(sorted({str(r.numa) for r in ranks}))}, "
+                     f"CPUs {describe_cpus(ranks)}"),
             health=_url(node, inst.http_port) if is_head else None,
         )
         if per_node:
@@ -211,7 +215,7 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str) 
             select = ["--rank", str(ranks[0].rank)]
             numa = _numactl(ranks)
             env = {**ranks[0].env, **env_user}
-        p.argv = _wrap(cfg, launcher, p, env,  numa,
+        p.argv = _wrap(cfg, launcher, p, ranks, env, numa,
                        _worker_argv(cfg, launcher, inst, node, select, p.engine_argv))
         procs.append(p)
     return procs
@@ -234,7 +238,7 @@ def _router_proc(cfg: Config, plan: Plan, launcher: str) -> Proc:
         inner += ["--expect-node", node_name(rp.node)]
     if p.engine_argv:
         inner += ["--", *p.engine_argv]
-    p.argv = _wrap(cfg, launcher, p, env, [], inner)
+    p.argv = _wrap(cfg, launcher, p, [], env, [], inner)
     return p
 
 
@@ -245,8 +249,7 @@ def _job(cfg: Config, plan: Plan, run_dir: str, procs: list[Proc]) -> JobSpec:
         val = getattr(lc, key)
         if val:
             opts.append(f"{flag}={val}")
-    if lc.exclusive:
-        opts.append("--exclusive")
+    opts += job_options(cfg, plan)
     for key, val in (("launcher.job_name", lc.job_name), ("launcher.time", lc.time),
                      *((f"launcher.{k}", getattr(lc, k)) for k in ("partition", "account", "qos")),
                      *(("launcher.sbatch_extra", x) for x in lc.sbatch_extra)):
@@ -261,9 +264,9 @@ def _job(cfg: Config, plan: Plan, run_dir: str, procs: list[Proc]) -> JobSpec:
         roles.setdefault(p.node, [])
         if p.name.split(".")[0] not in roles[p.node]:
             roles[p.node].append(p.name.split(".")[0])
-    per_node = max(sum(1 for p in procs if p.node == n) for n in range(plan.nodes))
+    # every step is one task sharing its node (--overlap): the job holds one task per node
     return JobSpec(
-        name=lc.job_name, nodes=plan.nodes, ntasks_per_node=max(per_node, 1), time=lc.time,
+        name=lc.job_name, nodes=plan.nodes, ntasks_per_node=1, time=lc.time,
         batch_log=f"{run_dir}/logs/slurm-%j.out", sbatch_options=opts,
         sbatch_extra=list(lc.sbatch_extra),
         node_roles=[f"node {n}: {' '.join(roles.get(n, []))}" for n in range(plan.nodes)],

@@ -31,9 +31,10 @@ from typing import Any
 import numpy as np
 import zmq
 
-from ..control import check_bind_host, check_secret
 from ..layout import KVLayout, LayoutError
 from ..routes import RouteError, ShardSpec
+from ..wire.channel import check_bind_host
+from ..wire.secret import check_secret
 
 log = logging.getLogger("transfer.messenger")
 

@@ -10,11 +10,13 @@ Responses carry the OpenAI fields plus a `pdtool` object: token ids (byte tokens
 valid UTF-8 on their own), time to first token and time per output token measured here, the
 decode instance, and the MTP draft verified in the first decode step.
 
-Failure handling: the dispatcher PINGs every decode instance every `PING_S` and notes when each
-last answered (any message counts). One silent for `dead_after_s` (default `DECODE_DEAD_S`) is
-marked down: its requests in flight fail at once with an error naming it (HTTP 503, or an SSE
-error chunk when streaming) instead of waiting for `REQUEST_TIMEOUT_S`, and new requests go to
-the instances still up (503 when none is). It is used again as soon as it answers.
+Failure handling: the dispatcher PINGs every decode instance every `PING_S` (a HELLO instead,
+until the instance answered one and again once it went silent: pdtool.engines.reference.wire)
+and notes when each last answered (any message counts). One silent for `dead_after_s`
+(default `DECODE_DEAD_S`) is marked down: its requests in flight fail at once with an error
+naming it (HTTP 503, or an SSE error chunk when streaming) instead of waiting for
+`REQUEST_TIMEOUT_S`, and new requests go to the instances still up (503 when none is). It is
+used again as soon as it answers.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import zmq
 
 from .tokens import decode as detok
 from .tokens import encode
-from .wire import Wire, dealer
+from .wire import Wire, WireError, dealer
 
 log = logging.getLogger("pdtool.reference.front")
 REQUEST_TIMEOUT_S = 300.0  # backstop only: a dead decode instance is noticed within seconds
@@ -117,7 +119,8 @@ class Front:
         if not decoders:
             raise ValueError("front: needs at least one decode instance address")
         self.decoders = decoders
-        self.wire = Wire(secret)
+        self.wire = Wire(secret, role="front")
+        self._names = [""] * len(decoders)  # each instance's name, from its HELLO
         self.model_name = model_name
         self.pending: dict[str, _Pending] = {}
         self.inflight = [0] * len(decoders)
@@ -159,7 +162,7 @@ class Front:
 
     # -- dispatcher thread (owns the dealers) ---------------------------------------------
     def _dispatch(self) -> None:
-        socks = [dealer(self._ctx, a) for a in self.decoders]
+        socks = [dealer(self._ctx, a, self.wire) for a in self.decoders]
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
         for s in socks:
@@ -169,8 +172,11 @@ class Front:
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_ping:
-                    for s in socks:
-                        s.send_multipart(self.wire.pack("PING", {"rid": "ping", "tokens": []}))
+                    for i, s in enumerate(socks):  # HELLO until answered (again)
+                        s.send_multipart(
+                            self.wire.pack("PING", {"rid": "ping", "tokens": []},
+                                           peer=self._names[i])
+                            if self.up[i] else self.wire.pack("HELLO", self.wire.hello()))
                     next_ping = now + PING_S
                     self._check_dead(now)
                 events = dict(poller.poll(int(PING_S * 1000)))
@@ -183,7 +189,13 @@ class Front:
                         if item is None:
                             return
                         idx, body, kind = item
-                        socks[idx].send_multipart(self.wire.pack(kind, body))
+                        try:
+                            frames = self.wire.pack(kind, body, peer=self._names[idx])
+                        except WireError as exc:  # no HELLO from it yet: cannot happen for up
+                            log.warning("front: %s to decode instance %d not sent: %s", kind,
+                                        idx, exc)
+                            continue
+                        socks[idx].send_multipart(frames)
                 for i, s in enumerate(socks):
                     if s in events:
                         self._drain(i, s)
@@ -212,12 +224,14 @@ class Front:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            got = self.wire.unpack(frames, ("OUT", "PONG"))
+            got = self.wire.unpack(frames, ("HELLO", "OUT", "PONG"))
             if got is None:
                 continue
             kind, body = got
             self._heard[idx] = time.monotonic()
-            if kind == "PONG":
+            if kind == "HELLO":
+                self._names[idx] = self.wire.last_sender
+            if kind in ("HELLO", "PONG"):
                 if not self.up[idx]:
                     log.info("front: decode instance %d is up", idx)
                 self.up[idx] = True

@@ -160,7 +160,7 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
                 "in_transfer": len(engine.transfer), "waiting": len(engine.waiting)}
 
     sock = health = None
-    wire = Wire(spec.secret)
+    wire = Wire(spec.secret, role="decode")
     owner: dict[str, bytes] = {}
     if coord.leader:
         ctx = zmq.Context.instance()
@@ -206,13 +206,17 @@ def _take_requests(sock: zmq.Socket, wire: Wire, owner: dict[str, bytes],
             return new
         if len(frames) < 2:
             continue
-        got = wire.unpack(frames[1:], ("GEN", "PING", "CANCEL"))
+        got = wire.unpack(frames[1:], ("HELLO", "GEN", "PING", "CANCEL"), peer=frames[0])
         if got is None:
             continue
         kind, body = got
-        if kind == "PING":
+        if kind == "HELLO":  # a front (re)connected: answer bound to its session
+            sock.send_multipart([frames[0], *wire.pack("HELLO", wire.hello(),
+                                                       session=wire.last_session)])
+        elif kind == "PING":
             sock.send_multipart([frames[0], *wire.pack("PONG", {"rid": body["rid"],
-                                                                  "tokens": []})])
+                                                                  "tokens": []},
+                                                       peer=frames[0])])
         elif kind == "CANCEL":  # only whoever sent the request may cancel it
             if owner.get(body["rid"]) == frames[0]:
                 log.info("request %s cancelled by the front (client gone)", body["rid"])
@@ -233,7 +237,7 @@ def _send_events(sock: zmq.Socket, wire: Wire, owner: dict[str, bytes],
         if ident is None:
             continue
         body = {"rid": ev.rid, "tokens": ev.tokens, "done": ev.done, "info": ev.info}
-        sock.send_multipart([ident, *wire.pack("OUT", body)])
+        sock.send_multipart([ident, *wire.pack("OUT", body, peer=ident)])
 
 
 # -- prefill --------------------------------------------------------------------------------------
