@@ -131,6 +131,7 @@ BY_NAME: dict[str, Var] = {v.name: v for v in VARIABLES}
 TOOL_VARIABLES: dict[str, str] = {
     "PDTOOL_DEBUG": "pdtool's CLI prints the traceback of an internal error instead of one line",
     "PDTOOL_FABRIC_INCLUDE": "where transfer/_fabric_build.py looks for rdma/fabric.h",
+    "PDTOOL_FABRIC_WERROR": "set: transfer/_fabric_build.py compiles the C with -Werror",
 }
 
 
