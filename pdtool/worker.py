@@ -182,11 +182,11 @@ def run_sglang(ctx: WorkerContext) -> int:
     # check it here so a missing or world-readable file fails before SGLang starts
     secret_file = workerenv.secret_file()
     if secret_file:
-        from transfer.control import ControlError, read_secret
+        from transfer.wire import WireError, read_secret
 
         try:
             read_secret(secret_file)
-        except ControlError as e:
+        except WireError as e:
             raise WorkerError(f"{workerenv.SECRET_FILE.name}: {e}") from None
     print("pdtool-worker: exec " + " ".join(ctx.engine_argv[:3]) + " ...", flush=True)
     try:

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch  # noqa: F401  (imported before forking so the rank processes start fast)
 
-from transfer.control import ControlError, generate_secret
 from transfer.fabric import shm_leftovers
 from transfer.routes import pages_for
 from transfer.testing.loopback import Scenario, run
+from transfer.wire import WireError, generate_secret
 
 PROVIDERS = ["shm", "tcp;ofi_rxm"]
 PROVIDER_IOV_LIMIT = 4  # fi_info: iov_limit and rma_iov_limit of both providers
@@ -65,7 +65,7 @@ def test_the_harness_runs_with_the_callers_secret():
     # the harness has no secret of its own: the caller's key (or a fresh one per run) signs
     _check(Scenario(provider="shm", prompts=(9,), aux_row_bytes=AUX), sources_per_rank=1,
            secret=generate_secret())
-    with pytest.raises(ControlError, match="secret: need at least"):
+    with pytest.raises(WireError, match="secret: need at least"):
         run(Scenario(), secret=b"short")
 
 

@@ -15,7 +15,7 @@ from pdtool_cfg import recipe
 from pdtool.plan import build_plan, to_json
 from pdtool.worker import parse_args, resolve, worker_env
 from transfer import workerenv
-from transfer.control import write_secret
+from transfer.wire import write_secret
 from transfer.workerenv import WorkerEnvError
 
 ROOT = Path(__file__).resolve().parent.parent

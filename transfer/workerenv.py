@@ -32,7 +32,7 @@ This module is in `transfer/` because the SGLang backend and the messenger read 
   fallback and test hooks:
     PDTOOL_SECRET             the secret itself, only when no secret file is given (tests,
                               hand-run SGLang workers); never set by pdtool
-    PDTOOL_CONTROL_FAULTS     drop/delay outgoing control messages (transfer.control, tests)
+    PDTOOL_CONTROL_FAULTS     drop/delay outgoing control messages (transfer.wire, tests)
     PDTOOL_REFERENCE_ALLOW_FAULTS  "1": the reference engine honours test fault hooks
 """
 
@@ -112,7 +112,7 @@ NICS = Var("PDTOOL_NICS", "pdtool.worker", "SGLang backend, reference engine",
 SECRET = Var("PDTOOL_SECRET", "tests, hand-run SGLang workers (never pdtool)", "SGLang backend",
              "the secret itself, read only when PDTOOL_SECRET_FILE is not set")
 CONTROL_FAULTS = Var("PDTOOL_CONTROL_FAULTS", "tests (transfer.testing.loopback)",
-                     "transfer.control", "drops or delays outgoing control messages by type "
+                     "transfer.wire.channel", "drops or delays outgoing control messages by type "
                      "(`drop=REQUEST:0.5,delay=PONG:1.5,seed=3`); off when unset")
 REFERENCE_ALLOW_FAULTS = Var("PDTOOL_REFERENCE_ALLOW_FAULTS", "tests (launcher.env.decode.*)",
                              "reference engine",
@@ -131,7 +131,7 @@ BY_NAME: dict[str, Var] = {v.name: v for v in VARIABLES}
 TOOL_VARIABLES: dict[str, str] = {
     "PDTOOL_DEBUG": "pdtool's CLI prints the traceback of an internal error instead of one line",
     "PDTOOL_FABRIC_INCLUDE": "where transfer/_fabric_build.py looks for rdma/fabric.h",
-    "PDTOOL_FABRIC_WERROR": "transfer/_fabric_build.py compiles the C with -Werror",
+    "PDTOOL_FABRIC_WERROR": "set: transfer/_fabric_build.py compiles the C with -Werror",
 }
 
 

@@ -24,7 +24,7 @@ A fault may name another point (the randomized fault suite uses them):
     write was issued), before the metadata (aux rows) is staged;
   * "kill@meta": right after staging the metadata, while its copy to the decoder is issued.
 `decode_kill_at` kills decode rank 0 "submit" (right after submitting) or "writes" (once it
-has counted writes). `control_faults` arms the control-plane fault hook (transfer.control
+has counted writes). `control_faults` arms the control-plane fault hook (transfer.wire.channel
 `ControlFaults`) in the decode processes ("decode") or a prefill instance ("prefill<i>").
 `track` makes the decoder time each request's failure (detection and pages-free) and report
 its messenger's `stats()` once idle, and the prefill report its own.
@@ -49,9 +49,10 @@ from typing import Any
 
 import numpy as np
 
-from ..control import FAULTS_ENV, check_secret, generate_secret
 from ..hostmem import host_buffer
 from ..routes import ShardSpec, pages_for
+from ..wire.channel import FAULTS_ENV
+from ..wire.secret import check_secret, generate_secret
 
 
 @dataclass(frozen=True)
@@ -428,7 +429,7 @@ def _decode_main(s: Scenario, secret: bytes, rank: int, endpoints: tuple[tuple[s
 
 
 def _control_log() -> list[tuple[str, str, str]]:
-    from ..control import env_faults
+    from ..wire.channel import env_faults
 
     f = env_faults()
     return list(f.log) if f is not None else []
