@@ -129,6 +129,7 @@ class RoleConfig:
     tp: int = 1
     dp: int = 1
     dp_attention: bool = False
+    ep: int = 1  # expert parallelism over the instance's TP GPUs (SGLang --ep-size), divides tp
     nodes: int = 1
     instances: int = 1
     page_size: int = 64
