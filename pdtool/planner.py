@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdtool.memory import RoleMemory, role_memory
+from pdtool.ports import dist_stride, http_stride
 from pdtool.schema import (
     ROLES,
     ClusterConfig,
@@ -479,9 +480,10 @@ def _instances(cfg: Config) -> tuple[InstancePlan, ...]:
                     attn_tp=width,
                     gpus=gpus_per_instance(rc),
                     nodes=nodes,
-                    http_port=rc.http_port + i,
+                    # packed instances' derived ports must not meet (pdtool.ports)
+                    http_port=rc.http_port + i * http_stride(cfg, rname),
                     bootstrap_port=rc.bootstrap_port + i if rname == "prefill" else None,
-                    dist_init_port=rc.dist_init_port + i,
+                    dist_init_port=rc.dist_init_port + i * dist_stride(cfg, rname),
                     page_size=rc.page_size,
                     kv_dtype=kv_dtype(cfg.model, rc),
                     kv_layout=pools or rc.kv_layout,

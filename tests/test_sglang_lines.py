@@ -190,3 +190,46 @@ def test_kv_dtype_sglang_has_not_is_refused(dtype: str) -> None:
     assert_error(recipe("llama-3.1-70b", f"prefill.kv_dtype={dtype}", f"decode.kv_dtype={dtype}"),
                  "decode.kv_dtype",
                  "no " + dtype)
+
+
+DPA_PACKED = ["+recipe=llama-3.1-70b", "decode.dp=2", "decode.dp_attention=true"]
+
+
+def test_packed_dp_attention_instances_never_share_a_port(tmp_path: Path) -> None:
+    """Two DP-attention decoders on one node: SGLang derives +13 and +233..+239 from each one's
+    --port, so their bases are spaced until none of those meet (with base + i they did)."""
+    from sglang.srt import server_args as sa
+
+    from pdtool import ports
+
+    assert ports.ZMQ_TCP_PORT_DELTA == sa.ZMQ_TCP_PORT_DELTA
+    assert ports.DP_ATTENTION_HANDSHAKE_PORT_DELTA == sa.DP_ATTENTION_HANDSHAKE_PORT_DELTA
+    cfg, plan, rendered = render_slurm(DPA_PACKED, tmp_path)
+    d0, d1 = (i for i in plan.instances if i.role == "decode")
+    assert d0.nodes == d1.nodes  # packed
+    taken: set[int] = set()
+    for inst in (d0, d1):
+        mine = {p for p, _, _ in ports.instance_ports(cfg, "decode", inst.index)}
+        assert inst.http_port in mine and inst.dist_init_port in mine
+        assert {inst.http_port + 13, *range(inst.http_port + 233, inst.http_port + 240)} <= mine
+        assert not taken & mine
+        taken |= mine
+    # the rendered lines use the plan's ports
+    hosts = variables(plan.nodes)
+    got = {p.name: resolve(p.engine_argv, hosts) for p in rendered.spec.procs}
+    for inst in (d0, d1):
+        argv = got[f"{inst.name}.n0"]
+        assert argv[argv.index("--port") + 1] == str(inst.http_port)
+        assert argv[argv.index("--nccl-port") + 1] == str(inst.dist_init_port)
+
+
+def test_port_overlap_with_a_derived_port_is_refused() -> None:
+    """On one machine, decode's HTTP port on prefill's DP-attention dist-init port (+233)."""
+    from pdtool_cfg import assert_error, recipe
+
+    numa = "[" + ",".join(["0"] * 8 + ["1"] * 8) + "]"
+    cfg = recipe("llama-3.1-70b", "launcher=local", "cluster.gpus_per_node=16",
+                 f"cluster.gpu_numa={numa}", "prefill.dp=2", "prefill.dp_attention=true",
+                 "decode.http_port=30233")
+    f = assert_error(cfg, "decode.http_port", "30233", "prefill.http_port + 233")
+    assert "prefill-0 DP-attention dist-init" in f.message
