@@ -194,6 +194,9 @@ class LauncherConfig:
     # on device=cuda) and memory ("" = all of an exclusive node, --mem=0; e.g. "480G")
     gpus_per_node: int = 0
     mem: str = ""
+    # variables that are secrets besides the secret-looking names (pdtool.launch.secrets):
+    # they reach the processes through 0600 files, from launcher.env or the submitting shell
+    secret_env: list[str] = field(default_factory=list)
 
 
 @dataclass
