@@ -343,3 +343,16 @@ def test_listed_secret_without_value_is_refused(tmp_path: Path) -> None:
     assert res.returncode == 1
     assert "launcher.secret_env" in res.stderr and "NO_SUCH_SECRET_X" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("launcher", ["local", "slurm"])
+def test_script_options_are_arguments_not_environment(launcher: str, tmp_path: Path) -> None:
+    rendered, _ = render(launcher_overrides("tiny-local", launcher), tmp_path / "job")
+    text = rendered.script.read_text()
+    assert f"RUN_DIR={q(str(rendered.out))}\n" in text  # not ${PDTOOL_RUN_DIR:-...}
+    assert "PDTOOL_EXIT_WHEN_HEALTHY:-" not in text
+    res = subprocess.run(["bash", str(rendered.script), "--bogus"], capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 2 and "usage:" in res.stderr
+    if launcher == "slurm":
+        assert all(p.argv[:2] == ["srun", "--export=ALL"] for p in rendered.spec.all())

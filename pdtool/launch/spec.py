@@ -140,7 +140,9 @@ def _srun(cfg: Config, p: Proc, ranks: list[RankPlan]) -> list[str | Word]:
     """srun prefix placing one process on allocation node `p.node` as its own job step, with
     its CPUs, binding and GPUs (pdtool.launch.resources)."""
     argv: list[str | Word] = [
-        "srun", "--nodes=1", "--ntasks=1", f"--relative={p.node}", "--overlap",
+        # --export=ALL: the step gets this script's environment even in a job submitted with
+        # --export=NONE (srun would inherit NONE through SLURM_EXPORT_ENV)
+        "srun", "--export=ALL", "--nodes=1", "--ntasks=1", f"--relative={p.node}", "--overlap",
         "--kill-on-bad-exit=1", f"--job-name={p.name}", word("--output=", *p.log.parts),
         *step_options(cfg, ranks),
     ]
