@@ -10,6 +10,7 @@ job needs to be re-run without pdtool's config tree:
     plan.json                   the plan (what the worker entry loads)
     launch.json                 every process and its command line (what --dry-run prints)
     secret.key                  per-deployment control-plane secret, mode 0600, never printed
+    secret-<role>.env           secret environment variables, mode 0600 (pdtool.launch.secrets)
     logs/                       one folder per run, one log per process
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pdtool import __version__
+from pdtool.launch import secrets as secret_env_files
 from pdtool.launch.shell import Var, Word, q, words
 from pdtool.launch.spec import LaunchError, LaunchSpec, build_launch
 from pdtool.paths import templates_dir
@@ -137,17 +139,22 @@ def write_job_folder(cfg: Any, plan: Any, out: Path) -> Rendered:
     from pdtool.plan import to_json
 
     out = Path(out).resolve()
-    spec = build_launch(cfg, plan, str(out))
+    try:
+        secret_env = secret_env_files.secrets_by_role(cfg, os.environ)
+    except secret_env_files.SecretError as e:
+        raise LaunchError(str(e)) from e
+    spec = build_launch(cfg, plan, str(out), frozenset(secret_env))
     text = script_text(cfg, plan, spec, out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
     script = out / SCRIPT_NAMES[spec.launcher]
     script.write_text(text)
     script.chmod(0o755)
-    (out / "config.yaml").write_text(config_to_yaml(cfg))
+    (out / "config.yaml").write_text(config_to_yaml(secret_env_files.redacted(cfg)))
     (out / "plan.json").write_text(to_json(plan) + "\n")
     (out / "launch.json").write_text(json.dumps(spec_to_dict(spec), indent=2) + "\n")
     write_secret(out / SECRET_NAME)
+    secret_env_files.write_files(out, secret_env)
     return Rendered(out=out, script=script, spec=spec, plan=plan, cfg=cfg)
 
 

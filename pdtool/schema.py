@@ -132,6 +132,7 @@ class RoleConfig:
     tp: int = 1
     dp: int = 1
     dp_attention: bool = False
+    ep: int = 1  # expert parallelism over the instance's TP GPUs (SGLang --ep-size), divides tp
     nodes: int = 1
     instances: int = 1
     page_size: int = 64
@@ -195,6 +196,9 @@ class LauncherConfig:
     # on device=cuda) and memory ("" = all of an exclusive node, --mem=0; e.g. "480G")
     gpus_per_node: int = 0
     mem: str = ""
+    # variables that are secrets besides the secret-looking names (pdtool.launch.secrets):
+    # they reach the processes through 0600 files, from launcher.env or the submitting shell
+    secret_env: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -13,7 +13,8 @@ RECIPES = sorted(recipe_files())
 
 #: HND counts are the reference engine's (its pages follow transfer.layout); SGLang recipes keep
 #: SGLang's NHD pools. A byte vocabulary makes these model shapes ones it could run.
-REFERENCE = ("engine=reference", "model.vocab_size=256")
+#: the same deployment on the reference engine (no experts: the recipes' SGLang --ep-size goes)
+REFERENCE = ("engine=reference", "model.vocab_size=256", "prefill.ep=1", "decode.ep=1")
 
 
 def test_the_required_recipes_exist():

@@ -285,3 +285,74 @@ def test_slurm_resource_keys_are_checked(over, key, fragment) -> None:
 
     cfg = recipe("llama-3.1-70b", *over)
     assert_error(cfg, key, fragment)
+
+
+def test_secrets_reach_processes_only_through_0600_files(tmp_path: Path) -> None:
+    """A secret-looking launcher.env value and a launcher.secret_env name taken from the shell:
+    in no argv, script, saved config or launch.json; in 0600 files; in the processes' env."""
+    out, dumps = tmp_path / "job", tmp_path / "dumps"
+    dumps.mkdir()
+    token, password = "hf_Zq81secret", "pw 'quoted' $(touch PWNED)"
+    over = ["+recipe=tiny-local", "engine=sglang", "cluster.device=cuda",
+            "launcher.health_timeout_s=2", "prefill.http_port=38200", "decode.http_port=38210",
+            "prefill.bootstrap_port=38220", "prefill.dist_init_port=38230",
+            "decode.dist_init_port=38240", "router.port=38250",
+            f"engine.python={HERE / 'argv_dump.py'}", f"+launcher.env.all.HF_TOKEN={token}",
+            "launcher.secret_env=[DB_PASS]", "+launcher.env.decode.PLAIN=visible"]
+    env = {**os.environ, "DB_PASS": password, "ARGV_DUMP_DIR": str(dumps),
+           "PDTOOL_PYTHON": sys.executable}
+    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "render", *over, "--out", str(out)],
+                         capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    assert token not in res.stdout + res.stderr
+    files = {f.name: f for f in out.iterdir() if f.is_file()}
+    for name in ("secret-prefill.env", "secret-decode.env", "secret-router.env"):
+        assert stat.S_IMODE(files[name].stat().st_mode) == 0o600
+    for name, f in files.items():
+        if not name.startswith("secret"):
+            text = f.read_text()
+            assert token not in text and "pw 'quoted'" not in text, name
+    assert "REDACTED" in (out / "config.yaml").read_text()
+    proc = subprocess.Popen(["bash", str(out / "run_local.sh")], cwd=tmp_path, env={
+        k: v for k, v in env.items() if k != "DB_PASS"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        for pid in job_processes(out):
+            os.kill(pid, 9)
+    records = [json.loads(p.read_text()) for p in dumps.glob("*.json")]
+    workers = [r for r in records if "pdtool.worker" in r["argv"]]
+    assert len(workers) == 3
+    for r in workers:
+        assert r["env"]["HF_TOKEN"] == token and r["env"]["DB_PASS"] == password
+        assert not any(token in a or "quoted" in a for a in r["argv"])
+        role = r["argv"][r["argv"].index("--role") + 1]
+        assert ("PLAIN" in r["env"]) == (role == "decode")
+    assert not (tmp_path / "PWNED").exists() and not (out / "PWNED").exists()
+
+
+def test_listed_secret_without_value_is_refused(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "NO_SUCH_SECRET_X"}
+    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "render", "+recipe=tiny-local",
+                          "launcher.secret_env=[NO_SUCH_SECRET_X]", "--out", str(tmp_path / "j")],
+                         capture_output=True, text=True, env={**env, "COLUMNS": "200"})
+    assert res.returncode == 1
+    assert "launcher.secret_env" in res.stderr and "NO_SUCH_SECRET_X" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("launcher", ["local", "slurm"])
+def test_script_options_are_arguments_not_environment(launcher: str, tmp_path: Path) -> None:
+    rendered, _ = render(launcher_overrides("tiny-local", launcher), tmp_path / "job")
+    text = rendered.script.read_text()
+    assert f"RUN_DIR={q(str(rendered.out))}\n" in text  # not ${PDTOOL_RUN_DIR:-...}
+    assert "PDTOOL_EXIT_WHEN_HEALTHY:-" not in text
+    res = subprocess.run(["bash", str(rendered.script), "--bogus"], capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 2 and "usage:" in res.stderr
+    if launcher == "slurm":
+        assert all(p.argv[:2] == ["srun", "--export=ALL"] for p in rendered.spec.all())

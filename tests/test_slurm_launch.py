@@ -31,7 +31,10 @@ OVERRIDES = [
 
 
 def launch(slurm, out: Path, *extra: str) -> str:
-    env = slurm.env()
+    # leftovers in the submitting shell change nothing: the options travel as the script's
+    # arguments and the job folder is the rendered one
+    env = {**slurm.env(), "PDTOOL_RUN_DIR": str(out.parent / "elsewhere"),
+           "PDTOOL_PREFLIGHT": "0", "PDTOOL_EXIT_WHEN_HEALTHY": "0"}
     res = subprocess.run(
         [sys.executable, "-m", "pdtool.cli", "launch", *OVERRIDES, *extra, "--out", str(out),
          "--preflight", "--exit-when-healthy"],
@@ -96,6 +99,7 @@ def test_job_places_each_role_on_its_node_group(engine: str, slurm, tmp_path: Pa
     assert lines[decode]["FI_PROVIDER"] == "-"  # tcp;ofi_rxm: provider via PDTOOL_*
     assert "deployment ready" in batch and f"healthy: {decode}" in batch
     assert "stopping after a healthy start" in batch
+    assert not (out.parent / "elsewhere").exists()
     # stopped with SIGTERM (scancel --signal), not killed: every worker says so
     for log in (out / "logs" / job).glob("*.log"):
         assert "pdtool-worker: stopped" in log.read_text(), log

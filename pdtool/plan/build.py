@@ -26,6 +26,7 @@ from pdtool.plan.records import (
     RouterTarget,
 )
 from pdtool.plan.routes import kv_pool, layout_source, transfer_plan
+from pdtool.ports import dist_stride, http_stride
 from pdtool.schema import ROLES, Config, kv_dtype, role, role_dims
 from transfer import routes as R
 
@@ -74,9 +75,10 @@ def _instances(cfg: Config) -> tuple[InstancePlan, ...]:
                     attn_tp=width,
                     gpus=dims.gpus,
                     nodes=nodes,
-                    http_port=rc.http_port + i,
+                    # packed instances' derived ports must not meet (pdtool.ports)
+                    http_port=rc.http_port + i * http_stride(cfg, rname),
                     bootstrap_port=rc.bootstrap_port + i if rname == "prefill" else None,
-                    dist_init_port=rc.dist_init_port + i,
+                    dist_init_port=rc.dist_init_port + i * dist_stride(cfg, rname),
                     page_size=rc.page_size,
                     kv_dtype=kv_dtype(cfg.model, rc),
                     kv_layout=pools or rc.kv_layout,

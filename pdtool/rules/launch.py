@@ -5,12 +5,14 @@ them, so the plan's GPU ids are CUDA ordinals: fewer GPUs than the highest id a 
 would leave a rank without its device. A job that does not take whole nodes
 (`launcher.exclusive=false`) gets only the memory it asks for, so it must ask
 (`launcher.mem`); Slurm's own size syntax is checked here so sbatch does not refuse it later.
+The KV dtypes an SGLang launch line can carry are checked here too.
 """
 
 from __future__ import annotations
 
 import re
 
+from pdtool.launch.sglang import SGLANG_KV_DTYPES
 from pdtool.plan import placements
 from pdtool.rules.finding import Finding, error
 from pdtool.schema import Config
@@ -62,4 +64,23 @@ def check_slurm_memory(cfg: Config) -> list[Finding]:
     return []
 
 
-ALL = (check_slurm_gpus, check_slurm_memory)
+#: KV dtypes an SGLang line can carry: `auto` (the model's) or one --kv-cache-dtype renders
+SGLANG_CACHE_DTYPES = ("auto", *SGLANG_KV_DTYPES)
+
+
+def check_sglang_kv_dtype(cfg: Config) -> list[Finding]:
+    """engine=sglang: only KV dtypes SGLang's --kv-cache-dtype has (no fp16/fp32 cache)."""
+    if cfg.engine.kind != "sglang":
+        return []
+    out = []
+    for r in ("prefill", "decode"):
+        dt = getattr(cfg, r).kv_dtype
+        if dt not in SGLANG_CACHE_DTYPES:
+            out.append(error(f"{r}.kv_dtype",
+                             f"SGLang 0.5.23 has no {dt} KV cache (--kv-cache-dtype takes "
+                             f"{', '.join(SGLANG_CACHE_DTYPES)} here)",
+                             f"set {r}.kv_dtype=auto (the model's dtype) or bf16"))
+    return out
+
+
+ALL = (check_slurm_gpus, check_slurm_memory, check_sglang_kv_dtype)
