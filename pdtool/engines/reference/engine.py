@@ -260,6 +260,24 @@ class Faults:
     hidden: bool = False
 
 
+class Sampler:
+    """Temperature / top-p sampling of one request from its own seeded generator. Every TP
+    rank computes the same logits and draws from the same seed, so all ranks pick the same
+    token without a collective."""
+
+    def __init__(self, temperature: float, top_p: float = 1.0, seed: int = 0) -> None:
+        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.gen = torch.Generator().manual_seed(int(seed))
+
+    def pick(self, logits: torch.Tensor) -> int:
+        probs = torch.softmax(logits.to(torch.float64) / self.temperature, dim=-1)
+        if self.top_p < 1.0:  # the smallest set of most likely tokens holding top_p
+            p, idx = probs.sort(descending=True)
+            keep = (p.cumsum(0) - p) < self.top_p
+            probs = torch.zeros_like(probs).scatter_(0, idx[keep], p[keep])
+        return int(torch.multinomial(probs, 1, generator=self.gen))
+
+
 @dataclass
 class _DReq:
     rid: str
@@ -274,6 +292,7 @@ class _DReq:
     first_draft: int | None = None
     draft_accepted: bool = False
     error: str = ""
+    sampler: Sampler | None = None  # None: greedy
 
 
 @dataclass
@@ -308,6 +327,7 @@ class DecodeEngine:
         self.steps = 0  # decode forward passes
         self.max_batch = 0  # most requests stepping together in one pass
         self.ran = False
+        self.eos = frozenset(getattr(model, "eos_ids", (EOS,)))
 
     @property
     def busy(self) -> bool:
@@ -329,9 +349,10 @@ class DecodeEngine:
                 events.append(Event(m["rid"], [], True, {"error": "empty prompt or max_tokens"}))
                 continue
             faults = Faults(**m["faults"]) if m.get("faults") else None
-            self.waiting.append(
-                _DReq(m["rid"], toks, int(m["max_tokens"]), int(m["peer"]), faults=faults)
-            )
+            sampling = m.get("sampling")
+            sampler = Sampler(**sampling) if sampling and sampling.get("temperature") else None
+            self.waiting.append(_DReq(m["rid"], toks, int(m["max_tokens"]), int(m["peer"]),
+                                      faults=faults, sampler=sampler))
         self._admit()
         self._collect_transfers(events)
         if self.running:
@@ -389,7 +410,8 @@ class DecodeEngine:
             r = self.transfer.pop(rid)
             hidden = self.link.hidden(rid).to(self.model.cfg.torch_dtype)
             self._inject_faults(r, hidden)
-            r.draft = int(self.model.draft(hidden[None], torch.tensor([r.prompt[-1]]))[0])
+            draft = self.model.draft(hidden[None], torch.tensor([r.prompt[-1]]))
+            r.draft = None if draft is None else int(draft[0])  # checkpoints have no draft
             r.first_draft = r.draft
             self.link.release(rid)
             self.running.append(r)
@@ -449,15 +471,19 @@ class DecodeEngine:
         best = logits.argmax(-1).tolist()
         i = 0
         for r, (toks, _, _) in zip(list(self.running), runs, strict=True):
-            got = [best[i]]
-            if r.draft is not None and best[i] == r.draft:
-                got.append(best[i + 1])  # the draft was right: its successor comes for free
+            pick = (lambda j: best[j]) if r.sampler is None else (
+                lambda j, s=r.sampler: s.pick(logits[j]))
+            got = [pick(i)]
+            if r.draft is not None and got[0] == r.draft:
+                # the draft was right: its successor comes for free (sampled or greedy, the
+                # token after the draft is drawn from the distribution given the draft)
+                got.append(pick(i + 1))
                 r.draft_accepted = True
             i += len(toks)
             r.draft = None
             emitted, finished = [], False
             for t in got:
-                if t == EOS:
+                if t in self.eos:
                     finished = True
                     break
                 emitted.append(t)

@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from .limits import KV_DTYPES, instance_problems, model_problems
-from .serve import RankSpec
+from .spec import RankSpec
 
 ALLOW_FAULTS_ENV = "PDTOOL_REFERENCE_ALLOW_FAULTS"
 MAX_PAGES = 4096  # the CPU engine needs far less than a "GPU" budget; keep processes small
@@ -94,7 +94,7 @@ def spec_from_context(ctx: Any) -> RankSpec:
         urls = [f"http://{_host_of(t.node, ctx.host)}:{t.http_port}/health"
                 for t in plan.router.decode]
         return RankSpec(role="front", host=ctx.host, http_port=plan.router.port,
-                        secret_hex=_secret_hex(), decoders=urls)
+                        secret_hex=_secret_hex(), decoders=urls, model_name=plan.model.name)
     inst = ctx.instance
     fields = model_fields(plan.model, inst.kv_dtype, ctx.role)
     check_instance(plan.model, fields, inst, ctx.role)

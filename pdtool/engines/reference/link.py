@@ -34,13 +34,15 @@ from .model import TinyModel
 AUX_ROWS = 256  # hidden-state rows: transfer slots on decode, requests in flight on prefill
 
 
-def _endpoints(health_url: str, timeout_s: float) -> tuple[str, ...]:
-    """A prefill instance's per-rank control addresses, read from its lead's /health."""
+def _endpoints(health_url: str, timeout_s: float) -> tuple[tuple[str, ...], int]:
+    """A prefill instance's per-rank control addresses and the longest prompt it holds (tokens,
+    0 = not published), read from its lead's /health."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             with urllib.request.urlopen(health_url, timeout=2) as r:
-                return tuple(json.loads(r.read())["control"])
+                health = json.loads(r.read())
+                return tuple(health["control"]), int(health.get("context", 0))
         except (urllib.error.URLError, OSError, KeyError, ValueError):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"prefill instance at {health_url} did not publish its "
@@ -88,7 +90,10 @@ class DecodeSide(_Side):
 
         m = spec.messenger
         timeout = float(m.get("connect_timeout_s", 60.0))
-        groups = tuple(_endpoints(p["health"], timeout) for p in m["prefill"])
+        found = [_endpoints(p["health"], timeout) for p in m["prefill"]]
+        groups = tuple(control for control, _ in found)
+        #: longest prompt every prefill instance this rank may send to can hold (0: no limit)
+        self.peer_context = min((c for _, c in found if c), default=0)
         self.aux = torch.zeros(AUX_ROWS, model.cfg.hidden, dtype=torch.float32)
         config = DecodeConfig(**_common(spec, model), prefill_endpoints=groups,
                               max_inflight=AUX_ROWS, lanes=int(m.get("lanes", 0)))

@@ -6,8 +6,10 @@ counted, never raised into the serving loop. Every message also carries a timest
 random nonce under the MAC; a message older than the replay window, or whose nonce was seen
 within it, is refused (transfer.control.ReplayGuard), so a captured GEN cannot be replayed to
 re-run a request and receive its output. Only these kinds travel here:
-  * GEN (front → decoder): {"rid": str, "tokens": [int 0..255], "max_tokens": int}
-  * OUT (decoder → front): {"rid": str, "tokens": [int], "done": bool, "info": {...}}
+  * GEN (front → decoder): {"rid": str, "tokens": [token id], "max_tokens": int}, optional
+    "sampling": {"temperature": float >= 0, "top_p": float in (0, 1], "seed": int} (absent or
+    temperature 0: greedy)
+  * OUT (decoder → front): {"rid": str, "tokens": [token id], "done": bool, "info": {...}}
   * PING (front → decoder) / PONG (decoder → front): {"rid": str, "tokens": []}, so the front
     knows which decode instances are up (its /health) without the decoder knowing the front.
   * CANCEL (front → decoder): {"rid": str, "tokens": []}: the client went away; honoured only
@@ -31,6 +33,7 @@ from transfer.control import ControlError, ReplayGuard, check_secret
 log = logging.getLogger("pdtool.reference.wire")
 MAX_BYTES = 4 << 20
 MAX_PROMPT = 1 << 16
+MAX_TOKEN_ID = (1 << 31) - 1  # token ids are vocabulary rows: any checkpoint's vocabulary fits
 REPLAY_WINDOW_S = 30.0
 
 
@@ -46,15 +49,16 @@ def _check(kind: str, body: Any) -> dict:
         raise WireError(f"{kind}.rid: expected a non-empty string")
     toks = body.get("tokens")
     if not isinstance(toks, list) or len(toks) > MAX_PROMPT or not all(
-        isinstance(t, int) and 0 <= t < 512 for t in toks
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in toks
     ):
-        raise WireError(f"{kind}.tokens: expected a list of token ids")
+        raise WireError(f"{kind}.tokens: expected a list of at most {MAX_PROMPT} token ids")
     if kind == "GEN":
         mt = body.get("max_tokens")
         if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= 1 << 16:
             raise WireError("GEN.max_tokens: expected an int in [1, 65536]")
-        if not toks or any(t > 255 for t in toks):
-            raise WireError("GEN.tokens: expected 1 or more byte values (0..255)")
+        if not toks:
+            raise WireError("GEN.tokens: expected 1 or more token ids")
+        _check_sampling(body.get("sampling"))
         faults = body.get("faults")
         if faults is not None and not (
             isinstance(faults, dict) and set(faults) <= {"page", "hidden"}
@@ -68,6 +72,21 @@ def _check(kind: str, body: Any) -> dict:
     else:
         raise WireError(f"kind: unknown message kind {kind!r}")
     return body
+
+
+def _check_sampling(sampling: Any) -> None:
+    if sampling is None:
+        return
+    if not isinstance(sampling, dict) or not set(sampling) <= {"temperature", "top_p", "seed"}:
+        raise WireError("GEN.sampling: expected a map of temperature, top_p, seed")
+    temp, top_p = sampling.get("temperature", 0.0), sampling.get("top_p", 1.0)
+    if not isinstance(temp, float | int) or isinstance(temp, bool) or not 0 <= temp <= 100:
+        raise WireError("GEN.sampling.temperature: expected a number in [0, 100]")
+    if not isinstance(top_p, float | int) or isinstance(top_p, bool) or not 0 < top_p <= 1:
+        raise WireError("GEN.sampling.top_p: expected a number in (0, 1]")
+    seed = sampling.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 1 << 63:
+        raise WireError("GEN.sampling.seed: expected an integer in [0, 2**63)")
 
 
 class Wire:
