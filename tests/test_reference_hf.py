@@ -8,6 +8,7 @@ TP2 -> decode TP1, TP1 -> TP2 and equal TP, over shm and tcp;ofi_rxm.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -62,3 +63,39 @@ def test_disaggregated_equals_transformers(tmp_path, arch, prefill_tp, decode_tp
         assert decode["prompt_tokens_seen"] == len(prompts)  # the decoder never ran a prompt
     finally:
         dep.stop()
+
+
+def test_hf_local_recipe_launches_a_checkpoint_folder(tmp_path):
+    """`pdtool launch +recipe=hf-local model.path=DIR --smoke`, as the README says; the plan's
+    model keys come from DIR/config.json."""
+    import json
+    import subprocess
+    import sys
+
+    from pdtool.engines.reference.local import free_port, free_port_run
+
+    folder = make_checkpoint(tmp_path / "llama", "llama")
+    ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
+             f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
+             f"decode.dist_init_port={free_port()}", f"prefill.bootstrap_port={free_port()}"]
+    res = subprocess.run(
+        [sys.executable, "-m", "pdtool.cli", "launch", "+recipe=hf-local",
+         f"model.path={folder}", *ports, "--smoke", "--out", str(tmp_path / "job")],
+        capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "smoke passed: stopping" in res.stdout
+    plan = json.loads((tmp_path / "job" / "plan.json").read_text())
+    assert plan["model"]["num_layers"] == 2 and plan["model"]["head_dim"] == 16
+    assert plan["model"]["path"] == str(folder)
+
+
+def test_validate_names_what_a_folder_lacks(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "empty").mkdir()
+    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "validate", "+recipe=hf-local",
+                          f"model.path={tmp_path / 'empty'}"], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "COLUMNS": "400"})
+    assert res.returncode != 0 and "model.path" in res.stdout + res.stderr
+    assert "has no config.json" in res.stdout + res.stderr, res.stdout

@@ -29,8 +29,11 @@ def _raise_first(problems: list[tuple[str, str]]) -> None:
 
 
 def model_fields(model: Any, kv_dtype: str, role: str = "prefill") -> dict[str, Any]:
-    """TinyConfig fields from the plan's model summary (MLA: nope and v dims = head_dim)."""
+    """`models.model_config` fields from the plan's model summary: a checkpoint folder
+    (`model.path`), or the built-in model's TinyConfig (MLA: nope and v dims = head_dim)."""
     _raise_first(model_problems(model, kv_dtype, role))
+    if model.path:
+        return {"path": model.path, "kv_dtype": KV_DTYPES[kv_dtype]}
     mla = model.attention == "mla"
     fields = {
         "attention": "mla" if mla else "gqa",
@@ -52,11 +55,11 @@ def model_fields(model: Any, kv_dtype: str, role: str = "prefill") -> dict[str, 
 
 def check_instance(model: Any, fields: dict[str, Any], inst: Any, role: str) -> None:
     """What would otherwise fail inside the engine, as a SpecError naming the key."""
-    from .model import TinyConfig
+    from .models import model_config
 
     _raise_first(instance_problems(model, inst, role))
     try:
-        TinyConfig(**fields).check_tp(inst.tp)
+        model_config(fields).check_tp(inst.tp)
     except ValueError as exc:
         raise SpecError(f"{role}.tp: {exc}") from None
 
@@ -94,7 +97,8 @@ def spec_from_context(ctx: Any) -> RankSpec:
         urls = [f"http://{_host_of(t.node, ctx.host)}:{t.http_port}/health"
                 for t in plan.router.decode]
         return RankSpec(role="front", host=ctx.host, http_port=plan.router.port,
-                        secret_hex=_secret_hex(), decoders=urls, model_name=plan.model.name)
+                        secret_hex=_secret_hex(), decoders=urls, model_name=plan.model.name,
+                        tokenizer=plan.model.path)
     inst = ctx.instance
     fields = model_fields(plan.model, inst.kv_dtype, ctx.role)
     check_instance(plan.model, fields, inst, ctx.role)
