@@ -104,7 +104,8 @@ def greedy(folder: Path, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def deployment(folder: Path | None, tmp: Path, prefill_tp: int = 1, decode_tp: int = 1,
-               provider: str = "shm", chunk: int = 16, name: str = "tiny-hf"):
+               provider: str = "shm", chunk: int = 16, name: str = "tiny-hf",
+               layout: str = "HND"):
     """A RankSpec deployment (prefill instance, one decode instance, front) serving the
     checkpoint in `folder` (None: the built-in tiny model); returns (Deployment, front URL,
     leaders' base URLs, prefill first)."""
@@ -117,7 +118,7 @@ def deployment(folder: Path | None, tmp: Path, prefill_tp: int = 1, decode_tp: i
     mess = {"provider": provider, "prefill_tp": prefill_tp, "decode_tp": decode_tp,
             "timeout_s": 60.0, "prefill": [{"health": f"http://127.0.0.1:{p_http}/health"}]}
     common = {"secret_hex": secret, "messenger": mess, "model": model, "page_size": 4,
-              "chunk": chunk, "num_pages": 1024}
+              "chunk": chunk, "num_pages": 1024, "layout": layout}
     specs = [RankSpec(role="prefill", tp=prefill_tp, rank=r, dist_port=p_dist,
                       http_port=p_http, **common) for r in range(prefill_tp)]
     specs += [RankSpec(role="decode", tp=decode_tp, rank=r, dist_port=d_dist, http_port=d_http,

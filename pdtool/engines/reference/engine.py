@@ -293,6 +293,7 @@ class _DReq:
     draft_accepted: bool = False
     error: str = ""
     sampler: Sampler | None = None  # None: greedy
+    kv_writes: int = 0  # counted writes the KV transfer waited for on this rank
 
 
 @dataclass
@@ -413,6 +414,7 @@ class DecodeEngine:
             draft = self.model.draft(hidden[None], torch.tensor([r.prompt[-1]]))
             r.draft = None if draft is None else int(draft[0])  # checkpoints have no draft
             r.first_draft = r.draft
+            r.kv_writes = int(getattr(self.link, "writes", lambda _rid: 0)(rid))
             self.link.release(rid)
             self.running.append(r)
 
@@ -495,7 +497,8 @@ class DecodeEngine:
             if finished:
                 self.running.remove(r)
                 self.kv.pages.free(r.pages)
-                info = {"draft": r.first_draft, "draft_accepted": r.draft_accepted}
+                info = {"draft": r.first_draft, "draft_accepted": r.draft_accepted,
+                        "kv_writes": r.kv_writes}
                 events.append(Event(r.rid, emitted, True, info))
             else:
                 events.append(Event(r.rid, emitted))

@@ -97,7 +97,7 @@ class DecodeSide(_Side):
         self.aux = torch.zeros(AUX_ROWS, model.cfg.hidden, dtype=torch.float32)
         config = DecodeConfig(**_common(spec, model), prefill_endpoints=groups,
                               max_inflight=AUX_ROWS, lanes=int(m.get("lanes", 0)))
-        self.m = DecodeMessenger(config, kv.layers, "HND", [self.aux])
+        self.m = DecodeMessenger(config, kv.buffers, kv.layout, [self.aux])
 
     def submit(self, rid: str, tokens: list[int], pages: list[int], peer: int) -> None:
         self.m.submit(rid, tokens, pages, peer)
@@ -118,6 +118,10 @@ class DecodeSide(_Side):
     def reason(self, rid: str) -> str:
         """Why a failed transfer failed (empty if it failed on another decode rank)."""
         return self.m.status(rid).reason
+
+    def writes(self, rid: str) -> int:
+        """Counted writes this rank's transfer of `rid` waited for (the route math's count)."""
+        return self.m.status(rid).expected
 
     def cancel(self, rid: str, reason: str) -> None:
         """Give up a transfer; it shows up in `failed()` once its pages are safe to free."""
@@ -143,7 +147,7 @@ class PrefillSide(_Side):
         self.aux = torch.zeros(AUX_ROWS, model.cfg.hidden, dtype=torch.float32)
         config = PrefillConfig(**_common(spec, model), bind_host=spec.host, port=0,
                                max_requests=AUX_ROWS)
-        self.m = PrefillMessenger(config, kv.layers, "HND", [self.aux])
+        self.m = PrefillMessenger(config, kv.buffers, kv.layout, [self.aux])
         addrs = [self.m.address]
         if spec.tp > 1:  # the lead publishes every rank's control address in /health
             addrs = [""] * spec.tp

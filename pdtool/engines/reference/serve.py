@@ -98,7 +98,7 @@ def _start_rank(spec: RankSpec, stop: threading.Event, link: Any) -> tuple[Any, 
 
     coord, tp = _init(spec)
     model = build_model(spec.cfg, tp)
-    kv = PagedKV(spec.cfg, len(model.kv_heads), spec.num_pages, spec.page_size)
+    kv = PagedKV(spec.cfg, len(model.kv_heads), spec.num_pages, spec.page_size, spec.layout)
     _warm_up(model, kv)
     log.info("%s %d rank %d: model and cache ready", spec.role, spec.instance, spec.rank)
     link = link if link is not None else make_link(spec, kv, model)
@@ -119,6 +119,8 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
     def stats() -> dict[str, Any]:
         return {"role": "decode", "instance": spec.instance, "rank": spec.rank,
                 "pages_total": kv.pages.num_pages, "pages_free": kv.pages.num_free,
+                "kv_layout": kv.layout, "kv_shape": list(kv.shape),
+                "kv_writes_per_op": int(getattr(getattr(link, "m", None), "writes_per_op", 0)),
                 "tokens_seen": model.tokens_seen, "prompt_tokens_seen": engine.prompt_tokens_seen,
                 "requests_started": engine.requests_started, "steps": engine.steps,
                 "max_batch": engine.max_batch, "running": len(engine.running),

@@ -28,6 +28,7 @@ class RankSpec:
     dist_port: int = 0
     http_port: int = 0
     page_size: int = 4
+    layout: str = "HND"  # the KV pages' layout (the role's kv_layout = transfer.layout)
     num_pages: int = DEFAULT_PAGES
     chunk: int = 16
     max_running: int = 64
