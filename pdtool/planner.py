@@ -239,6 +239,7 @@ class Plan:
     router: RouterPlan
     transfer: TransferPlan
     memory: tuple[RoleMemory, ...]
+    mode: str = "disaggregated"  # config `mode`: aggregated instances run whole requests
 
     def role_instances(self, role_name: str) -> tuple[InstancePlan, ...]:
         return tuple(i for i in self.instances if i.role == role_name)
@@ -634,6 +635,7 @@ def build_plan(cfg: Config, tokens: int = DEFAULT_TOKENS) -> Plan:
         description=cfg.description,
         launcher=cfg.launcher.kind,
         engine=cfg.engine.kind,
+        mode=cfg.mode,
         nodes=nodes,
         model=ModelSummary(
             name=m.name,

@@ -93,9 +93,13 @@ def pair_of(plan: Any, decode_index: int) -> int:
 def spec_from_context(ctx: Any) -> RankSpec:
     """RankSpec of a worker (`pdtool.worker.WorkerContext`): plan + role + instance + rank."""
     plan = ctx.plan
+    aggregated = plan.mode == "aggregated"
     if ctx.role == "router":
         urls = [f"http://{_host_of(t.node, ctx.host)}:{t.http_port}/health"
                 for t in plan.router.decode]
+        if aggregated:  # every instance serves whole requests: the prefill ones too
+            urls = [f"http://{_host_of(i.nodes[0], ctx.host)}:{i.http_port}/health"
+                    for i in plan.role_instances("prefill")] + urls
         return RankSpec(role="front", host=ctx.host, http_port=plan.router.port,
                         secret_hex=_secret_hex(), decoders=urls, model_name=plan.model.name,
                         tokenizer=plan.model.path)
@@ -108,7 +112,8 @@ def spec_from_context(ctx: Any) -> RankSpec:
         if mem.role == ctx.role and mem.kv_tokens > 0:
             pages = max(1, min(MAX_PAGES, mem.kv_tokens // inst.page_size))
     return RankSpec(
-        role=ctx.role, instance=inst.index, tp=inst.tp, rank=rank.rank, host=ctx.host,
+        role="aggregated" if aggregated else ctx.role, instance=inst.index, tp=inst.tp,
+        rank=rank.rank, host=ctx.host,
         leader_host=_host_of(inst.nodes[0], ctx.host), dist_port=inst.dist_init_port,
         http_port=inst.http_port, page_size=inst.page_size, layout=inst.kv_layout,
         num_pages=pages,

@@ -101,8 +101,13 @@ def _start_rank(spec: RankSpec, stop: threading.Event, link: Any) -> tuple[Any, 
     kv = PagedKV(spec.cfg, len(model.kv_heads), spec.num_pages, spec.page_size, spec.layout)
     _warm_up(model, kv)
     log.info("%s %d rank %d: model and cache ready", spec.role, spec.instance, spec.rank)
-    link = link if link is not None else make_link(spec, kv, model)
-    log.info("%s %d rank %d: messenger ready", spec.role, spec.instance, spec.rank)
+    if spec.role == "aggregated":  # whole requests here: no KV messenger
+        from .engine import _NoTransfer
+
+        link = _NoTransfer()
+    else:
+        link = link if link is not None else make_link(spec, kv, model)
+        log.info("%s %d rank %d: messenger ready", spec.role, spec.instance, spec.rank)
     _stop_on_signals(stop)
     return coord, model, kv, link
 
@@ -111,20 +116,26 @@ def _start_rank(spec: RankSpec, stop: threading.Event, link: Any) -> tuple[Any, 
 
 
 def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dict[str, Any]:
-    from .engine import DecodeEngine
+    """A decode instance's rank, or (role "aggregated") an ordinary instance's: the same
+    request socket, health and loop; the aggregated engine prefills its requests itself."""
+    from .engine import AggregatedEngine, DecodeEngine
 
     coord, model, kv, link = _start_rank(spec, stop, link)
-    engine = DecodeEngine(model, kv, link, coord, spec.max_running)
+    if spec.role == "aggregated":
+        engine = AggregatedEngine(model, kv, coord, spec.chunk, spec.max_running)
+    else:
+        engine = DecodeEngine(model, kv, link, coord, spec.max_running)
 
     def stats() -> dict[str, Any]:
-        return {"role": "decode", "instance": spec.instance, "rank": spec.rank,
+        return {"role": spec.role, "instance": spec.instance, "rank": spec.rank,
                 "pages_total": kv.pages.num_pages, "pages_free": kv.pages.num_free,
                 "kv_layout": kv.layout, "kv_shape": list(kv.shape),
                 "kv_writes_per_op": int(getattr(getattr(link, "m", None), "writes_per_op", 0)),
                 "tokens_seen": model.tokens_seen, "prompt_tokens_seen": engine.prompt_tokens_seen,
                 "requests_started": engine.requests_started, "steps": engine.steps,
                 "max_batch": engine.max_batch, "running": len(engine.running),
-                "in_transfer": len(engine.transfer), "waiting": len(engine.waiting)}
+                "in_transfer": len(engine.transfer), "waiting": len(engine.waiting),
+                "prefilling": len(getattr(engine, "prefilling", ()))}
 
     sock = health = None
     wire = Wire(spec.secret)
@@ -136,7 +147,7 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
         context = decode_context(spec, getattr(link, "peer_context", 0),
                                  getattr(model.cfg, "max_context", 0))
         health = HealthServer(spec.host, spec.http_port,
-                              lambda: {"role": "decode", "engine": address,
+                              lambda: {"role": spec.role, "engine": address,
                                        "context": context}, stats,
                               getattr(link, "problem", lambda: ""))
         health.ready = True
@@ -366,7 +377,7 @@ def run(spec: RankSpec) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     log.info("%s %d rank %d: starting", spec.role, spec.instance, spec.rank)
     stop = _stop_on_signals()
-    if spec.role == "decode":
+    if spec.role in ("decode", "aggregated"):
         stats = serve_decode(spec, stop)
     elif spec.role == "prefill":
         stats = serve_prefill(spec, stop)
@@ -375,7 +386,8 @@ def run(spec: RankSpec) -> int:
         log.info("front: stopped")
         return code
     else:
-        raise ValueError(f"role: expected prefill, decode or front, got {spec.role!r}")
+        raise ValueError(f"role: expected prefill, decode, aggregated or front, got "
+                         f"{spec.role!r}")
     print("STATS " + json.dumps(stats), flush=True)
     log.info("%s %d rank %d: stopped", spec.role, spec.instance, spec.rank)
     return 0
