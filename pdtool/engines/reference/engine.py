@@ -329,6 +329,7 @@ class DecodeEngine:
         self.max_batch = 0  # most requests stepping together in one pass
         self.ran = False
         self.eos = frozenset(getattr(model, "eos_ids", (EOS,)))
+        self.vocab = int(model.embed.shape[0])
 
     @property
     def busy(self) -> bool:
@@ -348,6 +349,10 @@ class DecodeEngine:
             toks = list(m["tokens"])
             if not toks or m["max_tokens"] < 1:
                 events.append(Event(m["rid"], [], True, {"error": "empty prompt or max_tokens"}))
+                continue
+            if max(toks) >= self.vocab:  # the front checks its tokenizer's; the model decides
+                events.append(Event(m["rid"], [], True, {"error": f"prompt: token id "
+                                    f"{max(toks)} is outside the model's {self.vocab} rows"}))
                 continue
             faults = Faults(**m["faults"]) if m.get("faults") else None
             sampling = m.get("sampling")
@@ -577,6 +582,10 @@ class AggregatedEngine(DecodeEngine):
         for m in new:
             if m.get("cancel"):
                 self._cancel(m["rid"], events)
+                continue
+            if not m["tokens"] or max(m["tokens"]) >= self.vocab:
+                events.append(Event(m["rid"], [], True, {"error": "prompt: empty, or a token "
+                                    f"id outside the model's {self.vocab} rows"}))
                 continue
             sampling = m.get("sampling")
             sampler = Sampler(**sampling) if sampling and sampling.get("temperature") else None
