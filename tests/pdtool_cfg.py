@@ -38,6 +38,11 @@ def recipe_args(name: str) -> list[str]:
     return [f"model.path={_tiny_checkpoint()}"] if name == "hf-local" else []
 
 
+def option_args(group: str, option: str) -> list[str]:
+    """The same for a group option (model=hf-local reads its keys from model.path)."""
+    return recipe_args("hf-local") if (group, option) == ("model", "hf-local") else []
+
+
 def recipe(name: str, *overrides: str) -> Config:
     return compose(f"+recipe={name}", *recipe_args(name), *overrides)
 

@@ -57,6 +57,14 @@ class Arch:
         return asdict(self)
 
 
+def is_local(path: str) -> bool:
+    """`model.path` names a folder on this machine (the engine loads it), not a hub id such as
+    `org/name`: the reference engine downloads nothing, and for a hub id it builds the built-in
+    random-weight model in the shape the model.* keys give (as for the SGLang recipes)."""
+    return bool(path) and (Path(path).expanduser().is_dir()
+                           or path.startswith(("/", "./", "../", "~")))
+
+
 def read_arch(path: str | Path) -> Arch:
     """The architecture of the checkpoint in `path`, or a CheckpointError naming the field."""
     folder = Path(path)

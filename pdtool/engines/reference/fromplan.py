@@ -31,8 +31,10 @@ def _raise_first(problems: list[tuple[str, str]]) -> None:
 def model_fields(model: Any, kv_dtype: str, role: str = "prefill") -> dict[str, Any]:
     """`models.model_config` fields from the plan's model summary: a checkpoint folder
     (`model.path`), or the built-in model's TinyConfig (MLA: nope and v dims = head_dim)."""
+    from .checkpoint import is_local
+
     _raise_first(model_problems(model, kv_dtype, role))
-    if model.path:
+    if is_local(model.path):
         return {"path": model.path, "kv_dtype": KV_DTYPES[kv_dtype]}
     mla = model.attention == "mla"
     fields = {
@@ -92,6 +94,8 @@ def pair_of(plan: Any, decode_index: int) -> int:
 
 def spec_from_context(ctx: Any) -> RankSpec:
     """RankSpec of a worker (`pdtool.worker.WorkerContext`): plan + role + instance + rank."""
+    from .checkpoint import is_local
+
     plan = ctx.plan
     aggregated = plan.mode == "aggregated"
     if ctx.role == "router":
@@ -102,7 +106,7 @@ def spec_from_context(ctx: Any) -> RankSpec:
                     for i in plan.role_instances("prefill")] + urls
         return RankSpec(role="front", host=ctx.host, http_port=plan.router.port,
                         secret_hex=_secret_hex(), decoders=urls, model_name=plan.model.name,
-                        tokenizer=plan.model.path)
+                        tokenizer=plan.model.path if is_local(plan.model.path) else "")
     inst = ctx.instance
     fields = model_fields(plan.model, inst.kv_dtype, ctx.role)
     check_instance(plan.model, fields, inst, ctx.role)

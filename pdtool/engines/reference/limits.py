@@ -36,7 +36,9 @@ def model_problems(model: Any, kv_dtype: str, role: str) -> list[tuple[str, str]
     if kv_dtype not in KV_DTYPES:
         out.append((f"{role}.kv_dtype",
                     f"the reference engine supports {sorted(KV_DTYPES)}, got {kv_dtype!r}"))
-    if model.path:
+    from .checkpoint import is_local
+
+    if is_local(model.path):
         return checkpoint_problems(model) + out
     if model.vocab_size != 256:
         out.append(("model.vocab_size",
