@@ -33,6 +33,7 @@ DEVICES = ("cuda", "cpu")
 MAX_LANES = 8  # transfer.lanes (the messenger's DecodeConfig takes 0..8)
 LAUNCHERS = ("local", "slurm")
 ENGINES = ("reference", "sglang")
+MODES = ("disaggregated", "aggregated")  # aggregated: every instance runs whole requests
 ROLES = ("prefill", "decode")
 
 #: Bytes per element of each dtype name used above.
@@ -233,6 +234,10 @@ class Config:
     launcher: LauncherConfig = MISSING
     engine: EngineConfig = MISSING
     router: RouterConfig = field(default_factory=RouterConfig)
+    # disaggregated: prefill instances send KV pages to decode instances; aggregated: every
+    # instance (both roles' GPUs) runs prefill and decode of its own requests, batched
+    # together, behind the same front (the reference engine's baseline for comparisons)
+    mode: str = "disaggregated"
 
 
 #: group name -> schema class; YAML options in conf/<group>/ inherit `base_<group>`.

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pdtool_cfg import recipe_args
 
 from pdtool.compose import load_config, recipe_files
 from pdtool.launch.shell import Var, q, word, words
@@ -28,16 +29,17 @@ RECIPES = sorted(recipe_files())
 def launcher_overrides(recipe: str, launcher: str) -> list[str]:
     """Overrides that make a recipe fit the launcher: Slurm gets enough nodes; the local launcher
     gets one machine with every GPU the deployment needs (a GPU recipe does not fit 8 GPUs)."""
-    cfg, findings = load_config([f"+recipe={recipe}"])
+    args = [f"+recipe={recipe}", *recipe_args(recipe)]
+    cfg, findings = load_config(args)
     assert cfg is not None, findings
     if launcher == "slurm":
         # shm cannot cross nodes: the one-machine recipes use TCP over the cluster network
         net = ["transfer=tcp"] if cfg.transfer.provider == "shm" else []
-        return [f"+recipe={recipe}", "launcher=slurm", "cluster.nodes=16", *net]
+        return [*args, "launcher=slurm", "cluster.nodes=16", *net]
     need = sum(gpus_per_instance(cfg.prefill if r == "prefill" else cfg.decode) *
                (cfg.prefill if r == "prefill" else cfg.decode).instances
                for r in ("prefill", "decode"))
-    over = [f"+recipe={recipe}", "launcher=local"]
+    over = [*args, "launcher=local"]
     if need > cfg.cluster.gpus_per_node:
         numa = cfg.cluster.gpu_numa or [0]
         per = max(1, need // max(1, len(set(numa))))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pdtool_cfg import compose
+from pdtool_cfg import compose, option_args
 
 from pdtool.compose import (
     ComposeError,
@@ -49,7 +49,7 @@ def test_every_group_has_options():
 
 @pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS, ids=lambda x: str(x))
 def test_each_group_option_composes_typed(group, option):
-    cfg, problems = load_config([f"{group}={option}"])
+    cfg, problems = load_config([f"{group}={option}", *option_args(group, option)])
     assert problems == []
     assert isinstance(cfg, Config)
     node = getattr(cfg, group)

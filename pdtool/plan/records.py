@@ -194,6 +194,7 @@ class Plan:
     router: RouterPlan
     transfer: TransferPlan
     memory: tuple[RoleMemory, ...]
+    mode: str = "disaggregated"  # config `mode`: aggregated instances run whole requests
 
     def role_instances(self, role_name: str) -> tuple[InstancePlan, ...]:
         return tuple(i for i in self.instances if i.role == role_name)

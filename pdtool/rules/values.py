@@ -19,6 +19,7 @@ from pdtool.schema import (
     LAUNCHERS,
     LAYOUTS,
     MAX_LANES,
+    MODES,
     NIC_KINDS,
     PROVIDERS,
     ROLES,
@@ -338,6 +339,11 @@ def check_launcher(cfg: Config) -> list[Finding]:
 def check_engine_router(cfg: Config) -> list[Finding]:
     out = _choice("engine.kind", cfg.engine.kind, ENGINES)
     out += _choice("router.policy", cfg.router.policy, ROUTER_POLICIES)
+    out += _choice("mode", cfg.mode, MODES)
+    if cfg.mode == "aggregated" and cfg.engine.kind != "reference":
+        out.append(error("mode", "mode=aggregated is implemented by the reference engine "
+                         f"only, engine.kind={cfg.engine.kind}",
+                         "use engine=reference, or mode=disaggregated"))
     return out
 
 
