@@ -370,6 +370,7 @@ class PrefillMessenger(Worker):
             for rid in self._bound:
                 self._results.setdefault(rid, PrefillResult(rid, False,
                                                             f"messenger died: {reason}"))
+        self.news.ring()
 
     def _idle_wait(self, seconds: float) -> None:
         if seconds > 0:
@@ -458,6 +459,7 @@ class PrefillMessenger(Worker):
                              max(0.001, a.timeout_s - (now - a.first)))
         with self._lock:
             self._ready_q.append(req)
+        self.news.ring()
 
     def _check_part(self, b: dict[str, Any]) -> None:
         """Every field of a decode rank's part against this deployment (ValueError names it)."""
@@ -800,6 +802,7 @@ class PrefillMessenger(Worker):
             self._results[rid] = res
             if row >= 0:
                 self._aux_free.append(row)
+        self.news.ring()
 
     # -- timers -----------------------------------------------------------------------------
     def _timers(self, now: float) -> None:
