@@ -323,6 +323,7 @@ class DecodeMessenger(MessengerThread):
                     # the endpoint is going away: nothing can land any more
                     self._states[rid] = TransferState(rid, TransferStatus.FAILED,
                                                       f"messenger died: {reason}")
+        self.news.ring()
 
     def _idle_wait(self, seconds: float) -> None:
         if seconds > 0:
@@ -337,6 +338,8 @@ class DecodeMessenger(MessengerThread):
             if x.rid in self._states:
                 self._states[x.rid] = TransferState(x.rid, status, x.reason, received,
                                                     x.expected, x.slot)
+        if status in (TransferStatus.SUCCESS, TransferStatus.FAILED):
+            self.news.ring()  # ready() / failed() changed: wake the engine loop
 
     def _step(self) -> bool:
         if not self.config.busy_sleep_s and self._slots.first_active() >= 0:

@@ -389,6 +389,7 @@ class PrefillMessenger(MessengerThread):
             for rid in self._bound:
                 self._results.setdefault(rid, PrefillResult(rid, False,
                                                             f"messenger died: {reason}"))
+        self.news.ring()
 
     def _idle_wait(self, seconds: float) -> None:
         if seconds > 0:
@@ -563,6 +564,7 @@ class PrefillMessenger(MessengerThread):
                              max(0.001, a.timeout_s - (now - a.first)))
         with self._lock:
             self._ready_q.append(req)
+        self.news.ring()
 
     def _check_part(self, b: dict[str, Any]) -> None:
         """The per-request fields of a decode rank's part, its HELLO data merged in (checked
@@ -870,6 +872,7 @@ class PrefillMessenger(MessengerThread):
             self._results[rid] = res
             if row >= 0:
                 self._aux_free.append(row)
+        self.news.ring()
 
     # -- timers -----------------------------------------------------------------------------
     def _timers(self, now: float) -> None:

@@ -78,6 +78,19 @@ class _Side:
         """Why the messenger cannot take work now ('' when it can): read by /health."""
         return self.m.problem()
 
+    @property
+    def news_fd(self) -> int:
+        """Readable when the messenger has news for the engine (a request, a transfer or
+        a send settled): serving loops poll it beside their sockets instead of sleeping."""
+        return self.m.news.fd
+
+    def wait(self, seconds: float) -> None:
+        """Sleep until the messenger has news or `seconds` passed."""
+        self.m.news.wait(seconds)
+
+    def clear_news(self) -> None:
+        self.m.news.clear()
+
     def close(self) -> None:
         self.m.close()
 

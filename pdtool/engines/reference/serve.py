@@ -151,12 +151,22 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
                                        "context": context}, stats,
                               getattr(link, "problem", lambda: ""))
         health.ready = True
+    news = getattr(link, "news_fd", None)  # the messenger's doorbell: a transfer settled
+    if sock is not None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if news is not None:
+            poller.register(news, zmq.POLLIN)
     try:
         while True:
             new: list[dict] = []
             if coord.leader:
-                if not engine.ran:  # sleeps in the kernel until the front sends or time is up
-                    sock.poll(1 if engine.busy else int(IDLE_WAIT_S * 1000))
+                if not engine.ran:  # sleeps in the kernel until the front sends, a transfer
+                    # settles (the doorbell) or time is up; without a doorbell, 1 ms slices
+                    busy = engine.busy and news is None
+                    poller.poll(1 if busy else int(IDLE_WAIT_S * 1000))
+                    if news is not None:
+                        link.clear_news()  # before the step reads ready()/failed()
                 new = _take_requests(sock, wire, owner, spec.peer, spec.allow_faults)
                 cmd = (new, stop.is_set())
             else:
@@ -266,7 +276,9 @@ def serve_prefill(spec: RankSpec, stop: threading.Event, link: Any = None) -> di
             if coord.leader:
                 if ran or engine.busy:
                     idle = PREFILL_IDLE_S[0]
-                if not ran:  # each idle wake costs every TP rank a collective: back off
+                if not ran and hasattr(link, "wait"):  # woken by news: requests, sends done
+                    _idle(link, PREFILL_IDLE_S[1])
+                elif not ran:  # each idle wake costs every TP rank a collective: back off
                     _idle(link, BUSY_WAIT_S if engine.busy else idle)
                     idle = min(PREFILL_IDLE_S[1], idle * 2)
                 cmd = (link.recv(), stop.is_set())
