@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+from pdtool_cfg import recipe_args
 
 from pdtool.compose import load_config, recipe_files
 from pdtool.launch.shell import resolve
@@ -23,7 +24,7 @@ from pdtool.render import write_job_folder
 def _sglang_recipes() -> list[str]:
     out = []
     for name in sorted(recipe_files()):
-        cfg, findings = load_config([f"+recipe={name}"])
+        cfg, findings = load_config([f"+recipe={name}", *recipe_args(name)])
         assert cfg is not None, findings
         if cfg.engine.kind == "sglang":
             out.append(name)
