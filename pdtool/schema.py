@@ -114,6 +114,11 @@ class ClusterConfig:
     gpu_numa: list[int] = field(default_factory=list)
     numa_cpus: list[str] = field(default_factory=list)
     nics: list[NicConfig] = field(default_factory=list)
+    # the host interface for NCCL/Gloo bootstrap sockets of instances spanning nodes
+    # (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); "" leaves NCCL's own choice
+    socket_ifname: str = ""
+    # every "node" is this one machine (an emulated Slurm cluster): loopback reaches them all
+    one_host: bool = False
 
 
 @dataclass
@@ -197,6 +202,9 @@ class LauncherConfig:
     # variables that are secrets besides the secret-looking names (pdtool.launch.secrets):
     # they reach the processes through 0600 files, from launcher.env or the submitting shell
     secret_env: list[str] = field(default_factory=list)
+    # once ready, every instance and the router are probed this often; 3 misses in a row
+    # (a hung engine) end the deployment naming it (0: off)
+    watchdog_s: float = 10.0
 
 
 @dataclass
