@@ -26,13 +26,12 @@ from typing import Any
 from pdtool import __version__
 from pdtool.launch import secrets as secret_env_files
 from pdtool.launch.shell import Var, Word, q, words
-from pdtool.launch.spec import LaunchError, LaunchSpec, build_launch
+from pdtool.launch.spec import STOP_GRACE_S, LaunchError, LaunchSpec, build_launch
 from pdtool.paths import templates_dir
 from pdtool.rules.finding import Finding, error, has_errors
 
 SCRIPT_NAMES = {"slurm": "job.sbatch", "local": "run_local.sh"}
 SECRET_NAME = "secret.key"
-STOP_GRACE_S = 30
 
 
 @dataclass
@@ -92,6 +91,7 @@ def script_text(cfg: Any, plan: Any, spec: LaunchSpec, run_dir: Path) -> str:
         "router_health": spec.router_health(),
         "router_url": spec.router_url,
         "health_timeout": lc.health_timeout_s,
+        "watchdog_s": lc.watchdog_s,
         "local_hosts": ["127.0.0.1"] * plan.nodes,
     }
     name = "slurm.sbatch.j2" if spec.launcher == "slurm" else "local.sh.j2"

@@ -32,7 +32,8 @@ def launcher_overrides(recipe: str, launcher: str) -> list[str]:
     assert cfg is not None, findings
     if launcher == "slurm":
         # shm cannot cross nodes: the one-machine recipes use TCP over the cluster network
-        net = ["transfer=tcp"] if cfg.transfer.provider == "shm" else []
+        # (over loopback: every rendered "node" is this machine)
+        net = ["transfer=tcp", "cluster.one_host=true"] if cfg.transfer.provider == "shm" else []
         return [f"+recipe={recipe}", "launcher=slurm", "cluster.nodes=16", *net]
     need = sum(gpus_per_instance(cfg.prefill if r == "prefill" else cfg.decode) *
                (cfg.prefill if r == "prefill" else cfg.decode).instances
@@ -356,3 +357,27 @@ def test_script_options_are_arguments_not_environment(launcher: str, tmp_path: P
     assert res.returncode == 2 and "usage:" in res.stderr
     if launcher == "slurm":
         assert all(p.argv[:2] == ["srun", "--export=ALL"] for p in rendered.spec.all())
+
+
+def test_cross_node_loopback_is_refused_and_a_shared_host_nic_warned() -> None:
+    from pdtool_cfg import assert_error, assert_warning, findings_for, recipe
+
+    cfg = recipe("tiny-local", "launcher=slurm", "cluster.nodes=2", "transfer=tcp")
+    assert_error(cfg, "transfer.provider", "loopback interface lo between different nodes")
+    one = recipe("tiny-local", "launcher=slurm", "cluster.nodes=2", "transfer=tcp",
+                 "cluster.one_host=true")
+    assert findings_for(one, "transfer.provider") == []
+    cfg = recipe("llama-3.1-70b", "transfer=tcp",
+                 "cluster.nics=[{name:eth0,kind:tcp,gbps:100}]")
+    assert_warning(cfg, "transfer.provider", "all 8 GPUs", "12.5 Gb/s per GPU of 100 Gb/s")
+
+
+def test_multi_node_instances_get_the_socket_interface(tmp_path: Path) -> None:
+    over = [*launcher_overrides("deepseek-r1", "slurm"), "prefill.tp=16", "prefill.nodes=2",
+            "cluster.socket_ifname=ens5"]
+    rendered, findings = render(over, tmp_path / "job")
+    assert rendered is not None, findings
+    for p in rendered.spec.procs:
+        spans = p.role == "prefill"  # TP16 over two nodes; decode instances are one node each
+        assert ("NCCL_SOCKET_IFNAME=ens5" in p.argv) == spans
+        assert ("GLOO_SOCKET_IFNAME=ens5" in p.argv) == spans

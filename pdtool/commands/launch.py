@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         rendered.out,
         health_timeout=rendered.cfg.launcher.health_timeout_s,
         preflight=args.preflight,
+        watchdog_s=rendered.cfg.launcher.watchdog_s,
     )
     smoke = None
     if args.smoke:

@@ -29,6 +29,12 @@ from pdtool.schema import Config
 #: engines whose one process drives all GPUs of its node
 PER_NODE_ENGINES = ("sglang",)
 
+#: seconds each stop group (router, decode, prefill) gets between SIGTERM and SIGKILL
+STOP_GRACE_S = 30
+#: Slurm signals the batch script this long before the time limit: the three groups' grace
+#: and a margin, so the ordered stop ends before Slurm's own kill at the limit
+STOP_SIGNAL_S = 3 * STOP_GRACE_S + 30
+
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RUN_DIR = Var("RUN_DIR")
 LOG_DIR = Var("LOG_DIR")
@@ -73,6 +79,9 @@ class JobSpec:
     sbatch_options: list[str]
     sbatch_extra: list[str]
     node_roles: list[str]  # one log line per node: what the plan put there
+    # Slurm signals the batch script this long before the time limit (--signal=B:TERM@S), time
+    # for the ordered stop of its three groups (router, decode, prefill)
+    stop_signal_s: int = STOP_SIGNAL_S
 
 
 @dataclass
@@ -221,6 +230,10 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str,
             select = ["--rank", str(ranks[0].rank)]
             numa = _numactl(ranks)
             env = {**ranks[0].env, **env_user}
+        if len(inst.nodes) > 1 and cfg.cluster.socket_ifname:
+            # NCCL's and Gloo's bootstrap sockets between the instance's nodes
+            env = {"NCCL_SOCKET_IFNAME": cfg.cluster.socket_ifname,
+                   "GLOO_SOCKET_IFNAME": cfg.cluster.socket_ifname, **env}
         p.argv = _wrap(cfg, launcher, p, ranks, env, numa,
                        _worker_argv(cfg, launcher, inst, node, select, p.engine_argv),
                        secret_roles)
