@@ -381,3 +381,24 @@ def test_multi_node_instances_get_the_socket_interface(tmp_path: Path) -> None:
         spans = p.role == "prefill"  # TP16 over two nodes; decode instances are one node each
         assert ("NCCL_SOCKET_IFNAME=ens5" in p.argv) == spans
         assert ("GLOO_SOCKET_IFNAME=ens5" in p.argv) == spans
+
+
+def test_render_multirun_writes_one_folder_per_combination(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "render", "-m", "+recipe=tiny-local",
+                          "decode.instances=1,2", "--out", str(tmp_path / "sweep")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    for i, n in ((0, 1), (1, 2)):
+        plan = from_json((tmp_path / "sweep" / str(i) / "plan.json").read_text())
+        assert sum(1 for inst in plan.instances if inst.role == "decode") == n
+
+
+def test_dry_run_shows_the_header_and_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "launch", "+recipe=deepseek-r1",
+                          "+launcher.env.all.HF_TOKEN=hf_dryrunsecret", "--dry-run", "--out",
+                          str(out)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "#SBATCH --nodes=4" in res.stdout and "#SBATCH --gpus-per-node=8" in res.stdout
+    assert "hf_dryrunsecret" not in res.stdout + res.stderr
+    assert not out.exists()

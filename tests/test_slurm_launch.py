@@ -275,3 +275,23 @@ def test_hung_engine_ends_the_job(slurm, tmp_path: Path) -> None:
     assert state == "FAILED", batch
     assert "decode-1.r0 stopped answering" in batch
     assert "pdtool-worker: start" in batch  # its log tail
+
+
+def test_launch_multirun_submits_one_job_per_combination(slurm, tmp_path: Path) -> None:
+    over = [o for o in OVERRIDES if not o.startswith("decode.instances=")]
+    res = subprocess.run(
+        [sys.executable, "-m", "pdtool.cli", "launch", "-m", *over, "decode.instances=1,2",
+         "launcher.job_name=pdtool-sweep", "--out", str(tmp_path / "sweep"), "--preflight",
+         "--exit-when-healthy"],
+        env={**slurm.env(), "COLUMNS": "250"}, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    jobs = re.findall(r"^submitted job (\d+) for run (\d+): (\S+)$", res.stdout, re.M)
+    assert [(run, folder) for _, run, folder in jobs] == [
+        ("0", str(tmp_path / "sweep" / "0")), ("1", str(tmp_path / "sweep" / "1"))]
+    assert "2 job(s)" in res.stdout  # the table
+    for (job, run, _), n in zip(jobs, (1, 2), strict=True):
+        state = slurm.wait_job(job, timeout=180)
+        folder = tmp_path / "sweep" / run
+        assert state == ("COMPLETED", "0:0"), (folder / "logs" / f"slurm-{job}.out").read_text()
+        plan = from_json((folder / "plan.json").read_text())
+        assert sum(1 for i in plan.instances if i.role == "decode") == int(n)
