@@ -402,3 +402,43 @@ def test_dry_run_shows_the_header_and_writes_nothing(tmp_path: Path) -> None:
     assert "#SBATCH --nodes=4" in res.stdout and "#SBATCH --gpus-per-node=8" in res.stdout
     assert "hf_dryrunsecret" not in res.stdout + res.stderr
     assert not out.exists()
+
+
+def test_container_mode_imports_once_and_sets_up_every_node(tmp_path: Path) -> None:
+    """pyxis is not on this machine: the rendered job's structure. One step per node imports
+    the image, names it for the job and runs launcher.setup inside it; every process step
+    reuses the named container (no second import), with the job folder and the model mounted
+    and the home directory not."""
+    over = [*launcher_overrides("deepseek-r1", "slurm"),
+            "launcher.container_image=lmsysorg/sglang:v0.5.23-cu129",
+            "launcher.container_mounts=[/fsx/models:/models:ro]", "model.path=/models/r1",
+            "launcher.setup=[pip install --no-deps /fsx/wheels/pdtool.whl,nvidia-smi -L]"]
+    rendered, findings = render(over, tmp_path / "job")
+    assert rendered is not None, findings
+    check_script(rendered.script)
+    text = rendered.script.read_text()
+    plan = rendered.plan
+    setup = [line for line in text.splitlines() if "--job-name=container-setup" in line]
+    assert len(setup) == 1
+    assert f"--nodes={plan.nodes} --ntasks-per-node=1" in setup[0]
+    assert "--container-image=lmsysorg/sglang:v0.5.23-cu129" in setup[0]
+    step = rendered.spec.job.container_setup
+    assert step[-3:] == ["bash", "-c", "set -euo pipefail\npip install --no-deps "
+                         "/fsx/wheels/pdtool.whl\nnvidia-smi -L"]
+    assert text.count("--container-image=") == 1  # imported once per node, by that step
+    # setup runs in the container on every node, not in the batch shell on node 0
+    assert "# launcher.setup (site shell lines, verbatim)" not in text
+    for p in rendered.spec.all():
+        argv = [q(a) for a in p.argv]
+        assert "--container-name=pdtool-\"${SLURM_JOB_ID}\"" in argv
+        assert "--no-container-mount-home" in argv
+        assert any(a.startswith("--container-mounts=") and "/fsx/models:/models:ro" in a
+                   for a in argv)
+        assert not any(a.startswith("--container-image") for a in argv)
+
+
+def test_container_model_path_must_be_mounted() -> None:
+    from pdtool_cfg import assert_error, recipe
+
+    cfg = recipe("deepseek-r1", "launcher.container_image=img", "model.path=/fsx/r1")
+    assert_error(cfg, "model.path", "no launcher.container_mounts entry")

@@ -148,3 +148,23 @@ def check_shared_host_nic(cfg: Config) -> list[Finding]:
 
 
 ALL = (*ALL, check_cross_node_loopback, check_shared_host_nic)
+
+
+def check_container_model_path(cfg: Config) -> list[Finding]:
+    """A model folder on the host must be mounted into the container to be loaded there."""
+    lc = cfg.launcher
+    path = cfg.model.path
+    if lc.kind != "slurm" or not lc.container_image or not path.startswith("/"):
+        return []
+    dests = [m.split(":")[1] if m.count(":") >= 1 else m for m in lc.container_mounts]
+    if any(path == d or path.startswith(d.rstrip("/") + "/") for d in dests):
+        return []
+    return [error(
+        "model.path",
+        f"{path} is a host folder, but no launcher.container_mounts entry puts it in the "
+        "container, where the engine loads it",
+        f"add a mount such as '{path}:{path}:ro' to launcher.container_mounts",
+    )]
+
+
+ALL = (*ALL, check_container_model_path)
