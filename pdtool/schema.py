@@ -30,6 +30,7 @@ COMPLETION_MODES = ("cq_data", "counter")
 MAX_LANES = 8  # transfer.lanes (the messenger's DecodeConfig takes 0..8)
 LAUNCHERS = ("local", "slurm")
 ENGINES = ("reference", "sglang")
+TRANSFER_BACKENDS = ("pdtool", "mooncake", "nixl")
 ROLES = ("prefill", "decode")
 
 #: Bytes per element of each dtype name used above.
@@ -164,6 +165,9 @@ class TransferConfig:
     lanes: int = 0  # receive endpoints per decode rank, each copying on its own thread (0: 2 on
     # shm, where the receiver does every copy; 1 elsewhere)
     backend_name: str = "pdtool"  # name given to SGLang's --disaggregation-transfer-backend
+    # engine=sglang: who moves the KV: pdtool's messenger (its plugin, registered as
+    # backend_name), or SGLang's own mooncake / nixl backends on the plan's per-GPU NICs
+    backend: str = "pdtool"
 
 
 @dataclass

@@ -168,3 +168,22 @@ def check_container_model_path(cfg: Config) -> list[Finding]:
 
 
 ALL = (*ALL, check_container_model_path)
+
+
+def check_transfer_backend(cfg: Config) -> list[Finding]:
+    """transfer.backend is one SGLang 0.5.23 has (with pdtool's plugin), for engine=sglang."""
+    from pdtool.schema import TRANSFER_BACKENDS
+
+    be = cfg.transfer.backend
+    if be not in TRANSFER_BACKENDS:
+        return [error("transfer.backend", f"unknown transfer backend {be!r}",
+                      f"choose one of {', '.join(TRANSFER_BACKENDS)}")]
+    if be != "pdtool" and cfg.engine.kind != "sglang":
+        return [error("transfer.backend",
+                      f"transfer.backend={be} is SGLang's own backend; the reference engine "
+                      "moves KV with pdtool's messenger only",
+                      "set transfer.backend=pdtool, or engine=sglang")]
+    return []
+
+
+ALL = (*ALL, check_transfer_backend)
