@@ -295,3 +295,22 @@ def test_launch_multirun_submits_one_job_per_combination(slurm, tmp_path: Path) 
         assert state == ("COMPLETED", "0:0"), (folder / "logs" / f"slurm-{job}.out").read_text()
         plan = from_json((folder / "plan.json").read_text())
         assert sum(1 for i in plan.instances if i.role == "decode") == int(n)
+
+
+def test_requeued_job_keeps_the_earlier_logs(slurm, tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    job = submit_running(slurm, out, "launcher.job_name=pdtool-requeue")
+    first = sorted(p.name for p in (out / "logs" / job).glob("*.log"))
+    slurm.run("scontrol", "requeue", job)
+    batch = out / "logs" / f"slurm-{job}.out"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and batch.read_text().count("deployment ready") < 2:
+        time.sleep(1)
+    slurm.run("scancel", job, check=False)
+    text = batch.read_text()
+    assert text.count("deployment ready") == 2, text  # --open-mode=append: both runs
+    assert sorted(p.name for p in (out / "logs" / job).glob("*.log")) == first
+    again = out / "logs" / f"{job}.1"
+    assert sorted(p.name for p in again.glob("*.log")) == first
+    for log in (out / "logs" / job).glob("*.log"):
+        assert "pdtool-worker: start" in log.read_text()
