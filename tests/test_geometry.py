@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
-from pdtool_cfg import recipe
+from pdtool_cfg import recipe, recipe_args
 
 from pdtool.cli import main as pdtool_main
 from pdtool.plan import build_plan
@@ -143,7 +143,8 @@ def test_every_recipe_plan_json_counts_equal_the_backends(capsys) -> None:
     names = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
     assert names
     for name in names:
-        assert pdtool_main(["plan", f"+recipe={name}", "--json", "--tokens=300"]) == 0
+        assert pdtool_main(["plan", f"+recipe={name}", *recipe_args(name), "--json",
+                            "--tokens=300"]) == 0
         data = json.loads(capsys.readouterr().out)
         cfg = recipe(name)
         routes = data["transfer"]["routes"]
