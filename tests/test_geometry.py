@@ -161,11 +161,11 @@ def reference_messenger_writes(cfg: Config, tokens: int, decode_rank: int) -> in
     pages: its PagedKV layer tensors and the one hidden-state aux buffer its link registers."""
     from pdtool.engines.reference.cache import PagedKV
     from pdtool.engines.reference.fromplan import model_fields
-    from pdtool.engines.reference.model import TinyConfig
+    from pdtool.engines.reference.models import model_config
     from pdtool.schema import kv_dtype
     from transfer.layout import KVLayout
 
-    tiny = TinyConfig(**model_fields(cfg.model, kv_dtype(cfg.model, cfg.decode), "decode"))
+    tiny = model_config(model_fields(cfg.model, kv_dtype(cfg.model, cfg.decode), "decode"))
     src, dst = tiny.shard_spec(cfg.prefill.tp), tiny.shard_spec(cfg.decode.tp)
     kv = PagedKV(tiny, dst.heads_per_rank, 8, cfg.decode.page_size)
     lay = KVLayout.from_tensor(kv.layers[0], cfg.decode.kv_layout)
