@@ -34,6 +34,7 @@ This module is in `transfer/` because the SGLang backend and the messenger read 
                               hand-run SGLang workers); never set by pdtool
     PDTOOL_CONTROL_FAULTS     drop/delay outgoing control messages (transfer.wire, tests)
     PDTOOL_REFERENCE_ALLOW_FAULTS  "1": the reference engine honours test fault hooks
+    PDTOOL_HOPS               file the TTFT hop profiler's hooks append timestamps to (bench)
 """
 
 from __future__ import annotations
@@ -118,11 +119,15 @@ REFERENCE_ALLOW_FAULTS = Var("PDTOOL_REFERENCE_ALLOW_FAULTS", "tests (launcher.e
                              "reference engine",
                              '"1": the reference engine honours the fault hooks of its tests')
 
+HOPS = Var("PDTOOL_HOPS", "bench/ttft_hops.py", "bench/hops/sitecustomize.py",
+           "file every deployment process appends its request hop timestamps to, when set "
+           "(the TTFT hop profiler's hooks, loaded through PYTHONPATH)")
+
 VARIABLES: tuple[Var, ...] = (
     RUN_DIR, PYTHON, SECRET_FILE, HOSTS, PREFLIGHT, EXIT_WHEN_HEALTHY,
     PLAN, ROLE, INSTANCE, RANK, NODE_RANK,
     FI_PROVIDER, FI_DOMAIN, NICS,
-    SECRET, CONTROL_FAULTS, REFERENCE_ALLOW_FAULTS,
+    SECRET, CONTROL_FAULTS, REFERENCE_ALLOW_FAULTS, HOPS,
 )
 BY_NAME: dict[str, Var] = {v.name: v for v in VARIABLES}
 
