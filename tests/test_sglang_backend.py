@@ -31,6 +31,13 @@ HEAD_DIM = 8
 N_AUX = 10  # SGLang 0.5.23's MetadataBuffers registers 10 buffers without optional ones
 KV_LORA, ROPE = 48, 16  # MLA latent width 64
 AUX_ROWS = 8  # MetadataBuffers(size=8, hidden_size=32, ...): 10 buffers on this SGLang
+PER_OP = 4  # writes per RMA operation: the iov limit of shm and tcp;ofi_rxm on libfabric 1.17
+
+
+def ops(writes: int) -> int:
+    """Operations (completions counted) that `writes` consecutive writes of one (room, decode
+    rank, layer buffer) make: the prefill groups them PER_OP to an operation."""
+    return -(-writes // PER_OP)
 
 
 def _free_port() -> int:
@@ -71,7 +78,6 @@ def _setup(role: str, cfg: dict[str, Any], rank: int) -> tuple[Any, Any, list, l
     import ctypes
 
     import torch
-    from sglang.srt.disaggregation.base import KVArgs
     from sglang.srt.disaggregation.utils import MetadataBuffers
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
@@ -98,13 +104,8 @@ def _setup(role: str, cfg: dict[str, Any], rank: int) -> tuple[Any, Any, list, l
         bufs = list(pool.k_buffer) + list(pool.v_buffer)
     meta = MetadataBuffers(AUX_ROWS, 32, torch.bfloat16, 16)
 
-    args = KVArgs()
-    args.engine_rank = rank
-    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = pool.get_contiguous_buf_infos()
+    args = _kv_args(role, pool, meta, tp, rank, heads, mla)
     assert args.kv_data_ptrs == [b.data_ptr() for b in bufs]  # K of every layer, then V
-    args.kv_layer_ids = list(range(LAYERS)) * (1 if mla else 2)
-    args.kv_cache_dtype_str = "bfloat16"
-    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = meta.get_buf_infos()
     if role == "prefill":
         sl = slice(0, 1) if mla else _rank_heads(heads, tp, rank)
         for b, g in zip(bufs, global_buffers(mla, heads), strict=True):
@@ -119,14 +120,51 @@ def _setup(role: str, cfg: dict[str, Any], rank: int) -> tuple[Any, Any, list, l
         for ptr, n in zip(args.aux_data_ptrs, args.aux_data_lens, strict=True):
             ctypes.memset(ptr, 0, n)
     aux = list(zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens, strict=True))
-    args.state_types, args.state_data_ptrs, args.state_data_lens = [], [], []
-    args.state_item_lens, args.state_layer_ids = [], []
-    args.system_dp_rank, args.pp_rank, args.prefill_start_layer = 0, 0, 0
-    args.page_size, args.gpu_id, args.ib_device, args.rust_http_port = PAGE, 0, None, None
-    if not mla:
-        args.kv_head_num = pool.head_num
-        args.total_kv_head_num = heads
     return sa, args, (pool, meta, bufs), aux
+
+
+def _kv_args(role: str, pool: Any, meta: Any, tp: int, rank: int, total_heads: int,
+             mla: bool) -> Any:
+    """KVArgs filled field by field as SGLang 0.5.23's `_init_kv_manager` fills them
+    (prefill.py `PrefillBootstrapQueue`, decode.py `DecodePreallocQueue`), with SGLang's own
+    helpers. Only the prefill sets the KV head counts (the decode sets them only with
+    SGLANG_DISAGG_STAGING_BUFFER, after its manager is built); a CPU pool has no draft model,
+    no hybrid/state pools and no host receive buffers."""
+    from sglang.srt.disaggregation.base import KVArgs
+    from sglang.srt.disaggregation.utils import (
+        build_kv_layer_ids,
+        get_kv_transfer_buf_infos,
+        get_pd_kv_layout,
+        setup_state_kv_args,
+    )
+
+    args = KVArgs()
+    args.engine_rank = rank if role == "prefill" else rank % tp  # decode: tp_rank % attn_tp
+    args.pp_rank = 0
+    args.system_dp_rank = 0
+    if role == "prefill":
+        args.rust_http_port = None
+    args.kv_cache_dtype_str = "bfloat16"
+    args.kv_layout = get_pd_kv_layout(pool)
+    ptrs, lens, item_lens = get_kv_transfer_buf_infos(pool)
+    if role == "prefill":
+        args.prefill_start_layer = pool.start_layer  # _transfer_start_layer, non-hybrid pool
+        args.prefill_end_layer = getattr(pool, "end_layer", None)
+    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = ptrs, lens, item_lens
+    args.num_draft_entries = 0
+    args.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=pool, draft_token_to_kv_pool=None,
+                                           num_draft_entries=0, num_hidden_layers=LAYERS)
+    if role == "prefill" and not mla:  # prefill.py: `if not self.is_mla_backend:`
+        args.kv_head_num = pool.head_num
+        args.total_kv_head_num = total_heads  # model_config.get_total_num_kv_heads()
+    args.page_size = pool.page_size
+    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = meta.get_buf_infos()
+    if role == "prefill":
+        args.ib_device, args.gpu_id = None, 0
+    setup_state_kv_args(args, pool, None, total_kv_layers=LAYERS, req_to_token_pool=None)
+    if role == "decode":
+        args.ib_device, args.gpu_id = None, 0
+    return args
 
 
 def prefill_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
@@ -222,6 +260,7 @@ def decode_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
             except Exception as exc:  # SGLang's KVTransferError
                 error = f"{type(exc).__name__}: {exc}"
         out[room] = {"states": states, "error": error,
+                     "per_op": [g.writes_per_op for g in mgr.prefill_geometry.values()],
                      "count": int(mgr.ep.recv_counts[recv.slot]) if recv.slot is not None else 0}
         recv.clear()
     import ctypes
@@ -305,6 +344,8 @@ def check_bytes(cfg: dict[str, Any], res: dict[str, Any]) -> None:
         assert tag == "done"
         for room, req in cfg["rooms"].items():
             assert out[room]["states"][-1] == 4, out[room]  # KVPoll.Success
+            # every prefill rank answered the registration with the grouping both can do
+            assert set(out[room]["per_op"]) == {PER_OP}, out[room]
             for buf, want in zip(bufs, expected_decode(cfg, rank, room), strict=True):
                 got = buf.reshape(SLOTS // PAGE, PAGE, *buf.shape[1:])[req["dst_pages"]]
                 assert np.array_equal(got, want), f"room {room} rank {rank}: pages differ"
@@ -327,8 +368,9 @@ def test_mha_equal_tp_pages_arrive_byte_exact_and_counted() -> None:
     res = run_pair(cfg)
     check_bytes(cfg, res)
     (_, _out, _, _, remote_writes, stale), = res["decode"]
-    # one write per (page, layer buffer) + one per aux buffer, counted per slot
-    per_room = {r: len(q["dst_pages"]) * 2 * LAYERS + N_AUX for r, q in ROOMS.items()}
+    # one write per (page, layer buffer), grouped PER_OP to an operation, + one per aux
+    # buffer, counted per slot
+    per_room = {r: ops(len(q["dst_pages"])) * 2 * LAYERS + N_AUX for r, q in ROOMS.items()}
     assert {r: o["count"] for r, o in _out.items()} == per_room
     assert remote_writes == sum(per_room.values()) and stale == 0
     # the prefill sender reached Success on its own local completions
@@ -346,7 +388,7 @@ def test_mla_prefill_tp2_to_decode_tp1_over_tcp_rxm() -> None:
     res = run_pair(cfg)
     check_bytes(cfg, res)
     (_, out, _, _, remote_writes, stale), = res["decode"]
-    want = {r: len(q["dst_pages"]) * LAYERS + N_AUX for r, q in ROOMS.items()}
+    want = {r: ops(len(q["dst_pages"])) * LAYERS + N_AUX for r, q in ROOMS.items()}
     assert {r: o["count"] for r, o in out.items()} == want
     assert remote_writes == sum(want.values()) and stale == 0
     assert [p[1] for p in res["prefill"]] == [{11: 4, 12: 4}] * 2  # the dummy rank too
@@ -359,7 +401,7 @@ def test_mha_prefill_tp1_to_decode_tp2_slices_heads() -> None:
     res = run_pair(cfg)
     check_bytes(cfg, res)
     for _, out, _, _, remote_writes, _ in res["decode"]:
-        assert out[12]["count"] == remote_writes == 2 * 2 * LAYERS * PAGE + N_AUX
+        assert out[12]["count"] == remote_writes == ops(2 * PAGE) * 2 * LAYERS + N_AUX
 
 
 @pytest.mark.timeout(400)
@@ -370,7 +412,7 @@ def test_mha_prefill_tp2_to_decode_tp1_reassembles_heads() -> None:
     check_bytes(cfg, res)
     (_, out, _, _, remote_writes, _), = res["decode"]
     pages = len(ROOMS[11]["dst_pages"])
-    want = pages * 2 * LAYERS * PAGE * 2 + N_AUX  # per token, from both prefill ranks
+    want = ops(pages * PAGE) * 2 * LAYERS * 2 + N_AUX  # per token, from both prefill ranks
     assert out[11]["count"] == want == remote_writes
     # only the rank holding the first head slice wrote the metadata rows
     writes = [p[2] for p in res["prefill"]]

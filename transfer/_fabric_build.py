@@ -48,6 +48,7 @@ struct pd_err {
     int err;
     int prov_errno;
     char msg[256];
+    uint32_t count;      /* failed operations of this tag and error folded into this entry */
 };
 """
 
@@ -135,7 +136,7 @@ SOURCE = r"""
 #define PD_ACCESS_LOCAL_WRITE (FI_WRITE | FI_READ)
 #define PD_ACCESS_REMOTE_WRITE (FI_REMOTE_WRITE | FI_REMOTE_READ)
 #define PD_ADDR_STR FI_ADDR_STR
-#define PD_MAX_ERRORS 64
+#define PD_MAX_ERRORS 64   /* first capacity of the error list (it grows) */
 #define PD_CQ_BATCH 64
 #define PD_MAX_IOV 16
 #define PD_MAX_PEERS 1024   /* fi_addrs (FI_AV_TABLE: 0, 1, ...) with per-peer bytes in flight */
@@ -197,10 +198,11 @@ struct pd_ep {
     struct pd_ctx *ctx;
     uint32_t ctx_n;
     uint32_t ctx_free;      /* head of free list, ctx_n == empty */
-    /* error ring (oldest dropped when full) */
-    struct pd_err errs[PD_MAX_ERRORS];
+    /* completion errors not taken yet, one entry per (tag, error) with a count; grows as
+       needed, so none is ever dropped (a sender counts each failed operation as done) */
+    struct pd_err *errs;
     size_t nerr;
-    uint64_t dropped_errs;
+    size_t err_cap;
 };
 
 struct pd_mr {
@@ -239,17 +241,34 @@ static void pd_seterr(char *buf, size_t len, const char *call, int ret) {
 
 const char *pd_strerror(int err) { return fi_strerror(err < 0 ? -err : err); }
 
+/* Errors of a tag already listed fold into its entry (one entry per (tag, error): bounded by
+   the tags in use, the first message kept); a new one grows the list. Dropping one would leave
+   its sender waiting forever for an operation that will never complete. */
 static void pd_record_err(pd_ep *ep, uint64_t tag, int err, int prov_errno, const char *msg) {
     pthread_mutex_lock(&ep->err_lock);
-    if (ep->nerr == PD_MAX_ERRORS) {
-        memmove(&ep->errs[0], &ep->errs[1], sizeof(ep->errs[0]) * (PD_MAX_ERRORS - 1));
-        ep->nerr--;
-        ep->dropped_errs++;
+    for (size_t i = ep->nerr; i-- > 0;) {
+        if (ep->errs[i].tag == tag && ep->errs[i].err == err) {
+            ep->errs[i].count++;
+            pthread_mutex_unlock(&ep->err_lock);
+            return;
+        }
+    }
+    if (ep->nerr == ep->err_cap) {
+        size_t cap = ep->err_cap ? 2 * ep->err_cap : PD_MAX_ERRORS;
+        struct pd_err *grown = realloc(ep->errs, cap * sizeof(*grown));
+        if (!grown) {  /* out of memory: fold into the newest entry rather than lose the count */
+            if (ep->nerr) ep->errs[ep->nerr - 1].count++;
+            pthread_mutex_unlock(&ep->err_lock);
+            return;
+        }
+        ep->errs = grown;
+        ep->err_cap = cap;
     }
     struct pd_err *e = &ep->errs[ep->nerr++];
     e->tag = tag;
     e->err = err;
     e->prov_errno = prov_errno;
+    e->count = 1;
     snprintf(e->msg, sizeof(e->msg), "%s", msg ? msg : "");
     pthread_mutex_unlock(&ep->err_lock);
 }
@@ -259,6 +278,7 @@ size_t pd_nerr(pd_ep *ep) { return ep->nerr; }
 size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max) {
     pthread_mutex_lock(&ep->err_lock);
     size_t n = ep->nerr < max ? ep->nerr : max;
+    if (n == 0) { pthread_mutex_unlock(&ep->err_lock); return 0; }
     memcpy(out, ep->errs, n * sizeof(*out));
     memmove(&ep->errs[0], &ep->errs[n], (ep->nerr - n) * sizeof(*out));
     ep->nerr -= n;
@@ -401,6 +421,7 @@ void pd_close(pd_ep *ep) {
     if (ep->fabric) fi_close(&ep->fabric->fid);
     if (ep->info) fi_freeinfo(ep->info);
     pthread_mutex_destroy(&ep->err_lock);
+    free(ep->errs);
     free(ep->ctx);
     free(ep);
 }
