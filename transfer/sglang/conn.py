@@ -5,21 +5,28 @@ backend only moves bytes and reports `KVPoll` states. It subclasses SGLang's `Co
 its mooncake and nixl backends do, so bootstrap (HTTP registry), rank mapping across TP sizes,
 heartbeats, timeouts and failure bookkeeping stay SGLang's own code.
 
-Data plane (pdtool's messenger rules, DESIGN §4–5):
+Data plane (pdtool's messenger rules, DESIGN §4–5; `prefill_plane.py`, `decode_plane.py`):
   * every KV/aux buffer of a rank is registered once with one libfabric `Endpoint`;
+  * registration: each decode rank sends REG to the prefill ranks it reads from; each answers
+    PEER with the KV head count (SGLang's decode never gets it) and how many consecutive page
+    writes it groups into one RMA operation (the smaller iov limit of the two endpoints);
   * prefill turns a chunk's page ids into (src offset, dst offset, length) arrays with
-    `transfer.layout.write_plan` and submits each layer buffer's writes in one C call;
+    `transfer.layout.write_plan` and queues them per decode peer; one writer thread submits
+    them round-robin, each peer within its own budget of bytes in flight;
   * every write carries the decoder's 32-bit immediate `slot|generation`; the decoder counts
-    completions per slot in C and declares `KVPoll.Success` when the count it computed from
-    the shard routes is reached — no "done" message. A late write of an older generation
-    never advances a reused slot;
-  * prefill reports Success once its own writes completed locally (its pages may be reused),
-    and sends a status message only on failure (with the reason).
+    operations per slot in C (the messenger's `transfer.slots.SlotTable`) and declares
+    `KVPoll.Success` when the count it computed from the shard routes is reached — no "done"
+    message. A late write of an older generation never advances a reused slot;
+  * prefill reports Success once its own operations completed locally (its pages may be
+    reused); a failed operation counts as completed and fails its room. It sends a status
+    message only on failure (with the reason), from its own outbox thread;
+  * a backend thread that dies fails every live room at once with the reason, and later
+    requests are refused with it (`PdtoolKVManager.problem`, `stats()`).
 
 Pages: SGLang's pools are NHD per layer buffer — MHA `[slots, heads, head_dim]` with separate K
 and V buffers, MLA `[slots, 1, kv_lora_rank + rope]` — and page p is slots [p*P, (p+1)*P).
   * equal attention TP, or MLA (replicated latent): a page of a layer buffer is contiguous on
-    both sides: ONE write per (page, layer buffer);
+    both sides: ONE write per (page, layer buffer), grouped per operation;
   * MHA/GQA with different prefill and decode TP: each decode rank receives, from each source
     rank `transfer.routes.routes_for` names, only its head slice, which in NHD is one run per
     token: `page_size` writes per (page, layer buffer, source). Correct and counted, but the
@@ -51,6 +58,7 @@ import hmac
 import json
 import logging
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -320,7 +328,14 @@ class PdtoolKVManager(CommonKVManager):
             self._retired: list[DecodePeer] = []  # replaced peers whose AV entry goes
             timeout = float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
             self.plane = PrefillPlane(self, self.ep, MAX_SLOTS, timeout, stuck_s=timeout)
+            # frames to decode ranks go out from their own thread: SGLang's PUSH sockets wait
+            # up to 30 s for a dead peer, which must stall neither writes nor control frames
+            self._outbox: queue.SimpleQueue[tuple[str, int, list[bytes]] | None] = \
+                queue.SimpleQueue()
+            self._unreachable: dict[tuple[str, int], float] = {}
             self._threads = [
+                threading.Thread(target=self._guard(self._prefill_outbox_loop),
+                                 name="pdtool-prefill-outbox", daemon=True),
                 threading.Thread(target=self._guard(self._prefill_control_loop),
                                  name="pdtool-prefill-control", daemon=True),
                 threading.Thread(target=self._guard(self._prefill_writer_loop),
@@ -420,7 +435,7 @@ class PdtoolKVManager(CommonKVManager):
             if status in (KVPoll.Success, KVPoll.Failed):
                 continue
             if self.disaggregation_mode == DisaggregationMode.PREFILL:
-                self.conclude_failure(bootstrap_room=room, failure_reason=self.problem)
+                self.fail_room(room, self.problem)
             else:
                 self.record_failure(room, self.problem)
                 self.update_status(room, KVPoll.Failed)
@@ -524,11 +539,37 @@ class PdtoolKVManager(CommonKVManager):
             "writes_per_op": peer.per_op, "error": peer.error}))
 
     def _send_to_decode(self, peer: DecodePeer, frame: list[bytes]) -> None:
-        na = NetworkAddress(peer.ip, peer.port)
-        try:
-            self._send_multipart_locked(na.to_tcp(), frame, is_ipv6=na.is_ipv6)
-        except Exception as exc:  # the decode may be gone; never stop serving
-            logger.warning("pdtool: cannot answer decode %s: %s", peer.key, exc)
+        self._outbox.put((peer.ip, peer.port, frame))
+
+    def fail_room(self, room: int, reason: str) -> None:
+        """Any prefill thread: fail `room` now (the first reason is kept) and tell its decode
+        ranks from the outbox thread, so the caller never waits on a dead decode's socket."""
+        if room not in self.request_status:
+            return
+        with self.failure_lock:
+            reason = self.failure_records.setdefault(room, reason)
+        self.update_status(room, KVPoll.Failed)
+        parts = self._encode_kv_status_message(bootstrap_room=room, status=KVPoll.Failed,
+                                               failure_reason=reason)
+        for ip, port in self._room_notify_targets(room):
+            self._outbox.put((ip, port, parts))
+
+    def _prefill_outbox_loop(self) -> None:
+        """Send queued frames to decode ranks; one that timed out is skipped for a minute
+        (it is dead or wedged: nothing it would read is worth holding the others for)."""
+        while not self._stop.is_set():
+            item = self._outbox.get()
+            if item is None:
+                return
+            ip, port, parts = item
+            if time.monotonic() < self._unreachable.get((ip, port), 0.0):
+                continue
+            na = NetworkAddress(ip, port)
+            try:
+                self._send_multipart_locked(na.to_tcp(), parts, is_ipv6=na.is_ipv6)
+            except Exception as exc:  # the decode may be gone; never stop serving
+                self._unreachable[(ip, port)] = time.monotonic() + 60.0
+                logger.warning("pdtool: cannot reach decode %s:%s: %s", ip, port, exc)
 
     def _match_peer(self, peer: DecodePeer, b: dict[str, Any]) -> None:
         """Check both sides can talk and work out what this rank sends to that decode rank."""
@@ -593,9 +634,9 @@ class PdtoolKVManager(CommonKVManager):
             self.record_failure(room, peer.error if peer else f"unregistered decode {target.peer}")
             self.update_status(room, KVPoll.Failed)
             ip, port = target.peer.rsplit(":", 1)
-            self.send_kv_status_message(targets=[(ip, int(port))], bootstrap_room=room,
-                                        status=KVPoll.Failed,
-                                        failure_reason=self.failure_records.get(room))
+            self._outbox.put((ip, int(port), self._encode_kv_status_message(
+                bootstrap_room=room, status=KVPoll.Failed,
+                failure_reason=self.failure_records.get(room))))
             return
         if len(infos) == target.required_dst_info_num:
             self.req_to_decode_prefix_len[room] = target.decode_prefix_len
@@ -637,7 +678,7 @@ class PdtoolKVManager(CommonKVManager):
         if bootstrap_room not in self.transfer_infos:
             return  # dummy rank or cleared
         if self.problem:
-            self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason=self.problem)
+            self.fail_room(bootstrap_room, self.problem)
             return
         # kv_indices stays as given: with indices_event it is still being copied to the host
         self.plane.chunks.put(Chunk(bootstrap_room, kv_indices, index_slice, is_last_chunk,
@@ -762,6 +803,7 @@ class PdtoolKVManager(CommonKVManager):
         if self.disaggregation_mode == DisaggregationMode.DECODE:
             self.plane.close()
         else:
+            self._outbox.put(None)
             for t in self._threads:
                 if t.name == "pdtool-prefill-writer":
                     t.join(timeout=5)

@@ -316,12 +316,12 @@ class PrefillPlane:
                 self._finish(rs, ok=not failed)
             elif not failed and not rs.last_seen and now - rs.started > self.send_timeout_s:
                 self.fail(room, "pdtool: prefill chunks stopped arriving")
-            elif not drained and now - rs.progress_at > self.stuck_s:
+            elif (queued or not drained) and now - rs.progress_at > self.stuck_s:
                 if not failed:
-                    self.fail(room, f"pdtool: writes to decode did not complete for "
+                    self.fail(room, f"pdtool: writes to decode made no progress for "
                                     f"{self.stuck_s:.0f} s (decode dead?)")
                     rs.progress_at = now
-                else:  # still nothing: give its tags up for good
+                elif not drained:  # still in flight: give its tags up for good
                     self._finish(rs, ok=False, leak=True)
 
     def fail(self, room: int, reason: str) -> None:
@@ -330,7 +330,7 @@ class PrefillPlane:
             rs.failed_at = time.monotonic()
         if self.mgr.request_status.get(room) not in (None, KVPoll.Failed):
             logger.warning("pdtool room %s: %s", room, reason)
-        self.mgr.conclude_failure(bootstrap_room=room, failure_reason=reason)
+        self.mgr.fail_room(room, reason)
 
     def _finish(self, rs: RoomSends, ok: bool, leak: bool = False) -> None:
         mgr = self.mgr
