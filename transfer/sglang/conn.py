@@ -692,9 +692,9 @@ class PdtoolKVManager(CommonKVManager):
         of theirs is queued or in flight (a decode instance that restarted)."""
         if not self._retired:
             return
-        with self.room_lock:
+        with self.room_lock:  # the control thread adds peers under it
             retired, self._retired = self._retired, []
-        live = {p.fi_addr for p in self.peers.values()}
+            live = {p.fi_addr for p in self.peers.values()}
         for peer in retired:
             if self.plane.peer_busy(peer.key):
                 with self.room_lock:
