@@ -175,7 +175,9 @@ class PrefillPlane:
         from transfer.layout import write_plan
 
         mgr = self.mgr
-        peer = mgr.peers[t.peer]
+        peer = mgr.peers.get(t.peer)
+        if peer is None:  # replaced by a restarted rank since its META arrived
+            raise ValueError(f"decode {t.peer} is gone (a new rank registered for its GPU)")
         sent = chunk.index_slice.stop or 0
         if chunk.is_last and sent != len(t.kv_indices):
             # the decoder counts writes for every page it allocated: fail now, not at timeout
