@@ -14,6 +14,11 @@ Steps, each bounded in time:
      with a shared bootstrap room (what sglang_router does);
   4. PASS when every PD completion equals the baseline token for token — a wrong or missing
      KV page changes greedy tokens of a random model at once.
+What it covers beyond CPU tests: a GQA (non-MLA) decode built by SGLang's own scheduler, which
+gives the backend no KV head counts (it learns them from the prefill's answer to its
+registration); CUDA KV pools; the early send of a radix-cached prefix under the default overlap
+scheduler (the chunk's `wait_event`, a real CUDA event, is synchronised before its pages are
+read) and page ids handed over as a pinned host tensor (`indices_event`).
 Prints one JSON line with the outcome; exit status 0 only on PASS. Server logs go to --out.
 
     python gpu/sglang_check.py --out /tmp/pdtool-gpu [--keep-model DIR]
@@ -35,6 +40,10 @@ from pathlib import Path
 
 PROMPTS = [[(7 * i + j * 13) % 1000 + 3 for j in range(n)] for i, n in
            enumerate((5, 17, 64, 200, 333))]  # lengths around and across 16-token pages
+# sent after PROMPTS[3]: its first 200 tokens are in the prefill's radix cache, so the prefill
+# sends those pages early, guarded by the event of the forward that may still write them
+# (overlap scheduling, SGLang's default): wait_event must be honoured or tokens differ
+PROMPTS.append(PROMPTS[3] + [(11 * j) % 1000 + 3 for j in range(57)])
 MAX_NEW = 24
 BASE_PORT, PREFILL_PORT, DECODE_PORT, BOOTSTRAP_PORT = 30000, 30001, 30002, 8998
 

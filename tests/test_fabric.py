@@ -601,3 +601,30 @@ def test_install_skips_binding_without_headers():
     r = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "skipping" not in r.stdout
+
+
+def test_every_failed_write_is_reported_beyond_64():
+    """100 writes of 100 tags fail (the peer closed after a connection existed) before the
+    errors are read: each one must come back, once. The native ring kept the newest 64 and
+    dropped the rest, so their senders waited forever for operations that had ended."""
+    a, b = Endpoint("tcp;ofi_rxm", node="127.0.0.1"), Endpoint("tcp;ofi_rxm", node="127.0.0.1")
+    src, dst = np.ones(1 << 16, np.uint8), np.zeros(1 << 16, np.uint8)
+    ma, region = a.register_buffer(src), b.register_buffer(dst).descriptor()
+    peer = a.insert_peer(b.name)
+    one = np.zeros(1, np.uint64)
+    stop = threading.Event()
+    pump = threading.Thread(target=lambda: [b.poll() for _ in iter(stop.is_set, True)])
+    pump.start()
+    try:
+        a.write_batch(peer, ma, region, one, one, one + 64, imm=0, tag=0)
+        assert a.wait_send(0, 1, timeout=30)  # connected and delivered
+    finally:
+        stop.set()
+        pump.join()
+    b.close()
+    for tag in range(1, 101):
+        a.write_batch(peer, ma, region, one, one, one + 64, imm=0, tag=tag, timeout=5)
+    assert a.wait_idle(timeout=30)
+    errors = a.errors
+    assert sorted(t for t, _, _ in errors) == list(range(1, 101)), len(errors)
+    a.close()

@@ -31,6 +31,13 @@ HEAD_DIM = 8
 N_AUX = 10  # SGLang 0.5.23's MetadataBuffers registers 10 buffers without optional ones
 KV_LORA, ROPE = 48, 16  # MLA latent width 64
 AUX_ROWS = 8  # MetadataBuffers(size=8, hidden_size=32, ...): 10 buffers on this SGLang
+PER_OP = 4  # writes per RMA operation: the iov limit of shm and tcp;ofi_rxm on libfabric 1.17
+
+
+def ops(writes: int) -> int:
+    """Operations (completions counted) that `writes` consecutive writes of one (room, decode
+    rank, layer buffer) make: the prefill groups them PER_OP to an operation."""
+    return -(-writes // PER_OP)
 
 
 def _free_port() -> int:
@@ -71,7 +78,6 @@ def _setup(role: str, cfg: dict[str, Any], rank: int) -> tuple[Any, Any, list, l
     import ctypes
 
     import torch
-    from sglang.srt.disaggregation.base import KVArgs
     from sglang.srt.disaggregation.utils import MetadataBuffers
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
@@ -98,13 +104,8 @@ def _setup(role: str, cfg: dict[str, Any], rank: int) -> tuple[Any, Any, list, l
         bufs = list(pool.k_buffer) + list(pool.v_buffer)
     meta = MetadataBuffers(AUX_ROWS, 32, torch.bfloat16, 16)
 
-    args = KVArgs()
-    args.engine_rank = rank
-    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = pool.get_contiguous_buf_infos()
+    args = _kv_args(role, pool, meta, tp, rank, heads, mla)
     assert args.kv_data_ptrs == [b.data_ptr() for b in bufs]  # K of every layer, then V
-    args.kv_layer_ids = list(range(LAYERS)) * (1 if mla else 2)
-    args.kv_cache_dtype_str = "bfloat16"
-    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = meta.get_buf_infos()
     if role == "prefill":
         sl = slice(0, 1) if mla else _rank_heads(heads, tp, rank)
         for b, g in zip(bufs, global_buffers(mla, heads), strict=True):
@@ -119,18 +120,72 @@ def _setup(role: str, cfg: dict[str, Any], rank: int) -> tuple[Any, Any, list, l
         for ptr, n in zip(args.aux_data_ptrs, args.aux_data_lens, strict=True):
             ctypes.memset(ptr, 0, n)
     aux = list(zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens, strict=True))
-    args.state_types, args.state_data_ptrs, args.state_data_lens = [], [], []
-    args.state_item_lens, args.state_layer_ids = [], []
-    args.system_dp_rank, args.pp_rank, args.prefill_start_layer = 0, 0, 0
-    args.page_size, args.gpu_id, args.ib_device, args.rust_http_port = PAGE, 0, None, None
-    if not mla:
-        args.kv_head_num = pool.head_num
-        args.total_kv_head_num = heads
     return sa, args, (pool, meta, bufs), aux
 
 
+def _kv_args(role: str, pool: Any, meta: Any, tp: int, rank: int, total_heads: int,
+             mla: bool) -> Any:
+    """KVArgs filled field by field as SGLang 0.5.23's `_init_kv_manager` fills them
+    (prefill.py `PrefillBootstrapQueue`, decode.py `DecodePreallocQueue`), with SGLang's own
+    helpers. Only the prefill sets the KV head counts (the decode sets them only with
+    SGLANG_DISAGG_STAGING_BUFFER, after its manager is built); a CPU pool has no draft model,
+    no hybrid/state pools and no host receive buffers."""
+    from sglang.srt.disaggregation.base import KVArgs
+    from sglang.srt.disaggregation.utils import (
+        build_kv_layer_ids,
+        get_kv_transfer_buf_infos,
+        get_pd_kv_layout,
+        setup_state_kv_args,
+    )
+
+    args = KVArgs()
+    args.engine_rank = rank if role == "prefill" else rank % tp  # decode: tp_rank % attn_tp
+    args.pp_rank = 0
+    args.system_dp_rank = 0
+    if role == "prefill":
+        args.rust_http_port = None
+    args.kv_cache_dtype_str = "bfloat16"
+    args.kv_layout = get_pd_kv_layout(pool)
+    ptrs, lens, item_lens = get_kv_transfer_buf_infos(pool)
+    if role == "prefill":
+        args.prefill_start_layer = pool.start_layer  # _transfer_start_layer, non-hybrid pool
+        args.prefill_end_layer = getattr(pool, "end_layer", None)
+    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = ptrs, lens, item_lens
+    args.num_draft_entries = 0
+    args.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=pool, draft_token_to_kv_pool=None,
+                                           num_draft_entries=0, num_hidden_layers=LAYERS)
+    if role == "prefill" and not mla:  # prefill.py: `if not self.is_mla_backend:`
+        args.kv_head_num = pool.head_num
+        args.total_kv_head_num = total_heads  # model_config.get_total_num_kv_heads()
+    args.page_size = pool.page_size
+    args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = meta.get_buf_infos()
+    if role == "prefill":
+        args.ib_device, args.gpu_id = None, 0
+    setup_state_kv_args(args, pool, None, total_kv_layers=LAYERS, req_to_token_pool=None)
+    if role == "decode":
+        args.ib_device, args.gpu_id = None, 0
+    return args
+
+
+def _poll_until(objs: dict[int, Any], done: Any, seconds: float) -> None:
+    """Poll every sender/receiver like the scheduler does until `done(state)` holds for all
+    (or `seconds` pass)."""
+    deadline = time.time() + seconds
+    while time.time() < deadline and not all(done(int(o.poll())) for o in objs.values()):
+        time.sleep(0.005)
+
+
+def _reason(obj: Any) -> str:
+    try:
+        obj.failure_exception()
+    except Exception as exc:  # SGLang's KVTransferError
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
 def prefill_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
-    """One prefill scheduler rank: (rank 0) bootstrap server, manager, one sender per room."""
+    """One prefill scheduler rank: (rank 0) bootstrap server, manager, one sender per room,
+    the rooms of each wave (one per decode run) handled together as the scheduler does."""
     os.environ.update(cfg["env"])
     from sglang.srt.disaggregation.base import KVPoll
     from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -143,45 +198,64 @@ def prefill_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     sa, args, _keep, _aux = _setup("prefill", cfg, rank)
     mgr = PdtoolKVManager(args, DisaggregationMode.PREFILL, sa, cfg["mla"])
     conn.send("ready")
-    results = {}
-    for room, req in cfg["rooms"].items():
-        sender = PdtoolKVSender(mgr, f"127.0.0.1:{cfg['bootstrap_port']}", room)
-        deadline = time.time() + 60
-        while sender.poll() == KVPoll.Bootstrapping and time.time() < deadline:
-            time.sleep(0.01)
+    results: dict[int, Any] = {}
+    terminal = (KVPoll.Success, KVPoll.Failed)
+    for wave in cfg["waves"]:
+        senders = {room: PdtoolKVSender(mgr, f"127.0.0.1:{cfg['bootstrap_port']}", room)
+                   for room in wave}
+        _poll_until(senders, lambda st: st != KVPoll.Bootstrapping, 60)
         if cfg.get("hold"):
-            conn.send(("waiting", room))
+            conn.send(("waiting",))
             time.sleep(3600)  # the test kills this process here
-        if req.get("abort"):  # decode aborts this room: the sender must see Failed with a reason
-            while sender.poll() != KVPoll.Failed and time.time() < deadline:
-                time.sleep(0.01)
-            try:
-                sender.failure_exception()
-            except Exception as exc:
-                results[room] = f"{type(exc).__name__}: {exc}"
-            continue
-        src = np.asarray(req["src_pages"], dtype=np.int32)
-        sender.init(len(src), req["aux_index"])
-        for lo in range(0, len(src), req["chunk"]):  # chunked prefill: one send per chunk
-            sender.send(src[lo: lo + req["chunk"]])
-        while sender.poll() not in (KVPoll.Success, KVPoll.Failed) and time.time() < deadline:
-            time.sleep(0.005)
-        results[room] = int(sender.poll())
-        if results[room] == KVPoll.Failed:
-            try:
-                sender.failure_exception()
-            except Exception as exc:
-                results[room] = f"{type(exc).__name__}: {exc}"
-    conn.send(("done", results, mgr.ep.remote_writes))
+        sending: dict[int, Any] = {}
+        for later in (False, True):
+            if later and cfg.get("go_after"):  # the test acts on the decode side first
+                _poll_until(sending, lambda st: st in terminal, cfg.get("wait", 60))
+                conn.send(("waiting",))
+                conn.recv()
+            sending.update(_send_rooms(cfg, senders, results, later))
+        _poll_until(sending, lambda st: st in terminal, cfg.get("wait", 60))
+        for room, sender in sending.items():
+            results[room] = int(sender.poll())
+            if results[room] == KVPoll.Failed:
+                results[room] = _reason(sender)
+    time.sleep(cfg.get("settle_s", 0))  # let late completions and peer upkeep run
+    conn.send(("done", results, mgr.ep.remote_writes, getattr(mgr, "stats", dict)()))
     conn.recv()  # keep the endpoint and bootstrap server alive until decode finished
     mgr.teardown()
     del server
     os._exit(0)  # skip interpreter teardown (SGLang's ZMQ contexts make it slow)
 
 
+def _send_rooms(cfg: dict[str, Any], senders: dict[int, Any], results: dict[int, Any],
+                later: bool) -> dict[int, Any]:
+    """Prefill: send every room of `senders` (those marked `after_go` when `later`) in
+    chunks; an aborted room is only watched until its sender fails."""
+    from sglang.srt.disaggregation.base import KVPoll
+
+    sending = {}
+    for room, sender in senders.items():
+        req = cfg["rooms"][room]
+        if bool(req.get("after_go")) != later:
+            continue
+        if req.get("abort"):  # decode aborts it: the sender must see Failed with a reason
+            _poll_until({room: sender}, lambda st: st == KVPoll.Failed, 60)
+            results[room] = _reason(sender)
+            continue
+        src = np.asarray(req["src_pages"], dtype=np.int32)
+        sender.init(len(src), req["aux_index"])
+        for lo in range(0, len(src), req["chunk"]):  # chunked prefill: one send per chunk
+            sender.send(src[lo: lo + req["chunk"]])
+        sending[room] = sender
+    return sending
+
+
 def decode_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     """One decode scheduler rank: manager + one receiver per room, polled like the scheduler."""
     os.environ.update(cfg["env"])
+    import ctypes
+    import threading
+
     from sglang.srt.disaggregation.base import KVPoll
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
@@ -195,10 +269,22 @@ def decode_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
         assert time.time() < deadline, "prefill never registered with the bootstrap server"
         time.sleep(0.2)
     out: dict[int, Any] = {}
+    recvs: dict[int, Any] = {}
+    blocked = []
     for room, req in cfg["rooms"].items():
         recv = PdtoolKVReceiver(mgr, addr, room)
         recv.init(0)
-        recv.send_metadata(np.asarray(req["dst_pages"], dtype=np.int32), req["dst_aux"])
+        meta = (np.asarray(req["dst_pages"], dtype=np.int32), req["dst_aux"])
+        if cfg.get("hold_ep_lock"):
+            # as if the progress thread sat in a long poll(): the scheduler must not wait
+            with mgr.ep._lock:
+                t = threading.Thread(target=recv.send_metadata, args=meta, daemon=True)
+                t.start()
+                t.join(30)
+                blocked.append(t.is_alive())
+            t.join()
+        else:
+            recv.send_metadata(*meta)
         if req.get("abort"):  # the user cancelled: SGLang's scheduler calls abort()
             recv.abort()
             deadline = time.time() + 30
@@ -208,72 +294,110 @@ def decode_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
                          "states": [int(recv.poll())]}
             recv.clear()
             continue
-        states = [int(recv.poll())]
-        deadline = time.time() + cfg.get("wait", 60)
-        while states[-1] not in (KVPoll.Success, KVPoll.Failed) and time.time() < deadline:
-            time.sleep(0.005)
-            st = int(recv.poll())
-            if st != states[-1]:
-                states.append(st)
-        error = None
-        if states[-1] == KVPoll.Failed:
-            try:
-                recv.failure_exception()
-            except Exception as exc:  # SGLang's KVTransferError
-                error = f"{type(exc).__name__}: {exc}"
-        out[room] = {"states": states, "error": error,
-                     "count": int(mgr.ep.recv_counts[recv.slot]) if recv.slot is not None else 0}
+        recvs[room] = recv
+    if cfg.get("die_after_meta"):  # once the rooms sent first landed (fabric connected)
+        first = {r: v for r, v in recvs.items() if not cfg["rooms"][r].get("after_go")}
+        _poll_until(first, lambda st: st in (KVPoll.Success, KVPoll.Failed), 60)
+        conn.send(("sent",))
+        time.sleep(3600)  # the test kills this process here
+    if cfg.get("close_endpoint"):  # the progress thread's next poll fails: it dies
+        mgr.ep.close()
+    states = {room: [int(r.poll())] for room, r in recvs.items()}
+    deadline = time.time() + cfg.get("wait", 60)
+    while time.time() < deadline and any(s[-1] not in (KVPoll.Success, KVPoll.Failed)
+                                         for s in states.values()):
+        time.sleep(0.005)
+        for room, r in recvs.items():
+            st = int(r.poll())
+            if st != states[room][-1]:
+                states[room].append(st)
+    for room, recv in recvs.items():
+        error = _reason(recv) if states[room][-1] == KVPoll.Failed else None
+        out[room] = {"states": states[room], "error": error,
+                     "per_op": [g.writes_per_op for g in
+                                getattr(mgr, "prefill_geometry", {}).values()],
+                     "count": int(mgr.ep.recv_counts[recv.slot]) if recv.slot is not None
+                     else 0}
         recv.clear()
-    import ctypes
-
-    conn.send(("done", out, [_words(b).copy() for b in bufs],
-               [(ctypes.string_at(p, n), ilen) for p, n, ilen in aux],
-               mgr.ep.remote_writes, mgr.ep.stale_writes))
+    if cfg.get("close_endpoint"):  # a request after the death fails at once, with the reason
+        late = PdtoolKVReceiver(mgr, addr, 99)
+        late.init(0)
+        late.send_metadata(np.asarray([0], dtype=np.int32), 0)
+        out[99] = {"states": [int(late.poll())], "error": _reason(late)}
+        conn.send(("done", out, [], [], 0, 0, blocked))
+    else:
+        conn.send(("done", out, [_words(b).copy() for b in bufs],
+                   [(ctypes.string_at(p, n), ilen) for p, n, ilen in aux],
+                   mgr.ep.remote_writes, mgr.ep.stale_writes, blocked))
     conn.recv()
     mgr.teardown()
     os._exit(0)
 
 
-def run_pair(cfg: dict[str, Any], kill_prefill: bool = False) -> dict[str, Any]:
+def run_pair(cfg: dict[str, Any], kill_prefill: bool = False,
+             kill_decode: bool = False) -> dict[str, Any]:
     """Start every rank at once (decode waits for the bootstrap registry), collect what each
-    saw; always reap the children."""
+    saw; always reap the children. `cfg["waves"]`: rooms per decode run; each run is a fresh
+    set of decode processes (a restarted decode instance), started once the previous exited.
+    `kill_decode`: SIGKILL the decode ranks once they sent their metadata, then let the
+    prefill (`go_after`) write to them."""
     ctx = mp.get_context("spawn")
     cfg = {"bootstrap_port": _free_port(), "http_port": _free_port(), **cfg}
+    cfg.setdefault("waves", [list(cfg["rooms"])])
+    cfg["die_after_meta"] = kill_decode
     cfg["env"] = {"PDTOOL_FI_PROVIDER": cfg.get("provider", "shm"), "PDTOOL_SECRET": "t0p",
                   "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
                   "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1",
                   "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60", **cfg.get("extra_env", {})}
-    procs, pre, dec = [], [], []
+    procs, pre = [], []
+
+    def start(target: Any, c: dict[str, Any], r: int) -> tuple[Any, Any]:
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=target, args=(c, r, b), daemon=True)
+        p.start()
+        procs.append(p)
+        return p, a
+
     try:
         for r in range(cfg["prefill_tp"]):
-            a, b = ctx.Pipe()
-            p = ctx.Process(target=prefill_rank, args=(cfg, r, b), daemon=True)
-            p.start()
-            procs.append(p)
-            pre.append((p, a))
-        for r in range(cfg["decode_tp"]):
-            a, b = ctx.Pipe()
-            p = ctx.Process(target=decode_rank, args=(cfg, r, b), daemon=True)
-            p.start()
-            procs.append(p)
-            dec.append((p, a))
-        for _, a in pre:
-            assert a.poll(180), "prefill rank did not start"
-            assert a.recv() == "ready"
-        if kill_prefill:
-            for p, a in pre:
-                assert a.poll(120) and a.recv()[0] == "waiting"
-                os.kill(p.pid, signal.SIGKILL)
-                p.join(10)
-        dec_out = []
-        for _, a in dec:
-            assert a.poll(180), "decode rank did not finish"
-            dec_out.append(a.recv())
-        pre_out = [] if kill_prefill else [a.recv() for _, a in pre]
-        for _, a in pre + dec:
-            if not kill_prefill or (_, a) in dec:
-                with contextlib.suppress(OSError):
-                    a.send("bye")
+            pre.append(start(prefill_rank, cfg, r))
+        dec_out, dec = [], []
+        for wave in cfg["waves"]:
+            run_cfg = {**cfg, "rooms": {room: cfg["rooms"][room] for room in wave}}
+            dec = [start(decode_rank, run_cfg, r) for r in range(cfg["decode_tp"])]
+            if not dec_out:
+                for _, a in pre:
+                    assert a.poll(180), "prefill rank did not start"
+                    assert a.recv() == "ready"
+            if kill_prefill:
+                for p, a in pre:
+                    assert a.poll(120) and a.recv()[0] == "waiting"
+                    os.kill(p.pid, signal.SIGKILL)
+                    p.join(10)
+            if kill_decode:
+                for p, a in dec:
+                    assert a.poll(120) and a.recv()[0] == "sent"
+                    os.kill(p.pid, signal.SIGKILL)
+                    p.join(10)
+            if cfg.get("go_after") and not kill_decode:
+                dec_out += [a.recv() for _, a in dec if a.poll(180)]
+            if cfg.get("go_after"):
+                for _, a in pre:
+                    assert a.poll(120) and a.recv()[0] == "waiting"
+                    a.send("go")
+            if not kill_decode and not cfg.get("go_after"):
+                for _, a in dec:
+                    assert a.poll(180), "decode rank did not finish"
+                    dec_out.append(a.recv())
+            if len(cfg["waves"]) > 1:  # this decode run exits before the next one starts
+                for p, a in dec:
+                    with contextlib.suppress(OSError):
+                        a.send("bye")
+                    p.join(20)
+        pre_out = [] if kill_prefill else [a.recv() for _, a in pre if a.poll(180)]
+        for _, a in pre + ([] if kill_decode else dec):
+            with contextlib.suppress(OSError):
+                a.send("bye")
         return {"prefill": pre_out, "decode": dec_out, "pids": [p.pid for p in procs]}
     finally:
         for p in procs:
@@ -301,10 +425,12 @@ def expected_decode(cfg: dict[str, Any], rank: int, room: int) -> list[np.ndarra
 
 
 def check_bytes(cfg: dict[str, Any], res: dict[str, Any]) -> None:
-    for rank, (tag, out, bufs, aux, _writes, _stale) in enumerate(res["decode"]):
+    for rank, (tag, out, bufs, aux, _writes, _stale, _blocked) in enumerate(res["decode"]):
         assert tag == "done"
         for room, req in cfg["rooms"].items():
             assert out[room]["states"][-1] == 4, out[room]  # KVPoll.Success
+            # every prefill rank answered the registration with the grouping both can do
+            assert set(out[room]["per_op"]) == {PER_OP}, out[room]
             for buf, want in zip(bufs, expected_decode(cfg, rank, room), strict=True):
                 got = buf.reshape(SLOTS // PAGE, PAGE, *buf.shape[1:])[req["dst_pages"]]
                 assert np.array_equal(got, want), f"room {room} rank {rank}: pages differ"
@@ -326,9 +452,10 @@ def test_mha_equal_tp_pages_arrive_byte_exact_and_counted() -> None:
     cfg = {"mla": False, "heads": 2, "prefill_tp": 1, "decode_tp": 1, "rooms": ROOMS}
     res = run_pair(cfg)
     check_bytes(cfg, res)
-    (_, _out, _, _, remote_writes, stale), = res["decode"]
-    # one write per (page, layer buffer) + one per aux buffer, counted per slot
-    per_room = {r: len(q["dst_pages"]) * 2 * LAYERS + N_AUX for r, q in ROOMS.items()}
+    (_, _out, _, _, remote_writes, stale, _), = res["decode"]
+    # one write per (page, layer buffer), grouped PER_OP to an operation, + one per aux
+    # buffer, counted per slot
+    per_room = {r: ops(len(q["dst_pages"])) * 2 * LAYERS + N_AUX for r, q in ROOMS.items()}
     assert {r: o["count"] for r, o in _out.items()} == per_room
     assert remote_writes == sum(per_room.values()) and stale == 0
     # the prefill sender reached Success on its own local completions
@@ -345,8 +472,8 @@ def test_mla_prefill_tp2_to_decode_tp1_over_tcp_rxm() -> None:
            "provider": "tcp;ofi_rxm"}
     res = run_pair(cfg)
     check_bytes(cfg, res)
-    (_, out, _, _, remote_writes, stale), = res["decode"]
-    want = {r: len(q["dst_pages"]) * LAYERS + N_AUX for r, q in ROOMS.items()}
+    (_, out, _, _, remote_writes, stale, _), = res["decode"]
+    want = {r: ops(len(q["dst_pages"])) * LAYERS + N_AUX for r, q in ROOMS.items()}
     assert {r: o["count"] for r, o in out.items()} == want
     assert remote_writes == sum(want.values()) and stale == 0
     assert [p[1] for p in res["prefill"]] == [{11: 4, 12: 4}] * 2  # the dummy rank too
@@ -358,8 +485,8 @@ def test_mha_prefill_tp1_to_decode_tp2_slices_heads() -> None:
     cfg = {"mla": False, "heads": 4, "prefill_tp": 1, "decode_tp": 2, "rooms": {12: ROOMS[12]}}
     res = run_pair(cfg)
     check_bytes(cfg, res)
-    for _, out, _, _, remote_writes, _ in res["decode"]:
-        assert out[12]["count"] == remote_writes == 2 * 2 * LAYERS * PAGE + N_AUX
+    for _, out, _, _, remote_writes, _, _ in res["decode"]:
+        assert out[12]["count"] == remote_writes == ops(2 * PAGE) * 2 * LAYERS + N_AUX
 
 
 @pytest.mark.timeout(400)
@@ -368,9 +495,9 @@ def test_mha_prefill_tp2_to_decode_tp1_reassembles_heads() -> None:
     cfg = {"mla": False, "heads": 4, "prefill_tp": 2, "decode_tp": 1, "rooms": {11: ROOMS[11]}}
     res = run_pair(cfg)
     check_bytes(cfg, res)
-    (_, out, _, _, remote_writes, _), = res["decode"]
+    (_, out, _, _, remote_writes, _, _), = res["decode"]
     pages = len(ROOMS[11]["dst_pages"])
-    want = pages * 2 * LAYERS * PAGE * 2 + N_AUX  # per token, from both prefill ranks
+    want = ops(pages * PAGE) * 2 * LAYERS * 2 + N_AUX  # per token, from both prefill ranks
     assert out[11]["count"] == want == remote_writes
     # only the rank holding the first head slice wrote the metadata rows
     writes = [p[2] for p in res["prefill"]]
@@ -387,7 +514,7 @@ def test_decode_abort_and_page_count_mismatch_fail_with_reasons() -> None:
            "rooms": {11: {**ROOMS[11], "abort": True}, 13: mismatch},
            "extra_env": {"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1"}}
     res = run_pair(cfg)
-    (_, out, bufs, _, remote_writes, _), = res["decode"]
+    (_, out, bufs, _, remote_writes, _, _), = res["decode"]
     assert out[11] == {"released": True, "states": [0]}  # ACK arrived, receiver Failed
     prefill = res["prefill"][0][1]
     assert prefill[11] == (
@@ -405,8 +532,73 @@ def test_killed_prefill_fails_the_request_with_a_reason() -> None:
     cfg = {"mla": False, "heads": 2, "prefill_tp": 1, "decode_tp": 1, "hold": True,
            "rooms": {11: ROOMS[11]}, "wait": 40}
     res = run_pair(cfg, kill_prefill=True)
-    (_, out, bufs, _, remote_writes, _), = res["decode"]
+    (_, out, bufs, _, remote_writes, _, _), = res["decode"]
     assert out[11]["states"][-1] == 0  # KVPoll.Failed
     assert "Lost connection with prefill instance" in out[11]["error"]
     assert "KVTransferError" in out[11]["error"]
     assert remote_writes == 0 and not any(b.any() for b in bufs)
+
+
+@pytest.mark.timeout(400)
+def test_send_metadata_never_waits_for_the_endpoint_lock() -> None:
+    """SGLang's scheduler thread calls send_metadata while the progress thread sits in a poll
+    holding the endpoint lock (on shm a poll performs the copies). Before, arming the slot took
+    that lock, so the scheduler stalled behind every long poll."""
+    cfg = {"mla": True, "heads": 1, "prefill_tp": 1, "decode_tp": 1, "rooms": ROOMS,
+           "hold_ep_lock": True}
+    res = run_pair(cfg)
+    check_bytes(cfg, res)
+    (*_, blocked), = res["decode"]
+    assert blocked == [False, False]
+
+
+@pytest.mark.timeout(400)
+def test_failed_writes_release_their_rooms_and_tags() -> None:
+    """70 rooms whose decode rank died after sending its metadata: every write fails on
+    tcp;ofi_rxm. Each room fails with the reason and gives its fabric tag back. Before, a
+    failed operation was never counted as done, so its room, its tag and any deferred ACK
+    waited forever, and the native error ring kept only the newest 64 errors."""
+    rooms = {100 + i: {"src_pages": [i % 16, (i + 5) % 16], "dst_pages": [i % 16, (i + 7) % 16],
+                       "aux_index": i % AUX_ROWS, "dst_aux": i % AUX_ROWS, "chunk": 1,
+                       "after_go": True} for i in range(70)}
+    rooms[10] = ROOMS[12]  # lands first: the fabric connection exists when the decode dies
+    cfg = {"mla": True, "heads": 1, "prefill_tp": 1, "decode_tp": 1, "rooms": rooms,
+           "provider": "tcp;ofi_rxm", "go_after": True, "wait": 120}
+    res = run_pair(cfg, kill_decode=True)
+    (_, results, _, stats), = res["prefill"]
+    assert set(results) == set(rooms) and results.pop(10) == 4
+    for room, r in results.items():
+        assert isinstance(r, str) and "pdtool write to decode" in r, (room, r)
+    assert stats["rooms"] == 0 and stats["leaked_tags"] == 0, stats
+    assert stats["tags_free"] == 4096, stats
+
+
+@pytest.mark.timeout(400)
+def test_dead_progress_thread_fails_rooms_at_once_with_the_reason() -> None:
+    """The decode's progress thread dies (its endpoint closed under it) while two rooms wait
+    for their writes: both fail at once with the reason (before: they waited for SGLang's
+    timeout), and a request made afterwards is refused with the same reason."""
+    rooms = {r: {**q, "after_go": True} for r, q in ROOMS.items()}  # written after the death
+    cfg = {"mla": True, "heads": 1, "prefill_tp": 1, "decode_tp": 1, "rooms": rooms,
+           "provider": "tcp;ofi_rxm", "go_after": True, "close_endpoint": True, "wait": 30}
+    res = run_pair(cfg)
+    (_, out, *_), = res["decode"]
+    for room in (11, 12, 99):
+        assert out[room]["states"][-1] == 0, (room, out[room])  # KVPoll.Failed
+        assert "decode progress thread died" in out[room]["error"], (room, out[room])
+        assert "endpoint is closed" in out[room]["error"], (room, out[room])
+
+
+@pytest.mark.timeout(400)
+def test_restarted_decode_rank_replaces_its_peer_and_av_entry() -> None:
+    """The decode instance restarts between two requests (new process, new port, new fabric
+    address, same GPU and TP rank): the prefill forgets the old peer and removes its address
+    vector entry instead of keeping one of each per restart."""
+    cfg = {"mla": True, "heads": 1, "prefill_tp": 1, "decode_tp": 1,
+           "rooms": {11: ROOMS[11], 21: ROOMS[12]}, "waves": [[11], [21]], "settle_s": 1}
+    res = run_pair(cfg)
+    assert [o[1][r]["states"][-1] for o, r in zip(res["decode"], (11, 21), strict=True)] \
+        == [4, 4]
+    (_, results, _, stats), = res["prefill"]
+    assert results == {11: 4, 21: 4}
+    assert stats["peers"] == 1 and stats["av_entries"] == 1, stats

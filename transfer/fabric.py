@@ -934,25 +934,22 @@ class Endpoint:
         return int(_lib.pd_remote_cntr(self._live()))
 
     @property
-    def dropped_errors(self) -> int:
-        """Completion errors the native ring dropped (it keeps the newest 64 until `errors`
-        takes them): non-zero means some failed writes were never reported one by one."""
-        return int(_lib.pd_dropped_errors(self._live()))
-
-    @property
     def errors(self) -> list[tuple[int, int, str]]:
-        """Completion errors seen so far as (tag, errno, message); taking them clears the
-        native ring (which keeps the newest 64). tag is 2**64-1 when unknown."""
+        """Completion errors seen so far as (tag, errno, message), one per failed operation;
+        taking them clears the native list (which folds a tag's errors into one entry with a
+        count and never drops one). tag is 2**64-1 when unknown."""
         if _lib.pd_nerr(self._live()) == 0:
             out, self._errors = self._errors, []
             return out
         buf = _ffi.new("struct pd_err[64]")
-        with self._lock:
-            n = _lib.pd_take_errors(self._live(), buf, 64)
-        for i in range(n):
-            e = buf[i]
-            msg = _ffi.string(e.msg).decode(errors="replace")
-            self._errors.append((int(e.tag), int(e.err), msg))
+        n = 64
+        while n == 64:
+            with self._lock:
+                n = _lib.pd_take_errors(self._live(), buf, 64)
+            for i in range(n):
+                e = buf[i]
+                msg = _ffi.string(e.msg).decode(errors="replace")
+                self._errors.extend([(int(e.tag), int(e.err), msg)] * max(1, int(e.count)))
         out, self._errors = self._errors, []
         return out
 

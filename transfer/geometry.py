@@ -243,11 +243,14 @@ def sglang_slices(is_mla: bool, total_heads: int, prefill_tp: int, decode_tp: in
 
 def sglang_decode_writes(*, is_mla: bool, total_heads: int, prefill_tp: int, decode_tp: int,
                          decode_rank: int, page_size: int, num_pages: int, num_buffers: int,
-                         num_aux: int) -> int:
+                         num_aux: int, writes_per_op: int = 1) -> int:
     """What the SGLang backend's decode rank waits for, from what it registered: `num_buffers`
     KV buffers (len(KVArgs.kv_data_ptrs): every layer's K and V, or latent) and `num_aux`
-    metadata buffers (len(KVArgs.aux_data_ptrs)), for `num_pages` allocated pages."""
+    metadata buffers (len(KVArgs.aux_data_ptrs)), for `num_pages` allocated pages, with page
+    writes grouped `writes_per_op` to an operation (the smaller iov limit of the two ranks'
+    providers; 1 on efa)."""
     src, dst = sglang_specs(is_mla, total_heads, prefill_tp, decode_tp)
     return expected_writes(routes_for(src, dst, decode_rank), src, dst,
                            layout=sglang_pool(is_mla), page_size=page_size, num_pages=num_pages,
-                           num_layers=1, buffers_per_layer=num_buffers, aux_writes=num_aux)
+                           num_layers=1, buffers_per_layer=num_buffers, aux_writes=num_aux,
+                           writes_per_op=writes_per_op)

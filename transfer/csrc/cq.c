@@ -39,11 +39,11 @@ uint64_t pd_remote_writes(pd_ep *ep) { return ep->remote_writes; }
 uint64_t pd_inflight(pd_ep *ep) { return ep->inflight; }
 uint64_t pd_inflight_bytes(pd_ep *ep) { return ep->inflight_bytes; }
 size_t pd_nerr(pd_ep *ep) { return ep->nerr; }
-uint64_t pd_dropped_errors(pd_ep *ep) { return ep->dropped_errs; }
 
 size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max) {
     pthread_mutex_lock(&ep->err_lock);
     size_t n = ep->nerr < max ? ep->nerr : max;
+    if (n == 0) { pthread_mutex_unlock(&ep->err_lock); return 0; }
     memcpy(out, ep->errs, n * sizeof(*out));
     memmove(&ep->errs[0], &ep->errs[n], (ep->nerr - n) * sizeof(*out));
     ep->nerr -= n;

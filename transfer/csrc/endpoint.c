@@ -37,6 +37,7 @@ void pd_close(pd_ep *ep) {
     if (ep->rcntr) fi_close(&ep->rcntr->fid);
     pd_domain_release(ep->dom);
     pthread_mutex_destroy(&ep->err_lock);
+    free(ep->errs);
     free(ep->ctx);
     free(ep);
 }

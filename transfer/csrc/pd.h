@@ -42,6 +42,7 @@ struct pd_err {
     int err;
     int prov_errno;
     char msg[256];
+    uint32_t count;      /* failed operations of this tag and error folded into this entry */
 };
 
 #define PD_ETIMEDOUT FI_ETIMEDOUT
@@ -53,7 +54,7 @@ struct pd_err {
 #define PD_ACCESS_LOCAL_WRITE (FI_WRITE | FI_READ)
 #define PD_ACCESS_REMOTE_WRITE (FI_REMOTE_WRITE | FI_REMOTE_READ)
 #define PD_ADDR_STR FI_ADDR_STR
-#define PD_MAX_ERRORS 64
+#define PD_MAX_ERRORS 64   /* first capacity of the error list (it grows) */
 
 /* domain.c: getinfo, fabric and domain (step 1 of opening an endpoint) */
 int pd_domain_open(pd_dom **out, const char *prov, const char *domain, const char *node,
@@ -100,7 +101,6 @@ uint64_t pd_remote_writes(pd_ep *ep);
 uint64_t pd_inflight(pd_ep *ep);
 uint64_t pd_inflight_bytes(pd_ep *ep);
 size_t pd_nerr(pd_ep *ep);
-uint64_t pd_dropped_errors(pd_ep *ep);
 size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max);
 int pd_poll(pd_ep *ep, size_t max_entries);
 int pd_wait_recv(pd_ep *ep, uint32_t slot, uint32_t target, int64_t timeout_ns);

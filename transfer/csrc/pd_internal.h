@@ -88,10 +88,11 @@ struct pd_ep {
     struct pd_ctx *ctx;
     uint32_t ctx_n;
     uint32_t ctx_free;      /* head of free list, ctx_n == empty */
-    /* error ring (oldest dropped when full) */
-    struct pd_err errs[PD_MAX_ERRORS];
+    /* completion errors not taken yet, one entry per (tag, error) with a count; grows as
+       needed, so none is ever dropped (a sender counts each failed operation as done) */
+    struct pd_err *errs;
     size_t nerr;
-    uint64_t dropped_errs;
+    size_t err_cap;
 };
 
 struct pd_mr {

@@ -1,5 +1,6 @@
 /* Small helpers every part of the binding uses: the clock, idling, error text. */
 #include <sched.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "pd_internal.h"
@@ -34,17 +35,34 @@ void pd_seterr(char *buf, size_t len, const char *call, int ret) {
 
 const char *pd_strerror(int err) { return fi_strerror(err < 0 ? -err : err); }
 
+/* Errors of a tag already listed fold into its entry (one entry per (tag, error): bounded by
+   the tags in use, the first message kept); a new one grows the list. Dropping one would leave
+   its sender waiting forever for an operation that will never complete. */
 void pd_record_err(pd_ep *ep, uint64_t tag, int err, int prov_errno, const char *msg) {
     pthread_mutex_lock(&ep->err_lock);
-    if (ep->nerr == PD_MAX_ERRORS) {
-        memmove(&ep->errs[0], &ep->errs[1], sizeof(ep->errs[0]) * (PD_MAX_ERRORS - 1));
-        ep->nerr--;
-        ep->dropped_errs++;
+    for (size_t i = ep->nerr; i-- > 0;) {
+        if (ep->errs[i].tag == tag && ep->errs[i].err == err) {
+            ep->errs[i].count++;
+            pthread_mutex_unlock(&ep->err_lock);
+            return;
+        }
+    }
+    if (ep->nerr == ep->err_cap) {
+        size_t cap = ep->err_cap ? 2 * ep->err_cap : PD_MAX_ERRORS;
+        struct pd_err *grown = realloc(ep->errs, cap * sizeof(*grown));
+        if (!grown) {  /* out of memory: fold into the newest entry rather than lose the count */
+            if (ep->nerr) ep->errs[ep->nerr - 1].count++;
+            pthread_mutex_unlock(&ep->err_lock);
+            return;
+        }
+        ep->errs = grown;
+        ep->err_cap = cap;
     }
     struct pd_err *e = &ep->errs[ep->nerr++];
     e->tag = tag;
     e->err = err;
     e->prov_errno = prov_errno;
+    e->count = 1;
     snprintf(e->msg, sizeof(e->msg), "%s", msg ? msg : "");
     pthread_mutex_unlock(&ep->err_lock);
 }

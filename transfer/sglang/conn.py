@@ -5,21 +5,28 @@ backend only moves bytes and reports `KVPoll` states. It subclasses SGLang's `Co
 its mooncake and nixl backends do, so bootstrap (HTTP registry), rank mapping across TP sizes,
 heartbeats, timeouts and failure bookkeeping stay SGLang's own code.
 
-Data plane (pdtool's messenger rules, docs/messenger.md):
+Data plane (pdtool's messenger rules, docs/messenger.md; `prefill_plane.py`, `decode_plane.py`):
   * every KV/aux buffer of a rank is registered once with one libfabric `Endpoint`;
+  * registration: each decode rank sends REG to the prefill ranks it reads from; each answers
+    PEER with the KV head count (SGLang's decode never gets it) and how many consecutive page
+    writes it groups into one RMA operation (the smaller iov limit of the two endpoints);
   * prefill turns a chunk's page ids into (src offset, dst offset, length) arrays with
-    `transfer.layout.write_plan` and submits each layer buffer's writes in one C call;
+    `transfer.layout.write_plan` and queues them per decode peer; one writer thread submits
+    them round-robin, each peer within its own budget of bytes in flight;
   * every write carries the decoder's 32-bit immediate `slot|generation`; the decoder counts
-    completions per slot in C and declares `KVPoll.Success` when the count it computed from
-    the shard routes is reached — no "done" message. A late write of an older generation
-    never advances a reused slot;
-  * prefill reports Success once its own writes completed locally (its pages may be reused),
-    and sends a status message only on failure (with the reason).
+    operations per slot in C (the messenger's `transfer.slots.SlotTable`) and declares
+    `KVPoll.Success` when the count it computed from the shard routes is reached — no "done"
+    message. A late write of an older generation never advances a reused slot;
+  * prefill reports Success once its own operations completed locally (its pages may be
+    reused); a failed operation counts as completed and fails its room. It sends a status
+    message only on failure (with the reason), from its own outbox thread;
+  * a backend thread that dies fails every live room at once with the reason, and later
+    requests are refused with it (`PdtoolKVManager.problem`, `stats()`).
 
 Pages: SGLang's pools are NHD per layer buffer — MHA `[slots, heads, head_dim]` with separate K
 and V buffers, MLA `[slots, 1, kv_lora_rank + rope]` — and page p is slots [p*P, (p+1)*P).
   * equal attention TP, or MLA (replicated latent): a page of a layer buffer is contiguous on
-    both sides: ONE write per (page, layer buffer);
+    both sides: ONE write per (page, layer buffer), grouped per operation;
   * MHA/GQA with different prefill and decode TP: each decode rank receives, from each source
     rank `transfer.routes.routes_for` names, only its head slice, which in NHD is one run per
     token: `page_size` writes per (page, layer buffer, source). Correct and counted, but the
@@ -45,7 +52,6 @@ Configuration (environment of every SGLang worker; the pdtool launcher sets them
 
 from __future__ import annotations
 
-import collections
 import functools
 import hashlib
 import hmac
@@ -54,7 +60,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -72,12 +78,15 @@ from sglang.srt.disaggregation.common.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_device
+from sglang.srt.utils.network import NetworkAddress
 
 from transfer import fabric, workerenv
 from transfer.control import ControlError, ReplayGuard
 from transfer.geometry import sglang_buffer_layouts, sglang_decode_writes, sglang_slices
-from transfer.layout import KVLayout, LayoutError, write_plan
-from transfer.routes import RouteError, Slice
+from transfer.layout import KVLayout, LayoutError
+from transfer.routes import RouteError, ShardSpec, Slice
+from transfer.sglang.decode_plane import DecodePlane
+from transfer.sglang.prefill_plane import PrefillPlane
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +94,7 @@ WIRE_VERSION = 1
 TAG = b"PDTOOL"
 KIND_REGISTER = b"REG"
 KIND_META = b"META"
+KIND_PEER = b"PEER"  # prefill rank -> decode rank, answering its registration
 STATUS_TAG = b"PDTOOL_STATUS"
 DEFAULT_PROVIDER = "tcp;ofi_rxm"
 MAX_SLOTS = 4096  # concurrent transfers per rank (decode slots / prefill completion tags)
@@ -164,6 +174,8 @@ class DecodePeer:
     kv_layouts: list[KVLayout]
     aux_regions: list[fabric.RemoteRegion]
     aux_item_lens: list[int]
+    identity: tuple[Any, ...] = ()  # (ip, GPU, TP size, TP rank): kept by a restarted rank
+    per_op: int = 1  # page writes grouped into one operation (smaller iov limit of both)
     slice: Slice | None = None  # what this prefill rank sends it (None: another rank does)
     sends_aux: bool = False
     error: str | None = None  # why requests from this peer cannot be served
@@ -186,26 +198,37 @@ class RoomTarget:
 
 @dataclass
 class Chunk:
+    """One `add_transfer_request` call. `kv_indices` may be a pinned host tensor still being
+    filled by a device->host copy until `indices_event`; `wait_event` guards the pages
+    themselves (early send of a cached prefix under overlap scheduling)."""
+
     room: int
-    kv_indices: npt.NDArray[np.int32]
+    kv_indices: Any
     index_slice: slice
     is_last: bool
     aux_index: int | None
+    wait_event: Any = None
+    indices_event: Any = None
 
 
-@dataclass
-class PendingRoom:
-    """Prefill-side completion tracking of one request's writes."""
+@dataclass(frozen=True)
+class PrefillGeometry:
+    """What one prefill rank answered to this decode rank's registration (KIND_PEER)."""
 
-    tag: int
-    submitted: int = 0
-    last_seen: bool = False
-    started: float = field(default_factory=time.monotonic)
+    total_kv_heads: int
+    writes_per_op: int
+    error: str | None = None
 
 
 # --------------------------------------------------------------------------- manager
 class PdtoolKVManager(CommonKVManager):
-    """One per scheduler rank: owns the fabric endpoint and its worker thread(s)."""
+    """One per scheduler rank: owns the fabric endpoint and the backend's threads.
+
+    Built exactly as SGLang's `PrefillBootstrapQueue` / `DecodePreallocQueue._init_kv_manager`
+    build it. The prefill's KVArgs carry `kv_head_num`/`total_kv_head_num`; the decode's do not
+    (SGLang 0.5.23 sets them there only for its staging buffer, after the manager is built), so
+    the decode learns the KV head count from each prefill rank's answer to its registration
+    and the prefill derives the decode's local heads from the decode's item lengths."""
 
     kv_status_msg_tag = STATUS_TAG
     kv_status_msg_carries_reason = True
@@ -220,12 +243,18 @@ class PdtoolKVManager(CommonKVManager):
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         self._check_supported()
         self.is_mla = bool(is_mla_backend)
-        self.total_kv_heads = 1 if self.is_mla else int(getattr(args, "total_kv_head_num", 0))
-        self.heads_local = 1 if self.is_mla else int(getattr(args, "kv_head_num", 0))
-        if not self.is_mla and (self.total_kv_heads < 1 or self.heads_local < 1):
-            raise PdtoolBackendError("KVArgs.total_kv_head_num / kv_head_num are not set")
-        self.kv_layouts = sglang_buffer_layouts(args.kv_data_lens, args.kv_item_lens,
-                                         self.heads_local, args.page_size)
+        self.problem = ""  # set when a backend thread died: every room fails with it
+        # one step for "room still live?" + "mark it in flight", and for abort + ACK decisions
+        self.room_lock = threading.RLock()
+        self.kv_layouts: list[KVLayout] = []
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            self.total_kv_heads = 1 if self.is_mla else int(getattr(args, "total_kv_head_num", 0))
+            self.heads_local = 1 if self.is_mla else int(getattr(args, "kv_head_num", 0))
+            if not self.is_mla and (self.total_kv_heads < 1 or self.heads_local < 1):
+                raise PdtoolBackendError("KVArgs.total_kv_head_num / kv_head_num are not set "
+                                         "(SGLang's prefill scheduler sets them)")
+            self.kv_layouts = sglang_buffer_layouts(args.kv_data_lens, args.kv_item_lens,
+                                                    self.heads_local, args.page_size)
         self.ep = self._open_endpoint()
         if not _secret():
             logger.warning("PDTOOL_SECRET_FILE is unset: pdtool control frames are not "
@@ -245,25 +274,33 @@ class PdtoolKVManager(CommonKVManager):
         self._stop = threading.Event()
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.peers: dict[str, DecodePeer] = {}
-            self.chunks: queue.SimpleQueue[Chunk | None] = queue.SimpleQueue()
-            self._free_tags = collections.deque(range(MAX_SLOTS))
-            self._pending: dict[int, PendingRoom] = {}
-            self._send_timeout = float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
-            threading.Thread(target=self._guard(self._prefill_control_loop),
-                             name="pdtool-prefill-control", daemon=True).start()
-            threading.Thread(target=self._guard(self._prefill_worker_loop),
-                             name="pdtool-prefill-writer", daemon=True).start()
+            self._by_identity: dict[tuple[Any, ...], str] = {}
+            self._retired: list[DecodePeer] = []  # replaced peers whose AV entry goes
+            timeout = float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
+            self.plane = PrefillPlane(self, self.ep, MAX_SLOTS, timeout, stuck_s=timeout)
+            # frames to decode ranks go out from their own thread: SGLang's PUSH sockets wait
+            # up to 30 s for a dead peer, which must stall neither writes nor control frames
+            self._outbox: queue.SimpleQueue[tuple[str, int, list[bytes]] | None] = \
+                queue.SimpleQueue()
+            self._unreachable: dict[tuple[str, int], float] = {}
+            self._threads = [
+                threading.Thread(target=self._guard(self._prefill_outbox_loop),
+                                 name="pdtool-prefill-outbox", daemon=True),
+                threading.Thread(target=self._guard(self._prefill_control_loop),
+                                 name="pdtool-prefill-control", daemon=True),
+                threading.Thread(target=self._guard(self._prefill_writer_loop),
+                                 name="pdtool-prefill-writer", daemon=True)]
         elif disaggregation_mode == DisaggregationMode.DECODE:
-            self._slot_lock = threading.Lock()
-            self._free_slots = collections.deque(range(MAX_SLOTS))
-            self._slot_gen = np.zeros(MAX_SLOTS, dtype=np.uint32)
-            self._active: dict[int, tuple[int, int]] = {}  # slot -> (room, expected)
-            self._wake = threading.Event()
-            threading.Thread(target=self._guard(self._decode_control_loop),
-                             name="pdtool-decode-control", daemon=True).start()
-            threading.Thread(target=self._guard(self._decode_progress_loop),
-                             name="pdtool-decode-progress", daemon=True).start()
+            self.total_kv_heads = 1 if self.is_mla else 0  # 0: per prefill rank, see PEER
+            self.prefill_geometry: dict[str, PrefillGeometry] = {}
+            self._awaiting: dict[str, list[tuple[int, int, int, int, bool]]] = {}
+            self._geo_lock = threading.Lock()
+            self.plane = DecodePlane(self.ep, self._on_counted, self._die)
+            self._threads = [threading.Thread(target=self._guard(self._decode_control_loop),
+                                              name="pdtool-decode-control", daemon=True)]
             self._start_heartbeat_checker_thread()
+        for t in self._threads:
+            t.start()
 
     # -- set-up ---------------------------------------------------------------------------
     def _check_supported(self) -> None:
@@ -328,10 +365,34 @@ class PdtoolKVManager(CommonKVManager):
         def run() -> None:
             try:
                 fn()
-            except Exception:
-                logger.exception("pdtool %s thread died", fn.__name__)
-                raise
+            except Exception as exc:  # a dead thread must fail its rooms
+                if not self._stop.is_set():
+                    logger.exception("pdtool %s thread died", fn.__name__)
+                    self._die(f"pdtool {fn.__name__.strip('_')} thread died: {exc!r}")
         return run
+
+    def _die(self, reason: str) -> None:
+        """A backend thread died: fail every live room now with the reason (instead of each
+        waiting for its timeout) and refuse new ones with it (`problem`)."""
+        if self._stop.is_set():
+            return
+        self.problem = self.problem or reason
+        for room, status in list(self.request_status.items()):
+            if status in (KVPoll.Success, KVPoll.Failed):
+                continue
+            if self.disaggregation_mode == DisaggregationMode.PREFILL:
+                self.fail_room(room, self.problem)
+            else:
+                self.record_failure(room, self.problem)
+                self.update_status(room, KVPoll.Failed)
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot for health checks and tests (`problem` empty while healthy)."""
+        out: dict[str, Any] = {"problem": self.problem, **self.plane.stats()}
+        if self.disaggregation_mode == DisaggregationMode.PREFILL:
+            out["peers"] = len(self.peers)
+            out["av_entries"] = len(self.ep._peers)
+        return out
 
     # -- decode -> prefill frames (called by CommonKVReceiver) ------------------------------
     @property
@@ -343,8 +404,8 @@ class PdtoolKVManager(CommonKVManager):
             "peer": self.peer_key, "ip": self.local_ip, "port": self.rank_port,
             "fabric_name": self.ep.name, "provider": self.ep.provider,
             "tp_size": self.attn_tp_size, "tp_rank": self.kv_args.engine_rank % self.attn_tp_size,
-            "is_mla": self.is_mla, "total_kv_heads": self.total_kv_heads,
-            "heads_local": self.heads_local, "page_size": self.kv_args.page_size,
+            "gpu": int(self.kv_args.gpu_id or 0), "iov_limit": self.ep.iov_limit,
+            "is_mla": self.is_mla, "page_size": self.kv_args.page_size,
             "kv": [mr.descriptor().to_dict() for mr in self.kv_mrs],
             "kv_data_lens": list(self.kv_args.kv_data_lens),
             "kv_item_lens": list(self.kv_args.kv_item_lens),
@@ -399,16 +460,62 @@ class PdtoolKVManager(CommonKVManager):
             kv_regions=[fabric.RemoteRegion.from_dict(d) for d in b["kv"]],
             kv_layouts=[], aux_regions=[fabric.RemoteRegion.from_dict(d) for d in b["aux"]],
             aux_item_lens=list(b["aux_item_lens"]),
+            identity=(b["ip"], int(b["gpu"]), int(b["tp_size"]), int(b["tp_rank"])),
         )
         try:
             self._match_peer(peer, b)
         except (PdtoolBackendError, LayoutError, RouteError) as exc:
             peer.error = f"decode rank {peer.key} cannot be served by this prefill: {exc}"
             logger.error("pdtool: %s", peer.error)
-        old = self.peers.get(peer.key)
-        if old is not None and old.fabric_name == peer.fabric_name:
-            peer.fi_addr = old.fi_addr
-        self.peers[peer.key] = peer
+        with self.room_lock:
+            old = self.peers.get(peer.key)
+            if old is not None and old.fabric_name == peer.fabric_name:
+                peer.fi_addr = old.fi_addr
+            elif old is not None:
+                self._retired.append(old)
+            # a decode rank that restarted registers from a new port with the same GPU and TP
+            # rank: forget the old one (its AV entry goes once nothing of it is in flight)
+            stale = self._by_identity.get(peer.identity)
+            if stale is not None and stale != peer.key and stale in self.peers:
+                self._retired.append(self.peers.pop(stale))
+            self._by_identity[peer.identity] = peer.key
+            self.peers[peer.key] = peer
+        self._send_to_decode(peer, encode_frame(KIND_PEER, {
+            "peer": self.peer_key, "total_kv_heads": self.total_kv_heads,
+            "writes_per_op": peer.per_op, "error": peer.error}))
+
+    def _send_to_decode(self, peer: DecodePeer, frame: list[bytes]) -> None:
+        self._outbox.put((peer.ip, peer.port, frame))
+
+    def fail_room(self, room: int, reason: str) -> None:
+        """Any prefill thread: fail `room` now (the first reason is kept) and tell its decode
+        ranks from the outbox thread, so the caller never waits on a dead decode's socket."""
+        if room not in self.request_status:
+            return
+        with self.failure_lock:
+            reason = self.failure_records.setdefault(room, reason)
+        self.update_status(room, KVPoll.Failed)
+        parts = self._encode_kv_status_message(bootstrap_room=room, status=KVPoll.Failed,
+                                               failure_reason=reason)
+        for ip, port in self._room_notify_targets(room):
+            self._outbox.put((ip, port, parts))
+
+    def _prefill_outbox_loop(self) -> None:
+        """Send queued frames to decode ranks; one that timed out is skipped for a minute
+        (it is dead or wedged: nothing it would read is worth holding the others for)."""
+        while not self._stop.is_set():
+            item = self._outbox.get()
+            if item is None:
+                return
+            ip, port, parts = item
+            if time.monotonic() < self._unreachable.get((ip, port), 0.0):
+                continue
+            na = NetworkAddress(ip, port)
+            try:
+                self._send_multipart_locked(na.to_tcp(), parts, is_ipv6=na.is_ipv6)
+            except Exception as exc:  # the decode may be gone; never stop serving
+                self._unreachable[(ip, port)] = time.monotonic() + 60.0
+                logger.warning("pdtool: cannot reach decode %s:%s: %s", ip, port, exc)
 
     def _match_peer(self, peer: DecodePeer, b: dict[str, Any]) -> None:
         """Check both sides can talk and work out what this rank sends to that decode rank."""
@@ -417,12 +524,9 @@ class PdtoolKVManager(CommonKVManager):
                                      f"decode {b['provider']!r} (set PDTOOL_FI_PROVIDER alike)")
         if bool(b["is_mla"]) != self.is_mla:
             raise PdtoolBackendError("one side uses an MLA pool, the other not")
-        if int(b["page_size"]) != self.kv_args.page_size:
-            raise PdtoolBackendError(f"--page-size: prefill {self.kv_args.page_size}, "
-                                     f"decode {b['page_size']}")
-        if not self.is_mla and int(b["total_kv_heads"]) != self.total_kv_heads:
-            raise PdtoolBackendError(f"KV heads: prefill {self.total_kv_heads}, "
-                                     f"decode {b['total_kv_heads']}")
+        page = self.kv_args.page_size
+        if int(b["page_size"]) != page:
+            raise PdtoolBackendError(f"--page-size: prefill {page}, decode {b['page_size']}")
         if len(b["kv"]) != len(self.kv_mrs):
             raise PdtoolBackendError(f"KV buffers: prefill has {len(self.kv_mrs)}, decode "
                                      f"{len(b['kv'])} (same model and speculative settings?)")
@@ -430,10 +534,11 @@ class PdtoolKVManager(CommonKVManager):
             raise PdtoolBackendError(
                 f"metadata buffers differ: prefill item lengths {list(self.kv_args.aux_item_lens)}"
                 f", decode {peer.aux_item_lens} (enable the same optional metadata on both)")
-        peer.kv_layouts = sglang_buffer_layouts(b["kv_data_lens"], b["kv_item_lens"],
-                                         int(b["heads_local"]), int(b["page_size"]))
+        heads = 1 if self.is_mla else self._decode_heads(peer, b)
+        peer.kv_layouts = sglang_buffer_layouts(b["kv_data_lens"], b["kv_item_lens"], heads, page)
         for mine, theirs in zip(self.kv_layouts, peer.kv_layouts, strict=True):
             mine.check_peer(theirs)
+        peer.per_op = max(1, min(self.ep.iov_limit, int(b["iov_limit"])))
         slices = sglang_slices(self.is_mla, self.total_kv_heads, self.attn_tp_size,
                                peer.tp_size, peer.tp_rank)
         my_rank = self.kv_args.engine_rank % self.attn_tp_size
@@ -445,6 +550,20 @@ class PdtoolKVManager(CommonKVManager):
             mine_ = [s for s in slices if s.src_rank == my_rank]
             peer.slice = mine_[0] if mine_ else None
             peer.sends_aux = slices[0].src_rank == my_rank
+
+    def _decode_heads(self, peer: DecodePeer, b: dict[str, Any]) -> int:
+        """The decode rank's local KV heads, from its item length and this rank's head size
+        (both sides hold the same heads × head_dim × dtype per token and head)."""
+        page = self.kv_args.page_size
+        head_bytes = self.kv_args.kv_item_lens[0] // (page * self.heads_local)
+        want = ShardSpec(self.total_kv_heads, peer.tp_size).heads_per_rank
+        got, rem = divmod(int(b["kv_item_lens"][0]), page * head_bytes)
+        if rem or got != want:
+            raise PdtoolBackendError(
+                f"decode KV item length {b['kv_item_lens'][0]} B is not {want} heads "
+                f"({self.total_kv_heads} over TP {peer.tp_size}) × {head_bytes} B × page {page}: "
+                f"same model and --kv-cache-dtype on both sides?")
+        return got
 
     def _on_meta(self, b: dict[str, Any]) -> None:
         room = int(b["room"])
@@ -461,9 +580,9 @@ class PdtoolKVManager(CommonKVManager):
             self.record_failure(room, peer.error if peer else f"unregistered decode {target.peer}")
             self.update_status(room, KVPoll.Failed)
             ip, port = target.peer.rsplit(":", 1)
-            self.send_kv_status_message(targets=[(ip, int(port))], bootstrap_room=room,
-                                        status=KVPoll.Failed,
-                                        failure_reason=self.failure_records.get(room))
+            self._outbox.put((ip, int(port), self._encode_kv_status_message(
+                bootstrap_room=room, status=KVPoll.Failed,
+                failure_reason=self.failure_records.get(room))))
             return
         if len(infos) == target.required_dst_info_num:
             self.req_to_decode_prefix_len[room] = target.decode_prefix_len
@@ -479,193 +598,141 @@ class PdtoolKVManager(CommonKVManager):
         return out
 
     def _on_abort(self, msg: list[bytes]) -> None:
-        """Decode gave up on a room: stop writing it; ACK once its writes drained (if asked)."""
+        """Decode gave up on a room: stop writing it; ACK once its writes drained (if asked).
+        Under the room lock, so the writer either saw the room Failed before marking it in
+        flight, or marked it first and then ACKs itself once its writes drained."""
         note = AbortNotification.from_zmq(msg)
         if note is None:
             return
-        if note.room in self.request_status and self.check_status(note.room) != KVPoll.Success:
-            self.record_failure(note.room, "Aborted by decode-side abort notification.")
-            self.update_status(note.room, KVPoll.Failed)
-        target = note.deferred_ack_target() if self.enable_deferred_decode_kv_release else None
-        if target is not None:
-            self.register_deferred_ack_target(note.room, target)
-            self._maybe_ack_drained_abort(note.room)  # ACKs now unless writes are in flight
+        with self.room_lock:
+            if note.room in self.request_status and \
+                    self.check_status(note.room) != KVPoll.Success:
+                self.record_failure(note.room, "Aborted by decode-side abort notification.")
+                self.update_status(note.room, KVPoll.Failed)
+            target = note.deferred_ack_target() if self.enable_deferred_decode_kv_release \
+                else None
+            if target is not None:
+                self.register_deferred_ack_target(note.room, target)
+                self._maybe_ack_drained_abort(note.room)  # ACKs now unless writes in flight
 
-    # -- prefill: writer thread (the only user of the endpoint's data path) ---------------------
+    # -- prefill: writer thread (the only user of the endpoint) -------------------------------
     def add_transfer_request(self, bootstrap_room: int, kv_indices: npt.NDArray[np.int32],
                              index_slice: slice, is_last_chunk: bool,
                              aux_index: int | None = None, state_indices: list | None = None,
-                             num_kv_tokens: int | None = None, **_: Any) -> None:
+                             num_kv_tokens: int | None = None, *, wait_event: Any = None,
+                             indices_event: Any = None, **_: Any) -> None:
         if bootstrap_room not in self.transfer_infos:
             return  # dummy rank or cleared
-        self.chunks.put(Chunk(bootstrap_room, np.asarray(kv_indices, dtype=np.int32),
-                              index_slice, is_last_chunk, aux_index))
-
-    def _outstanding(self) -> bool:
-        return any(self.ep.send_done[p.tag] < p.submitted for p in self._pending.values())
-
-    def _prefill_worker_loop(self) -> None:
-        """Submit chunks, drive progress and settle rooms, all on this one thread. It blocks on
-        the chunk queue unless writes are in flight; then it polls, backing off when idle."""
-        idle = 0
-        while not self._stop.is_set():
-            busy = self._outstanding()
-            try:
-                chunk = self.chunks.get_nowait() if busy else self.chunks.get(timeout=0.05)
-            except queue.Empty:
-                chunk = None
-            if chunk is not None:
-                try:
-                    self._process_chunk(chunk)
-                except Exception as exc:  # a bug must fail its room, not stop every transfer
-                    logger.exception("pdtool: chunk of room %s", chunk.room)
-                    if chunk.room in self._pending:
-                        self._pending[chunk.room].last_seen = True
-                    self.conclude_failure(bootstrap_room=chunk.room,
-                                          failure_reason=f"pdtool internal error: {exc!r}")
-            if self._pending:
-                n = self.ep.poll()
-                self._settle_pending()
-                idle = 0 if n or chunk is not None else idle + 1
-                if idle > 64:
-                    time.sleep(0.0002)
-
-    def _process_chunk(self, chunk: Chunk) -> None:
-        room = chunk.room
-        status = self.request_status.get(room)
-        if status is None or status == KVPoll.Failed:
+        if self.problem:
+            self.fail_room(bootstrap_room, self.problem)
             return
-        pending = self._pending.get(room)
-        if pending is None:
-            if not self._free_tags:
-                self.conclude_failure(bootstrap_room=room,
-                                      failure_reason=f"more than {MAX_SLOTS} transfers in flight")
-                return
-            pending = self._pending[room] = PendingRoom(self._free_tags.popleft())
-            self.ep.send_done[pending.tag] = 0
-            self._staging_outstanding[room] = 1  # writes may be in flight from here on
-        self.update_status(room, KVPoll.Transferring)
-        try:
-            for target in list(self.transfer_infos.get(room, {}).values()):
-                if target.is_dummy:
-                    continue
-                pending.submitted += self._write_target(chunk, target, pending.tag)
-        except (fabric.FabricError, LayoutError, ValueError, PdtoolBackendError) as exc:
-            pending.submitted += getattr(exc, "submitted", 0)
-            pending.last_seen = True
-            self.conclude_failure(bootstrap_room=room, failure_reason=f"pdtool transfer: {exc}")
+        # kv_indices stays as given: with indices_event it is still being copied to the host
+        self.plane.chunks.put(Chunk(bootstrap_room, kv_indices, index_slice, is_last_chunk,
+                                    aux_index, wait_event, indices_event))
+
+    def _prefill_writer_loop(self) -> None:
+        self.plane.run(self._stop, between=self._drop_retired_peers)
+
+    def _drop_retired_peers(self) -> None:
+        """Writer thread: remove replaced decode peers from the address vector once nothing
+        of theirs is queued or in flight (a decode instance that restarted)."""
+        if not self._retired:
             return
-        if chunk.is_last:
-            pending.last_seen = True
-
-    def _write_target(self, chunk: Chunk, t: RoomTarget, tag: int) -> int:
-        peer = self.peers[t.peer]
-        sent = chunk.index_slice.stop or 0
-        if chunk.is_last and sent != len(t.kv_indices):
-            # the decoder counts writes for every page it allocated: fail now, not at timeout
-            raise PdtoolBackendError(f"prefill sends {sent} pages but decode {t.peer} allocated "
-                                     f"{len(t.kv_indices)}; it would never complete")
-        if peer.fi_addr is None:
-            peer.fi_addr = self.ep.insert_peer(peer.fabric_name)
-        imm = fabric.encode_imm(t.slot, t.gen)
-        n = 0
-        if peer.slice is not None and len(chunk.kv_indices):
-            dst_pages = t.kv_indices[chunk.index_slice]
-            src_pages = chunk.kv_indices[: len(dst_pages)]
-            plans: dict[tuple[KVLayout, KVLayout], tuple[np.ndarray, ...]] = {}
-            for i, (mr, region) in enumerate(zip(self.kv_mrs, peer.kv_regions, strict=True)):
-                key = (self.kv_layouts[i], peer.kv_layouts[i])
-                plan = plans.get(key)
-                if plan is None:
-                    plan = plans[key] = write_plan(key[0], key[1], src_pages, dst_pages,
-                                                   peer.slice)
-                self.ep.write_batch(peer.fi_addr, mr, region, *plan, imm=imm, tag=tag)
-                n += len(plan[2])
-        if chunk.is_last and peer.sends_aux and chunk.aux_index is not None \
-                and t.aux_index is not None:
-            for mr, region, ilen in zip(self.aux_mrs, peer.aux_regions, peer.aux_item_lens,
-                                        strict=True):
-                one = np.ones(1, dtype=np.uint64)
-                self.ep.write_batch(peer.fi_addr, mr, region, one * (chunk.aux_index * ilen),
-                                    one * (t.aux_index * ilen), one * ilen, imm=imm, tag=tag)
-                n += 1
-        return n
-
-    def _settle_pending(self) -> None:
-        for tag, errno, message in self.ep.errors:
-            room = next((r for r, p in self._pending.items() if p.tag == tag), None)
-            if room is not None:
-                self._pending[room].last_seen = True
-                self.conclude_failure(bootstrap_room=room,
-                                      failure_reason=f"pdtool write failed: {message} ({errno})")
-        now = time.monotonic()
-        for room, p in list(self._pending.items()):
-            drained = self.ep.send_done[p.tag] >= p.submitted
-            status = self.request_status.get(room)
-            if drained and (p.last_seen or status in (None, KVPoll.Failed)):
-                # done, failed or cleared by the scheduler: nothing of ours is in flight now
-                del self._pending[room]
-                self._free_tags.append(p.tag)
-                self._staging_outstanding.pop(room, None)
-                self._maybe_ack_drained_abort(room)
-                if p.last_seen and status not in (None, KVPoll.Failed):
-                    self.update_status(room, KVPoll.Success)
-            elif now - p.started > self._send_timeout and not p.last_seen:
-                p.last_seen = True
-                self.conclude_failure(bootstrap_room=room,
-                                      failure_reason="pdtool: prefill chunks stopped arriving")
+        with self.room_lock:  # the control thread adds peers under it
+            retired, self._retired = self._retired, []
+            live = {p.fi_addr for p in self.peers.values()}
+        for peer in retired:
+            if self.plane.peer_busy(peer.key):
+                with self.room_lock:
+                    self._retired.append(peer)
+            elif peer.fi_addr is not None and peer.fi_addr not in live:
+                self.ep.remove_peer(peer.fi_addr)
 
     # -- decode: slots and completion counting ----------------------------------------------
-    def arm_slot(self, room: int, expected: int) -> tuple[int, int]:
-        """Reserve a transfer slot for `room`, bump its generation and start counting."""
-        with self._slot_lock:
-            if not self._free_slots:
-                raise PdtoolBackendError(f"more than {MAX_SLOTS} transfers in flight")
-            slot = self._free_slots.popleft()
-            gen = int(self._slot_gen[slot] + 1) & 0xFFFF
-            self._slot_gen[slot] = gen
-            self.ep.arm(slot, gen)  # takes the endpoint lock: no old-generation count slips in
-            self._active[slot] = (room, expected)
-        self._wake.set()
+    def arm(self, room: int, prefill_key: str, prefill_tp: int, num_pages: int,
+            with_aux: bool) -> tuple[int, int]:
+        """Scheduler thread: a slot counting `room`'s writes. Its count is known once the
+        prefill rank answered our registration; until then the slot counts and waits."""
+        if self.problem:
+            raise PdtoolBackendError(self.problem)
+        with self._geo_lock:
+            geo = self.prefill_geometry.get(prefill_key)
+            if geo is not None and geo.error:
+                raise PdtoolBackendError(geo.error)
+            expected = None if geo is None else self._ops(geo, prefill_tp, num_pages, with_aux)
+            try:
+                slot, gen = self.plane.allocate(room, expected)
+            except RuntimeError as exc:
+                raise PdtoolBackendError(str(exc)) from None
+            if geo is None:
+                self._awaiting.setdefault(prefill_key, []).append(
+                    (room, slot, prefill_tp, num_pages, with_aux))
         return slot, gen
 
-    def release_slot(self, slot: int) -> None:
-        """Return a slot (called once per armed slot, from the receiver's clear()). Writes still
-        in flight for it carry the old generation, so its next owner never counts them."""
-        with self._slot_lock:
-            self._active.pop(slot, None)
-            self._free_slots.append(slot)
+    def _ops(self, geo: PrefillGeometry, prefill_tp: int, num_pages: int,
+             with_aux: bool) -> int:
+        """Operations this rank counts for one request (pages grouped `writes_per_op`)."""
+        return sglang_decode_writes(
+            is_mla=self.is_mla, total_heads=1 if self.is_mla else geo.total_kv_heads,
+            prefill_tp=prefill_tp, decode_tp=self.attn_tp_size,
+            decode_rank=self.kv_args.engine_rank % self.attn_tp_size,
+            page_size=self.kv_args.page_size, num_pages=num_pages, num_buffers=len(self.kv_mrs),
+            num_aux=len(self.aux_mrs) if with_aux else 0, writes_per_op=geo.writes_per_op)
 
-    def _decode_progress_loop(self) -> None:
-        idle = 0
-        while not self._stop.is_set():
-            if not self._active:
-                self._wake.wait(0.1)
-                self._wake.clear()
-                continue
-            n = self.ep.poll()
-            with self._slot_lock:
-                items = list(self._active.items())
-            if items:
-                slots = np.fromiter((s for s, _ in items), dtype=np.int64, count=len(items))
-                want = np.fromiter((e for _, (_, e) in items), dtype=np.int64, count=len(items))
-                done = np.nonzero(self.ep.recv_counts[slots] >= want)[0]
-                for i in done:
-                    slot, (room, _) = items[i]
-                    with self._slot_lock:
-                        if self._active.get(slot, (None,))[0] != room:
-                            continue
-                        del self._active[slot]
-                    self.update_status(room, KVPoll.Success)
-            idle = 0 if n else idle + 1
-            if idle > 64:
-                time.sleep(0.0002)
+    def _on_peer(self, b: dict[str, Any]) -> None:
+        """A prefill rank's answer to our registration: the count of every slot waiting for
+        it becomes known (or they fail with its reason)."""
+        key = str(b["peer"])
+        geo = PrefillGeometry(int(b["total_kv_heads"]), int(b["writes_per_op"]),
+                              str(b["error"]) if b.get("error") else None)
+        if geo.writes_per_op < 1 or geo.total_kv_heads < 1:
+            raise ValueError(f"prefill {key}: writes_per_op/total_kv_heads must be >= 1")
+        with self._geo_lock:
+            self.prefill_geometry[key] = geo
+            waiting = self._awaiting.pop(key, [])
+        for room, slot, prefill_tp, num_pages, with_aux in waiting:
+            try:
+                if geo.error:
+                    raise PdtoolBackendError(geo.error)
+                self.plane.set_expected(slot, room, self._ops(geo, prefill_tp, num_pages,
+                                                              with_aux))
+            except (PdtoolBackendError, RouteError) as exc:
+                self.record_failure(room, f"pdtool: {exc}")
+                self.update_status(room, KVPoll.Failed)
+
+    def _on_counted(self, room: int, reason: str | None) -> None:
+        """Progress thread: every expected write of `room` landed (or too many did)."""
+        if reason is None:
+            self.update_status(room, KVPoll.Success)
+        else:
+            self.record_failure(room, reason)
+            self.update_status(room, KVPoll.Failed)
+
+    def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
+        """SGLang's heartbeat lost a prefill instance: forget what its ranks answered too."""
+        with self.connection_lock:
+            ranks = {f"{i.get('rank_ip')}:{i.get('rank_port')}"
+                     for k, infos in self.connection_pool.items()
+                     if k.startswith(failed_bootstrap_addr) for i in infos}
+        super()._handle_node_failure(failed_bootstrap_addr)
+        with self._geo_lock:
+            for key in ranks:
+                self.prefill_geometry.pop(key, None)
 
     def _decode_control_loop(self) -> None:
         recv = self._make_worker_recv(self.server_socket)
         while not self._stop.is_set():
             msg = recv()
             if not msg or self.handle_abort_ack_message(msg):
+                continue
+            if msg[0] == TAG:
+                try:
+                    kind, body = decode_frame(msg)
+                    if kind != KIND_PEER:
+                        raise ValueError(f"unexpected kind {kind!r}")
+                    self._on_peer(body)
+                except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
+                    logger.warning("pdtool decode: dropping control frame: %s", exc)
                 continue
             parsed = self.parse_kv_status_message(msg)
             if parsed is None:
@@ -677,11 +744,22 @@ class PdtoolKVManager(CommonKVManager):
 
     def teardown(self) -> None:
         self._stop.set()
+        if self.disaggregation_mode == DisaggregationMode.DECODE:
+            self.plane.close()
+        else:
+            self._outbox.put(None)
+            for t in self._threads:
+                if t.name == "pdtool-prefill-writer":
+                    t.join(timeout=5)
         self.ep.close()
 
 
 class PdtoolKVSender(CommonKVSender):
-    """SGLang's sender; chunks go to the manager's writer thread (see add_transfer_request)."""
+    """SGLang's sender; chunks go to the manager's writer thread (see add_transfer_request).
+    It may be handed page ids as a pinned host tensor whose copy completes at the chunk's
+    `indices_event`: the writer waits for it, so the scheduler does not."""
+
+    supports_host_tensor_indices = True
 
 
 class PdtoolKVReceiver(CommonKVReceiver):
@@ -701,16 +779,12 @@ class PdtoolKVReceiver(CommonKVReceiver):
             raise NotImplementedError("pdtool: host KV destinations are not supported")
         if state_indices and any(s is not None and len(s) for s in state_indices):
             raise NotImplementedError("pdtool: state pools are not supported")
+        real = [i for i in self.bootstrap_infos if not i["is_dummy"]] or self.bootstrap_infos
         try:
-            expected = sglang_decode_writes(
-                is_mla=mgr.is_mla, total_heads=mgr.total_kv_heads,
-                prefill_tp=self.prefill_info.attn_tp_size, decode_tp=mgr.attn_tp_size,
-                decode_rank=mgr.kv_args.engine_rank % mgr.attn_tp_size,
-                page_size=mgr.kv_args.page_size, num_pages=len(kv_indices),
-                num_buffers=len(mgr.kv_mrs),
-                num_aux=len(mgr.aux_mrs) if aux_index is not None else 0,
-            )
-            self.slot, gen = mgr.arm_slot(self.bootstrap_room, expected)
+            self.slot, gen = mgr.arm(self.bootstrap_room,
+                                     f"{real[0]['rank_ip']}:{real[0]['rank_port']}",
+                                     self.prefill_info.attn_tp_size, len(kv_indices),
+                                     aux_index is not None)
         except (RouteError, PdtoolBackendError) as exc:
             mgr.record_failure(self.bootstrap_room, f"pdtool: {exc}")
             mgr.update_status(self.bootstrap_room, KVPoll.Failed)
@@ -733,7 +807,7 @@ class PdtoolKVReceiver(CommonKVReceiver):
     def _clear(self) -> None:
         super()._clear()
         if self.slot is not None:
-            self.kv_mgr.release_slot(self.slot)  # type: ignore[attr-defined]
+            self.kv_mgr.plane.release(self.slot)  # type: ignore[attr-defined]
             self.slot = None
 
 

@@ -1,0 +1,398 @@
+"""Prefill-side data plane of the SGLang backend: per-peer queues, grouped writes, accounting.
+
+One writer thread per prefill rank owns the endpoint. SGLang's scheduler hands it chunks
+(`PdtoolKVManager.add_transfer_request`); it turns each into writes per decode rank and queues
+them on that rank's `PeerQueue`. Then, round-robin over the peers with work:
+
+* each peer has its own budget of bytes in flight (`PEER_BUDGET_BYTES`, estimated from the
+  operations submitted and completed on its tags), and each `write_batch` call waits at most
+  `SUBMIT_SLICE_S` for the provider's queue: a slow or dead decode keeps its own queue full and
+  its own rooms waiting, never the others' (before, one writer blocked up to 30 s on the first
+  full queue it met);
+* consecutive writes of a (room, decode rank, layer buffer) are grouped `per_op` to one RMA
+  operation (one completion on each side), `per_op` being the smaller iov limit of the two
+  endpoints, which the decode learns with the PEER reply. Operations start at multiples of
+  `per_op` from the room's first write (`transfer.routes.sendable`), so a chunk ending inside
+  a group holds those writes back until the next chunk: the decoder's count never depends on
+  how the prompt was chunked.
+
+Accounting: every (room, decode rank) has one fabric tag. An operation is settled when its
+local completion counts `send_done[tag]` or its completion error arrives (`Endpoint.errors`,
+one entry per failed operation). Before, a failed operation was never counted, so its room,
+its tag and a deferred abort's ACK waited forever. A room whose writes stop completing for
+`stuck_s` (a dead decode) is failed; if they still do not complete within another `stuck_s`,
+its tags are retired for good (a late completion must not be credited to another room) and
+SGLang is told the room cannot be proven quiescent (`poison_deferred_ack_room`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import KVPoll
+
+from transfer import fabric
+from transfer.routes import sendable
+
+logger = logging.getLogger(__name__)
+
+PEER_BUDGET_BYTES = fabric.DEFAULT_MAX_INFLIGHT_BYTES // 4
+SUBMIT_SLICE_S = 0.002
+IDLE_WAIT_S = 0.05
+
+
+@dataclass
+class Send:
+    """This rank's writes of one room to one decode rank (one fabric tag)."""
+
+    room: int
+    peer: str
+    tag: int
+    base: int                 # send_done[tag] when the tag was taken
+    imm: int
+    per_op: int
+    issued: int = 0           # operations submitted (what the decoder counts)
+    issued_bytes: int = 0
+    errored: int = 0          # operations that completed with an error
+    queued: int = 0           # batches waiting in the peer's queue
+    # writes held back per layer-buffer group: (src, dst, len) not yet a whole operation
+    tails: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+
+@dataclass
+class Batch:
+    """Writes of one Send into one layer buffer, submitted in slices as the budget allows."""
+
+    send: Send
+    fi_addr: int
+    mr: Any
+    region: fabric.RemoteRegion
+    src: np.ndarray
+    dst: np.ndarray
+    lengths: np.ndarray
+    at: int = 0
+
+
+@dataclass
+class PeerQueue:
+    key: str
+    batches: deque[Batch] = field(default_factory=deque)
+    sends: set[int] = field(default_factory=set)  # tags with writes (possibly) in flight
+
+
+@dataclass
+class RoomSends:
+    """A room's sends on this rank, and what SGLang said about it."""
+
+    room: int
+    sends: dict[str, Send] = field(default_factory=dict)
+    last_seen: bool = False
+    started: float = field(default_factory=time.monotonic)
+    progress_at: float = field(default_factory=time.monotonic)  # last completion or submit
+    done_seen: int = 0
+    failed_at: float | None = None
+
+
+def _ops(writes: int, per_op: int) -> int:
+    return -(-writes // per_op)
+
+
+class PrefillPlane:
+    """Queues, tags and accounting of one prefill rank's writes (writer thread only, except
+    `put`, `stats` and the room lock callers). `mgr` is the PdtoolKVManager."""
+
+    def __init__(self, mgr: Any, ep: fabric.Endpoint, max_tags: int, send_timeout_s: float,
+                 stuck_s: float) -> None:
+        self.mgr = mgr
+        self.ep = ep
+        self.chunks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.free_tags = deque(range(max_tags))
+        self.max_tags = max_tags
+        self.sends: dict[int, Send] = {}
+        self.rooms: dict[int, RoomSends] = {}
+        self.queues: dict[str, PeerQueue] = {}
+        self.send_timeout_s = send_timeout_s
+        self.stuck_s = stuck_s
+        self.leaked_tags = 0
+        self._rr = 0
+
+    # -- writer thread: intake ----------------------------------------------------------------
+    def take(self, chunk: Any) -> None:
+        """One SGLang chunk: wait for the pages it reads, then queue its writes per peer."""
+        mgr, room = self.mgr, chunk.room
+        # early send of a cached prefix under overlap scheduling: the previous forward may
+        # still write these pages; a room that already failed skips the wait
+        if chunk.wait_event is not None and \
+                mgr.request_status.get(room) not in (None, KVPoll.Failed):
+            chunk.wait_event.synchronize()
+        if chunk.indices_event is not None:
+            chunk.indices_event.synchronize()  # the page ids' device->host copy
+        kv = chunk.kv_indices
+        if hasattr(kv, "numpy"):
+            kv = kv.numpy()
+        kv = np.asarray(kv, dtype=np.int32)
+        with mgr.room_lock:
+            # the status check and the in-flight mark are one step: an ABORT handled in
+            # between would be ACKed while these writes then land in released pages
+            status = mgr.request_status.get(room)
+            if status is None or status == KVPoll.Failed:
+                return
+            rs = self.rooms.get(room)
+            if rs is None:
+                rs = self.rooms[room] = RoomSends(room)
+                mgr._staging_outstanding[room] = 1
+            mgr.update_status(room, KVPoll.Transferring)
+        try:
+            for target in list(mgr.transfer_infos.get(room, {}).values()):
+                if not target.is_dummy:
+                    self._plan(rs, chunk, kv, target)
+        except (fabric.FabricError, ValueError, RuntimeError) as exc:
+            self.fail(room, f"pdtool transfer: {exc}")
+        if chunk.is_last:
+            rs.last_seen = True
+
+    def _send_of(self, rs: RoomSends, peer: Any, target: Any) -> Send:
+        s = rs.sends.get(peer.key)
+        if s is None:
+            if not self.free_tags:
+                raise RuntimeError(f"more than {self.max_tags} transfers in flight")
+            tag = self.free_tags.popleft()
+            s = Send(rs.room, peer.key, tag, int(self.ep.send_done[tag]),
+                     fabric.encode_imm(target.slot, target.gen), peer.per_op)
+            rs.sends[peer.key] = s
+            self.sends[tag] = s
+            self.queues.setdefault(peer.key, PeerQueue(peer.key)).sends.add(tag)
+        return s
+
+    def _plan(self, rs: RoomSends, chunk: Any, kv: np.ndarray, t: Any) -> None:
+        from transfer.layout import write_plan
+
+        mgr = self.mgr
+        peer = mgr.peers.get(t.peer)
+        if peer is None:  # replaced by a restarted rank since its META arrived
+            raise ValueError(f"decode {t.peer} is gone (a new rank registered for its GPU)")
+        sent = chunk.index_slice.stop or 0
+        if chunk.is_last and sent != len(t.kv_indices):
+            # the decoder counts writes for every page it allocated: fail now, not at timeout
+            raise ValueError(f"prefill sends {sent} pages but decode {t.peer} allocated "
+                             f"{len(t.kv_indices)}; it would never complete")
+        if peer.fi_addr is None:
+            peer.fi_addr = self.ep.insert_peer(peer.fabric_name)
+        s = self._send_of(rs, peer, t)
+        q = self.queues[peer.key]
+        if peer.slice is not None and (len(kv) or chunk.is_last):
+            dst_pages = t.kv_indices[chunk.index_slice]
+            src_pages = kv[: len(dst_pages)]
+            plans: dict[Any, tuple[np.ndarray, ...]] = {}
+            for i, (mr, region) in enumerate(zip(mgr.kv_mrs, peer.kv_regions, strict=True)):
+                key = (mgr.kv_layouts[i], peer.kv_layouts[i], i)
+                lay = key[:2]
+                plan = plans.get(lay)
+                if plan is None:
+                    plan = plans[lay] = write_plan(lay[0], lay[1], src_pages, dst_pages,
+                                                   peer.slice)
+                so, do, ln = self._with_tail(s, key, plan)
+                n = len(ln) if chunk.is_last else sendable(0, len(ln), len(ln) + 1, s.per_op)
+                if n < len(ln):
+                    s.tails[key] = (so[n:], do[n:], ln[n:])
+                if n:
+                    self._queue(q, Batch(s, peer.fi_addr, mr, region, so[:n], do[:n], ln[:n]))
+        if chunk.is_last and peer.sends_aux and chunk.aux_index is not None \
+                and t.aux_index is not None:
+            one = np.ones(1, dtype=np.uint64)
+            for mr, region, ilen in zip(mgr.aux_mrs, peer.aux_regions, peer.aux_item_lens,
+                                        strict=True):
+                b = Batch(s, peer.fi_addr, mr, region, one * (chunk.aux_index * ilen),
+                          one * (t.aux_index * ilen), one * ilen)
+                self._queue(q, b)
+
+    @staticmethod
+    def _with_tail(s: Send, key: Any, plan: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+        tail = s.tails.pop(key, None)
+        if tail is None:
+            return plan
+        return tuple(np.concatenate([a, b]) for a, b in zip(tail, plan, strict=True))
+
+    def _queue(self, q: PeerQueue, b: Batch) -> None:
+        b.send.queued += 1
+        q.batches.append(b)
+
+    # -- writer thread: submission ------------------------------------------------------------
+    def _inflight_bytes(self, q: PeerQueue) -> int:
+        total = 0
+        for tag in q.sends:
+            s = self.sends.get(tag)
+            if s is not None and s.issued:
+                left = s.issued - self.completed(s)
+                total += left * s.issued_bytes // s.issued
+        return total
+
+    def completed(self, s: Send) -> int:
+        return int(self.ep.send_done[s.tag]) - s.base + s.errored
+
+    def submit(self) -> bool:
+        """Round-robin over the peers with queued writes; True when something was posted."""
+        keys = [k for k, q in self.queues.items() if q.batches]
+        if not keys:
+            return False
+        posted = False
+        self._rr = (self._rr + 1) % len(keys)
+        for key in keys[self._rr:] + keys[: self._rr]:
+            posted |= self._submit_peer(self.queues[key])
+        return posted
+
+    def _submit_peer(self, q: PeerQueue) -> bool:
+        mgr, posted = self.mgr, False
+        while q.batches:
+            b = q.batches[0]
+            s = b.send
+            rs = self.rooms.get(s.room)
+            if rs is None or rs.failed_at is not None \
+                    or mgr.request_status.get(s.room) in (None, KVPoll.Failed):
+                q.batches.popleft()  # failed or cleared: issue nothing more for it
+                s.queued -= 1
+                continue
+            in_flight = self._inflight_bytes(q)
+            if in_flight >= PEER_BUDGET_BYTES:
+                break
+            k, n_left = s.per_op, len(b.lengths) - b.at
+            # as many whole operations as the budget takes (at least one)
+            csum = np.cumsum(b.lengths[b.at:], dtype=np.uint64)
+            fit = int(np.searchsorted(csum, PEER_BUDGET_BYTES - in_flight, side="right"))
+            n = min(n_left, max(k, fit // k * k))
+            a = b.at
+            try:
+                nops = self.ep.write_batch(b.fi_addr, b.mr, b.region, b.src[a:a + n],
+                                           b.dst[a:a + n], b.lengths[a:a + n], imm=s.imm,
+                                           tag=s.tag, per_op=min(k, n), timeout=SUBMIT_SLICE_S)
+                done, err = n, None
+            except fabric.FabricError as exc:
+                done = int(getattr(exc, "submitted", 0))
+                nops, err = _ops(done, k), exc
+            except ValueError as exc:  # a region the decode announced does not fit the write
+                q.batches.popleft()
+                s.queued -= 1
+                self.fail(s.room, f"pdtool write to decode {s.peer} refused: {exc}")
+                continue
+            s.issued += nops
+            s.issued_bytes += int(b.lengths[a:a + done].sum())
+            b.at += done
+            if done:
+                posted = True
+                rs.progress_at = time.monotonic()
+            if b.at >= len(b.lengths):
+                q.batches.popleft()
+                s.queued -= 1
+            if err is not None:
+                if err.errno == 110:  # ETIMEDOUT: this peer's queue is full; serve the others
+                    break
+                self.fail(s.room, f"pdtool write to decode {s.peer} failed: {err}")
+        return posted
+
+    # -- writer thread: settling --------------------------------------------------------------
+    def settle(self) -> None:
+        mgr = self.mgr
+        for tag, errno, message in self.ep.errors:
+            s = self.sends.get(tag)
+            if s is None:
+                continue
+            s.errored += 1
+            self.fail(s.room, f"pdtool write to decode {s.peer} failed: {message} ({errno})")
+        now = time.monotonic()
+        for room, rs in list(self.rooms.items()):
+            done = sum(self.completed(s) for s in rs.sends.values())
+            if done != rs.done_seen:
+                rs.done_seen, rs.progress_at = done, now
+            drained = all(self.completed(s) >= s.issued for s in rs.sends.values())
+            status = mgr.request_status.get(room)
+            failed = rs.failed_at is not None or status in (None, KVPoll.Failed)
+            queued = any(s.queued for s in rs.sends.values())
+            if drained and (failed or (rs.last_seen and not queued)):
+                self._finish(rs, ok=not failed)
+            elif not failed and not rs.last_seen and now - rs.started > self.send_timeout_s:
+                self.fail(room, "pdtool: prefill chunks stopped arriving")
+            elif (queued or not drained) and now - rs.progress_at > self.stuck_s:
+                if not failed:
+                    self.fail(room, f"pdtool: writes to decode made no progress for "
+                                    f"{self.stuck_s:.0f} s (decode dead?)")
+                    rs.progress_at = now
+                elif not drained:  # still in flight: give its tags up for good
+                    self._finish(rs, ok=False, leak=True)
+
+    def fail(self, room: int, reason: str) -> None:
+        rs = self.rooms.get(room)
+        if rs is not None and rs.failed_at is None:
+            rs.failed_at = time.monotonic()
+        if self.mgr.request_status.get(room) not in (None, KVPoll.Failed):
+            logger.warning("pdtool room %s: %s", room, reason)
+        self.mgr.fail_room(room, reason)
+
+    def _finish(self, rs: RoomSends, ok: bool, leak: bool = False) -> None:
+        mgr = self.mgr
+        for s in rs.sends.values():
+            del self.sends[s.tag]
+            q = self.queues.get(s.peer)
+            if q is not None:
+                q.sends.discard(s.tag)
+                if not q.sends and not q.batches:
+                    del self.queues[s.peer]
+            if leak:
+                self.leaked_tags += 1
+            else:
+                self.free_tags.append(s.tag)
+        with mgr.room_lock:
+            del self.rooms[rs.room]
+            mgr._staging_outstanding.pop(rs.room, None)
+            if leak:
+                mgr.poison_deferred_ack_room(rs.room)
+            else:
+                mgr._maybe_ack_drained_abort(rs.room)
+            if ok and mgr.request_status.get(rs.room) not in (None, KVPoll.Failed):
+                mgr.update_status(rs.room, KVPoll.Success)
+
+    def busy(self) -> bool:
+        return bool(self.rooms)
+
+    def peer_busy(self, key: str) -> bool:
+        return key in self.queues
+
+    def stats(self) -> dict[str, int]:
+        return {"rooms": len(self.rooms), "tags_free": len(self.free_tags),
+                "leaked_tags": self.leaked_tags,
+                "queued_batches": sum(len(q.batches) for q in self.queues.values())}
+
+    # -- writer thread: main loop -------------------------------------------------------------
+    def run(self, stop: threading.Event, between: Any = None) -> None:
+        """Until `stop`: take chunks, submit, poll, settle. Blocks on the chunk queue only
+        while nothing is in flight; `between()` runs once per round (peer upkeep)."""
+        idle = 0
+        while not stop.is_set():
+            try:
+                chunk = (self.chunks.get_nowait() if self.rooms
+                         else self.chunks.get(timeout=IDLE_WAIT_S))
+            except queue.Empty:
+                chunk = None
+            while chunk is not None:
+                self.take(chunk)
+                try:
+                    chunk = self.chunks.get_nowait()
+                except queue.Empty:
+                    chunk = None
+            posted = self.submit()
+            n = 0
+            if self.rooms:
+                n = self.ep.poll()
+                self.settle()
+            if between is not None:
+                between()
+            idle = 0 if n or posted else idle + 1
+            if self.rooms and idle > 64:
+                time.sleep(0.0002)
+
