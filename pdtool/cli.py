@@ -24,6 +24,7 @@ COMMANDS: tuple[str, ...] = (
     "recipes",
     "render",
     "launch",  # launch issue: pdtool/commands/{render,launch}.py
+    "bench",
 )
 
 EPILOG = """\
@@ -33,6 +34,7 @@ sweeps. Examples:
   pdtool validate +recipe=deepseek-r1
   pdtool plan +recipe=llama-3.1-70b decode.tp=8 cluster.nodes=3 --tokens 8192
   pdtool validate -m +recipe=deepseek-r1 decode.instances=1,2,3
+  pdtool bench +recipe=tiny-local --launch --concurrency 1,4 --isl 64-2000 --osl 32
 """
 
 

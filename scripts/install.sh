@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Installs what pdtool needs on a fresh Debian machine (run as root): system packages
 # (libfabric, gcc, Slurm + munge, shellcheck, numactl), then pdtool itself with pip.
-#   scripts/install.sh          runtime: pdtool + the reference CPU engine
+#   scripts/install.sh          runtime: pdtool + the reference CPU engine + `pdtool bench`
 #   scripts/install.sh --test   also the test tools
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="engine"
-[[ "${1:-}" == "--test" ]] && extras="engine,test,sglang-cpu"
+extras="engine,load"
+[[ "${1:-}" == "--test" ]] && extras="engine,load,test,sglang-cpu"
 
 apt_pkgs=(gcc libfabric-dev libfabric-bin slurm-wlm munge shellcheck numactl procps)
 missing=()

@@ -1,4 +1,4 @@
-"""Randomized fault injection over real processes (transfer.messenger.loopback, real libfabric).
+"""Randomized fault injection over real processes (transfer.testing.loopback, real libfabric).
 
 Each trial draws a deployment (provider, prefill TP, decode TP, prompt sizes) and one fault from
 a seeded generator, runs it, and checks the invariants of the failure model:
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch  # noqa: F401  (imported before forking so the rank processes start fast)
 
 from transfer.fabric import shm_leftovers
-from transfer.messenger.loopback import Scenario, run
+from transfer.testing.loopback import Scenario, run
 
 TRIALS = int(os.environ.get("PDTOOL_FAULT_TRIALS", "12"))
 SEED = int(os.environ.get("PDTOOL_FAULT_SEED", "7"))

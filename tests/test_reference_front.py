@@ -68,3 +68,68 @@ def test_wire_needs_a_hello_and_names_the_version_of_an_old_front():
     assert w.rejected == 2
     with pytest.raises(WireError, match=f"protocol version 0, expected {PROTOCOL_VERSION}"):
         w.envelope.open([old, hmac.new(b"k" * 32, old, hashlib.sha256).digest()])
+
+
+def test_a_dead_dispatcher_shows_in_health_and_fails_requests():
+    """Should the dispatcher thread ever die, the front says so instead of hanging: /health
+    answers 503 with the reason, waiting and new requests fail with it, and `dead` is set
+    (serve_front then exits non-zero, and the launcher stops the deployment)."""
+    import json
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    import zmq
+
+    from pdtool.engines.reference.front import Front, Unavailable
+    from pdtool.engines.reference.wire import router
+
+    secret = b"k" * 32
+    sock = router(zmq.Context.instance(), "127.0.0.1", 0)
+    stop = threading.Event()
+
+    def decoder() -> None:  # answers HELLO and PINGs the way serve._take_requests does
+        wire = Wire(secret, role="decode")
+        while not stop.is_set():
+            if sock.poll(50):
+                frames = sock.recv_multipart()
+                got = wire.unpack(frames[1:], ("HELLO", "GEN", "PING", "CANCEL"), peer=frames[0])
+                if got and got[0] == "HELLO":
+                    sock.send_multipart([frames[0], *wire.pack("HELLO", wire.hello(),
+                                                               session=wire.last_session)])
+                elif got and got[0] == "PING":
+                    sock.send_multipart([frames[0], *wire.pack("PONG", {"rid": "ping",
+                                                                         "tokens": []},
+                                                               peer=frames[0])])
+
+    thread = threading.Thread(target=decoder, daemon=True)
+    thread.start()
+    front = Front([sock.getsockopt_string(zmq.LAST_ENDPOINT)], secret, port=0)
+    front.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not front.ready:
+            assert time.monotonic() < deadline, "the decoder's PONG never arrived"
+            time.sleep(0.05)
+        rid, pending = front.submit([1, 2, 3], 4)
+        with front._lock:  # an item the dispatcher cannot unpack: it raises
+            front._push.send_pyobj("not a request")
+        assert front.dead.wait(10)
+        _, body = pending.q.get(timeout=10)
+        assert body["done"] and "dispatcher thread died" in body["info"]["error"]
+        with pytest.raises(Unavailable, match="dispatcher thread died"):
+            front.submit([1, 2], 1)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://127.0.0.1:{front.port}/health", timeout=10)
+        health = json.loads(err.value.read())
+        assert err.value.code == 503 and health["status"] == "unhealthy"
+        assert "dispatcher thread died" in health["reason"]
+        front.finish(rid)
+    finally:
+        t0 = time.monotonic()
+        front.stop()
+        stop.set()
+        thread.join(5)
+        sock.close(0)
+        assert time.monotonic() - t0 < 30

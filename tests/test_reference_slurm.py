@@ -18,7 +18,7 @@ from pdtool.engines.reference.fromplan import model_fields
 from pdtool.engines.reference.local import free_port, free_port_run, get_json
 from pdtool.engines.reference.model import TinyConfig, TinyModel
 from pdtool.engines.reference.oracle import encode, generate
-from pdtool.planner import from_json
+from pdtool.plan import from_json
 
 
 def test_tiny_local_serves_as_a_slurm_job(slurm, tmp_path: Path) -> None:
@@ -26,6 +26,7 @@ def test_tiny_local_serves_as_a_slurm_job(slurm, tmp_path: Path) -> None:
     router, prefill, decode = free_port(), free_port(), free_port_run(2)
     overrides = [
         "+recipe=tiny-local", "launcher=slurm", "transfer=tcp", "cluster.nodes=4",
+        "cluster.one_host=true",  # the emulated nodes are this machine: loopback reaches them
         "cluster.gpus_per_node=1", "cluster.gpu_numa=[0]", "prefill.tp=2", "prefill.nodes=2",
         "decode.instances=2", f"prefill.http_port={prefill}", f"decode.http_port={decode}",
         f"prefill.bootstrap_port={free_port()}", f"prefill.dist_init_port={free_port()}",

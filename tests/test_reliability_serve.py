@@ -314,8 +314,10 @@ def test_front_refuses_hostile_http_input(launched):
             return  # a valid request: served by the other tests, too slow to send 150 of
         code, reply = _post(launched.url, body)
         codes.append(code)
-        assert code == 400 and reply["error"]["message"].split(":")[0] in (
-            "body", "prompt", "max_tokens", "stream"), (body, code, reply)
+        named = reply["error"]["message"].split(":")[0]
+        sent = json.loads(body) if code == 400 and named not in ("body", "prompt") else {}
+        assert code == 400 and (named in ("body", "prompt", "max_tokens", "stream", "model")
+                                or named in sent), (body, code, reply)
 
     fuzz()
     assert codes, "hypothesis produced no invalid body"
@@ -331,6 +333,30 @@ def test_front_refuses_hostile_http_input(launched):
     body = launched.complete("still fine", 3)
     assert body["pdtool"]["token_ids"] == launched.oracle("still fine", 3)
     assert launched.proc.poll() is None
+
+
+def test_a_prompt_longer_than_the_context_fails_alone(launched):
+    """A 100,000-character prompt once killed the front's dispatcher thread (every later
+    request hung while /health said ok): now it is a 400 naming the field, and the front
+    keeps serving."""
+    _, health = get_json(f"{launched.url}/health")
+    context = health["context"]
+    assert 0 < context < 100_000
+    code, reply = get_json(f"{launched.url}/v1/completions",
+                           {"prompt": "x" * 100_000, "max_tokens": 4})
+    assert code == 400 and reply["error"]["message"].startswith("prompt: 100000 tokens"), reply
+    code, reply = get_json(f"{launched.url}/v1/completions",
+                           {"prompt": "x" * 10, "max_tokens": context - 5})
+    assert code == 400 and reply["error"]["message"].startswith("max_tokens:"), reply
+    assert str(context - 10) in reply["error"]["message"]
+    code, reply = get_json(f"{launched.url}/v1/completions",
+                           {"prompt": [66] * 70_000, "max_tokens": 1})
+    assert code == 400 and reply["error"]["message"].startswith("prompt:"), reply
+    body = launched.complete("still fine", 3)
+    assert body["pdtool"]["token_ids"] == launched.oracle("still fine", 3)
+    assert get_json(f"{launched.url}/health")[0] == 200
+    routers = [p for p in Path(launched.tmp).rglob("*.log") if "router" in p.name]
+    assert routers and not any("Traceback" in p.read_text() for p in routers)
 
 
 # ----------------------------------------------------------------------------- soak

@@ -4,7 +4,9 @@ Light on import: `pdtool validate/plan` import `transfer.routes` and must stay f
 without libfabric, so the names below load their module on first use. Only the messengers'
 threads load the libfabric binding (transfer.fabric), whose absence raises a clear error.
 
-    routes     ShardSpec, Slice, routes_for, expected_writes, pages_for   (shared route math)
+    parallel   ParallelDims                                                (GPUs, heads per rank)
+    routes     ShardSpec, Slice, routes_for, pages_for                     (who sends which heads)
+    geometry   PagePool, AuxBuffer, expected_writes, writes_per_page       (pools, write counts)
     layout     KVLayout, write_plan, AuxSpec                               (HND/NHD offsets)
     wire       Envelope, WireError, read_secret, write_secret             (signed control planes)
     slots      SlotTable                                                   (decoder slots)
@@ -18,9 +20,10 @@ from typing import Any
 
 _EXPORTS = {
     "ShardSpec": "routes", "Slice": "routes", "RouteError": "routes", "routes_for": "routes",
-    "all_routes": "routes", "candidate_sources": "routes", "writes_per_page": "routes",
-    "pages_for": "routes", "expected_writes": "routes", "slice_ops": "routes",
-    "sendable": "routes",
+    "candidate_sources": "routes", "pages_for": "routes", "sendable": "routes",
+    "ParallelDims": "parallel",
+    "PagePool": "geometry", "AuxBuffer": "geometry", "writes_per_page": "geometry",
+    "expected_writes": "geometry", "slice_ops": "geometry",
     "KVLayout": "layout", "LayoutError": "layout", "AuxSpec": "layout", "write_plan": "layout",
     "Envelope": "wire", "WireError": "wire",
     "read_secret": "wire", "write_secret": "wire", "generate_secret": "wire",

@@ -19,13 +19,21 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from pdtool.launch import secrets
+from pdtool.launch.resources import describe_cpus, job_options, step_options
 from pdtool.launch.sglang import router_argv, server_argv
 from pdtool.launch.shell import Var, Word, word
-from pdtool.planner import InstancePlan, Plan, RankPlan
+from pdtool.plan import InstancePlan, Plan, RankPlan
 from pdtool.schema import Config
 
 #: engines whose one process drives all GPUs of its node
 PER_NODE_ENGINES = ("sglang",)
+
+#: seconds each stop group (router, decode, prefill) gets between SIGTERM and SIGKILL
+STOP_GRACE_S = 30
+#: Slurm signals the batch script this long before the time limit: the three groups' grace
+#: and a margin, so the ordered stop ends before Slurm's own kill at the limit
+STOP_SIGNAL_S = 3 * STOP_GRACE_S + 30
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RUN_DIR = Var("RUN_DIR")
@@ -71,6 +79,10 @@ class JobSpec:
     sbatch_options: list[str]
     sbatch_extra: list[str]
     node_roles: list[str]  # one log line per node: what the plan put there
+    container_setup: list[str | Word] = field(default_factory=list)  # see container_setup()
+    # Slurm signals the batch script this long before the time limit (--signal=B:TERM@S), time
+    # for the ordered stop of its three groups (router, decode, prefill)
+    stop_signal_s: int = STOP_SIGNAL_S
 
 
 @dataclass
@@ -102,9 +114,8 @@ def _url(node: int, port: int, path: str = "/health") -> Word:
 
 
 def _role_env(cfg: Config, rname: str) -> dict[str, str]:
-    env = dict(cfg.launcher.env.all)
-    env.update(getattr(cfg.launcher.env, rname))
-    return env
+    """The role's launcher.env without its secrets (those come from a 0600 file)."""
+    return secrets.split(cfg, rname)[0]
 
 
 def _common_env(ranks: list[RankPlan]) -> dict[str, str]:
@@ -135,28 +146,60 @@ def _worker_argv(cfg: Config, spec_launcher: str, inst: InstancePlan, node: int,
     return argv
 
 
-def _srun(cfg: Config, p: Proc) -> list[str | Word]:
-    """srun prefix placing one process on allocation node `p.node` as its own job step."""
+def _srun(cfg: Config, p: Proc, ranks: list[RankPlan]) -> list[str | Word]:
+    """srun prefix placing one process on allocation node `p.node` as its own job step, with
+    its CPUs, binding and GPUs (pdtool.launch.resources)."""
     argv: list[str | Word] = [
-        "srun", "--nodes=1", "--ntasks=1", f"--relative={p.node}", "--overlap",
+        # --export=ALL: the step gets this script's environment even in a job submitted with
+        # --export=NONE (srun would inherit NONE through SLURM_EXPORT_ENV)
+        "srun", "--export=ALL", "--nodes=1", "--ntasks=1", f"--relative={p.node}", "--overlap",
         "--kill-on-bad-exit=1", f"--job-name={p.name}", word("--output=", *p.log.parts),
+        *step_options(cfg, ranks),
     ]
+    return argv + _container_options(cfg)
+
+
+#: the job's container on every node (pyxis --container-name), named after the job
+CONTAINER_NAME = word("pdtool-", Var("SLURM_JOB_ID"))
+
+
+def _container_options(cfg: Config, image: bool = False) -> list[str | Word]:
+    """pyxis options of a step: the job's named container (imported once per node by the
+    setup step, `image=True`), the job folder and launcher.container_mounts mounted, the
+    home directory not (a site's dotfiles and caches stay out of the engine's container)."""
     lc = cfg.launcher
-    if lc.container_image:
-        mounts = [*lc.container_mounts]
-        argv += [f"--container-image={lc.container_image}",
-                 word("--container-mounts=", RUN_DIR, ":", RUN_DIR,
-                      "".join("," + m for m in mounts))]
-    return argv
+    if not lc.container_image:
+        return []
+    out: list[str | Word] = [f"--container-image={lc.container_image}"] if image else []
+    return [*out, word("--container-name=", *CONTAINER_NAME.parts),
+            word("--container-mounts=", RUN_DIR, ":", RUN_DIR,
+                 "".join("," + m for m in lc.container_mounts)),
+            "--no-container-mount-home"]
 
 
-def _wrap(cfg: Config, launcher: str, p: Proc, env: dict[str, str], numa: list[str],
-          argv: list[str | Word]) -> list[str | Word]:
+def container_setup(cfg: Config, plan: Plan) -> list[str | Word]:
+    """The step that imports launcher.container_image once on every node, naming it for the
+    job's steps, and runs launcher.setup inside it (e.g. installing pdtool there); empty
+    without a container image (launcher.setup then runs in the batch script)."""
+    lc = cfg.launcher
+    if not lc.container_image:
+        return []
+    script = "\n".join(["set -euo pipefail", *lc.setup]) if lc.setup else "true"
+    return ["srun", "--export=ALL", f"--nodes={plan.nodes}", "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1", "--job-name=container-setup",
+            *_container_options(cfg, image=True), "bash", "-c", script]
+
+
+def _wrap(cfg: Config, launcher: str, p: Proc, ranks: list[RankPlan], env: dict[str, str],
+          numa: list[str], argv: list[str | Word], secret_roles: frozenset[str] = frozenset(),
+          ) -> list[str | Word]:
     inner: list[str | Word] = []
+    if p.role in secret_roles:
+        inner += secrets.wrapper(RUN_DIR, p.role)
     if env:
         inner += ["env", *_env_words(env, f"launcher.env.{p.role}")]
     inner += numa + argv
-    return (_srun(cfg, p) if launcher == "slurm" else []) + inner
+    return (_srun(cfg, p, ranks) if launcher == "slurm" else []) + inner
 
 
 def _numactl(ranks: list[RankPlan]) -> list[str]:
@@ -172,7 +215,8 @@ def _ranks_text(ranks: list[RankPlan]) -> str:
     return f"ranks {ranks[0].rank}-{ranks[-1].rank}"
 
 
-def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str) -> list[Proc]:
+def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str,
+                    secret_roles: frozenset[str]) -> list[Proc]:
     env_user = _role_env(cfg, inst.role)
     procs: list[Proc] = []
     per_node = cfg.engine.kind in PER_NODE_ENGINES
@@ -197,7 +241,8 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str) 
             ranks=tuple(r.rank for r in ranks),
             comment=(f"{inst.name}: node {node} (instance node {ranks[0].node_rank}), "
                      f"{_ranks_text(ranks)}, GPUs {gpus}, NICs {nics}, "
-                     f"NUMA {','.join(sorted({str(r.numa) for r in ranks}))}"),
+                     f"NUMA {','.join(sorted({str(r.numa) for r in ranks}))}, "
+                     f"CPUs {describe_cpus(ranks)}"),
             health=_url(node, inst.http_port) if is_head else None,
         )
         if per_node:
@@ -211,13 +256,18 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str) 
             select = ["--rank", str(ranks[0].rank)]
             numa = _numactl(ranks)
             env = {**ranks[0].env, **env_user}
-        p.argv = _wrap(cfg, launcher, p, env,  numa,
-                       _worker_argv(cfg, launcher, inst, node, select, p.engine_argv))
+        if len(inst.nodes) > 1 and cfg.cluster.socket_ifname:
+            # NCCL's and Gloo's bootstrap sockets between the instance's nodes
+            env = {"NCCL_SOCKET_IFNAME": cfg.cluster.socket_ifname,
+                   "GLOO_SOCKET_IFNAME": cfg.cluster.socket_ifname, **env}
+        p.argv = _wrap(cfg, launcher, p, ranks, env, numa,
+                       _worker_argv(cfg, launcher, inst, node, select, p.engine_argv),
+                       secret_roles)
         procs.append(p)
     return procs
 
 
-def _router_proc(cfg: Config, plan: Plan, launcher: str) -> Proc:
+def _router_proc(cfg: Config, plan: Plan, launcher: str, secret_roles: frozenset[str]) -> Proc:
     rp = plan.router
     p = Proc(name="router", role="router", instance=0, node=rp.node, ranks=(),
              comment=(f"router: node {rp.node}, port {rp.port}, "
@@ -234,7 +284,7 @@ def _router_proc(cfg: Config, plan: Plan, launcher: str) -> Proc:
         inner += ["--expect-node", node_name(rp.node)]
     if p.engine_argv:
         inner += ["--", *p.engine_argv]
-    p.argv = _wrap(cfg, launcher, p, env, [], inner)
+    p.argv = _wrap(cfg, launcher, p, [], env, [], inner, secret_roles)
     return p
 
 
@@ -245,8 +295,7 @@ def _job(cfg: Config, plan: Plan, run_dir: str, procs: list[Proc]) -> JobSpec:
         val = getattr(lc, key)
         if val:
             opts.append(f"{flag}={val}")
-    if lc.exclusive:
-        opts.append("--exclusive")
+    opts += job_options(cfg, plan)
     for key, val in (("launcher.job_name", lc.job_name), ("launcher.time", lc.time),
                      *((f"launcher.{k}", getattr(lc, k)) for k in ("partition", "account", "qos")),
                      *(("launcher.sbatch_extra", x) for x in lc.sbatch_extra)):
@@ -261,17 +310,20 @@ def _job(cfg: Config, plan: Plan, run_dir: str, procs: list[Proc]) -> JobSpec:
         roles.setdefault(p.node, [])
         if p.name.split(".")[0] not in roles[p.node]:
             roles[p.node].append(p.name.split(".")[0])
-    per_node = max(sum(1 for p in procs if p.node == n) for n in range(plan.nodes))
+    # every step is one task sharing its node (--overlap): the job holds one task per node
     return JobSpec(
-        name=lc.job_name, nodes=plan.nodes, ntasks_per_node=max(per_node, 1), time=lc.time,
+        name=lc.job_name, nodes=plan.nodes, ntasks_per_node=1, time=lc.time,
         batch_log=f"{run_dir}/logs/slurm-%j.out", sbatch_options=opts,
         sbatch_extra=list(lc.sbatch_extra),
         node_roles=[f"node {n}: {' '.join(roles.get(n, []))}" for n in range(plan.nodes)],
+        container_setup=container_setup(cfg, plan),
     )
 
 
-def build_launch(cfg: Config, plan: Plan, run_dir: str) -> LaunchSpec:
-    """The launch spec of a planned deployment; `run_dir` is the absolute job folder."""
+def build_launch(cfg: Config, plan: Plan, run_dir: str,
+                 secret_roles: frozenset[str] = frozenset()) -> LaunchSpec:
+    """The launch spec of a planned deployment; `run_dir` is the absolute job folder.
+    Processes of `secret_roles` load their role's secret file first (pdtool.launch.secrets)."""
     launcher = cfg.launcher.kind
     if launcher == "slurm" and "%" in run_dir:
         raise LaunchError(f"launcher.output_dir: {run_dir!r} contains '%', which Slurm expands "
@@ -280,8 +332,9 @@ def build_launch(cfg: Config, plan: Plan, run_dir: str) -> LaunchSpec:
         raise LaunchError(f"launcher.kind: unknown launcher {launcher!r} (local | slurm)")
     if cfg.engine.kind not in ("sglang", "reference"):
         raise LaunchError(f"engine.kind: unknown engine {cfg.engine.kind!r} (sglang | reference)")
-    procs = [p for inst in plan.instances for p in _instance_procs(cfg, plan, inst, launcher)]
-    router = _router_proc(cfg, plan, launcher)
+    procs = [p for inst in plan.instances
+             for p in _instance_procs(cfg, plan, inst, launcher, secret_roles)]
+    router = _router_proc(cfg, plan, launcher, secret_roles)
     job = _job(cfg, plan, run_dir, [*procs, router])
     return LaunchSpec(launcher=launcher, engine=cfg.engine.kind, python=cfg.engine.python,
                       procs=procs, router=[router], job=job,

@@ -1,4 +1,4 @@
-"""Decode side of the KV messenger (DESIGN §4 steps 1 and 5).
+"""Decode side of the KV messenger (docs/messenger.md, steps 1 and 5).
 
 Per decode attention rank, one `DecodeMessenger`. For each request whose pages the engine has
 allocated (non-evictable), the engine calls `submit`; the messenger
@@ -21,7 +21,7 @@ allocated (non-evictable), the engine calls `submit`; the messenger
    parts to every prefill rank, and each rank's `bind` picks out what it must send — no extra
    control hop, no race between a request reaching a rank and its routing data. ABORT and PING
    go to every prefill rank directly, because each rank has its own writes in flight;
-5. computes how many writes will land here (routes.expected_writes: pages × layers × buffers ×
+5. computes how many writes will land here (geometry.expected_writes: pages × layers × buffers ×
    writes per page summed over its source slices, plus one per aux buffer; the prefill groups
    up to `writes_per_op` consecutive page writes of a slice into one RMA operation, which lands
    as one completion, so the count is per operation) and hands the request to the engine
@@ -56,14 +56,22 @@ from typing import Any
 import numpy as np
 import zmq
 
+from ..geometry import expected_writes, slice_ops
 from ..layout import AuxSpec, LayoutError, as_buffer, aux_spec
-from ..routes import Slice, expected_writes, pages_for, routes_for, slice_ops
+from ..routes import Slice, pages_for, routes_for
 from ..slots import SlotTable
 from ..wire.channel import Channel
 from ..wire.envelope import Envelope
 from ..wire.handshake import compat_hash, first_difference
 from ..wire.messenger import MESSENGER, facts, hello_facts
-from .common import DecodeConfig, MessengerError, PeerClock, TransferState, TransferStatus, Worker
+from .common import (
+    DecodeConfig,
+    MessengerError,
+    MessengerThread,
+    PeerClock,
+    TransferState,
+    TransferStatus,
+)
 
 log = logging.getLogger("transfer.messenger.decode")
 _U32 = np.dtype("<u4")
@@ -86,7 +94,7 @@ class _Xfer:
     last_abort: float = 0.0
 
 
-class DecodeMessenger(Worker):
+class DecodeMessenger(MessengerThread):
     """See the module docstring. `kv_buffers`: one tensor per layer (or per layer and K/V with
     `buffers_per_layer=2`), all of the documented 5-D `layout`; `aux_buffers`: tensors of
     `[rows >= max_inflight, ...]` receiving context rows (hidden states, logits) — row = slot.
@@ -216,8 +224,8 @@ class DecodeMessenger(Worker):
         return self._writes_per_op
 
     def stalled_s(self) -> float:
-        """As Worker.stalled_s, counting the receive lanes' progress threads too: a lane stuck
-        inside the provider holds its transfers as surely as a stuck messenger thread."""
+        """As MessengerThread.stalled_s, counting the receive lanes' progress threads too: a lane
+        stuck inside the provider holds its transfers as surely as a stuck messenger thread."""
         lanes = [lane.progress_stalled_s for lane in getattr(self, "_lanes", [])]
         return max([super().stalled_s(), *lanes])
 
@@ -234,22 +242,19 @@ class DecodeMessenger(Worker):
 
     # ================================================================ messenger thread
     def _setup(self) -> None:
-        from ..fabric import Endpoint  # imported here: validate/plan never need libfabric
-
         cfg = self.config
-        self._ep = Endpoint(cfg.provider, max_slots=max(cfg.max_inflight, 1))
+        self._ep = self._open_endpoint(max_slots=max(cfg.max_inflight, 1))
         limit = self._ep.iov_limit
         self._writes_per_op = min(cfg.writes_per_op or limit, limit)
         self._kv_mrs = [self._ep.register(b.addr, b.nbytes) for b in self._kv]
-        # extra receive lanes: the same KV buffers, counted into this endpoint's slots, each
-        # drained (on shm: copied) by a C thread of its own
+        # extra receive lanes: endpoints of the same domain using the same KV registrations,
+        # counted into this endpoint's slots, each drained (on shm: copied) by a C thread
         self._lanes: list[Any] = []
         self._lane_info: list[dict[str, Any]] = []
         for _ in range(cfg.receive_lanes - 1):
-            lane = Endpoint(cfg.provider, max_slots=max(cfg.max_inflight, 1))
+            lane = self._ep.open_lane()
             self._lanes.append(lane)
-            mrs = [lane.register(b.addr, b.nbytes) for b in self._kv]
-            lane.share_counts(self._ep)
+            mrs = [lane.lane_region(m) for m in self._kv_mrs]
             lane.start_progress()
             self._lane_info.append({"fabric_name": lane.name,
                                     "regions": [m.descriptor().to_dict() for m in mrs]})
@@ -318,6 +323,7 @@ class DecodeMessenger(Worker):
                     # the endpoint is going away: nothing can land any more
                     self._states[rid] = TransferState(rid, TransferStatus.FAILED,
                                                       f"messenger died: {reason}")
+        self.news.ring()
 
     def _idle_wait(self, seconds: float) -> None:
         if seconds > 0:
@@ -332,6 +338,8 @@ class DecodeMessenger(Worker):
             if x.rid in self._states:
                 self._states[x.rid] = TransferState(x.rid, status, x.reason, received,
                                                     x.expected, x.slot)
+        if status in (TransferStatus.SUCCESS, TransferStatus.FAILED):
+            self.news.ring()  # ready() / failed() changed: wake the engine loop
 
     def _step(self) -> bool:
         if not self.config.busy_sleep_s and self._slots.first_active() >= 0:
@@ -431,7 +439,7 @@ class DecodeMessenger(Worker):
                                      num_pages=n, num_layers=self.num_layers,
                                      buffers_per_layer=cfg.buffers_per_layer,
                                      aux_writes=len(self._aux), writes_per_op=k)
-        if x.expected != sum(per_rank):  # pragma: no cover - both from routes.py
+        if x.expected != sum(per_rank):  # pragma: no cover - both from geometry.py
             raise MessengerError(f"{x.rid}: expected {x.expected} != per-rank sum {per_rank}")
         alloc = self._slots.allocate(x.expected)
         if alloc is None:  # pragma: no cover - _start_waiting checks free first

@@ -1,4 +1,4 @@
-"""Prefill side of the KV messenger (DESIGN §4 steps 2-5).
+"""Prefill side of the KV messenger (docs/messenger.md, steps 2-5).
 
 One `PrefillMessenger` per prefill attention rank. Every rank answers each decode rank's HELLO
 (transfer.wire) once: its static data — sharding, layout, layers, regions, receive lanes,
@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from ..geometry import slice_ops, writes_per_page
 from ..layout import AuxSpec, KVLayout, LayoutError, as_buffer, aux_spec, write_plan
 from ..routes import (
     RouteError,
@@ -61,8 +62,6 @@ from ..routes import (
     pages_for,
     routes_for,
     sendable,
-    slice_ops,
-    writes_per_page,
 )
 from ..wire.channel import Channel
 from ..wire.envelope import Envelope
@@ -72,10 +71,10 @@ from .common import (
     LAYER_MASK,
     PASS_SHIFT,
     MessengerError,
+    MessengerThread,
     PeerClock,
     PrefillConfig,
     PrefillResult,
-    Worker,
 )
 
 log = logging.getLogger("transfer.messenger.prefill")
@@ -182,7 +181,7 @@ class _Chosen(random.Random):
         return r
 
 
-class PrefillMessenger(Worker):
+class PrefillMessenger(MessengerThread):
     """See the module docstring. `kv_buffers`: one tensor per layer (or per layer and K/V),
     all of the 5-D `layout`; `aux_buffers`: staging tensors `[rows, ...]`, one row per request
     bound at once, rows of the same byte size as the decoder's aux rows. The caller keeps the
@@ -330,10 +329,8 @@ class PrefillMessenger(Worker):
 
     # ================================================================ messenger thread
     def _setup(self) -> None:
-        from ..fabric import Endpoint
-
         cfg = self.config
-        self._ep = Endpoint(cfg.provider, max_inflight_bytes=cfg.inflight_bytes)
+        self._ep = self._open_endpoint(max_inflight_bytes=cfg.inflight_bytes)
         self._kv_mrs = [self._ep.register(b.addr, b.nbytes, remote_write=False)
                         for b in self._kv]
         self._aux_mrs = [self._ep.register(as_buffer(a).addr, as_buffer(a).nbytes,
@@ -392,6 +389,7 @@ class PrefillMessenger(Worker):
             for rid in self._bound:
                 self._results.setdefault(rid, PrefillResult(rid, False,
                                                             f"messenger died: {reason}"))
+        self.news.ring()
 
     def _idle_wait(self, seconds: float) -> None:
         if seconds > 0:
@@ -566,6 +564,7 @@ class PrefillMessenger(Worker):
                              max(0.001, a.timeout_s - (now - a.first)))
         with self._lock:
             self._ready_q.append(req)
+        self.news.ring()
 
     def _check_part(self, b: dict[str, Any]) -> None:
         """The per-request fields of a decode rank's part, its HELLO data merged in (checked
@@ -873,6 +872,7 @@ class PrefillMessenger(Worker):
             self._results[rid] = res
             if row >= 0:
                 self._aux_free.append(row)
+        self.news.ring()
 
     # -- timers -----------------------------------------------------------------------------
     def _timers(self, now: float) -> None:

@@ -9,9 +9,10 @@ loop. Messages (transfer/wire/PROTOCOL.md has the full table):
   * HELLO (front → decoder, answered by the decoder bound to the front's session): the limits
     every GEN is checked against and their compatibility hash, once per connection; the front
     sends HELLO in place of PING until an instance answered, and again once it went silent.
-  * GEN (front → decoder): {"rid": str, "tokens": [int 0..255], "max_tokens": int,
-    "faults"?: {"page"?: [layer, index], "hidden"?: bool}}
-  * OUT (decoder → front): {"rid": str, "tokens": [int], "done": bool, "info": {...}}
+  * GEN (front → decoder): {"rid": str, "tokens": [token id], "max_tokens": int}, optional
+    "sampling": {"temperature": float >= 0, "top_p": float in (0, 1], "seed": int} (absent or
+    temperature 0: greedy), optional "faults": {"page"?: [layer, index], "hidden"?: bool}
+  * OUT (decoder → front): {"rid": str, "tokens": [token id], "done": bool, "info": {...}}
   * PING (front → decoder) / PONG (decoder → front): {"rid": str, "tokens": []}, so the front
     knows which decode instances are up (its /health) without the decoder knowing the front.
   * CANCEL (front → decoder): {"rid": str, "tokens": []}: the client went away; honoured only
@@ -36,6 +37,7 @@ from transfer.wire import (
     bytes_field,
     compat_hash,
     first_difference,
+    float_field,
     int_field,
     list_field,
     map_field,
@@ -47,8 +49,9 @@ log = logging.getLogger("pdtool.reference.wire")
 MAX_BYTES = 4 << 20
 MAX_PROMPT = 1 << 16
 MAX_TOKENS = 1 << 16
+MAX_TOKEN_ID = (1 << 31) - 1  # token ids are vocabulary rows: any checkpoint's vocabulary fits
 # what every GEN is checked against; a front and decoder that differ here refuse each other
-FACTS = {"token_ids": "bytes 0..255", "max_prompt": MAX_PROMPT, "max_tokens": MAX_TOKENS}
+FACTS = {"token_ids": f"0..{MAX_TOKEN_ID}", "max_prompt": MAX_PROMPT, "max_tokens": MAX_TOKENS}
 
 
 def _any_map(path: str, v: Any) -> dict:
@@ -60,19 +63,21 @@ def _any_map(path: str, v: Any) -> dict:
 _RID = str_field(128, min_len=1)
 _NONE = list_field(int_field(0, 0), 0)
 _ID = map_field({"rid": _RID, "tokens": _NONE})
+_TOKENS = list_field(int_field(0, MAX_TOKEN_ID), MAX_PROMPT)
+_SAMPLING = map_field({"temperature": float_field(0.0, 100.0), "top_p": float_field(1e-9, 1.0),
+                       "seed": int_field(0, (1 << 63) - 1)},
+                      frozenset({"temperature", "top_p", "seed"}))
+_FAULTS = map_field({"page": optional(list_field(int_field(0), 2, 2)), "hidden": bool_field()},
+                    frozenset({"page", "hidden"}))
 PROTOCOL = Protocol("reference", {
     "HELLO": map_field({"role": str_field(8, ("front", "decode")), "compat": bytes_field(16, 1, 16),
                         "max_prompt": int_field(1, 1 << 31), "max_tokens": int_field(1, 1 << 31),
                         "error": str_field(1024)}),
-    "GEN": map_field({"rid": _RID, "tokens": list_field(int_field(0, 255), MAX_PROMPT, 1),
-                      "max_tokens": int_field(1, MAX_TOKENS),
-                      "faults": optional(map_field({"page": optional(list_field(int_field(0),
-                                                                                2, 2)),
-                                                    "hidden": bool_field()},
-                                                   frozenset({"page", "hidden"})))},
-                     frozenset({"faults"})),
-    "OUT": map_field({"rid": _RID, "tokens": list_field(int_field(0, 511), MAX_PROMPT),
-                      "done": bool_field(), "info": _any_map}),
+    "GEN": map_field({"rid": _RID, "tokens": list_field(int_field(0, MAX_TOKEN_ID), MAX_PROMPT, 1),
+                      "max_tokens": int_field(1, MAX_TOKENS), "sampling": optional(_SAMPLING),
+                      "faults": optional(_FAULTS)},
+                     frozenset({"sampling", "faults"})),
+    "OUT": map_field({"rid": _RID, "tokens": _TOKENS, "done": bool_field(), "info": _any_map}),
     "PING": _ID, "PONG": _ID, "CANCEL": _ID,
 })
 

@@ -1,0 +1,113 @@
+"""Hop timestamps for bench/ttft_hops.py, loaded into every deployment process through
+PYTHONPATH when PDTOOL_HOPS names a file. Wraps the reference engine's protocol points (the
+front, the decode and prefill serving loops, the messenger links) without changing them and
+appends `event rid monotonic-seconds` lines to that file. time.perf_counter is CLOCK_MONOTONIC
+on Linux, one clock for every process of the machine, so hops between processes subtract."""
+
+import os
+
+if os.environ.get("PDTOOL_HOPS"):
+    import time
+
+    _fd = os.open(os.environ["PDTOOL_HOPS"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    _seen: set = set()
+
+    def _log(event: str, rid: str, t: float | None = None, once: bool = False) -> None:
+        if once:
+            if (event, rid) in _seen:
+                return
+            _seen.add((event, rid))
+        os.write(_fd, f"{event} {rid} {time.perf_counter() if t is None else t:.7f}\n".encode())
+
+    def _install() -> None:
+        from pdtool.engines.reference import front, serve
+
+        take = serve._take_requests
+
+        def take_requests(*a, **k):
+            new = take(*a, **k)
+            for m in new:
+                if "tokens" in m:
+                    _log("decode.gen", m["rid"])
+            return new
+
+        serve._take_requests = take_requests
+        send = serve._send_events
+
+        def send_events(sock, wire, owner, events):
+            send(sock, wire, owner, events)
+            for ev in events:
+                if ev.tokens:
+                    _log("decode.first_out", ev.rid, once=True)
+
+        serve._send_events = send_events
+        submit = front.Front.submit
+
+        def front_submit(self, tokens, max_tokens):
+            t = time.perf_counter()
+            rid, p = submit(self, tokens, max_tokens)
+            _log("front.submit", rid, t)
+            return rid, p
+
+        front.Front.submit = front_submit
+        results = front.Front.results
+
+        def front_results(self, rid, p):
+            for t, body in results(self, rid, p):
+                if body["tokens"]:
+                    _log("front.first_out", rid, t, once=True)
+                yield t, body
+
+        front.Front.results = front_results
+
+    def _install_links() -> None:
+        from pdtool.engines.reference import link
+
+        def wrap(cls, name, fn):
+            orig = getattr(cls, name)
+            setattr(cls, name, lambda self, *a: fn(orig, self, *a))
+
+        def submit(orig, self, rid, *a):
+            _log("decode.submit", rid)
+            return orig(self, rid, *a)
+
+        def ready(orig, self):
+            got = orig(self)
+            for rid in got:
+                _log("decode.ready", rid, once=True)
+            return got
+
+        def recv(orig, self):
+            got = orig(self)
+            for r in got:
+                _log("prefill.recv", r["rid"])
+            return got
+
+        def begin(orig, self, chunks):
+            for rid, lo, _hi in chunks:
+                if lo == 0:
+                    _log("prefill.first_chunk", rid)
+            return orig(self, chunks)
+
+        def finish(orig, self, rid, hidden):
+            _log("prefill.computed", rid)
+            return orig(self, rid, hidden)
+
+        def done(orig, self):
+            got = orig(self)
+            for rid in got:
+                _log("prefill.writes_done", rid, once=True)
+            return got
+
+        wrap(link.DecodeSide, "submit", submit)
+        wrap(link.DecodeSide, "ready", ready)
+        wrap(link.PrefillSide, "recv", recv)
+        wrap(link.PrefillSide, "begin", begin)
+        wrap(link.PrefillSide, "finish", finish)
+        wrap(link.PrefillSide, "done", done)
+
+    import contextlib
+
+    _install()
+    with contextlib.suppress(ImportError):  # needs torch and libfabric: not in every process
+        _install_links()

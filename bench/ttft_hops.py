@@ -1,0 +1,201 @@
+"""Where the time to first token goes in the reference deployment, hop by hop.
+
+    python3 bench/ttft_hops.py [--requests 30] [--isl 64 2000] [overrides...]
+
+Starts `pdtool launch +recipe=tiny-local` on free ports with bench/hops/sitecustomize.py
+loaded into every process (it timestamps the protocol points on the machine-wide monotonic
+clock), sends `--requests` sequential streamed completions of `max_tokens=1` per prompt length,
+stops the deployment and prints the median of every hop. Beside it, the same model computing
+the same prompts in this one process (chunked like the prefill instance, then the decoder's
+first step): the work any deployment must do, so `TTFT - in-process` is what serving adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+HOPS = (  # (name, from event, to event)
+    ("client -> front (HTTP, parse)", "client.send", "front.submit"),
+    ("front -> decode loop (zmq, poll)", "front.submit", "decode.gen"),
+    ("decode admit -> messenger submit", "decode.gen", "decode.submit"),
+    ("REQUEST -> prefill engine has it", "decode.submit", "prefill.recv"),
+    ("prefill scheduling", "prefill.recv", "prefill.first_chunk"),
+    ("prefill compute (all chunks)", "prefill.first_chunk", "prefill.computed"),
+    ("last writes + count reached", "prefill.computed", "decode.ready"),
+    ("decode first step", "decode.ready", "decode.first_out"),
+    ("decode -> front (OUT)", "decode.first_out", "front.first_out"),
+    ("front -> client (SSE)", "front.first_out", "client.first"),
+)
+
+
+def ports() -> list[str]:
+    from pdtool.engines.reference.local import free_port, free_port_run
+
+    return [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
+            f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
+            f"decode.dist_init_port={free_port()}", f"prefill.bootstrap_port={free_port()}"]
+
+
+class InProcess:
+    """The deployment's model, page and chunk sizes in this process: `run(prompt)` prefills it
+    chunked like the prefill instance (or whole) and takes the first decode step, the work
+    any deployment must do for the first token. Measured right after each served request,
+    so both see the same load on a shared machine."""
+
+    def __init__(self, overrides: list[str]) -> None:
+        import torch
+
+        from pdtool.engines.reference.cache import PagedKV
+        from pdtool.engines.reference.fromplan import model_fields
+        from pdtool.engines.reference.model import TinyConfig, TinyModel
+        from pdtool.render import prepare
+
+        torch.set_num_threads(1)  # as the serving ranks
+        _cfg, plan, findings = prepare(["+recipe=tiny-local", *overrides])
+        if plan is None:
+            raise SystemExit(f"the config does not plan: {findings}")
+        inst = plan.role_instances("prefill")[0]
+        self.cfg = TinyConfig(**model_fields(plan.model, inst.kv_dtype, "prefill"))
+        self.model = TinyModel(self.cfg)
+        self.P, self.chunk = inst.page_size, inst.chunked_prefill_size
+        self.kv = PagedKV(self.cfg, self.cfg.cache_heads, 4096 // self.P + 1, self.P)
+        self.pages = self.kv.pages.alloc(self.kv.pages.num_pages)
+
+    def run(self, toks: list[int], chunked: bool = True) -> float:
+        import torch
+
+        from pdtool.engines.reference.model import Batch
+
+        P, n = self.P, len(toks)
+        step = self.chunk if chunked else n
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for lo in range(0, n - 1, step):
+                hi = min(lo + step, n - 1)
+                self.model.forward(Batch.build([(toks[lo:hi], lo, self.pages)], P),
+                                   self.kv.layers, P)
+            h = self.model.forward(Batch.build([(toks[-1:], n - 1, self.pages)], P),
+                                   self.kv.layers, P)
+            self.model.logits(h).argmax(-1)
+        return time.perf_counter() - t0
+
+
+def stream_once(url: str, prompt: list[int], log) -> None:
+    body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 1, "stream": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    first = None
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for raw in resp:
+            if first is None and raw.startswith(b"data:") and b"token_ids\": [" in raw \
+                    and b"token_ids\": []" not in raw:
+                first = time.perf_counter()
+    log.append((t0, first))
+
+
+def measure(isls: list[int], n: int, overrides: list[str]) -> dict:
+    import numpy as np
+
+    from pdtool.bench.lengths import prompts
+
+    fd, hops = tempfile.mkstemp(prefix="pdtool-hops-")
+    os.close(fd)
+    out_dir = tempfile.mkdtemp(prefix="pdtool-hops-job-")
+    p = ports()
+    url = "http://127.0.0.1:" + next(x for x in p if x.startswith("router.port")).split("=")[1]
+    env = {**os.environ, "PDTOOL_HOPS": hops,
+           "PYTHONPATH": f"{ROOT}:{ROOT / 'bench' / 'hops'}"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdtool.cli", "launch", "+recipe=tiny-local", *p, *overrides,
+         f"launcher.output_dir={out_dir}"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if "deployment ready" in line:
+                break
+        else:
+            raise SystemExit("the deployment did not start")
+        rng = np.random.default_rng(0)
+        local = InProcess(overrides)
+        client: dict[int, list] = {}
+        alone: dict[int, list] = {}
+        for isl in isls:
+            client[isl], alone[isl] = [], []
+            stream_once(url, prompts(rng, [isl], 256)[0], [])  # warm the path once
+            local.run(prompts(rng, [isl], 256)[0])
+            for prompt in prompts(rng, [isl] * n, 256):
+                stream_once(url, prompt, client[isl])
+                alone[isl].append((local.run(prompt), local.run(prompt, chunked=False)))
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    events: list[tuple[str, str, float]] = []
+    for line in Path(hops).read_text().splitlines():
+        ev, rid, t = line.split()
+        events.append((ev, rid, float(t)))
+    os.unlink(hops)
+    return {"client": client, "events": events, "alone": alone}
+
+
+def breakdown(client: list[tuple[float, float]], events: list) -> dict[str, float]:
+    """Median milliseconds per hop; each request is the window [send, first token]."""
+    per: dict[str, list[float]] = {name: [] for name, _, _ in HOPS}
+    ttft = []
+    for t0, t1 in client:
+        seen = {"client.send": t0, "client.first": t1}
+        for ev, _rid, t in events:
+            if t0 <= t <= t1 and ev not in seen:
+                seen[ev] = t
+        ttft.append(t1 - t0)
+        for name, a, b in HOPS:
+            if a in seen and b in seen:
+                per[name].append(seen[b] - seen[a])
+    out = {name: 1000 * statistics.median(v) for name, v in per.items() if v}
+    out["TTFT (client)"] = 1000 * statistics.median(ttft)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=30)
+    ap.add_argument("--isl", type=int, nargs="+", default=[64, 2000])
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    got = measure(args.isl, args.requests, args.overrides)
+    doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+           "load": os.getloadavg(), "requests": args.requests, "by_isl": {}}
+    for isl in args.isl:
+        table = breakdown(got["client"][isl], got["events"])
+        alone = got["alone"][isl]
+        chunked = 1000 * statistics.median(a for a, _ in alone)
+        table["in-process, chunked prefill + step"] = chunked
+        table["in-process, whole prompt + step"] = 1000 * statistics.median(b for _, b in alone)
+        table["TTFT - in-process chunked"] = table["TTFT (client)"] - chunked
+        doc["by_isl"][isl] = table
+        print(f"\nprompt {isl} tokens, {args.requests} sequential requests, max_tokens=1 "
+              "(median ms)")
+        for name, v in table.items():
+            print(f"  {name:<38} {v:9.2f}")
+    print(f"\n{doc['date']}, load average {doc['load'][0]:.2f} {doc['load'][1]:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Printing and writing a bench run: one table per run, side-by-side with ratios when comparing,
+the ratio advice, and results.json (every figure, the settings, and each request's record)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from pdtool.bench.stats import PERCENTILES, Rates, RatioAdvice
+
+LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
+THROUGHPUTS = (("request_throughput", "requests/s"), ("input_throughput", "input tokens/s"),
+               ("output_throughput", "output tokens/s"), ("goodput", "goodput (requests/s)"))
+
+
+def rows(summary: dict) -> list[tuple[str, float | None]]:
+    """(label, value) of every headline figure, in table order (latencies in ms)."""
+    out: list[tuple[str, float | None]] = []
+    for key, name in LATENCIES:
+        for q in PERCENTILES:
+            out.append((f"{name} p{q} (ms)", summary[key][f"p{q}"]))
+    for key, name in THROUGHPUTS:
+        if key == "goodput" and not summary["slo"]:
+            continue
+        out.append((name, summary[key]))
+    return out
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "n/a"
+    return f"{v:,.2f}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def table(title: str, columns: dict[str, dict]) -> Any:
+    """A rich table: one column per target (e.g. disaggregated, aggregated), plus the ratio of
+    the first to the second when there are two."""
+    from rich.table import Table
+
+    names = list(columns)
+    t = Table(title=title, title_justify="left", pad_edge=False)
+    t.add_column("figure", style="bold")
+    for n in names:
+        t.add_column(n, justify="right")
+    if len(names) == 2:
+        t.add_column(f"{names[0]} / {names[1]}", justify="right", style="cyan")
+    per = [dict(rows(columns[n])) for n in names]
+    for label in per[0]:
+        vals = [p.get(label) for p in per]
+        cells = [_fmt(v) for v in vals]
+        if len(names) == 2:
+            a, b = vals
+            cells.append(f"{a / b:.2f}x" if a is not None and b else "n/a")
+        t.add_row(label, *cells)
+    s = columns[names[0]]
+    t.caption = (f"{s['completed']}/{s['requests']} requests completed in {s['duration_s']:.1f} s"
+                 + (f"; failures: {s['errors']}" if s["failed"] else ""))
+    t.caption_justify = "left"
+    return t
+
+
+def advice_text(rates: Rates, advice: RatioAdvice, current: int) -> str:
+    return (f"measured per instance: prefill {rates.prefill_tokens_s:,.0f} input tokens/s, "
+            f"decode {rates.decode_tokens_s:,.0f} output tokens/s at mean lengths "
+            f"{rates.mean_input:.0f} in / {rates.mean_output + 1:.0f} out.\n"
+            f"balanced prefill:decode = 1:{advice.decode_per_prefill:.2f}; for "
+            f"{advice.prefill_instances} prefill instance(s): {advice.decode_instances} decode "
+            f"(now {current}) -> override: {advice.override}")
+
+
+def write_json(path: Path, settings: dict, runs: list[dict]) -> None:
+    """runs: [{"target", "pace", "summary", "rates", "advice", "records"}]."""
+    def plain(x: Any) -> Any:
+        return asdict(x) if hasattr(x, "__dataclass_fields__") else x
+
+    doc = {"settings": settings,
+           "runs": [{k: ([plain(r) for r in v] if k == "records" else plain(v))
+                     for k, v in run.items()} for run in runs]}
+    path.write_text(json.dumps(doc, indent=1) + "\n")

@@ -1,0 +1,328 @@
+"""`pdtool bench [overrides] (--concurrency N | --rate R) --requests N --isl DIST --osl DIST`.
+
+Drives a streamed OpenAI-completions load against a running deployment (`--url`, default the
+config's router port on this machine) or one it starts and stops itself (`--launch`, the same
+supervisor as `pdtool launch`), then prints and writes what it measured: results.json and
+latency.png in `--out` (default: the job folder with --launch, else
+<launcher.output_dir>/bench-<timestamp>). Comma lists sweep (`--concurrency 1,4,16`); every
+load point and every target gets the same seeded prompts.
+
+`--compare aggregated` runs the same load against the aggregated deployment of the same engine
+(`mode=aggregated`) too, interleaved round by round (A B, B A, ...) so drift on a shared machine
+hits both alike, and prints each figure side by side with its ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+NAME = "bench"
+HELP = "measure a deployment under an OpenAI-compatible load (TTFT, TPOT, throughput, goodput)"
+
+COMPARE_PORT_KEYS = ("router.port", "prefill.http_port", "prefill.bootstrap_port",
+                     "prefill.dist_init_port", "decode.http_port", "decode.bootstrap_port",
+                     "decode.dist_init_port")
+
+
+class BenchError(ValueError):
+    """Bad bench arguments or an unusable target: one line, naming the option."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from pdtool.commands._common import add_overrides_argument
+
+    add_overrides_argument(p)
+    pace = p.add_mutually_exclusive_group()
+    pace.add_argument("--concurrency", metavar="N[,N...]",
+                      help="requests kept in flight (a comma list sweeps); default 4")
+    pace.add_argument("--rate", metavar="R[,R...]",
+                      help="Poisson arrivals, requests per second (a comma list sweeps)")
+    p.add_argument("--requests", type=int, default=32, help="requests per load point (32)")
+    p.add_argument("--isl", default="128", help="prompt tokens: N, A-B or A-B:log (128)")
+    p.add_argument("--osl", default="32", help="output tokens: N, A-B or A-B:log (32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of lengths, prompts, arrivals (0)")
+    p.add_argument("--slo", help="goodput counts requests within these, e.g. ttft_ms=200,tpot_ms=50"
+                   " (keys ttft_ms, tpot_ms, itl_ms, e2e_ms)")
+    p.add_argument("--url", help="the deployment's OpenAI base URL "
+                   "(default http://127.0.0.1:<router.port>)")
+    p.add_argument("--launch", action="store_true",
+                   help="start the deployment described by the overrides, benchmark it, stop it")
+    p.add_argument("--compare", choices=["aggregated"],
+                   help="also run the same load against mode=aggregated, interleaved")
+    p.add_argument("--compare-url", help="with --compare and without --launch: the aggregated "
+                   "deployment's URL")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="with --compare: rounds each load point is split into (4)")
+    p.add_argument("--out", type=Path, help="folder for results.json and latency.png")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds one request may take before it counts as failed (300)")
+    p.add_argument("--json", action="store_true", help="print results.json's summary on stdout")
+
+
+# -- arguments -> settings ---------------------------------------------------------------------
+
+def _paces(args: argparse.Namespace) -> list[Any]:
+    from pdtool.bench.load import Pace
+
+    if args.rate:
+        vals = _numbers(args.rate, "--rate", float)
+        if any(not v > 0 for v in vals):
+            raise BenchError(f"--rate: expected positive requests per second, got {args.rate!r}")
+        return [Pace(rate=v) for v in vals]
+    vals = _numbers(args.concurrency or "4", "--concurrency", int)
+    if any(v < 1 for v in vals):
+        raise BenchError(f"--concurrency: expected integers >= 1, got {args.concurrency!r}")
+    return [Pace(concurrency=v) for v in vals]
+
+
+def _numbers(text: str, option: str, kind: type) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()] or [kind("")]
+    except ValueError:
+        what = "integers" if kind is int else "numbers"
+        raise BenchError(f"{option}: expected {what} separated by commas, got {text!r}") from None
+
+
+def check_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Every argument checked before anything starts; BenchError names the first bad one."""
+    from pdtool.bench.lengths import SpecError, parse_lengths
+    from pdtool.bench.stats import SloError, parse_slo
+
+    if args.requests < 1:
+        raise BenchError(f"--requests: expected at least 1, got {args.requests}")
+    if args.rounds < 1:
+        raise BenchError(f"--rounds: expected at least 1, got {args.rounds}")
+    if not args.timeout > 0:
+        raise BenchError(f"--timeout: expected positive seconds, got {args.timeout}")
+    if args.url and args.launch:
+        raise BenchError("--url and --launch: give one (--launch benchmarks what it starts)")
+    if args.compare_url and not args.compare:
+        raise BenchError("--compare-url: only with --compare aggregated")
+    if args.compare and not args.launch and not args.compare_url:
+        raise BenchError("--compare aggregated: needs --launch (starts both deployments) or "
+                         "--compare-url URL of the running aggregated deployment")
+    try:
+        return {"paces": _paces(args), "isl": parse_lengths(args.isl, "--isl"),
+                "osl": parse_lengths(args.osl, "--osl"), "slo": parse_slo(args.slo)}
+    except (SpecError, SloError) as exc:
+        raise BenchError(str(exc)) from None
+
+
+def aggregated_overrides(cfg: Any, overrides: list[str], offset: int = 100) -> list[str]:
+    """The overrides of the aggregated twin: `mode=aggregated` and every port moved by `offset`
+    so both deployments run side by side on one machine. Refused where the config has no
+    `mode`: comparing against a second disaggregated deployment would be the wrong figure."""
+    if not hasattr(cfg, "mode"):
+        raise BenchError("--compare aggregated: this pdtool's config has no `mode` key "
+                         "(the aggregated mode of the engine); nothing to compare against")
+    moved = []
+    for key in COMPARE_PORT_KEYS:
+        section, _, name = key.partition(".")
+        port = getattr(getattr(cfg, section), name, None)
+        if isinstance(port, int) and port > 0:
+            moved.append(f"{key}={port + offset}")
+    return [*overrides, "mode=aggregated", *moved]
+
+
+# -- running ------------------------------------------------------------------------------------
+
+def build_requests(cfg: Any, settings: dict, n: int, seed: int) -> list[Any]:
+    import numpy as np
+
+    from pdtool.bench.lengths import prompts
+    from pdtool.bench.load import Request
+
+    rng = np.random.default_rng(seed)
+    isl = settings["isl"].draw(rng, n)
+    osl = settings["osl"].draw(rng, n)
+    return [Request(p, o) for p, o in zip(prompts(rng, isl, cfg.model.vocab_size), osl,
+                                          strict=True)]
+
+
+def interleave(targets: list[str], requests: list[Any], rounds: int) -> list[tuple[str, range]]:
+    """The order of (target, request slice) a comparison runs: the requests in `rounds`
+    slices, every target runs each slice, and the order of targets alternates by round
+    (A B, B A, A B, ...) so neither always runs first after a pause."""
+    n = len(requests)
+    rounds = min(rounds, n)
+    bounds = [round(i * n / rounds) for i in range(rounds + 1)]
+    plan = []
+    for k in range(rounds):
+        order = targets if k % 2 == 0 else targets[::-1]
+        for t in order:
+            plan.append((t, range(bounds[k], bounds[k + 1])))
+    return plan
+
+
+def measure(targets: dict[str, str], requests: list[Any], settings: dict, args: Any,
+            con: Any) -> list[dict]:
+    """Run every load point against every target; one entry per (target, load point)."""
+    import asyncio
+
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    from pdtool.bench.load import client, drive, served_model
+
+    async def go() -> list[dict]:
+        apis = {name: client(url, args.timeout) for name, url in targets.items()}
+        models = {name: await served_model(apis[name], url) for name, url in targets.items()}
+        results = []
+        total = len(settings["paces"]) * len(targets) * len(requests)
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                      MofNCompleteColumn(), TimeElapsedColumn(), console=con,
+                      transient=False) as bar:
+            task = bar.add_task("requests", total=total)
+            for pace in settings["paces"]:
+                got: dict[str, list] = {name: [] for name in targets}
+                for name, part in interleave(list(targets), requests, args.rounds):
+                    bar.update(task, description=f"{name} {pace}")
+                    got[name] += await drive(apis[name], models[name],
+                                             [requests[i] for i in part], pace, args.seed,
+                                             lambda _r: bar.advance(task))
+                for name in targets:
+                    results.append({"target": name, "pace": str(pace), "label": pace.label,
+                                    "records": got[name]})
+        for api in apis.values():
+            await api.close()
+        return results
+
+    return asyncio.run(go())
+
+
+def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
+           con: Any) -> dict:
+    from pdtool.bench.plot import plot
+    from pdtool.bench.report import advice_text, table, write_json
+    from pdtool.bench.stats import ratio_advice, stage_rates, summarize
+
+    for res in results:
+        res["summary"] = summarize(res["records"], settings["slo"])
+        rates = stage_rates(res["records"], cfg.prefill.instances, cfg.decode.instances)
+        res["rates"] = rates
+        res["advice"] = ratio_advice(rates, cfg.prefill.instances) if rates else None
+    by_pace: dict[str, dict[str, dict]] = {}
+    for res in results:
+        by_pace.setdefault(res["pace"], {})[res["target"]] = res
+    for pace, per in by_pace.items():
+        con.print(table(f"{pace}, isl {settings['isl']}, osl {settings['osl']}",
+                        {t: r["summary"] for t, r in per.items()}))
+        first = next(iter(per.values()))
+        if first["advice"] is not None and first["target"] == "disaggregated":
+            con.print(advice_text(first["rates"], first["advice"], cfg.decode.instances))
+    out.mkdir(parents=True, exist_ok=True)
+    plain = {"paces": [str(p) for p in settings["paces"]], "isl": str(settings["isl"]),
+             "osl": str(settings["osl"]), "slo": settings["slo"], "seed": args.seed,
+             "requests": args.requests, "rounds": args.rounds if args.compare else 1,
+             "prefill_instances": cfg.prefill.instances, "decode_instances": cfg.decode.instances,
+             "overrides": list(args.overrides), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    write_json(out / "results.json", plain, results)
+    multi = len(results) > 1
+    png = plot(out / "latency.png", [(f"{r['target']} {r['label']}" if multi else r["target"],
+                                      r["records"], r["summary"]) for r in results])
+    con.print(f"wrote {out / 'results.json'} and {png}")
+    return {"settings": plain, "runs": [{"target": r["target"], "pace": r["pace"],
+                                         "summary": r["summary"]} for r in results]}
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdtool.commands._common import (
+        EXIT_ERRORS,
+        EXIT_USAGE,
+        console,
+        dump_json,
+        print_findings,
+    )
+
+    err = console(stderr=True)
+    con = console(stderr=args.json)
+    try:
+        settings = check_args(args)
+    except BenchError as exc:
+        err.print(f"[bold red]pdtool bench:[/] {exc}")
+        return EXIT_USAGE
+    from pdtool.bench.load import LoadError
+    from pdtool.compose import load_config
+
+    cfg, problems = load_config(list(args.overrides))
+    if cfg is None:
+        err.print("[bold red]pdtool bench:[/] the config does not compose")
+        print_findings(err, problems)
+        return EXIT_USAGE
+    requests = build_requests(cfg, settings, args.requests, args.seed)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+
+    def bench(targets: dict[str, str], out: Path) -> int:
+        try:
+            results = measure(targets, requests, settings, args, con)
+        except LoadError as exc:
+            err.print(f"[bold red]pdtool bench:[/] {exc}")
+            return EXIT_ERRORS
+        doc = report(results, cfg, settings, args, out, con)
+        if args.json:
+            dump_json(doc)
+        return 0 if all(r["summary"]["completed"] for r in results) else EXIT_ERRORS
+
+    if not args.launch:
+        url = args.url or f"http://127.0.0.1:{cfg.router.port}"
+        targets = {"disaggregated": url}
+        if args.compare:
+            try:
+                aggregated_overrides(cfg, [])  # refuses a config without `mode`
+            except BenchError as exc:
+                err.print(f"[bold red]pdtool bench:[/] {exc}")
+                return EXIT_USAGE
+            targets["aggregated"] = args.compare_url
+        return bench(targets, args.out or Path(cfg.launcher.output_dir) / f"bench-{stamp}")
+    return _launch_and_bench(args, cfg, bench, err)
+
+
+def _launch_and_bench(args: argparse.Namespace, cfg: Any, bench: Any, err: Any) -> int:
+    """Start the deployment (and its aggregated twin with --compare), bench, stop them."""
+    from pdtool.commands._common import EXIT_USAGE
+    from pdtool.commands.render import render_or_explain
+    from pdtool.launch.local import Supervisor
+
+    if cfg.launcher.kind != "local":
+        err.print("[bold red]pdtool bench:[/] --launch runs the deployment on this machine "
+                  "(launcher=local); on Slurm launch it and pass --url")
+        return EXIT_USAGE
+    overrides = list(args.overrides)
+    twin = None
+    if args.compare:
+        try:
+            twin = aggregated_overrides(cfg, overrides)
+        except BenchError as exc:
+            err.print(f"[bold red]pdtool bench:[/] {exc}")
+            return EXIT_USAGE
+    rendered, code = render_or_explain(overrides, None)
+    if rendered is None:
+        return code
+    out = args.out or rendered.out / "bench"
+
+    def supervisor(r: Any) -> Any:  # with --json, stdout carries the JSON alone
+        return Supervisor(r.spec, r.out, out=sys.stderr if args.json else sys.stdout,
+                          health_timeout=r.cfg.launcher.health_timeout_s)
+
+    if twin is None:
+        return supervisor(rendered).run(
+            smoke=lambda url: bench({"disaggregated": url}, out), task="bench")
+    agg, code = render_or_explain(twin, None)
+    if agg is None:
+        return code
+
+    def with_twin(url: str) -> int:
+        return supervisor(agg).run(
+            smoke=lambda agg_url: bench({"disaggregated": url, "aggregated": agg_url}, out),
+            task="bench")
+
+    return supervisor(rendered).run(smoke=with_twin, task="bench")

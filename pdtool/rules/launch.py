@@ -1,0 +1,190 @@
+"""Launcher settings that must agree with the placement: what a Slurm job asks for.
+
+The job asks `launcher.gpus_per_node` GPUs per node (device=cuda) and every step sees all of
+them, so the plan's GPU ids are CUDA ordinals: fewer GPUs than the highest id a node uses
+would leave a rank without its device. A job that does not take whole nodes
+(`launcher.exclusive=false`) gets only the memory it asks for, so it must ask
+(`launcher.mem`); Slurm's own size syntax is checked here so sbatch does not refuse it later.
+The KV dtypes an SGLang launch line can carry are checked here too.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pdtool.launch.sglang import SGLANG_KV_DTYPES
+from pdtool.plan import placements
+from pdtool.rules.finding import Finding, error, warning
+from pdtool.schema import Config
+
+_MEM = re.compile(r"^[0-9]+[KMGT]?$")
+
+
+def check_slurm_gpus(cfg: Config) -> list[Finding]:
+    """launcher.gpus_per_node covers every GPU id the plan uses on a node."""
+    lc = cfg.launcher
+    if lc.kind != "slurm" or cfg.cluster.device != "cuda":
+        return []
+    used = max((gpu + 1 for ranks in placements(cfg).values() for _, _, gpu in ranks),
+               default=0)
+    if lc.gpus_per_node < used:
+        return [error(
+            "launcher.gpus_per_node",
+            f"the job would ask {lc.gpus_per_node} GPU(s) per node, but the plan places ranks "
+            f"on GPUs 0..{used - 1} of a node",
+            f"set launcher.gpus_per_node={used} (or more; cluster.gpus_per_node="
+            f"{cfg.cluster.gpus_per_node})",
+        )]
+    if lc.gpus_per_node > cfg.cluster.gpus_per_node:
+        return [error(
+            "launcher.gpus_per_node",
+            f"{lc.gpus_per_node} GPUs per node asked, the cluster's nodes have "
+            f"{cfg.cluster.gpus_per_node}: Slurm would never start the job",
+            f"set launcher.gpus_per_node to at most {cfg.cluster.gpus_per_node}",
+        )]
+    return []
+
+
+def check_slurm_memory(cfg: Config) -> list[Finding]:
+    """launcher.mem in Slurm's syntax, and present when the nodes are shared."""
+    lc = cfg.launcher
+    if lc.kind != "slurm":
+        return []
+    if lc.mem and not _MEM.match(lc.mem):
+        return [error("launcher.mem", f"{lc.mem!r} is not a Slurm memory size",
+                      "write a number with an optional K, M, G or T suffix, e.g. 480G")]
+    if not lc.exclusive and not lc.mem:
+        return [error(
+            "launcher.mem",
+            "launcher.exclusive=false: the job shares its nodes and gets only the memory it "
+            "asks for, which is none here",
+            "set launcher.mem to what the processes of one node need (e.g. 480G), or "
+            "launcher.exclusive=true for whole nodes",
+        )]
+    return []
+
+
+#: KV dtypes an SGLang line can carry: `auto` (the model's) or one --kv-cache-dtype renders
+SGLANG_CACHE_DTYPES = ("auto", *SGLANG_KV_DTYPES)
+
+
+def check_sglang_kv_dtype(cfg: Config) -> list[Finding]:
+    """engine=sglang: only KV dtypes SGLang's --kv-cache-dtype has (no fp16/fp32 cache)."""
+    if cfg.engine.kind != "sglang":
+        return []
+    out = []
+    for r in ("prefill", "decode"):
+        dt = getattr(cfg, r).kv_dtype
+        if dt not in SGLANG_CACHE_DTYPES:
+            out.append(error(f"{r}.kv_dtype",
+                             f"SGLang 0.5.23 has no {dt} KV cache (--kv-cache-dtype takes "
+                             f"{', '.join(SGLANG_CACHE_DTYPES)} here)",
+                             f"set {r}.kv_dtype=auto (the model's dtype) or bf16"))
+    return out
+
+
+ALL = (check_slurm_gpus, check_slurm_memory, check_sglang_kv_dtype)
+
+
+def check_cross_node_loopback(cfg: Config) -> list[Finding]:
+    """A loopback NIC carries no traffic between two machines: refuse it for ranks on
+    different nodes (unless every node is this one machine, cluster.one_host)."""
+    if cfg.launcher.kind != "slurm" or cfg.cluster.one_host:
+        return []
+    places = placements(cfg)
+    nodes = {node for ranks in places.values() for node, _, _ in ranks}
+    if len(nodes) < 2:
+        return []
+    loop = sorted({n.name for n in cfg.cluster.nics
+                   if n.name == "lo" or n.name.startswith("lo:")}
+                  & set(_nics_used(cfg)))
+    if not loop:
+        return []
+    return [error(
+        "transfer.provider",
+        f"KV would travel over the loopback interface {loop[0]} between different nodes "
+        f"(FI_TCP_IFACE={loop[0]}): nothing leaves the machine, prefill and decode on "
+        f"{len(nodes)} nodes cannot reach each other",
+        "list the nodes' real network interface in cluster.nics (kind tcp), use a cluster "
+        "preset with RDMA NICs, or set cluster.one_host=true for a cluster emulated on one "
+        "machine",
+    )]
+
+
+def _nics_used(cfg: Config) -> list[str]:
+    from pdtool.plan import choose_nics
+
+    out = []
+    for ranks in placements(cfg).values():
+        for _, _, gpu in ranks:
+            out += list(choose_nics(cfg.cluster, cfg.transfer.provider, gpu)[0])
+    return out
+
+
+def check_shared_host_nic(cfg: Config) -> list[Finding]:
+    """Warn when every GPU of a node sends through one host NIC: show each GPU's share."""
+    from pdtool.plan import choose_nics
+
+    if cfg.launcher.kind != "slurm" or cfg.cluster.device != "cuda":
+        return []
+    picks = {choose_nics(cfg.cluster, cfg.transfer.provider, g)
+             for g in range(cfg.cluster.gpus_per_node)}
+    if len(picks) != 1 or cfg.cluster.gpus_per_node < 2:
+        return []
+    ((names, _, affinity),) = picks
+    if affinity != "host" or len(names) != 1:
+        return []
+    nic = next((n for n in cfg.cluster.nics if n.name == names[0]), None)
+    gbps = nic.gbps if nic else 0
+    share = (f"{gbps / cfg.cluster.gpus_per_node:g} Gb/s per GPU of {gbps} Gb/s"
+             if gbps else "an equal share each (cluster.nics gives no gbps)")
+    # keyed on the transport: cluster.nics is right as written (one host NIC is a valid node)
+    return [warning(
+        "transfer.provider",
+        f"all {cfg.cluster.gpus_per_node} GPUs of a node send KV through one host NIC "
+        f"{names[0]}: {share}",
+        "list the nodes' per-GPU RDMA NICs (with their gpus) in cluster.nics, or accept the "
+        "shared bandwidth",
+    )]
+
+
+ALL = (*ALL, check_cross_node_loopback, check_shared_host_nic)
+
+
+def check_container_model_path(cfg: Config) -> list[Finding]:
+    """A model folder on the host must be mounted into the container to be loaded there."""
+    lc = cfg.launcher
+    path = cfg.model.path
+    if lc.kind != "slurm" or not lc.container_image or not path.startswith("/"):
+        return []
+    dests = [m.split(":")[1] if m.count(":") >= 1 else m for m in lc.container_mounts]
+    if any(path == d or path.startswith(d.rstrip("/") + "/") for d in dests):
+        return []
+    return [error(
+        "model.path",
+        f"{path} is a host folder, but no launcher.container_mounts entry puts it in the "
+        "container, where the engine loads it",
+        f"add a mount such as '{path}:{path}:ro' to launcher.container_mounts",
+    )]
+
+
+ALL = (*ALL, check_container_model_path)
+
+
+def check_transfer_backend(cfg: Config) -> list[Finding]:
+    """transfer.backend is one SGLang 0.5.23 has (with pdtool's plugin), for engine=sglang."""
+    from pdtool.schema import TRANSFER_BACKENDS
+
+    be = cfg.transfer.backend
+    if be not in TRANSFER_BACKENDS:
+        return [error("transfer.backend", f"unknown transfer backend {be!r}",
+                      f"choose one of {', '.join(TRANSFER_BACKENDS)}")]
+    if be != "pdtool" and cfg.engine.kind != "sglang":
+        return [error("transfer.backend",
+                      f"transfer.backend={be} is SGLang's own backend; the reference engine "
+                      "moves KV with pdtool's messenger only",
+                      "set transfer.backend=pdtool, or engine=sglang")]
+    return []
+
+
+ALL = (*ALL, check_transfer_backend)

@@ -1,0 +1,188 @@
+"""`pdtool bench`'s figures on fixed request records (no server, no clocks), its argument
+checks through the real command line, and the order a comparison interleaves its rounds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pdtool.bench.lengths import Lengths, SpecError, parse_lengths, prompts
+from pdtool.bench.stats import (
+    Record,
+    SloError,
+    busy_instance_seconds,
+    meets,
+    parse_slo,
+    percentile,
+    ratio_advice,
+    stage_rates,
+    summarize,
+)
+from pdtool.commands.bench import BenchError, aggregated_overrides, interleave
+
+
+def rec(start: float, stamps: list[float], tokens: list[int] | None = None, inp: int = 10,
+        error: str = "") -> Record:
+    return Record(start=start, input_tokens=inp, stamps=stamps,
+                  tokens=tokens or [1] * len(stamps), end=stamps[-1] if stamps else start + 1,
+                  error=error)
+
+
+def test_percentiles_interpolate_like_numpy():
+    xs = [5.0, 1.0, 4.0, 2.0, 3.0, 10.0, 7.5]
+    for q in (0, 50, 90, 99, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+
+
+def test_one_request_ttft_tpot_itl_e2e():
+    r = rec(1.0, [1.1, 1.2, 1.4], tokens=[1, 2, 1])  # 4 tokens, the middle chunk carries two
+    assert r.ttft == pytest.approx(0.1)
+    assert r.e2e == pytest.approx(0.4)
+    assert r.tpot == pytest.approx(0.3 / 3)
+    assert r.itls == pytest.approx([0.1, 0.2])
+    assert rec(0.0, [0.5]).tpot is None  # one token: no time per output token
+
+
+def test_summary_of_fixed_records():
+    rs = [rec(0.0, [0.1, 0.2, 0.3]), rec(0.0, [0.2, 0.4, 0.6]),
+          rec(0.5, [], error="HTTP 503: no decode instance is up")]
+    s = summarize(rs)
+    assert (s["requests"], s["completed"], s["failed"]) == (3, 2, 1)
+    assert s["errors"] == {"HTTP 503: no decode instance is up": 1}
+    assert s["duration_s"] == pytest.approx(1.5)  # the failed one ends at start + 1
+    assert s["output_tokens"] == 6 and s["input_tokens"] == 20
+    assert s["request_throughput"] == pytest.approx(2 / 1.5)
+    assert s["output_throughput"] == pytest.approx(6 / 1.5)
+    assert s["ttft_ms"]["p50"] == pytest.approx(150.0)
+    assert s["ttft_ms"]["p99"] == pytest.approx(100 + 100 * 0.99)
+    assert s["tpot_ms"]["mean"] == pytest.approx(150.0)
+    assert s["itl_ms"]["p50"] == pytest.approx(150.0)
+    assert s["e2e_ms"]["p90"] == pytest.approx(300 + 300 * 0.9)
+    assert summarize([])["requests"] == 0
+
+
+def test_goodput_counts_requests_within_every_slo():
+    fast = rec(0.0, [0.05, 0.06, 0.07])
+    slow_start = rec(0.0, [0.5, 0.51, 0.52])
+    slow_steps = rec(0.0, [0.05, 0.25, 0.45])
+    failed = rec(0.0, [], error="boom")
+    slo = parse_slo("ttft_ms=100,tpot_ms=50")
+    assert slo == {"ttft_ms": 100.0, "tpot_ms": 50.0}
+    assert [meets(r, slo) for r in (fast, slow_start, slow_steps, failed)] == \
+        [True, False, False, False]
+    s = summarize([fast, slow_start, slow_steps, failed], slo)
+    assert s["good_requests"] == 1
+    assert s["goodput"] == pytest.approx(1 / s["duration_s"])
+    assert meets(slow_steps, {}) and not meets(failed, {})  # no SLO: every finished request
+
+
+@pytest.mark.parametrize("text, why", [("ttft=5", "KEY one of"), ("ttft_ms=fast", "milliseconds"),
+                                       ("tpot_ms=-1", "positive"), ("ttft_ms", "KEY=MILLISECONDS")])
+def test_bad_slo_names_the_key(text: str, why: str):
+    with pytest.raises(SloError, match=why):
+        parse_slo(text)
+
+
+def test_busy_instance_seconds_caps_at_the_instances():
+    two_overlapping = [(0.0, 2.0), (1.0, 3.0)]
+    assert busy_instance_seconds(two_overlapping, 1) == pytest.approx(3.0)  # the union
+    assert busy_instance_seconds(two_overlapping, 2) == pytest.approx(4.0)  # each its own
+    assert busy_instance_seconds([(0.0, 1.0)], 4) == pytest.approx(1.0)  # one busy of four
+
+
+def test_ratio_advice_balances_request_rates():
+    # prefill: 1000 input tokens in 1 s on one instance; decode: two requests of 10 outputs
+    # (9 after the first token) stepping for 1 s each on two instances -> 9 tokens/s each
+    rs = [rec(0.0, [0.5 + 0.1 * i for i in range(10)], inp=500),
+          rec(0.5, [1.0 + 0.1 * i for i in range(10)], inp=500)]
+    rates = stage_rates(rs, prefill_instances=1, decode_instances=2)
+    assert rates.prefill_tokens_s == pytest.approx(1000 / 1.0)
+    assert rates.decode_tokens_s == pytest.approx(18 / (0.9 + 0.9))
+    assert (rates.mean_input, rates.mean_output) == (500, 9)
+    # one prefill instance serves 1000/500 = 2 req/s; one decode 10/9 req/s -> 1.8 decodes
+    adv = ratio_advice(rates, prefill_instances=1)
+    assert adv.decode_per_prefill == pytest.approx(1.8)
+    assert (adv.decode_instances, adv.override) == (2, "decode.instances=2")
+    assert ratio_advice(rates, prefill_instances=3).override == "decode.instances=5"
+    assert stage_rates([rec(0.0, [], error="x")], 1, 1) is None
+
+
+def test_lengths_parse_draw_and_prompts():
+    assert parse_lengths("64", "--isl") == Lengths(64, 64)
+    assert parse_lengths("32-2000", "--isl") == Lengths(32, 2000)
+    assert parse_lengths("16-256:log", "--osl") == Lengths(16, 256, True)
+    for bad in ("", "abc", "10-5", "0", "5-"):
+        with pytest.raises(SpecError, match="--isl"):
+            parse_lengths(bad, "--isl")
+    draw = Lengths(32, 2000, True).draw(np.random.default_rng(3), 500)
+    assert min(draw) >= 32 and max(draw) <= 2000
+    assert np.median(draw) < (32 + 2000) / 2  # log-uniform: most prompts short
+    a = prompts(np.random.default_rng(7), [5, 300], vocab=256)
+    assert [len(p) for p in a] == [5, 300] and all(0 <= t < 256 for p in a for t in p)
+    assert a == prompts(np.random.default_rng(7), [5, 300], vocab=256)  # seeded
+
+
+def test_interleave_alternates_targets_and_covers_every_request():
+    plan = interleave(["disaggregated", "aggregated"], list(range(10)), rounds=4)
+    ab, ba = ["disaggregated", "aggregated"], ["aggregated", "disaggregated"]
+    assert [t for t, _ in plan] == ab + ba + ab + ba
+    for target in ("disaggregated", "aggregated"):
+        got = [i for t, part in plan if t == target for i in part]
+        assert got == list(range(10))
+    assert len(interleave(["a", "b"], [0, 1], rounds=8)) == 4  # never more rounds than requests
+
+
+def test_compare_refuses_a_config_without_mode():
+    from pdtool.compose import load_config
+
+    cfg, _ = load_config(["+recipe=tiny-local"])
+    if hasattr(cfg, "mode"):
+        over = aggregated_overrides(cfg, ["+recipe=tiny-local"], offset=100)
+        assert "mode=aggregated" in over and f"router.port={cfg.router.port + 100}" in over
+    else:
+        with pytest.raises(BenchError, match="no `mode` key"):
+            aggregated_overrides(cfg, [])
+
+
+def bench_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run([sys.executable, "-m", "pdtool.cli", "bench", *args], capture_output=True,
+                       text=True, timeout=120, check=False)
+    assert "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
+    return p
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--isl", "ten"], "--isl: expected N, A-B"),
+    (["--osl", "9-3"], "--osl: expected 1 <= A <= B"),
+    (["--concurrency", "0"], "--concurrency: expected integers >= 1"),
+    (["--concurrency", "2,x"], "--concurrency: expected integers"),
+    (["--rate", "0"], "--rate: expected positive"),
+    (["--requests", "0"], "--requests: expected at least 1"),
+    (["--slo", "ttft=3"], "--slo: expected KEY=MILLISECONDS"),
+    (["--url", "http://x", "--launch"], "--url and --launch"),
+    (["--compare", "aggregated"], "--compare aggregated: needs --launch"),
+    (["--compare-url", "http://x"], "--compare-url: only with --compare"),
+])
+def test_bad_arguments_give_one_clear_line(args: list[str], why: str):
+    p = bench_cli(*args)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert why in " ".join(p.stderr.split()), p.stderr
+
+
+def test_no_deployment_is_a_clear_error(tmp_path):
+    from pdtool.engines.reference.local import free_port
+
+    p = bench_cli(f"--url=http://127.0.0.1:{free_port()}", "--requests", "1",
+                  "--out", str(tmp_path))
+    assert p.returncode == 1
+    assert "no deployment answers at http://127.0.0.1:" in " ".join(p.stderr.split())
+
+
+def test_concurrency_and_rate_are_exclusive():
+    p = bench_cli("--concurrency", "2", "--rate", "3")
+    assert p.returncode == 2 and "not allowed with argument" in p.stderr

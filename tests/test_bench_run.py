@@ -1,0 +1,51 @@
+"""`pdtool bench --launch` against a real tiny-local deployment: it starts the deployment,
+drives a short two-point sweep, writes results.json and the PNG into the job folder, and stops
+everything. No timing assertions: only that every figure is there and consistent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from pdtool.engines.reference.local import free_port, free_port_run
+
+
+def test_launch_sweep_writes_results_and_plot(tmp_path: Path):
+    ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
+             f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
+             f"decode.dist_init_port={free_port()}", f"prefill.bootstrap_port={free_port()}"]
+    out = tmp_path / "bench"
+    p = subprocess.run(
+        [sys.executable, "-m", "pdtool.cli", "bench", "+recipe=tiny-local", *ports,
+         f"launcher.output_dir={tmp_path}", "--launch", "--concurrency", "1,3", "--requests", "6",
+         "--isl", "8-80", "--osl", "4-12", "--slo", "ttft_ms=60000,tpot_ms=60000",
+         "--out", str(out), "--json"],
+        capture_output=True, text=True, timeout=600, check=False)
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log
+    assert "Traceback" not in log
+    assert "bench passed: stopping" in p.stderr  # the supervisor's lines go to stderr with --json
+    printed = json.loads(p.stdout)
+    doc = json.loads((out / "results.json").read_text())
+    assert [r["pace"] for r in doc["runs"]] == ["concurrency 1", "concurrency 3"]
+    assert doc["settings"]["isl"] == "8-80" and doc["settings"]["requests"] == 6
+    for run, shown in zip(doc["runs"], printed["runs"], strict=True):
+        s = run["summary"]
+        assert s == shown["summary"]
+        assert (s["requests"], s["completed"], s["failed"]) == (6, 6, 0)
+        # the prompts are exactly the drawn lengths; outputs at most what was asked
+        assert [r["input_tokens"] for r in run["records"]] == \
+            [r["input_tokens"] for r in doc["runs"][0]["records"]]
+        assert all(8 <= r["input_tokens"] <= 80 for r in run["records"])
+        assert all(1 <= sum(r["tokens"]) <= 12 for r in run["records"])
+        assert s["input_tokens"] == sum(r["input_tokens"] for r in run["records"])
+        for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+            d = s[key]
+            assert 0 < d["p50"] <= d["p90"] <= d["p99"]
+        assert s["good_requests"] == 6  # a one-minute SLO: every request meets it
+        assert run["advice"]["override"].startswith("decode.instances=")
+    assert "balanced prefill:decode = 1:" in log
+    png = (out / "latency.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
