@@ -27,11 +27,18 @@ MODULE_MARKS: dict[str, tuple[str, ...]] = {
     "test_reference_slurm": ("fabric",),
     "test_reliability_serve": ("fabric",),
     "test_workerenv": ("fabric",),
+    "test_staging": ("fabric",),
+    "test_reference_aggregated": ("fabric",),
+    "test_reference_hf": ("fabric",),
+    "test_reference_layout": ("fabric",),
+    "test_reference_openai": ("fabric",),
+    "test_bench_run": ("fabric",),
     "test_sglang_backend": ("fabric", "sglang"),
+    "test_sglang_frames": ("fabric", "sglang"),  # transfer.sglang.conn loads the binding
     # SGLang's own classes and parsers
-    "test_sglang_frames": ("sglang",),
     "test_sglang_plugin": ("sglang",),
     "test_sglang_lines": ("sglang",),
+    "test_geometry": ("sglang",),
 }
 #: Fixtures that bring a part up, by the marker their users get.
 FIXTURE_MARKS = {"slurm": "slurm"}

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
-from pdtool_cfg import recipe
+from pdtool_cfg import recipe, recipe_args
 
 from pdtool.cli import main as pdtool_main
 from pdtool.plan import build_plan
@@ -143,7 +143,8 @@ def test_every_recipe_plan_json_counts_equal_the_backends(capsys) -> None:
     names = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
     assert names
     for name in names:
-        assert pdtool_main(["plan", f"+recipe={name}", "--json", "--tokens=300"]) == 0
+        assert pdtool_main(["plan", f"+recipe={name}", *recipe_args(name), "--json",
+                            "--tokens=300"]) == 0
         data = json.loads(capsys.readouterr().out)
         cfg = recipe(name)
         routes = data["transfer"]["routes"]
@@ -160,11 +161,11 @@ def reference_messenger_writes(cfg: Config, tokens: int, decode_rank: int) -> in
     pages: its PagedKV layer tensors and the one hidden-state aux buffer its link registers."""
     from pdtool.engines.reference.cache import PagedKV
     from pdtool.engines.reference.fromplan import model_fields
-    from pdtool.engines.reference.model import TinyConfig
+    from pdtool.engines.reference.models import model_config
     from pdtool.schema import kv_dtype
     from transfer.layout import KVLayout
 
-    tiny = TinyConfig(**model_fields(cfg.model, kv_dtype(cfg.model, cfg.decode), "decode"))
+    tiny = model_config(model_fields(cfg.model, kv_dtype(cfg.model, cfg.decode), "decode"))
     src, dst = tiny.shard_spec(cfg.prefill.tp), tiny.shard_spec(cfg.decode.tp)
     kv = PagedKV(tiny, dst.heads_per_rank, 8, cfg.decode.page_size)
     lay = KVLayout.from_tensor(kv.layers[0], cfg.decode.kv_layout)

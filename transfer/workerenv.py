@@ -18,7 +18,7 @@ This module is in `transfer/` because the SGLang backend and the messenger read 
     PDTOOL_SECRET_FILE        the 0600 per-deployment secret file (control-plane HMAC key)
     PDTOOL_HOSTS              the allocation's node addresses, space separated, by node index
     PDTOOL_PREFLIGHT          "1": workers serve /health without starting the engine
-    PDTOOL_EXIT_WHEN_HEALTHY  "1": the Slurm job ends once every process is healthy
+    PDTOOL_EXIT_WHEN_HEALTHY  "1": the job ends once every process is healthy (script only)
   identity (pdtool.worker, from its arguments or Slurm's task variables):
     PDTOOL_PLAN               the plan.json this process runs from
     PDTOOL_ROLE               prefill | decode | router
@@ -34,6 +34,7 @@ This module is in `transfer/` because the SGLang backend and the messenger read 
                               hand-run SGLang workers); never set by pdtool
     PDTOOL_CONTROL_FAULTS     drop/delay outgoing control messages (transfer.wire, tests)
     PDTOOL_REFERENCE_ALLOW_FAULTS  "1": the reference engine honours test fault hooks
+    PDTOOL_HOPS               file the TTFT hop profiler's hooks append timestamps to (bench)
 """
 
 from __future__ import annotations
@@ -64,9 +65,11 @@ class Var:
 
 
 # -- launch: set by the job script (templates/*.j2) or pdtool.launch.local for every process ----
-RUN_DIR = Var("PDTOOL_RUN_DIR", "job script, pdtool.launch.local", "job script; process lookup",
+RUN_DIR = Var("PDTOOL_RUN_DIR", "job script, pdtool.launch.local",
+              "process lookup (a job's processes by folder)",
               "the job folder; every process of the job carries it, so its processes can be "
-              "found (and stopped) by folder")
+              "found by folder (the script itself never reads it: its folder is the one it was "
+              "rendered into)")
 PYTHON = Var("PDTOOL_PYTHON", "the user (optional)", "job script",
              "interpreter of pdtool's own helpers in the job script (the health wait); "
              "default: engine.python")
@@ -76,11 +79,14 @@ SECRET_FILE = Var("PDTOOL_SECRET_FILE", "job script, pdtool.launch.local",
                   "secret itself never travels in the environment")
 HOSTS = Var("PDTOOL_HOSTS", "job script, pdtool.launch.local", "reference engine",
             "the allocation's node addresses, space separated, indexed by the plan's node number")
-PREFLIGHT = Var("PDTOOL_PREFLIGHT", "pdtool launch --preflight", "pdtool.worker",
+PREFLIGHT = Var("PDTOOL_PREFLIGHT", "job script (its --preflight argument), pdtool.launch.local",
+                "pdtool.worker",
                 '"1": every worker resolves plan, rank and NIC and serves /health, without '
                 "starting the engine")
-EXIT_WHEN_HEALTHY = Var("PDTOOL_EXIT_WHEN_HEALTHY", "pdtool.launch.slurm", "job script",
-                        '"1": the Slurm job stops once every process answered /health')
+EXIT_WHEN_HEALTHY = Var("PDTOOL_EXIT_WHEN_HEALTHY",
+                        "job script (its --exit-when-healthy argument)", "job script",
+                        '"1": the job stops once every process answered /health (a variable of '
+                        "the script, not exported)")
 
 # -- identity: set by pdtool.worker (and read back by it, so a worker started inside another
 # worker's environment, e.g. by hand for debugging, resolves the same place) -----------------
@@ -118,11 +124,15 @@ REFERENCE_ALLOW_FAULTS = Var("PDTOOL_REFERENCE_ALLOW_FAULTS", "tests (launcher.e
                              "reference engine",
                              '"1": the reference engine honours the fault hooks of its tests')
 
+HOPS = Var("PDTOOL_HOPS", "bench/ttft_hops.py", "bench/hops/sitecustomize.py",
+           "file every deployment process appends its request hop timestamps to, when set "
+           "(the TTFT hop profiler's hooks, loaded through PYTHONPATH)")
+
 VARIABLES: tuple[Var, ...] = (
     RUN_DIR, PYTHON, SECRET_FILE, HOSTS, PREFLIGHT, EXIT_WHEN_HEALTHY,
     PLAN, ROLE, INSTANCE, RANK, NODE_RANK,
     FI_PROVIDER, FI_DOMAIN, NICS,
-    SECRET, CONTROL_FAULTS, REFERENCE_ALLOW_FAULTS,
+    SECRET, CONTROL_FAULTS, REFERENCE_ALLOW_FAULTS, HOPS,
 )
 BY_NAME: dict[str, Var] = {v.name: v for v in VARIABLES}
 
@@ -200,7 +210,17 @@ def secret_file(environ: Mapping[str, str] | None = None) -> str | None:
     return SECRET_FILE.get(environ)
 
 
-# -- the worker's writer ----------------------------------------------------------------------
+# -- writers ----------------------------------------------------------------------------------
+
+
+def launch_env(*, run_dir: str, secret_file: str, hosts: Iterable[str],
+               preflight: bool) -> dict[str, str]:
+    """The launch variables `pdtool launch` (launcher=local) gives every process it starts, as
+    the rendered job scripts export them (templates/*.j2 write the same names in bash)."""
+    env = {RUN_DIR.name: run_dir, SECRET_FILE.name: secret_file, HOSTS.name: " ".join(hosts)}
+    if preflight:
+        env[PREFLIGHT.name] = "1"
+    return env
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from typing import TextIO
 from pdtool.launch.health import HealthFailure, log_tail, wait_healthy, watchdog
 from pdtool.launch.shell import resolve
 from pdtool.launch.spec import LaunchSpec, Proc
+from transfer.workerenv import launch_env
 
 #: the stop order (pdtool's scripts use the same): no new requests first, prefill last
 STOP_ORDER = ("router", "decode", "prefill")
@@ -74,12 +75,9 @@ class Supervisor:
     def start(self, p: Proc) -> Running:
         argv = resolve(p.argv, self.vars)
         log = Path(resolve([p.log], self.vars)[0])
-        env = dict(os.environ)
-        env["PDTOOL_RUN_DIR"] = str(self.run_dir)
-        env["PDTOOL_SECRET_FILE"] = str(self.run_dir / "secret.key")
-        env["PDTOOL_HOSTS"] = " ".join(["127.0.0.1"] * self.spec.job.nodes)
-        if self.preflight:
-            env["PDTOOL_PREFLIGHT"] = "1"
+        env = {**os.environ, **launch_env(
+            run_dir=str(self.run_dir), secret_file=str(self.run_dir / "secret.key"),
+            hosts=["127.0.0.1"] * self.spec.job.nodes, preflight=self.preflight)}
         with open(log, "ab") as fh:
             try:
                 popen = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,

@@ -106,9 +106,12 @@ class Front:
         self._lock = threading.Lock()
         self._ctx = zmq.Context()
         self._inbox = f"inproc://front-{uuid.uuid4().hex}"
+        # LINGER 0: an item nobody will take (the dispatcher gone) must never block closing
         self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.bind(self._inbox)
         self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
         self._push.connect(self._inbox)
         self._stop = threading.Event()
         self.httpd = _Server((host, port), _handler(self))
@@ -130,6 +133,8 @@ class Front:
             self._push.send_pyobj(None)
         for t in self._threads:
             t.join(timeout=5)
+        if not any(t.is_alive() for t in self._threads):  # else its sockets are still in use
+            self._ctx.destroy(linger=0)
 
     @property
     def ready(self) -> bool:
