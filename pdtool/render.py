@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,9 +128,9 @@ def write_secret(path: Path) -> None:
     if path.exists():
         os.chmod(path, 0o600)
         return
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
+    from transfer.wire.secret import write_secret as create  # the one writer of the format
+
+    create(path)
 
 
 def build_job(cfg: Any, plan: Any, out: Path) -> tuple[Rendered, str, dict[str, dict[str, str]]]:

@@ -92,6 +92,9 @@ def test_roundtrip_after_hello():
         (lambda: _raw(_env(k="HELLO", body=_hello_body(layout={"kind": "HND"}))),
          r"HELLO.layout.num_pages: missing field"),
         (lambda: _raw(_env(body={**_request_body(), "evil": 1})), r"REQUEST.evil: unknown field"),
+        # the static fields went once, in HELLO: a REQUEST carrying them is refused
+        (lambda: _raw(_env(body={**_request_body(), "layout": _hello_body()["layout"]})),
+         r"REQUEST.layout: unknown field"),
         (lambda: _raw(_env(body=_request_body(token_ids=b"123"))),
          r"REQUEST.token_ids: expected 0..\d+ bytes in multiples of 4, got 3"),
         (lambda: _raw(_env(k="HELLO",

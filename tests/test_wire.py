@@ -157,20 +157,24 @@ def test_sglang_frames_are_the_same_envelope_behind_a_tag():
     meta = {"peer": "10.0.0.2:7000", "room": 7, "kv_indices": b"\x01\x00\x00\x00",
             "aux_index": None, "slot": 1, "gen": 2, "required_dst_info_num": 1,
             "is_dummy": False, "decode_prefix_len": 0}
-    frame = decode.encode("META", meta, prefill.session)  # session from the bootstrap registry
-    assert prefill.decode(frame).body == meta
-    with pytest.raises(WireError, match="seq: already seen"):
-        prefill.decode(frame)
-    with pytest.raises(WireError, match="to: a META must be bound"):
-        prefill.decode([TAG, *_unbound_meta(meta)])
+    for to in (b"", prefill.session):  # unbound, or bound once the session is known
+        frame = decode.encode("META", meta, to)
+        assert prefill.decode(frame).body == meta
+        with pytest.raises(WireError, match="seq: already seen"):
+            prefill.decode(frame)
+    restarted = Frames(SECRET, "prefill-0")
+    with pytest.raises(WireError, match="to: frame bound to another session"):
+        restarted.decode(decode.encode("META", meta, prefill.session))
+    with pytest.raises(WireError, match=r"envelope\.v: protocol version 1, expected 2"):
+        prefill.decode([TAG, *_v1_meta(meta)])
     with pytest.raises(WireError, match="not a pdtool control frame"):
         prefill.decode([b"KV_STATUS", b"1", b"4", b"0"])
     with pytest.raises(WireError, match=r"HELLO\.port: expected int"):
         decode.encode("HELLO", _reg(port="7000"))
 
 
-def _unbound_meta(meta: dict) -> list[bytes]:
-    data = msgpack.packb({"v": PROTOCOL_VERSION, "p": "sglang", "k": "META", "from": "decode-0",
-                          "sid": b"y" * 16, "to": b"", "seq": 1, "body": meta},
-                         use_bin_type=True)
+def _v1_meta(meta: dict) -> list[bytes]:
+    """A META as conn.encode_frame wrote it in version 1 (body fields beside `v`), signed the
+    version-2 way: its sender learns the version, not a missing field."""
+    data = msgpack.packb({"v": 1, **meta, "t": 1.0, "n": b"n" * 16}, use_bin_type=True)
     return [data, hmac.new(SECRET, data, hashlib.sha256).digest()]

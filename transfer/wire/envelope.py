@@ -22,7 +22,8 @@ with a random 16-byte session id, chosen when it is built, and numbers every fra
 and frames delayed or reordered within the window still pass. Binding makes old captures
 useless across restarts: every frame except a HELLO carries `to` = the receiver's session
 id, which the sender only learns from the receiver's own HELLO, so a frame captured from an
-earlier run of the receiver names a session that no longer exists and is refused. When a
+earlier run of the receiver names a session that no longer exists and is refused (a protocol
+may let more kinds go unbound: `Protocol.unbound`; SGLang's one-way META, wire/sglang.py). When a
 sender's frames bound to us arrive under a new session id, that sender restarted: every other
 session of it seen so far is retired, and their frames are refused from then on (such a frame
 was bound to our session, so its sender's HELLO reached us in this run: it is known). A

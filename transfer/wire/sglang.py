@@ -11,10 +11,14 @@ prefill's control loop tell pdtool frames from SGLang's ABORT notifications on t
   * META (decode rank -> prefill rank, per request): the room, the decoder's page ids, the
     aux row, the transfer slot and generation, SGLang's destination count and prefix length.
 
-Binding: every frame but HELLO must carry the prefill rank's session id; with one-way
-sockets the decode rank learns it from the prefill rank's entry in SGLang's bootstrap
-registry (the prefill publishes `Frames.session.hex()` with its rank address), so a frame
-captured before the prefill restarted names a session that no longer exists.
+Binding: the sockets are one way and SGLang 0.5.23's bootstrap registry keeps only each
+prefill rank's address (`PrefillRankInfo`), so a decode rank may not know the prefill rank's
+session: META, like HELLO, may go unbound. Unbound frames are still signed, versioned and
+refused when replayed within the prefill's run (per-session sequence windows); what binding
+adds — refusing a frame captured before the prefill restarted — needs the prefill's
+`Frames.session` to reach the decode rank (its bootstrap registration, or a HELLO of the
+prefill's own pushed back to the decode rank's port); once it does, pass it as `to`, and a
+frame bound to any other session is refused.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ SCHEMAS: dict[str, Check] = {
     }),
 }
 
-SGLANG = Protocol("sglang", SCHEMAS)
+SGLANG = Protocol("sglang", SCHEMAS, unbound=frozenset({"HELLO", "META"}))
 
 
 def facts(*, provider: str, is_mla: bool, page_size: int, total_kv_heads: int,

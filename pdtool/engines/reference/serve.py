@@ -420,11 +420,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--spec: unknown keys {unknown}", file=sys.stderr)
         return 2
     if not raw.get("secret_hex") and os.environ.get("PDTOOL_SECRET_FILE"):
-        from transfer.control import ControlError, read_secret
+        from transfer.wire import WireError, read_secret
 
         try:  # the secret stays off the command line: read it from the 0600 file
             raw["secret_hex"] = read_secret(os.environ["PDTOOL_SECRET_FILE"]).hex()
-        except ControlError as exc:
+        except WireError as exc:
             print(f"PDTOOL_SECRET_FILE: {exc}", file=sys.stderr)
             return 2
     return run(RankSpec(**raw))
