@@ -185,8 +185,8 @@ def test_dry_run_prints_commands_and_starts_nothing(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert "srun --export=ALL --nodes=1 --ntasks=1 --relative=1" in res.stdout
     assert "python3 -m pdtool.worker" in res.stdout and "--role decode --instance 1" in res.stdout
-    assert (out / "job.sbatch").exists()
-    assert not list((out / "logs").iterdir())  # nothing ran
+    assert "#SBATCH --nodes=2" in res.stdout  # the header too
+    assert not out.exists()  # nothing ran, nothing written (no folder, no secret)
 
 
 # --- the worker entry on its own -------------------------------------------------------------
