@@ -345,7 +345,8 @@ def run_pair(cfg: dict[str, Any], kill_prefill: bool = False,
     cfg = {"bootstrap_port": _free_port(), "http_port": _free_port(), **cfg}
     cfg.setdefault("waves", [list(cfg["rooms"])])
     cfg["die_after_meta"] = kill_decode
-    cfg["env"] = {"PDTOOL_FI_PROVIDER": cfg.get("provider", "shm"), "PDTOOL_SECRET": "t0p",
+    cfg["env"] = {"PDTOOL_FI_PROVIDER": cfg.get("provider", "shm"),
+                  "PDTOOL_SECRET": "t0p-secret-of-16+bytes",
                   "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
                   "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "1",
                   "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60", **cfg.get("extra_env", {})}

@@ -1,69 +1,88 @@
-"""Pure parts of the SGLang backend: signed control frames (its buffer geometry and write
-counts are transfer.geometry's: tests/test_geometry.py)."""
+"""Pure parts of the SGLang backend: its signed control frames are transfer.wire's envelope
+(`transfer.wire.sglang.Frames`), and its secret comes from the deployment's 0600 file (its
+buffer geometry and write counts are transfer.geometry's: tests/test_geometry.py)."""
 
 from __future__ import annotations
+
+import hashlib
+import hmac
 
 import msgpack
 import pytest
 import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
 
 from transfer.sglang import conn
+from transfer.wire import PROTOCOL_VERSION, WireError, write_secret
+from transfer.wire.sglang import TAG, Frames
+
+SECRET = b"s3cret-of-the-deployment"
+META = {"peer": "10.0.0.2:7000", "room": 7, "kv_indices": b"\x01\x00\x00\x00",
+        "aux_index": 3, "slot": 1, "gen": 2, "required_dst_info_num": 1, "is_dummy": False,
+        "decode_prefix_len": 0}
 
 
-def test_frames_round_trip_and_reject_tampering(monkeypatch) -> None:
-    monkeypatch.setenv("PDTOOL_SECRET", "s3cret")
-    frame = conn.encode_frame(conn.KIND_META, {"room": 7, "kv_indices": b"\x01\x00\x00\x00"})
-    assert conn.decode_frame(frame) == (conn.KIND_META, {"v": conn.WIRE_VERSION, "room": 7,
-                                                         "kv_indices": b"\x01\x00\x00\x00"})
+def test_frames_round_trip_and_reject_tampering() -> None:
+    decode, prefill = Frames(SECRET, "decode-a"), Frames(SECRET, "prefill-b")
+    frame = decode.encode("META", META)
+    assert frame[0] == TAG
+    msg = prefill.decode(frame)
+    assert (msg.type, msg.body, msg.sender) == ("META", META, "decode-a")
     evil = list(frame)
-    evil[2] = msgpack.packb({"v": conn.WIRE_VERSION, "room": 8})
-    with pytest.raises(ValueError, match="bad HMAC"):
-        conn.decode_frame(evil)
-    evil = [frame[0], conn.KIND_REGISTER, *frame[2:]]  # the kind is signed too
-    with pytest.raises(ValueError, match="bad HMAC"):
-        conn.decode_frame(evil)
-    monkeypatch.setenv("PDTOOL_SECRET", "other")
-    with pytest.raises(ValueError, match=r"secret .*differs"):
-        conn.decode_frame(frame)
-    with pytest.raises(ValueError, match="not a pdtool control frame"):
-        conn.decode_frame([b"KV_STATUS", b"1", b"4", b"0"])
+    evil[1] = evil[1].replace(b"\x07", b"\x08", 1)  # the room, under the MAC
+    with pytest.raises(WireError, match="mac"):
+        prefill.decode(evil)
+    with pytest.raises(WireError, match="mac"):
+        Frames(b"another-secret-16b", "prefill-c").decode(decode.encode("META", META))
+    with pytest.raises(WireError, match="not a pdtool control frame"):
+        prefill.decode([b"KV_STATUS", b"1", b"4", b"0"])
+    with pytest.raises(WireError, match=r"META\.room"):  # never sent what the peer would refuse
+        decode.encode("META", {**META, "room": -1})
 
 
-def test_frames_refuse_another_wire_version(monkeypatch) -> None:
-    monkeypatch.setattr(conn, "WIRE_VERSION", 99)
-    frame = conn.encode_frame(conn.KIND_META, {"room": 1})
-    monkeypatch.setattr(conn, "WIRE_VERSION", 1)
-    with pytest.raises(ValueError, match="wire version 99"):
-        conn.decode_frame(frame)
+def test_frames_refuse_another_wire_version() -> None:
+    """An old peer (version 1, its own codec) is told the version before any field is read."""
+    payload = msgpack.packb({"v": 1, "p": "sglang", "k": "META", "from": "old", "sid": b"s" * 16,
+                             "to": b"", "seq": 1, "body": META}, use_bin_type=True)
+    old = [TAG, payload, hmac.new(SECRET, payload, hashlib.sha256).digest()]
+    with pytest.raises(WireError, match=f"protocol version 1, expected {PROTOCOL_VERSION}"):
+        Frames(SECRET, "prefill").decode(old)
 
 
-def test_frames_cannot_be_replayed(monkeypatch) -> None:
-    monkeypatch.setenv("PDTOOL_SECRET", "s3cret")
-    frame = conn.encode_frame(conn.KIND_META, {"room": 9})
-    assert conn.decode_frame(frame)[1]["room"] == 9
-    with pytest.raises(ValueError, match="nonce: already seen"):
-        conn.decode_frame(frame)
+def test_frames_cannot_be_replayed_and_need_no_clock() -> None:
+    decode, prefill = Frames(SECRET, "decode-a"), Frames(SECRET, "prefill-b")
+    frame = decode.encode("META", META)
+    assert prefill.decode(frame).body["room"] == 7
+    with pytest.raises(WireError, match="seq: already seen"):
+        prefill.decode(frame)
+
+
+def test_no_secret_refuses_to_start(monkeypatch) -> None:
+    monkeypatch.delenv("PDTOOL_SECRET_FILE", raising=False)
+    monkeypatch.delenv("PDTOOL_SECRET", raising=False)
+    conn._load_secret.cache_clear()
+    with pytest.raises(conn.PdtoolBackendError, match="refusing to start unsigned"):
+        conn._secret()
+    with pytest.raises(WireError, match="refusing to start unsigned"):
+        Frames(b"", "decode")
 
 
 def test_secret_comes_from_the_0600_file(monkeypatch, tmp_path) -> None:
-    from transfer.control import write_secret
-
     path = tmp_path / "secret.key"
     write_secret(path)
-    monkeypatch.delenv("PDTOOL_SECRET", raising=False)
     monkeypatch.setenv("PDTOOL_SECRET_FILE", str(path))
-    frame = conn.encode_frame(conn.KIND_META, {"room": 1})
-    assert conn.decode_frame(frame)[1]["room"] == 1
     monkeypatch.setenv("PDTOOL_SECRET", "ignored-when-a-file-is-given")
-    assert conn._secret() == conn._load_secret(str(path), "")
+    conn._load_secret.cache_clear()
+    mine = conn._secret()
+    assert mine == conn._load_secret(str(path), "") != b"ignored-when-a-file-is-given"
+    frame = Frames(mine, "decode").encode("META", META)
     other = tmp_path / "other.key"
     write_secret(other)
     monkeypatch.setenv("PDTOOL_SECRET_FILE", str(other))
-    with pytest.raises(ValueError, match=r"secret .*differs"):
-        conn.decode_frame(frame)
+    with pytest.raises(WireError, match="mac"):
+        Frames(conn._secret(), "prefill").decode(frame)
     loose = tmp_path / "loose.key"
     write_secret(loose)
     loose.chmod(0o644)
     monkeypatch.setenv("PDTOOL_SECRET_FILE", str(loose))
     with pytest.raises(conn.PdtoolBackendError, match="lets others read it"):
-        conn.encode_frame(conn.KIND_META, {"room": 1})
+        conn._secret()

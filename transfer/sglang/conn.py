@@ -53,8 +53,6 @@ Configuration (environment of every SGLang worker; the pdtool launcher sets them
 from __future__ import annotations
 
 import functools
-import hashlib
-import hmac
 import logging
 import os
 import queue
@@ -63,7 +61,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 import numpy.typing as npt
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, KVTransferDestination
@@ -81,20 +78,18 @@ from sglang.srt.runtime_context import get_device
 from sglang.srt.utils.network import NetworkAddress
 
 from transfer import fabric, workerenv
-from transfer.control import ControlError, ReplayGuard
 from transfer.geometry import sglang_buffer_layouts, sglang_decode_writes, sglang_slices
 from transfer.layout import KVLayout, LayoutError
 from transfer.routes import RouteError, ShardSpec, Slice
 from transfer.sglang.decode_plane import DecodePlane
 from transfer.sglang.prefill_plane import PrefillPlane
+from transfer.wire import WireError, check_secret, compat_hash, read_secret
+from transfer.wire.sglang import TAG, Frames
+from transfer.wire.sglang import facts as wire_facts
 
 logger = logging.getLogger(__name__)
 
 WIRE_VERSION = 1
-TAG = b"PDTOOL"
-KIND_REGISTER = b"REG"
-KIND_META = b"META"
-KIND_PEER = b"PEER"  # prefill rank -> decode rank, answering its registration
 STATUS_TAG = b"PDTOOL_STATUS"
 DEFAULT_PROVIDER = "tcp;ofi_rxm"
 MAX_SLOTS = 4096  # concurrent transfers per rank (decode slots / prefill completion tags)
@@ -112,51 +107,12 @@ def _secret() -> bytes:
 
 @functools.lru_cache(maxsize=4)
 def _load_secret(path: str, fallback: str) -> bytes:
-    """The secret file's bytes (mode checked by transfer.control.read_secret), read once."""
-    if path:
-        from ..control import read_secret
-
-        try:
-            return read_secret(path)
-        except ControlError as exc:
-            raise PdtoolBackendError(f"PDTOOL_SECRET_FILE: {exc}") from None
-    return fallback.encode()
-
-
-_replay = ReplayGuard(30.0)  # frames older than 30 s, or whose nonce was seen, are replays
-
-
-def encode_frame(kind: bytes, body: dict[str, Any]) -> list[bytes]:
-    """[TAG, kind, msgpack body, HMAC-SHA256(kind + body)] for SGLang's ZMQ PUSH sockets. The
-    signed body carries a timestamp and a random nonce (`t`, `n`) so a captured frame cannot be
-    replayed (a replayed META would make the prefill write into pages that moved on)."""
-    payload = msgpack.packb({"v": WIRE_VERSION, **body, "t": time.time(),
-                             "n": os.urandom(16)}, use_bin_type=True)
-    mac = hmac.new(_secret(), kind + payload, hashlib.sha256).digest()
-    return [TAG, kind, payload, mac]
-
-
-def decode_frame(msg: list[bytes]) -> tuple[bytes, dict[str, Any]]:
-    """Inverse of encode_frame; ValueError on a bad signature, version or shape."""
-    if len(msg) != 4 or msg[0] != TAG:
-        raise ValueError(f"not a pdtool control frame ({len(msg)} parts)")
-    kind, payload, mac = msg[1], msg[2], msg[3]
-    want = hmac.new(_secret(), kind + payload, hashlib.sha256).digest()
-    if not hmac.compare_digest(mac, want):
-        raise ValueError("bad HMAC: the deployment secret (PDTOOL_SECRET_FILE) differs "
-                         "between prefill and decode")
-    body = msgpack.unpackb(payload, raw=False)
-    version = body.get("v") if isinstance(body, dict) else None
-    if version != WIRE_VERSION:
-        raise ValueError(f"unsupported pdtool wire version {version!r} (want {WIRE_VERSION})")
-    ts, nonce = body.pop("t", None), body.pop("n", None)
-    if not isinstance(ts, float) or not isinstance(nonce, bytes) or len(nonce) != 16:
-        raise ValueError("t/n: expected a timestamp and a 16-byte nonce")
+    """The secret file's bytes (mode checked by transfer.wire.read_secret), read once; no
+    secret at all refuses to start (frames are never signed with an empty key)."""
     try:
-        _replay.check(ts, nonce, time.time())
-    except ControlError as exc:
-        raise ValueError(str(exc)) from None
-    return kind, body
+        return read_secret(path) if path else check_secret(fallback.encode() or None)
+    except WireError as exc:
+        raise PdtoolBackendError(f"PDTOOL_SECRET_FILE: {exc}") from None
 
 
 # --------------------------------------------------------------------------- peer state
@@ -256,9 +212,11 @@ class PdtoolKVManager(CommonKVManager):
             self.kv_layouts = sglang_buffer_layouts(args.kv_data_lens, args.kv_item_lens,
                                                     self.heads_local, args.page_size)
         self.ep = self._open_endpoint()
-        if not _secret():
-            logger.warning("PDTOOL_SECRET_FILE is unset: pdtool control frames are not "
-                           "authenticated")
+        # one signed envelope per manager (its session); no secret: the manager refuses to start
+        self.frames = Frames(_secret(), f"{disaggregation_mode.value}-{self.peer_key}")
+        self.compat = compat_hash(wire_facts(
+            provider=self.ep.provider, is_mla=self.is_mla, page_size=args.page_size,
+            num_kv_buffers=len(args.kv_data_lens), aux_item_lens=list(args.aux_item_lens)))
         iface, device = self._memory_iface()
         try:
             self.kv_mrs = [self.ep.register(p, n, iface=iface, device=device)
@@ -400,8 +358,9 @@ class PdtoolKVManager(CommonKVManager):
         return f"{self.local_ip}:{self.rank_port}"
 
     def build_receiver_registration_message(self) -> list[bytes]:
-        return encode_frame(KIND_REGISTER, {
-            "peer": self.peer_key, "ip": self.local_ip, "port": self.rank_port,
+        return self.frames.encode("HELLO", {
+            "compat": self.compat, "peer": self.peer_key, "ip": self.local_ip,
+            "port": self.rank_port,
             "fabric_name": self.ep.name, "provider": self.ep.provider,
             "tp_size": self.attn_tp_size, "tp_rank": self.kv_args.engine_rank % self.attn_tp_size,
             "gpu": int(self.kv_args.gpu_id or 0), "iov_limit": self.ep.iov_limit,
@@ -418,7 +377,7 @@ class PdtoolKVManager(CommonKVManager):
                                         state_indices: list | None, decode_prefix_len: int | None,
                                         is_dummy: bool, device_kv_indices=None,
                                         slot: int = 0, gen: int = 0) -> list[bytes]:
-        return encode_frame(KIND_META, {
+        return self.frames.encode("META", {
             "peer": self.peer_key, "room": bootstrap_room,
             "kv_indices": b"" if is_dummy else np.asarray(kv_indices, np.int32).tobytes(),
             "aux_index": aux_index, "slot": slot, "gen": gen,
@@ -436,24 +395,22 @@ class PdtoolKVManager(CommonKVManager):
             if msg[0] == ABORT_TAG:
                 self._on_abort(msg)
                 continue
-            try:
-                kind, body = decode_frame(msg)
-            except (ValueError, msgpack.UnpackException) as exc:
+            try:  # MAC, version, replay and every field checked before a byte is used
+                got = self.frames.decode(msg)
+            except WireError as exc:
                 logger.warning("pdtool: dropping control frame: %s", exc)
                 continue
             try:
-                if kind == KIND_REGISTER:
-                    self._on_register(body)
-                elif kind == KIND_META:
-                    self._on_meta(body)
+                if got.type == "HELLO":
+                    self._on_register(got.body, got.session)
+                elif got.type == "META":
+                    self._on_meta(got.body)
                 else:
-                    raise ValueError(f"unknown kind {kind!r}")
-            except KeyError as exc:  # signed by a peer, yet malformed: drop it, keep serving
-                logger.warning("pdtool: dropping %s frame: missing field %s", kind, exc)
-            except (TypeError, ValueError) as exc:
-                logger.warning("pdtool: dropping %s frame: %s", kind, exc)
+                    raise ValueError(f"unexpected kind {got.type!r}")
+            except (TypeError, ValueError) as exc:  # signed and well-formed, yet unusable
+                logger.warning("pdtool: dropping %s frame: %s", got.type, exc)
 
-    def _on_register(self, b: dict[str, Any]) -> None:
+    def _on_register(self, b: dict[str, Any], session: bytes) -> None:
         peer = DecodePeer(
             key=b["peer"], ip=b["ip"], port=int(b["port"]), fabric_name=b["fabric_name"],
             tp_size=int(b["tp_size"]), tp_rank=int(b["tp_rank"]),
@@ -480,9 +437,9 @@ class PdtoolKVManager(CommonKVManager):
                 self._retired.append(self.peers.pop(stale))
             self._by_identity[peer.identity] = peer.key
             self.peers[peer.key] = peer
-        self._send_to_decode(peer, encode_frame(KIND_PEER, {
+        self._send_to_decode(peer, self.frames.encode("PEER", {
             "peer": self.peer_key, "total_kv_heads": self.total_kv_heads,
-            "writes_per_op": peer.per_op, "error": peer.error}))
+            "writes_per_op": peer.per_op, "error": peer.error or None}, to=session))
 
     def _send_to_decode(self, peer: DecodePeer, frame: list[bytes]) -> None:
         self._outbox.put((peer.ip, peer.port, frame))
@@ -534,6 +491,9 @@ class PdtoolKVManager(CommonKVManager):
             raise PdtoolBackendError(
                 f"metadata buffers differ: prefill item lengths {list(self.kv_args.aux_item_lens)}"
                 f", decode {peer.aux_item_lens} (enable the same optional metadata on both)")
+        if b["compat"] != self.compat:  # the checks above name the usual differences
+            raise PdtoolBackendError("HELLO.compat: the decode rank's static facts differ "
+                                     "from this prefill's (pdtool versions differ?)")
         heads = 1 if self.is_mla else self._decode_heads(peer, b)
         peer.kv_layouts = sglang_buffer_layouts(b["kv_data_lens"], b["kv_item_lens"], heads, page)
         for mine, theirs in zip(self.kv_layouts, peer.kv_layouts, strict=True):
@@ -727,11 +687,11 @@ class PdtoolKVManager(CommonKVManager):
                 continue
             if msg[0] == TAG:
                 try:
-                    kind, body = decode_frame(msg)
-                    if kind != KIND_PEER:
-                        raise ValueError(f"unexpected kind {kind!r}")
-                    self._on_peer(body)
-                except (KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
+                    got = self.frames.decode(msg)
+                    if got.type != "PEER":
+                        raise ValueError(f"unexpected kind {got.type!r}")
+                    self._on_peer(got.body)
+                except (TypeError, ValueError) as exc:  # WireError is a ValueError
                     logger.warning("pdtool decode: dropping control frame: %s", exc)
                 continue
             parsed = self.parse_kv_status_message(msg)

@@ -8,6 +8,9 @@ prefill's control loop tell pdtool frames from SGLang's ABORT notifications on t
   * HELLO (was REG; decode rank -> each prefill rank, once): the decode rank's static data —
     its endpoint, provider, TP layout, pool geometry, registered KV and aux regions — and the
     compatibility hash of the facts both sides must share (`facts`).
+  * PEER (prefill rank -> decode rank, answering HELLO, bound to the decode rank's session):
+    the total KV heads and writes per operation the decode rank's counts need, or the reason
+    it cannot be served.
   * META (decode rank -> prefill rank, per request): the room, the decoder's page ids, the
     aux row, the transfer slot and generation, SGLang's destination count and prefix length.
 
@@ -50,12 +53,16 @@ SCHEMAS: dict[str, Check] = {
         "compat": bytes_field(COMPAT_BYTES, min_len=COMPAT_BYTES),
         "peer": _PEER, "ip": str_field(256, min_len=1), "port": int_field(1, 65535),
         "fabric_name": bytes_field(1024, min_len=1), "provider": str_field(64),
-        "tp_size": _POS, "tp_rank": _NAT, "is_mla": bool_field(),
-        "total_kv_heads": _NAT, "heads_local": _NAT, "page_size": _POS,
+        "tp_size": _POS, "tp_rank": _NAT, "gpu": _NAT, "iov_limit": _POS,
+        "is_mla": bool_field(), "page_size": _POS,
         "kv": list_field(_REGION, 1 << 14), "kv_data_lens": list_field(int_field(), 1 << 14),
         "kv_item_lens": list_field(int_field(), 1 << 14),
         "aux": list_field(_REGION, 64), "aux_item_lens": list_field(int_field(), 64),
     }),
+    # prefill rank -> decode rank, answering its HELLO (bound to its session): the KV heads
+    # and writes per operation its counts need, or why it cannot be served
+    "PEER": map_field({"peer": _PEER, "total_kv_heads": _POS, "writes_per_op": _POS,
+                       "error": optional(str_field(2048))}),
     "META": map_field({
         "peer": _PEER, "room": int_field(0, (1 << 64) - 1),
         "kv_indices": bytes_field(64 << 20, 4),    # int32 page ids, native order
@@ -67,12 +74,12 @@ SCHEMAS: dict[str, Check] = {
 SGLANG = Protocol("sglang", SCHEMAS, unbound=frozenset({"HELLO", "META"}))
 
 
-def facts(*, provider: str, is_mla: bool, page_size: int, total_kv_heads: int,
-          num_kv_buffers: int, aux_item_lens: list[int]) -> dict[str, Any]:
-    """What prefill and decode must agree on (HELLO.compat). KV heads only count without
-    MLA (the latent is replicated)."""
+def facts(*, provider: str, is_mla: bool, page_size: int, num_kv_buffers: int,
+          aux_item_lens: list[int]) -> dict[str, Any]:
+    """What prefill and decode must agree on (HELLO.compat). KV heads are not among them:
+    SGLang's decode does not know them (the prefill checks the decode's share from its item
+    lengths and answers the total in PEER)."""
     return {"provider": provider, "is_mla": is_mla, "page_size": page_size,
-            "total_kv_heads": 0 if is_mla else total_kv_heads,
             "num_kv_buffers": num_kv_buffers, "aux_item_lens": list(aux_item_lens)}
 
 
