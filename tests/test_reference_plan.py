@@ -9,7 +9,7 @@ from pdtool_cfg import recipe
 
 from pdtool.engines.reference.fromplan import SpecError, spec_from_context
 from pdtool.plan import build_plan
-from transfer.control import write_secret
+from transfer.wire import write_secret
 
 
 @pytest.fixture(autouse=True)

@@ -37,7 +37,7 @@ from pdtool.engines.reference.serve import RankSpec
 from pdtool.engines.reference.tokens import decode
 from pdtool.engines.reference.wire import Wire, dealer
 from pdtool.plan import from_json
-from transfer.control import read_secret
+from transfer.wire import read_secret
 
 torch.set_num_threads(1)
 CHUNK = 16  # prefill chunk (tokens); page size 4: prompts below span up to 9 chunks

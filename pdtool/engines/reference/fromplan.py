@@ -80,7 +80,7 @@ def _host_of(node: int, default: str) -> str:
 
 
 def _secret_hex() -> str:
-    from transfer.control import read_secret
+    from transfer.wire import read_secret
 
     path = os.environ.get("PDTOOL_SECRET_FILE")
     if not path:

@@ -72,7 +72,7 @@ class Deployment:
 
     def start(self, timeout_s: float = 120.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        from transfer.control import write_secret
+        from transfer.wire import write_secret
 
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         for i, spec in enumerate(self.specs):
