@@ -61,7 +61,7 @@ def _common(spec: Any, model: TinyModel) -> dict[str, Any]:
         "timeout_s": float(m.get("timeout_s", 60.0)),
         "peer_timeout_s": float(m.get("peer_timeout_s", 5.0)),
         "heartbeat_s": float(m.get("heartbeat_s", 0.5)),
-        "busy_sleep_s": float(m.get("busy_sleep_s", 0.0002)),
+        "busy_sleep_s": float(m.get("busy_sleep_s", 0.0)),
         "name": f"{spec.role}{spec.instance}-r{spec.rank}",
     }
 
