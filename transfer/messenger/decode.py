@@ -86,7 +86,6 @@ class DecodeMessenger(Worker):
 
     role = "decode"
     POLL_SLICE_S = 0.002
-    IDLE_POLL_SLEEP_S = 50e-6
 
     def __init__(self, config: DecodeConfig, kv_buffers: Sequence[Any], layout: str = "HND",
                  aux_buffers: Sequence[Any] = ()) -> None:
@@ -230,8 +229,7 @@ class DecodeMessenger(Worker):
         from ..fabric import Endpoint  # imported here: validate/plan never need libfabric
 
         cfg = self.config
-        self._ep = Endpoint(cfg.provider, max_slots=max(cfg.max_inflight, 1),
-                            idle_sleep_s=self.IDLE_POLL_SLEEP_S)
+        self._ep = Endpoint(cfg.provider, max_slots=max(cfg.max_inflight, 1))
         limit = self._ep.iov_limit
         self._writes_per_op = min(cfg.writes_per_op or limit, limit)
         self._kv_mrs = [self._ep.register(b.addr, b.nbytes) for b in self._kv]
