@@ -2,9 +2,10 @@
 
 * conf/, recipes/ and templates/ live at the repository root (where users edit them) and are
   copied into the wheel as `pdtool/_data/...`, so an installed pdtool finds them too.
-* transfer._fabric (the libfabric binding, cffi API mode) is compiled only where libfabric's
-  headers (`rdma/fabric.h`, Debian `libfabric-dev`) are found; without them pdtool still installs
-  and `import transfer.fabric` says what is missing. Editable installs build it in place.
+* transfer._fabric (the libfabric binding, cffi API mode: transfer/csrc/*.c, declarations read
+  from transfer/csrc/pd.h) is compiled only where libfabric's headers (`rdma/fabric.h`, Debian
+  `libfabric-dev`) are found; without them pdtool still installs and `import transfer.fabric`
+  says what is missing. Editable installs build it in place.
 """
 
 import importlib.util

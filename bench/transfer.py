@@ -279,7 +279,8 @@ class FabricRunner:
 def _nixl_agent(name: str) -> Any:
     from nixl_cu12._api import nixl_agent, nixl_agent_config
 
-    # no progress/listen threads: on 2 cores a third spinning thread halves throughput (DESIGN §5)
+    # no progress/listen threads: on 2 cores a third spinning thread halves throughput
+    # (docs/libfabric.md)
     cfg = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
                             backends=["UCX"])
     return nixl_agent(name, cfg)
@@ -414,7 +415,7 @@ class MooncakeRunner:
 
 # ------------------------------------------------------------------ messenger hook
 class MessengerRunner:
-    """The full messenger protocol via `transfer.messenger.loopback.measure_transfer`.
+    """The full messenger protocol via `transfer.testing.loopback.measure_transfer`.
 
     That function (the messenger's own, so the protocol is exercised exactly as in production:
     REQUEST over the signed control plane, per-layer progress, imm-counted writes, SUCCESS when
@@ -427,7 +428,7 @@ class MessengerRunner:
     """
 
     def __init__(self, provider: str, region: int) -> None:
-        from transfer.messenger.loopback import measure_transfer
+        from transfer.testing.loopback import measure_transfer
 
         self.provider = provider
         self.region = region

@@ -22,7 +22,7 @@ from typing import Any
 
 from pdtool.paths import conf_dir, recipes_dir
 from pdtool.rules.finding import Finding, error
-from pdtool.schema import Config
+from pdtool.schema import Config, ModelConfig
 
 
 class ComposeError(Exception):
@@ -161,6 +161,7 @@ def to_typed(raw: Any) -> Config:
                 for k in unknown
             ]
         )
+    _fill_from_checkpoint(raw)
     try:
         obj = OmegaConf.to_object(raw)
     except Exception as e:
@@ -168,6 +169,35 @@ def to_typed(raw: Any) -> Config:
     if not isinstance(obj, Config):
         raise ComposeError([error("<root>", "composed config is not a pdtool Config")])
     return obj
+
+
+def _fill_from_checkpoint(raw: Any) -> None:
+    """`model.*` keys left unset (`???`) are read from `model.path`'s config.json when it is a
+    local checkpoint folder, so `model.path=DIR` alone describes the model (conf/model/
+    hf-local.yaml); so are attention, context_length and dtype unless set to another value
+    than their default. Raises ComposeError naming `model.path` when keys are unset and the folder
+    cannot say what they are."""
+    from omegaconf import OmegaConf
+
+    from pdtool.engines.reference.checkpoint import CheckpointError, plan_fields, read_arch
+
+    model = raw.get("model")
+    if model is None or OmegaConf.is_missing(model, "path") or not model.get("path"):
+        return
+    unset = [k for k in ModelConfig.__dataclass_fields__ if OmegaConf.is_missing(model, k)]
+    if not unset:
+        return
+    try:
+        fields = plan_fields(read_arch(str(model.path)))
+    except CheckpointError as exc:
+        raise ComposeError([error("model.path", str(exc),
+                                  "point model.path at a Llama, Qwen2 or Qwen3 checkpoint "
+                                  f"folder, or set {', '.join(f'model.{k}' for k in unset)}")]
+                           ) from None
+    defaults = ModelConfig.__dataclass_fields__
+    for key, value in fields.items():  # keys with a default: the checkpoint's unless changed
+        if OmegaConf.is_missing(model, key) or model[key] == defaults[key].default:
+            model[key] = value
 
 
 def load_config(overrides: list[str]) -> tuple[Config | None, list[Finding]]:

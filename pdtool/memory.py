@@ -19,6 +19,7 @@ from pdtool.schema import (
     ModelConfig,
     RoleConfig,
     attn_tp,
+    dims,
     kv_dtype,
     kv_head_width,
     kv_heads,
@@ -49,8 +50,7 @@ class RoleMemory:
 
 def kv_heads_per_rank(model: ModelConfig, rc: RoleConfig) -> int:
     """KV heads one attention rank stores (replicated heads count once per rank)."""
-    t = max(attn_tp(rc), 1)
-    return max(1, kv_heads(model) // t)
+    return dims(rc, model).heads_per_rank
 
 
 def kv_bytes_per_token(model: ModelConfig, rc: RoleConfig, *, per_rank: bool = True) -> int:

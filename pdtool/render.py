@@ -10,6 +10,7 @@ job needs to be re-run without pdtool's config tree:
     plan.json                   the plan (what the worker entry loads)
     launch.json                 every process and its command line (what --dry-run prints)
     secret.key                  per-deployment control-plane secret, mode 0600, never printed
+    secret-<role>.env           secret environment variables, mode 0600 (pdtool.launch.secrets)
     logs/                       one folder per run, one log per process
 """
 
@@ -23,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from pdtool import __version__
+from pdtool.launch import secrets as secret_env_files
 from pdtool.launch.shell import Var, Word, q, words
 from pdtool.launch.spec import LaunchError, LaunchSpec, build_launch
 from pdtool.paths import templates_dir
+from pdtool.rules import validate
 from pdtool.rules.finding import Finding, error, has_errors
 
 SCRIPT_NAMES = {"slurm": "job.sbatch", "local": "run_local.sh"}
@@ -133,40 +136,32 @@ def write_secret(path: Path) -> None:
 def write_job_folder(cfg: Any, plan: Any, out: Path) -> Rendered:
     """Render scripts, config, plan and secret into `out` (created if needed)."""
     from pdtool.compose import config_to_yaml
-    from pdtool.planner import to_json
+    from pdtool.plan import to_json
 
     out = Path(out).resolve()
-    spec = build_launch(cfg, plan, str(out))
+    try:
+        secret_env = secret_env_files.secrets_by_role(cfg, os.environ)
+    except secret_env_files.SecretError as e:
+        raise LaunchError(str(e)) from e
+    spec = build_launch(cfg, plan, str(out), frozenset(secret_env))
     text = script_text(cfg, plan, spec, out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
     script = out / SCRIPT_NAMES[spec.launcher]
     script.write_text(text)
     script.chmod(0o755)
-    (out / "config.yaml").write_text(config_to_yaml(cfg))
+    (out / "config.yaml").write_text(config_to_yaml(secret_env_files.redacted(cfg)))
     (out / "plan.json").write_text(to_json(plan) + "\n")
     (out / "launch.json").write_text(json.dumps(spec_to_dict(spec), indent=2) + "\n")
     write_secret(out / SECRET_NAME)
+    secret_env_files.write_files(out, secret_env)
     return Rendered(out=out, script=script, spec=spec, plan=plan, cfg=cfg)
-
-
-def validate(cfg: Any) -> list[Finding]:
-    """The validator's findings (pdtool.rules), whatever its entry point is called."""
-    import pdtool.rules as rules
-
-    fn = getattr(rules, "validate", None)
-    if fn is None:  # the foundation's validator entry point not landed yet: per-area checks
-        from pdtool.rules import values
-
-        return [f for name in dir(values) if name.startswith("check_")
-                for f in getattr(values, name)(cfg)]
-    return list(fn(cfg))
 
 
 def prepare(overrides: list[str]) -> tuple[Any, Any, list[Finding]]:
     """(cfg, plan, findings): compose, validate and plan; cfg/plan are None on any error."""
     from pdtool.compose import load_config
-    from pdtool.planner import PlanError, build_plan
+    from pdtool.plan import PlanError, build_plan
 
     cfg, findings = load_config(list(overrides))
     if cfg is None:

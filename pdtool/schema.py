@@ -10,6 +10,8 @@ Keys are short and stable because users type them on the command line:
 `model.attention`, `prefill.tp`, `decode.instances`, `transfer.layout`, `launcher.partition`, ...
 
 Nothing here imports torch, SGLang or the libfabric binding: `pdtool validate` must stay fast.
+The parallelism arithmetic (GPUs per instance, attention TP, heads per rank, node span) is
+`transfer.parallel.ParallelDims`'; `role_dims` builds it from a role's keys.
 """
 
 from __future__ import annotations
@@ -19,17 +21,19 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from transfer.parallel import ParallelDims
+
 ATTENTION_KINDS = ("mha", "gqa", "mla")
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "fp8")
-KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+KV_DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 LAYOUTS = ("HND", "NHD")
 PROVIDERS = ("efa", "verbs;ofi_rxm", "tcp;ofi_rxm", "shm")
 NIC_KINDS = ("efa", "connectx", "tcp", "shm")
 DEVICES = ("cuda", "cpu")
-COMPLETION_MODES = ("cq_data", "counter")
 MAX_LANES = 8  # transfer.lanes (the messenger's DecodeConfig takes 0..8)
 LAUNCHERS = ("local", "slurm")
 ENGINES = ("reference", "sglang")
+MODES = ("disaggregated", "aggregated")  # aggregated: every instance runs whole requests
 ROLES = ("prefill", "decode")
 
 #: Bytes per element of each dtype name used above.
@@ -129,6 +133,7 @@ class RoleConfig:
     tp: int = 1
     dp: int = 1
     dp_attention: bool = False
+    ep: int = 1  # expert parallelism over the instance's TP GPUs (SGLang --ep-size), divides tp
     nodes: int = 1
     instances: int = 1
     page_size: int = 64
@@ -145,12 +150,11 @@ class RoleConfig:
 
 @dataclass
 class TransferConfig:
-    """The KV messenger: libfabric provider, page layout, completion counting, timeouts."""
+    """The KV messenger: libfabric provider, page layout, timeouts. Completions are counted
+    from the immediate data every KV write carries (the only mode the messenger has)."""
 
     provider: str = "shm"  # efa | verbs;ofi_rxm | tcp;ofi_rxm | shm
     layout: str = "HND"  # HND | NHD
-    completion: str = "cq_data"  # cq_data (portable) | counter (FI_RMA_EVENT providers)
-    aux_writes: int = 1  # context copies per request and decode rank (e.g. last hidden state)
     timeout_s: float = 60.0
     connect_timeout_s: float = 30.0
     peer_timeout_s: float = 5.0  # a messenger peer silent this long is dead (its lease)
@@ -189,6 +193,13 @@ class LauncherConfig:
     setup: list[str] = field(default_factory=list)  # shell lines run before workers start
     env: EnvConfig = field(default_factory=EnvConfig)
     health_timeout_s: int = 900
+    # Slurm: GPUs asked per node (conf/launcher/slurm.yaml follows cluster.gpus_per_node; only
+    # on device=cuda) and memory ("" = all of an exclusive node, --mem=0; e.g. "480G")
+    gpus_per_node: int = 0
+    mem: str = ""
+    # variables that are secrets besides the secret-looking names (pdtool.launch.secrets):
+    # they reach the processes through 0600 files, from launcher.env or the submitting shell
+    secret_env: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -223,6 +234,10 @@ class Config:
     launcher: LauncherConfig = MISSING
     engine: EngineConfig = MISSING
     router: RouterConfig = field(default_factory=RouterConfig)
+    # disaggregated: prefill instances send KV pages to decode instances; aggregated: every
+    # instance (both roles' GPUs) runs prefill and decode of its own requests, batched
+    # together, behind the same front (the reference engine's baseline for comparisons)
+    mode: str = "disaggregated"
 
 
 #: group name -> schema class; YAML options in conf/<group>/ inherit `base_<group>`.
@@ -249,19 +264,29 @@ def role(cfg: Config, name: str) -> RoleConfig:
     return cfg.prefill if name == "prefill" else cfg.decode
 
 
+def dims(rc: RoleConfig, model: ModelConfig | None = None) -> ParallelDims:
+    """The ParallelDims of a role's degrees (KV heads from `model` when given)."""
+    return ParallelDims(tp=rc.tp, dp=rc.dp, dp_attention=rc.dp_attention,
+                        kv_heads=kv_heads(model) if model is not None else 1, nodes=rc.nodes)
+
+
+def role_dims(cfg: Config, name: str) -> ParallelDims:
+    """Everything `transfer.parallel.ParallelDims` knows about role `name` of a deployment:
+    degrees, KV-cache heads, nodes per instance and node size; messages name `<name>.tp`..."""
+    rc = role(cfg, name)
+    return ParallelDims(tp=rc.tp, dp=rc.dp, dp_attention=rc.dp_attention,
+                        kv_heads=kv_heads(cfg.model), nodes=rc.nodes,
+                        gpus_per_node=cfg.cluster.gpus_per_node, role=name)
+
+
 def gpus_per_instance(rc: RoleConfig) -> int:
     """GPUs one instance occupies (see RoleConfig)."""
-    return rc.tp if rc.dp_attention else rc.tp * rc.dp
+    return dims(rc).gpus
 
 
 def attn_tp(rc: RoleConfig) -> int:
     """Attention TP degree of one attention replica."""
-    return rc.tp // rc.dp if rc.dp_attention else rc.tp
-
-
-def attn_groups(rc: RoleConfig) -> int:
-    """Attention replicas per instance (DP groups), each `attn_tp` GPUs wide."""
-    return rc.dp
+    return dims(rc).attn_tp
 
 
 def kv_heads(model: ModelConfig) -> int:

@@ -7,8 +7,10 @@ Every process of a deployment starts here, on Slurm (one `srun` step each) or lo
    (`SLURM_PROCID` for per-rank engines, `SLURM_NODEID` for per-node engines, counted within
    the step that spans the instance), else `PDTOOL_RANK` / `PDTOOL_NODE_RANK`;
 3. check it landed on the node the plan chose (`--expect-node` against `SLURMD_NODENAME`);
-4. set the fabric environment of its ranks (libfabric provider, NIC domains) and the
-   `PDTOOL_*` variables the messenger and the SGLang plugin read;
+4. set the fabric environment of its ranks (libfabric provider, NIC domains) and its identity:
+   the `PDTOOL_*` variables of `transfer.workerenv` (the one list of them, with their meaning,
+   writer and readers; docs/worker-environment.md), which the reference engine and pdtool's
+   SGLang backend read;
 5. start the engine: one function per engine (`ENGINES`). SGLang is exec'd with the rendered
    line after `--`; the reference engine runs in this process.
 
@@ -30,6 +32,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
+from transfer import workerenv
+from transfer.workerenv import RankPlace, WorkerEnvError
+
 PER_NODE_ENGINES = ("sglang",)
 
 
@@ -41,7 +46,7 @@ class WorkerError(RuntimeError):
 class WorkerContext:
     """What an engine function receives: the plan and this process's place in it."""
 
-    plan: Any  # pdtool.planner.Plan
+    plan: Any  # pdtool.plan.Plan
     plan_path: Path
     role: str  # prefill | decode | router
     instance: Any  # InstancePlan (None for the router)
@@ -58,19 +63,21 @@ class WorkerContext:
         return f"{self.instance.name}.ranks{'-'.join(str(r.rank) for r in self.ranks)}"
 
 
-def _env_int(*names: str) -> int | None:
-    for n in names:
-        v = os.environ.get(n)
-        if v not in (None, ""):
-            try:
-                return int(v)
-            except ValueError:
-                raise WorkerError(f"{n}={v!r} is not an integer") from None
-    return None
+def _env_int(slurm: str | None, var: workerenv.Var) -> int | None:
+    """Slurm's task variable `slurm` when set (it counts within the step), else `var`."""
+    raw = os.environ.get(slurm, "") if slurm else ""
+    try:
+        if raw:
+            return int(raw)
+        return workerenv.integer(var)
+    except WorkerEnvError as e:
+        raise WorkerError(str(e)) from None
+    except ValueError:
+        raise WorkerError(f"{slurm}={raw!r} is not an integer") from None
 
 
 def load_plan(path: Path) -> Any:
-    from pdtool.planner import PlanError, from_json
+    from pdtool.plan import PlanError, from_json
 
     try:
         return from_json(path.read_text())
@@ -82,19 +89,19 @@ def load_plan(path: Path) -> Any:
 
 def resolve(args: argparse.Namespace) -> WorkerContext:
     """Load the plan and find this process's ranks, host and port in it."""
-    plan_arg = args.plan or os.environ.get("PDTOOL_PLAN")
+    plan_arg = args.plan or workerenv.PLAN.get()
     if not plan_arg:
-        raise WorkerError("no plan: pass --plan PATH or set PDTOOL_PLAN")
+        raise WorkerError(f"no plan: pass --plan PATH or set {workerenv.PLAN.name}")
     plan_path = Path(plan_arg).resolve()
     plan = load_plan(plan_path)
-    role = args.role or os.environ.get("PDTOOL_ROLE", "")
+    role = args.role or workerenv.ROLE.get() or ""
     if role == "router":
         return WorkerContext(plan=plan, plan_path=plan_path, role=role, instance=None, ranks=[],
                              host=args.host or "127.0.0.1", port=plan.router.port,
                              engine_argv=args.engine_argv)
     if role not in ("prefill", "decode"):
         raise WorkerError(f"--role: {role!r} is not prefill, decode or router")
-    index = args.instance if args.instance is not None else _env_int("PDTOOL_INSTANCE")
+    index = args.instance if args.instance is not None else _env_int(None, workerenv.INSTANCE)
     insts = plan.role_instances(role)
     if index is None or not 0 <= index < len(insts):
         raise WorkerError(f"--instance: {index!r} is not one of the plan's {len(insts)} "
@@ -102,13 +109,13 @@ def resolve(args: argparse.Namespace) -> WorkerContext:
     inst = insts[index]
     if plan.engine in PER_NODE_ENGINES:
         node_rank = (args.node_rank if args.node_rank is not None
-                     else _env_int("SLURM_NODEID", "PDTOOL_NODE_RANK"))
+                     else _env_int("SLURM_NODEID", workerenv.NODE_RANK))
         ranks = [r for r in inst.ranks if r.node_rank == node_rank]
         if not ranks:
             raise WorkerError(f"--node-rank: {node_rank!r} is not a node of {inst.name} "
                               f"(it spans {len(inst.nodes)} node(s))")
     else:
-        rank = args.rank if args.rank is not None else _env_int("SLURM_PROCID", "PDTOOL_RANK")
+        rank = args.rank if args.rank is not None else _env_int("SLURM_PROCID", workerenv.RANK)
         if rank is None or not 0 <= rank < len(inst.ranks):
             raise WorkerError(f"--rank: {rank!r} is not a rank of {inst.name} "
                               f"(ranks 0-{len(inst.ranks) - 1})")
@@ -127,28 +134,15 @@ def check_node(expect: str | None) -> str:
     return actual
 
 
-def fabric_env(ctx: WorkerContext) -> dict[str, str]:
-    """Environment for this process: its ranks' fabric variables plus the PDTOOL_* identity."""
-    env: dict[str, str] = {}
-    if ctx.ranks:
-        first = ctx.ranks[0].env
-        env.update({k: v for k, v in first.items()
-                    if all(r.env.get(k) == v for r in ctx.ranks)})
-    env["PDTOOL_PLAN"] = str(ctx.plan_path)
-    env["PDTOOL_ROLE"] = ctx.role
-    if ctx.instance is not None:
-        env["PDTOOL_INSTANCE"] = str(ctx.instance.index)
-        env["PDTOOL_RANKS"] = ",".join(str(r.rank) for r in ctx.ranks)
-        env["PDTOOL_NODE_RANK"] = str(ctx.ranks[0].node_rank)
-        # per-GPU NIC map for engines driving several GPUs (same shape as SGLang's ib map)
-        env["PDTOOL_NICS"] = json.dumps({str(r.gpu): ",".join(r.nics) for r in ctx.ranks},
-                                        separators=(",", ":"))
-        # one libfabric domain for the whole process when its ranks share their NICs (the SGLang
-        # backend reads PDTOOL_FI_DOMAIN; with a NIC per GPU it needs PDTOOL_NICS[gpu] instead)
-        nic_sets = {r.nics for r in ctx.ranks}
-        if len(nic_sets) == 1 and ctx.ranks[0].nics:
-            env["PDTOOL_FI_DOMAIN"] = ctx.ranks[0].nics[0]
-    return env
+def worker_env(ctx: WorkerContext) -> dict[str, str]:
+    """Environment for this process: its ranks' fabric variables plus its identity and NICs
+    (`transfer.workerenv.worker_env`, the one writer of the worker environment)."""
+    places = [RankPlace(rank=r.rank, node_rank=r.node_rank, gpu=r.gpu, nics=tuple(r.nics),
+                        env=r.env) for r in ctx.ranks]
+    return workerenv.worker_env(
+        plan=str(ctx.plan_path), role=ctx.role,
+        instance=ctx.instance.index if ctx.instance is not None else None, ranks=places,
+        per_rank=ctx.plan.engine not in PER_NODE_ENGINES)
 
 
 def startup_line(ctx: WorkerContext, node: str) -> str:
@@ -186,14 +180,14 @@ def run_sglang(ctx: WorkerContext) -> int:
     # pdtool's SGLang backend signs its control frames with the secret it reads from the 0600
     # file named by PDTOOL_SECRET_FILE (the secret itself never goes into the environment);
     # check it here so a missing or world-readable file fails before SGLang starts
-    secret_file = os.environ.get("PDTOOL_SECRET_FILE")
+    secret_file = workerenv.secret_file()
     if secret_file:
-        from transfer.control import ControlError, read_secret
+        from transfer.wire import WireError, read_secret
 
         try:
             read_secret(secret_file)
-        except ControlError as e:
-            raise WorkerError(f"PDTOOL_SECRET_FILE: {e}") from None
+        except WireError as e:
+            raise WorkerError(f"{workerenv.SECRET_FILE.name}: {e}") from None
     print("pdtool-worker: exec " + " ".join(ctx.engine_argv[:3]) + " ...", flush=True)
     try:
         os.execvp(ctx.engine_argv[0], ctx.engine_argv)
@@ -279,8 +273,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         argv, engine_argv = argv[:i], argv[i + 1:]
     ap = argparse.ArgumentParser(prog="python -m pdtool.worker",
                                  description="Start one pdtool worker from a rendered plan.")
-    ap.add_argument("--plan", help="plan.json of the job (default: $PDTOOL_PLAN)")
-    ap.add_argument("--role", help="prefill | decode | router (default: $PDTOOL_ROLE)")
+    ap.add_argument("--plan", help=f"plan.json of the job (default: ${workerenv.PLAN.name})")
+    ap.add_argument("--role",
+                    help=f"prefill | decode | router (default: ${workerenv.ROLE.name})")
     ap.add_argument("--instance", type=int, help="instance index within the role")
     ap.add_argument("--rank", type=int, help="rank within the instance (per-rank engines)")
     ap.add_argument("--node-rank", type=int, help="node within the instance (per-node engines)")
@@ -296,10 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ctx = resolve(args)
         node = check_node(args.expect_node)
-        ctx.env = fabric_env(ctx)
+        ctx.env = worker_env(ctx)
         os.environ.update(ctx.env)
         print(startup_line(ctx, node), flush=True)
-        if os.environ.get("PDTOOL_PREFLIGHT") == "1":
+        if workerenv.flag(workerenv.PREFLIGHT):
             print("pdtool-worker: preflight: not starting the engine", flush=True)
             return run_preflight(ctx)
         engine = ENGINES.get(ctx.plan.engine)

@@ -10,6 +10,43 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+# -- markers (registered in pyproject.toml): what a test needs beyond Python -------------------
+#: Test modules whose every test needs a part of the machine, by marker. A module not listed
+#: can mark itself (`pytestmark = pytest.mark.fabric`); the Slurm fixture marks its users.
+MODULE_MARKS: dict[str, tuple[str, ...]] = {
+    # libfabric in this process, or in the engine processes the test starts (the reference
+    # engine's messenger, pdtool's SGLang backend)
+    "test_fabric": ("fabric",),
+    "test_messenger": ("fabric",),
+    "test_messenger_faults": ("fabric",),
+    "test_messenger_slots": ("fabric",),
+    "test_faults_random": ("fabric",),
+    "test_local_launch": ("fabric",),
+    "test_reference_serve": ("fabric",),
+    "test_reference_smoke": ("fabric",),
+    "test_reference_slurm": ("fabric",),
+    "test_reliability_serve": ("fabric",),
+    "test_workerenv": ("fabric",),
+    "test_sglang_backend": ("fabric", "sglang"),
+    # SGLang's own classes and parsers
+    "test_sglang_frames": ("sglang",),
+    "test_sglang_plugin": ("sglang",),
+    "test_sglang_lines": ("sglang",),
+}
+#: Fixtures that bring a part up, by the marker their users get.
+FIXTURE_MARKS = {"slurm": "slurm"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.stem if item.path else ""
+        for name in MODULE_MARKS.get(module, ()):
+            item.add_marker(name)
+        for fixture in getattr(item, "fixturenames", ()):
+            if fixture in FIXTURE_MARKS:
+                item.add_marker(FIXTURE_MARKS[fixture])
+
+
 # -- launch issue: a real 4-node Slurm cluster on this machine (tests/slurm_cluster.py) --------
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory):

@@ -22,8 +22,29 @@ def compose(*overrides: str) -> Config:
     return copy.deepcopy(_composed(tuple(overrides)))
 
 
+@cache
+def _tiny_checkpoint() -> str:
+    import tempfile
+    from pathlib import Path
+
+    from hf_checkpoints import make_checkpoint
+
+    return str(make_checkpoint(Path(tempfile.mkdtemp(prefix="pdtool-ckpt-")) / "qwen3", "qwen3"))
+
+
+def recipe_args(name: str) -> list[str]:
+    """What a recipe needs on the command line (hf-local: model.path=DIR, a tiny checkpoint
+    built once per session), so the tests that walk every recipe can compose it."""
+    return [f"model.path={_tiny_checkpoint()}"] if name == "hf-local" else []
+
+
+def option_args(group: str, option: str) -> list[str]:
+    """The same for a group option (model=hf-local reads its keys from model.path)."""
+    return recipe_args("hf-local") if (group, option) == ("model", "hf-local") else []
+
+
 def recipe(name: str, *overrides: str) -> Config:
-    return compose(f"+recipe={name}", *overrides)
+    return compose(f"+recipe={name}", *recipe_args(name), *overrides)
 
 
 def findings_for(cfg: Config, key: str) -> list[Finding]:

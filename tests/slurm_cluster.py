@@ -1,4 +1,4 @@
-"""A real Slurm cluster on this one machine, for tests (DESIGN.md §7).
+"""A real Slurm cluster on this one machine, for tests (docs/slurm.md).
 
 Debian's `slurm-wlm` + `munge` run without systemd: one `munged` with its own socket and key in
 a temporary folder, one `slurmctld`, and several `slurmd -N nodeK` that all listen on 127.0.0.1
@@ -23,6 +23,10 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sinfo", "sbatch", "scontrol")
+#: GPUs each emulated node declares (fake device files, see `gpu_files`)
+GPUS_PER_NODE = 2
+#: memory (MB) each node declares: jobs ask `--mem=0` (all of it) or an amount below it
+NODE_MEMORY_MB = 2000
 
 
 class SlurmStartError(RuntimeError):
@@ -53,10 +57,13 @@ def _tail(path: Path, lines: int = 30) -> str:
 class SlurmCluster:
     """Config, daemons and client environment of one emulated cluster."""
 
-    def __init__(self, root: Path, nodes: int = 4, cpus: int = 2) -> None:
+    def __init__(self, root: Path, nodes: int = 4, cpus: int = 2, gpus: int = GPUS_PER_NODE,
+                 task_plugin: str = "task/affinity") -> None:
         self.root = Path(root)
         self.nodes = [f"node{i}" for i in range(1, nodes + 1)]
         self.cpus = cpus
+        self.gpus = gpus
+        self.task_plugin = task_plugin
         self.hostname = socket.gethostname()
         self.conf = self.root / "slurm.conf"
         self.munge_socket = self.root / "munge" / "munge.socket"
@@ -98,13 +105,15 @@ class SlurmCluster:
             "SlurmctldDebug=info",
             "SlurmdDebug=info",
             "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
+            # binds each task to the CPUs it was given (--cpu-bind), as on a GPU site
+            f"TaskPlugin={self.task_plugin}",
+            "GresTypes=gpu",
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
             "SchedulerType=sched/backfill",
             "SchedulerParameters=bf_interval=1",
             "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_CPU",
+            "SelectTypeParameters=CR_CPU_Memory",
             "MpiDefault=none",
             "ReturnToService=2",
             "InactiveLimit=0",
@@ -114,15 +123,32 @@ class SlurmCluster:
             "SlurmctldTimeout=60",
             f"PlugStackConfig={r / 'plugstack.conf'}",
         ]
+        gres = []
         for name, port in zip(self.nodes, node_ports, strict=True):
             lines.append(
                 f"NodeName={name} NodeHostname={self.hostname} NodeAddr=127.0.0.1 "
-                f"Port={port} CPUs={self.cpus} State=UNKNOWN"
+                f"Port={port} CPUs={self.cpus} RealMemory={NODE_MEMORY_MB} "
+                f"Gres=gpu:{self.gpus} State=UNKNOWN"
             )
+            files = self.gpu_files(name)
+            for f in files:
+                # slurmd wants a character device and only stat()s it: /dev/null stands in
+                f.parent.mkdir(parents=True, exist_ok=True)
+                f.unlink(missing_ok=True)
+                f.symlink_to("/dev/null")
+            gres.append(f"NodeName={name} Name=gpu "
+                        f"File={files[0].parent}/nvidia[0-{self.gpus - 1}]")
+        (r / "gres.conf").write_text("\n".join(gres) + "\n")
         lines.append(f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES "
                      "MaxTime=INFINITE State=UP")
         (r / "plugstack.conf").write_text("")
         self.conf.write_text("\n".join(lines) + "\n")
+
+    def gpu_files(self, node: str) -> list[Path]:
+        """The fake GPU device files of `node` (gres.conf `File=`, links to /dev/null): Slurm
+        hands a step the GPUs it allocated by index (CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS)
+        as on a real site."""
+        return [self.root / "dev" / node / f"nvidia{g}" for g in range(self.gpus)]
 
     # -- daemons ---------------------------------------------------------------------------
     def _spawn(self, argv: list[str], log: Path) -> None:

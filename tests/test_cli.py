@@ -120,7 +120,9 @@ def test_plan_table_and_json():
     assert plan["version"] == 1 and plan["transfer"]["tokens"] == 100
     route = plan["transfer"]["routes"][0]
     assert route["slices"][0]["src_candidates"] == list(range(8))
-    assert route["writes_per_request"] == 2 * 61 + 1  # ceil(99 / 64) pages x 61 layers + aux
+    # engine=sglang sends every prompt token: ceil(100 / 64) pages x 61 layers + one row of each
+    # of SGLang's 10 metadata buffers (what its decoder counts, tests/test_geometry.py)
+    assert route["writes_per_request"] == 2 * 61 + 10
 
 
 def test_plan_refuses_invalid_config():

@@ -9,6 +9,7 @@ mocked: libfabric moves the bytes, and manual progress means the target must pol
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import multiprocessing as mp
 import os
 import shutil
@@ -25,10 +26,12 @@ import pytest
 from transfer.fabric import (
     Endpoint,
     FabricError,
+    GpuMemoryError,
     RemoteRegion,
     available_providers,
     decode_imm,
     encode_imm,
+    gpu_direct_support,
     shm_leftovers,
 )
 
@@ -173,7 +176,7 @@ def test_scattered_pages_counted_per_slot_and_byte_exact(provider):
         assert rep["remote_writes"] == total
         if provider == "shm":  # FI_RMA_EVENT: the remote-write counter fast path moves
             assert rep["has_counter"] and rep["counter"] == total
-        else:  # rxm has no FI_RMA_EVENT (DESIGN §5): counting relies on CQ data alone
+        else:  # rxm has no FI_RMA_EVENT (docs/libfabric.md): counting relies on CQ data alone
             assert not rep["has_counter"]
         got = np.frombuffer(rep["kv"], dtype=np.uint8).reshape(N_DST_PAGES, PAGE)
         expect = np.zeros_like(got)
@@ -358,14 +361,13 @@ def test_receive_lanes_count_into_one_slot_table(provider):
     cap, page, n, k = 4 * PAGE, PAGE, 48, 2   # 2 pages per lane in flight: lanes alternate
     nops = n // k
     with Endpoint(provider, max_inflight_bytes=cap, **ep_kwargs(provider)) as a, \
-            Endpoint(provider, **ep_kwargs(provider)) as owner, \
-            Endpoint(provider, **ep_kwargs(provider)) as lane:
+            Endpoint(provider, **ep_kwargs(provider)) as owner, owner.open_lane() as lane:
         src = np.random.default_rng(5).integers(0, 256, n * page, dtype=np.uint8)
         dst = np.zeros(n * page, dtype=np.uint8)
         mr_a = a.register_buffer(src)
-        regions = [owner.register_buffer(dst).descriptor(), lane.register_buffer(dst).descriptor()]
+        mr_dst = owner.register_buffer(dst)  # once, in the domain the lane shares
+        regions = [mr_dst.descriptor(), lane.lane_region(mr_dst).descriptor()]
         peers = [a.insert_peer(owner.name), a.insert_peer(lane.name)]
-        lane.share_counts(owner)
         lane.start_progress()
         with pytest.raises(ValueError, match="progress thread"):
             lane.poll()
@@ -407,6 +409,115 @@ def test_receive_lanes_count_into_one_slot_table(provider):
         expect[order.astype(np.int64)] = src.reshape(n, page)
         expect[:3, :64] = src.reshape(n, page)[:3, :64]  # the stale writes land all the same
         assert np.array_equal(dst.reshape(n, page), expect)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_lanes_share_one_domain_and_one_registration(provider):
+    """A decoder's receive lanes are endpoints of the owner's fabric/domain: the KV buffer is
+    registered once (same MR, same key on every lane), each lane still has its own address
+    and CQ, and the domain outlives whichever of them closes first."""
+    with Endpoint(provider, **ep_kwargs(provider)) as owner:
+        buf = np.zeros(4 * PAGE, dtype=np.uint8)
+        mr = owner.register_buffer(buf)
+        lanes = [owner.open_lane(), owner.open_lane()]
+        other = Endpoint(provider, **ep_kwargs(provider))
+        try:
+            assert {lane.domain_handle for lane in lanes} == {owner.domain_handle}
+            assert other.domain_handle != owner.domain_handle
+            assert all(lane.lane_region(mr) is mr for lane in lanes)  # no FI_MR_ENDPOINT here
+            assert len({owner.name, *(lane.name for lane in lanes)}) == 3
+            assert all(lane.max_slots == owner.max_slots for lane in lanes)
+            with pytest.raises(ValueError, match="another domain"):
+                other.lane_region(mr)
+            with pytest.raises(ValueError, match="provider"):
+                Endpoint("sockets" if provider == "shm" else "shm", same_domain_as=owner)
+            # one write through each lane, counted in the owner's slot, from another domain
+            src = np.arange(PAGE, dtype=np.uint8)
+            mr_src = other.register_buffer(src)
+            owner.arm(3, 1)
+            owner.set_active(True)
+            peers = [other.insert_peer(lane.name) for lane in lanes]
+            for lane in lanes:
+                lane.start_progress()  # as the decoder runs them: each drained by its thread
+            for i, (lane, peer) in enumerate(zip(lanes, peers, strict=True)):
+                off = np.array([i * PAGE], np.uint64)
+                other.write_batch(peer, mr_src, lane.lane_region(mr).descriptor(),
+                                  np.zeros(1, np.uint64), off, np.array([PAGE], np.uint64),
+                                  encode_imm(3, 1), 0)
+            assert other.wait_send(0, 2, WAIT_S)
+            deadline = time.monotonic() + WAIT_S
+            while int(owner.recv_counts[3]) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert int(owner.recv_counts[3]) == 2
+            assert [lane.remote_writes for lane in lanes] == [1, 1]
+            assert np.array_equal(buf[:2 * PAGE].reshape(2, PAGE), np.stack([src, src]))
+            lanes[0].close()  # a lane closing first leaves the shared registration working
+            assert not mr.closed and lanes[1].lane_region(mr).descriptor() == mr.descriptor()
+        finally:
+            for ep in (*lanes, other):
+                ep.close()
+
+
+def test_binding_c_builds_without_warnings_and_cdef_comes_from_the_header():
+    """transfer/csrc/*.c compile under -Wall -Wextra -Werror; every function pd.h declares
+    for cffi is in the built module (one declaration list, read from the header)."""
+    spec = importlib.util.spec_from_file_location("fb", ROOT / "transfer" / "_fabric_build.py")
+    fb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fb)
+    sources = fb.c_sources()
+    assert len(sources) >= 6 and all(s.startswith("transfer/csrc/") for s in sources)
+    for src in sources:
+        r = subprocess.run(["cc", "-fsyntax-only", "-std=gnu11", "-D_GNU_SOURCE", *fb.WARNINGS,
+                            "-Werror", "-I", str(ROOT / fb.CSRC), str(ROOT / src)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stderr == "", (src, r.stderr)
+    import re
+
+    from transfer import _fabric
+    cdef = fb.cdef_text()
+    names = re.findall(r"\b(pd_\w+)\(", cdef)
+    assert len(names) > 40 and all(hasattr(_fabric.lib, n) for n in names)
+    assert "pd_set_yield" not in cdef  # dead code removed
+    consts = re.findall(r"#define (PD_\w+) \.\.\.", cdef)
+    assert "PD_HMEM_CUDA" in consts and all(hasattr(_fabric.lib, c) for c in consts)
+
+
+def test_gpu_memory_direct_is_refused_with_the_reason_on_this_libfabric():
+    """Debian's libfabric 1.17 has no CUDA: shm lists FI_HMEM but a CUDA registration answers
+    -FI_ENOSYS, tcp;ofi_rxm has no FI_HMEM at all. Both refusals name transfer.gpu_memory and
+    the cause, before any CUDA library is loaded (none exists here)."""
+    with Endpoint("shm") as plain:
+        assert not plain.hmem and plain.offers_hmem
+        with pytest.raises(GpuMemoryError, match="hmem=True"):
+            plain.register(4096, 4096, iface="cuda")
+    with Endpoint("shm", hmem=True) as ep, Endpoint("tcp;ofi_rxm", domain="lo") as tcp:
+        assert ep.hmem and ep.offers_hmem and not tcp.offers_hmem
+        ok, why = ep.cuda_registration()
+        assert not ok and "Function not implemented" in why
+        assert ep.cuda_registration() == (ok, why)  # asked once per domain
+        with pytest.raises(GpuMemoryError) as info:
+            ep.register(4096, 1 << 20, iface="cuda", device=0)
+        msg = str(info.value)
+        assert "transfer.gpu_memory=direct" in msg and "-FI_ENOSYS" in msg
+        assert "transfer.gpu_memory=staged" in msg and info.value.errno == 38
+        assert isinstance(info.value, NotImplementedError)
+        assert not tcp.cuda_registration()[0] and "FI_HMEM" in tcp.cuda_registration()[1]
+    with pytest.raises(GpuMemoryError, match=r"transfer\.gpu_memory=direct.*FI_HMEM"):
+        Endpoint("tcp;ofi_rxm", domain="lo", hmem=True)
+    assert gpu_direct_support("shm")[0] is False
+    ok, why = gpu_direct_support("tcp;ofi_rxm", domain="lo")
+    assert not ok and "FI_HMEM" in why
+    # the pointer check loads the CUDA driver only when asked; none is installed here
+    code = ("import sys; from transfer.fabric import check_cuda_pointer, GpuMemoryError\n"
+            "try:\n    check_cuda_pointer(4096, 4096, 0)\n"
+            "except GpuMemoryError as e:\n    print(e)\n"
+            "print('torch' in sys.modules, 'libcuda' in open('/proc/self/maps').read())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    if not Path("/proc/driver/nvidia").exists():
+        assert "cannot load the CUDA driver" in r.stdout and "transfer.gpu_memory" in r.stdout
+        assert r.stdout.strip().endswith("False False")
 
 
 def test_arm_takes_the_endpoint_lock():

@@ -1,4 +1,4 @@
-"""Randomized fault injection over real processes (transfer.messenger.loopback, real libfabric).
+"""Randomized fault injection over real processes (transfer.testing.loopback, real libfabric).
 
 Each trial draws a deployment (provider, prefill TP, decode TP, prompt sizes) and one fault from
 a seeded generator, runs it, and checks the invariants of the failure model:
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch  # noqa: F401  (imported before forking so the rank processes start fast)
 
 from transfer.fabric import shm_leftovers
-from transfer.messenger.loopback import Scenario, run
+from transfer.testing.loopback import Scenario, run
 
 TRIALS = int(os.environ.get("PDTOOL_FAULT_TRIALS", "12"))
 SEED = int(os.environ.get("PDTOOL_FAULT_SEED", "7"))
@@ -214,19 +214,27 @@ def test_control_fault_hook_drops_and_delays_only_what_it_is_told():
     type never arrives (and is logged with its rid); a delayed one arrives later; others pass."""
     import pytest
     import zmq
+    from test_control import _hello_body
 
-    from transfer.control import Channel, Codec, ControlError, ControlFaults
+    from transfer.wire import Envelope, WireError
+    from transfer.wire.channel import Channel, ControlFaults
+    from transfer.wire.messenger import MESSENGER
 
-    with pytest.raises(ControlError, match="PDTOOL_CONTROL_FAULTS: cannot read 'oops'"):
+    with pytest.raises(WireError, match="PDTOOL_CONTROL_FAULTS: cannot read 'oops'"):
         ControlFaults.parse("oops")
-    with pytest.raises(ControlError, match="drop=HELLO: unknown message type"):
-        ControlFaults.parse("drop=HELLO:1")
+    with pytest.raises(WireError, match="drop=NOPE: unknown message type"):
+        ControlFaults.parse("drop=NOPE:1")
     faults = ControlFaults.parse("drop=ABORT:1,delay=PING:0.3")
     secret = b"f" * 32
     ctx = zmq.Context()
     try:
-        server = Channel.listen(ctx, Codec(secret, "p0"), "127.0.0.1")
-        client = Channel.connect(ctx, Codec(secret, "d0"), server.address, faults=faults)
+        server = Channel.listen(ctx, Envelope(secret, "p0", MESSENGER), "127.0.0.1")
+        client = Channel.connect(ctx, Envelope(secret, "d0", MESSENGER), server.address,
+                                 faults=faults)
+        client.send("HELLO", _hello_body())  # not faulted: the binding the others need
+        hello = _until(server, "HELLO")
+        server.send("HELLO", _hello_body(role="prefill"), peer=b"d0", session=hello.session)
+        _until(client, "HELLO")
         client.send("ABORT", {"rid": "gone", "slot": 1, "gen": 2, "reason": "x"})
         client.send("PING", {})
         client.send("PONG", {})
@@ -246,3 +254,13 @@ def test_control_fault_hook_drops_and_delays_only_what_it_is_told():
         client.close()
     finally:
         ctx.term()
+
+
+def _until(ch, kind: str, timeout: float = 5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if ch.sock.poll(20):
+            for _, m in ch.recv():
+                if m.type == kind:
+                    return m
+    raise AssertionError(f"no {kind} within {timeout} s")

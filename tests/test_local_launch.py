@@ -110,8 +110,9 @@ def supervisor(base: int, run_dir: Path, *extra: str) -> Running:
 def script(base: int, run_dir: Path) -> Running:
     rendered, findings = render(overrides(base), run_dir)
     assert rendered is not None, findings
-    env = {**os.environ, "PDTOOL_PREFLIGHT": "1", "PDTOOL_PYTHON": sys.executable}
-    return Running(["bash", str(rendered.script)], run_dir, env)
+    # a stale PDTOOL_RUN_DIR in the calling shell must not move the job
+    env = {**os.environ, "PDTOOL_PYTHON": sys.executable, "PDTOOL_RUN_DIR": "/nonexistent"}
+    return Running(["bash", str(rendered.script), "--preflight"], run_dir, env)
 
 
 STARTERS = {"supervisor": supervisor, "script": script}
@@ -181,7 +182,7 @@ def test_dry_run_prints_commands_and_starts_nothing(tmp_path: Path) -> None:
                           "launcher=slurm", "transfer=tcp", "cluster.nodes=2", "--dry-run",
                           "--out", str(out)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    assert "srun --nodes=1 --ntasks=1 --relative=1" in res.stdout
+    assert "srun --export=ALL --nodes=1 --ntasks=1 --relative=1" in res.stdout
     assert "python3 -m pdtool.worker" in res.stdout and "--role decode --instance 1" in res.stdout
     assert (out / "job.sbatch").exists()
     assert not list((out / "logs").iterdir())  # nothing ran
@@ -246,7 +247,7 @@ def test_worker_execs_the_sglang_line_with_messenger_environment(tmp_path: Path)
     NIC and deployment secret in the environment of pdtool's SGLang backend."""
     from pdtool.compose import load_config
     from pdtool.launch.shell import resolve
-    from pdtool.planner import build_plan
+    from pdtool.plan import build_plan
     from pdtool.render import write_job_folder
 
     cfg, findings = load_config([*overrides(27700), "engine=sglang", "transfer=tcp",

@@ -19,8 +19,9 @@ import pytest
 import torch  # noqa: F401  (imported before forking so the rank processes start fast)
 
 from transfer.fabric import shm_leftovers
-from transfer.messenger.loopback import Scenario, run
 from transfer.routes import pages_for
+from transfer.testing.loopback import Scenario, run
+from transfer.wire import WireError, generate_secret
 
 PROVIDERS = ["shm", "tcp;ofi_rxm"]
 PROVIDER_IOV_LIMIT = 4  # fi_info: iov_limit and rma_iov_limit of both providers
@@ -28,9 +29,9 @@ PROMPTS = (17, 33, 5, 2)  # 4, 8, 1 and 1 pages of 4 tokens; 33 tokens = 4 chunk
 AUX = (48, 20)
 
 
-def _check(s: Scenario, sources_per_rank: int) -> list[dict]:
+def _check(s: Scenario, sources_per_rank: int, secret: bytes | None = None) -> list[dict]:
     before = set(shm_leftovers())
-    out = run(s)
+    out = run(s, secret)
     assert len(out.decode) == s.decode_tp and len(out.prefill) == s.prefill_tp
     want_writes = want_ops = 0
     for rep in out.decode:
@@ -58,6 +59,14 @@ def _check(s: Scenario, sources_per_rank: int) -> list[dict]:
 
 def len_of(s: Scenario, rid: str) -> int:
     return s.prompts[int(rid.split("-r")[1])]
+
+
+def test_the_harness_runs_with_the_callers_secret():
+    # the harness has no secret of its own: the caller's key (or a fresh one per run) signs
+    _check(Scenario(provider="shm", prompts=(9,), aux_row_bytes=AUX), sources_per_rank=1,
+           secret=generate_secret())
+    with pytest.raises(WireError, match="secret: need at least"):
+        run(Scenario(), secret=b"short")
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)

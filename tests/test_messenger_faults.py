@@ -17,7 +17,7 @@ import pytest
 import torch  # noqa: F401  (imported before forking so the rank processes start fast)
 
 from transfer.fabric import shm_leftovers
-from transfer.messenger.loopback import Scenario, run
+from transfer.testing.loopback import Scenario, run
 
 PROVIDERS = ["shm", "tcp;ofi_rxm"]
 LAYERS = 4

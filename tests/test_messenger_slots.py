@@ -129,11 +129,49 @@ def test_a_peer_without_the_secret_gets_nothing():
         st = _settle(dec, "r1")
         assert st.status is TransferStatus.FAILED
         assert pre.poll_requests() == []         # never registered, never learned a key
-        assert pre._chan.rejected >= 2           # its REQUEST and PINGs were all refused
+        assert pre._chan.rejected >= 2           # its HELLOs were all refused
         assert "signature" in pre._chan.last_error
     finally:
         dec.close()
         pre.close()
+
+
+def test_an_old_peer_is_told_the_version_and_no_secret_refuses_to_start():
+    """A version-1 REQUEST (the codec before transfer.wire) reaches a live prefill: refused with
+    the version, not a field; a messenger without a secret does not start."""
+    import hashlib
+    import hmac
+
+    import msgpack
+    import zmq
+
+    from transfer.wire import PROTOCOL_VERSION
+
+    pre, dec, _keep = _pair()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, b"old-decoder")
+    sock.connect(pre.address)
+    try:
+        v1 = msgpack.packb({"v": 1, "type": "REQUEST", "from": "old-decoder", "ts": time.time(),
+                            "nonce": b"n" * 16, "body": {"rid": "r1"}}, use_bin_type=True)
+        sock.send_multipart([v1, hmac.new(SECRET, v1, hashlib.sha256).digest()])
+        end = time.monotonic() + 10
+        while time.monotonic() < end and "protocol version 1" not in pre._chan.last_error:
+            time.sleep(0.02)
+        assert pre._chan.last_error.startswith(
+            f"envelope.v: protocol version 1, expected {PROTOCOL_VERSION}")
+    finally:
+        sock.close(0)
+        ctx.term()
+        dec.close()
+        pre.close()
+    spec = ShardSpec(2, 1)
+    with pytest.raises(ValueError, match="no deployment secret given; refusing to start"):
+        PrefillConfig(secret=b"", spec=spec, peer_spec=spec)
+    with pytest.raises(ValueError, match="no deployment secret given; refusing to start"):
+        DecodeConfig(secret=None, spec=spec, peer_spec=spec, prefill_endpoints=(("tcp://x:1",),))
 
 
 def test_engine_mistakes_raise_value_errors_naming_the_argument():
@@ -156,46 +194,63 @@ def test_engine_mistakes_raise_value_errors_naming_the_argument():
 
 
 def test_signed_but_broken_requests_do_not_stop_the_prefill():
-    """A holder of the secret sending nonsense (a bad fabric name, an impossible route) gets an
-    ABORTED naming the problem; the prefill keeps serving real requests."""
+    """A holder of the secret sending nonsense (a bad fabric name in its HELLO, an impossible
+    route in a REQUEST) gets an ABORTED naming the problem; the prefill keeps serving real
+    requests."""
     import zmq
 
-    from transfer.control import Channel, Codec
+    from transfer.wire import Envelope, compat_hash
+    from transfer.wire.channel import Channel
+    from transfer.wire.messenger import MESSENGER, facts
 
     pre, dec, _keep = _pair()
     ctx = zmq.Context()
-    evil = Channel.connect(ctx, Codec(SECRET, "insider"), pre.address)
+    spec = {"num_kv_heads": 2, "tp": 1, "dp": 1}
+    layout = {"kind": "HND", "num_pages": 8, "heads_local": 2, "kv_parts": 2, "page_size": 4,
+              "head_dim": 8, "itemsize": 2}
+    compat = compat_hash(facts(prefill=spec, decode=spec, layout=layout, num_layers=2,
+                               buffers_per_layer=1, provider="tcp;ofi_rxm", aux_row_bytes=[]))
+    hello = {
+        "role": "decode", "compat": compat, "provider": "tcp;ofi_rxm", "rank": 0,
+        "num_parts": 1, "spec": spec, "peer_spec": spec, "layout": layout, "num_layers": 2,
+        "buffers_per_layer": 1, "aux_row_bytes": [], "fabric_name": b"\xff" * 7,
+        "regions": [{"base": 4096, "key": 1, "length": 1 << 20}] * 2, "aux_regions": [],
+        "lanes": [], "writes_per_op": 1, "error": "",
+    }
+    base = {
+        "rid": "bad", "token_ids": np.arange(9, dtype="<u4").tobytes(), "num_tokens": 9,
+        "dst_pages": np.array([0, 1], dtype="<u4").tobytes(), "slot": 0, "gen": 1,
+        "aux_row": 0, "slices": [{"src_rank": 0, "head_lo": 0, "num_heads": 2,
+                                  "src_head_off": 0, "dst_head_off": 0}],
+        "aux_rank": 0, "expected": [4], "timeout_s": 5.0,
+    }
+    evil = [Channel.connect(ctx, Envelope(SECRET, f"insider{i}", MESSENGER), pre.address)
+            for i in range(2)]
+
+    def replies(ch, n):
+        got, end = [], time.monotonic() + 10
+        while time.monotonic() < end and len(got) < n:
+            if ch.sock.poll(20):
+                got += [m for _, m in ch.recv()]
+        return got
+
     try:
-        base = {
-            "rid": "bad", "token_ids": np.arange(9, dtype="<u4").tobytes(), "num_tokens": 9,
-            "dst_pages": np.array([0, 1], dtype="<u4").tobytes(), "slot": 0, "gen": 1,
-            "dst_rank": 0, "num_parts": 1,
-            "dst_spec": {"num_kv_heads": 2, "tp": 1, "dp": 1},
-            "src_spec": {"num_kv_heads": 2, "tp": 1, "dp": 1},
-            "layout": {"kind": "HND", "num_pages": 8, "heads_local": 2, "kv_parts": 2,
-                       "page_size": 4, "head_dim": 8, "itemsize": 2},
-            "num_layers": 2, "buffers_per_layer": 1, "fabric_name": b"\xff" * 7,
-            "regions": [{"base": 4096, "key": 1, "length": 1 << 20}] * 2, "aux_regions": [],
-            "lanes": [],
-            "aux_row": 0, "slices": [{"src_rank": 0, "head_lo": 0, "num_heads": 2,
-                                      "src_head_off": 0, "dst_head_off": 0}],
-            "aux_rank": 0, "expected": [4], "writes_per_op": 1, "timeout_s": 5.0,
-        }
-        evil.send("REQUEST", {**base, "rid": "route", "fabric_name": b"\x02\x00" + bytes(14),
-                              "slices": [{**base["slices"][0], "num_heads": 1}]})
-        evil.send("REQUEST", base)
-        replies, end = [], time.monotonic() + 10
-        while time.monotonic() < end and len(replies) < 2:
-            if evil.sock.poll(20):
-                replies += [m for _, m in evil.recv()]
-        reasons = sorted(m.body["reason"] for m in replies)
+        evil[0].send("HELLO", hello)
+        evil[1].send("HELLO", {**hello, "fabric_name": b"\x02\x00" + bytes(14)})
+        (h0,), (h1,) = replies(evil[0], 1), replies(evil[1], 1)
+        assert h0.body["error"].startswith("fabric_name: ") and h1.body["error"] == ""
+        evil[0].send("REQUEST", base)
+        evil[1].send("REQUEST", {**base, "rid": "route",
+                                 "slices": [{**base["slices"][0], "num_heads": 1}]})
+        reasons = sorted(m.body["reason"] for ch in evil for m in replies(ch, 1))
         assert reasons[0].startswith("refused: fabric_name: ")
         assert reasons[1] == "refused: slices: not the routes for the chosen source ranks"
         assert pre.poll_requests() == []
         # the real decoder is still served
         assert _serve(pre, dec, "good", [2, 3]).status is TransferStatus.SUCCESS
     finally:
-        evil.close()
+        for ch in evil:
+            ch.close()
         ctx.term()
         dec.close()
         pre.close()

@@ -10,7 +10,7 @@ from pdtool_cfg import compose, recipe
 from rich.console import Console
 
 from pdtool.commands.plan import print_plan
-from pdtool.planner import (
+from pdtool.plan import (
     PLAN_VERSION,
     Plan,
     build_plan,
@@ -24,6 +24,7 @@ from pdtool.planner import (
 )
 from pdtool.rules.sglang import sglang_writes_per_request
 from pdtool.schema import Config
+from transfer import geometry as G
 from transfer import routes as R
 
 
@@ -164,6 +165,9 @@ def _expected(
 #: The reference engine's pages follow transfer.layout (K and V fused, one buffer per layer);
 #: a byte vocabulary makes the Llama shape one it could run. SGLang recipes keep NHD pools.
 REFERENCE = ("engine=reference", "model.vocab_size=256")
+#: Metadata writes per request: SGLang 0.5.23 writes one row of each of its 10 MetadataBuffers
+#: (transfer.geometry.sglang_metadata_buffers), the reference engine its one hidden state.
+SGLANG_AUX = 10
 
 
 def test_routes_gqa_prefill_tp8_to_decode_tp4():
@@ -205,21 +209,22 @@ def test_sglang_routes_count_its_own_pools(layout):
     assert {i.kv_layout for i in build_plan(cfg).instances} == {"NHD"}
     for route in t.routes:
         assert [s.writes_per_page for s in route.slices] == [64, 64]  # a head run per token
-        assert route.writes_per_request == _expected(1000, 64, 80, 128, 1, buffers=2)
+        assert route.writes_per_request == _expected(1000, 64, 80, 128, SGLANG_AUX,
+                                                     buffers=2)
 
 
 def test_sglang_plan_and_rule_count_the_same_writes():
     cfg = recipe("llama-3.1-70b")  # engine=sglang, GQA 8 KV heads, prefill TP8 -> decode TP4
     t = build_plan(cfg, tokens=4096).transfer
     worst, equal = sglang_writes_per_request(cfg, 4096)
-    # 64 pages x 80 layers x 2 buffers (K, V) x 2 slices x 64 tokens + 1 aux
-    assert {r.writes_per_request for r in t.routes} == {worst} == {1_310_721}
-    assert equal == 64 * 80 * 2 + 1  # the warning's figures (tests/test_rules.py)
+    # 64 pages x 80 layers x 2 buffers (K, V) x 2 slices x 64 tokens + 10 metadata buffers
+    assert {r.writes_per_request for r in t.routes} == {worst} == {1_310_730}
+    assert equal == 64 * 80 * 2 + SGLANG_AUX  # the warning's figures (tests/test_rules.py)
     mla = recipe("deepseek-r1")  # one latent buffer per layer, every rank holds it
     t = build_plan(mla, tokens=4096).transfer
     assert (t.layout, t.buffers_per_layer, t.kv_parts) == ("NHD", 1, 1)
     assert {r.writes_per_request for r in t.routes} == {sglang_writes_per_request(mla)[0]}
-    assert sglang_writes_per_request(mla) == (_expected(4096, 64, 61, 1, 1),) * 2
+    assert sglang_writes_per_request(mla) == (_expected(4096, 64, 61, 1, SGLANG_AUX),) * 2
 
 
 def test_plan_output_shows_the_layout_written():
@@ -230,8 +235,8 @@ def test_plan_output_shows_the_layout_written():
 
     out = shown(recipe("llama-3.1-70b", "transfer.layout=HND"))
     assert "layout NHD (sglang pools, K and V buffers per layer; transfer.layout does not" in out
-    assert "(64 pages x 80 layers x 2 buffers (K, V) + 1 aux)" in out
-    assert "1,310,721" in out
+    assert "(64 pages x 80 layers x 2 buffers (K, V) + 10 aux)" in out
+    assert "1,310,730" in out
     out = shown(recipe("deepseek-r1"))
     assert "layout NHD (sglang pools, one buffer per layer;" in out
     out = shown(recipe("llama-3.1-70b", *REFERENCE))
@@ -272,7 +277,7 @@ def test_routes_mla_replica_sets():
     for route in t.routes:
         (s,) = route.slices
         assert s.src_candidates == tuple(range(8))  # any of the 8 prefill ranks may send
-        assert route.writes_per_request == _expected(4096, 64, 61, 1, 1)
+        assert route.writes_per_request == _expected(4096, 64, 61, 1, SGLANG_AUX)
     assert "any of 8 may send" in t.summary
     assert t.kv_parts == 1 and t.head_width == 576
 
@@ -286,20 +291,20 @@ def test_routes_dp_attention_pairs_groups():
 
 
 @pytest.mark.parametrize(
-    ("overrides", "layout", "buffers"),
+    ("overrides", "layout", "buffers", "aux"),
     [
-        (REFERENCE, "HND", 1),  # the messenger's pages: K and V fused, one buffer per layer
-        ((*REFERENCE, "transfer.layout=NHD"), "NHD", 1),
-        ((), "NHD", 2),  # engine=sglang: its NHD pools, separate K and V buffers
+        (REFERENCE, "HND", 1, 1),  # the messenger's pages: K and V fused, one buffer per layer
+        ((*REFERENCE, "transfer.layout=NHD"), "NHD", 1, 1),
+        ((), "NHD", 2, SGLANG_AUX),  # engine=sglang: its NHD pools, separate K and V buffers
     ],
 )
-def test_routes_match_transfer_routes_module(overrides, layout, buffers):
+def test_routes_match_transfer_routes_module(overrides, layout, buffers, aux):
     cfg = recipe("llama-3.1-70b", *overrides)
     plan = build_plan(cfg, tokens=777)
     src, dst = R.ShardSpec(8, 8), R.ShardSpec(8, 4)
     for route in plan.transfer.routes:
         slices = R.routes_for(src, dst, route.dst_rank)
-        assert route.writes_per_request == R.expected_writes(
+        assert route.writes_per_request == G.expected_writes(
             slices,
             src,
             dst,
@@ -308,7 +313,7 @@ def test_routes_match_transfer_routes_module(overrides, layout, buffers):
             num_pages=R.pages_for(777, 64),
             num_layers=80,
             buffers_per_layer=buffers,
-            aux_writes=1,
+            aux_writes=aux,
         )
 
 
@@ -385,3 +390,19 @@ def test_plan_version_mismatch_is_refused():
     data["version"] = 99
     with pytest.raises(ValueError, match="plan version 99"):
         plan_from_dict(data)
+
+
+def test_rules_use_only_the_plans_public_surface():
+    """The validate rules import `pdtool.plan`'s exported names, never its modules' internals."""
+    import ast
+    from pathlib import Path
+
+    import pdtool.plan as plan_pkg
+
+    rules = Path(__file__).resolve().parents[1] / "pdtool" / "rules"
+    for path in sorted(rules.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pdtool.plan"):
+                assert node.module == "pdtool.plan", (path.name, node.module)
+                names = {a.name for a in node.names}
+                assert names <= set(plan_pkg.__all__), (path.name, names - set(plan_pkg.__all__))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pdtool_cfg import compose
 
 from pdtool.compose import load_config
-from pdtool.planner import build_plan, plan_from_dict, plan_to_dict
+from pdtool.plan import build_plan, plan_from_dict, plan_to_dict
 from pdtool.rules import has_errors, validate
 from pdtool.schema import PROVIDERS, Config
 
@@ -63,8 +63,7 @@ def _knobs() -> list[tuple[str, object]]:
     out += [("cluster.nodes", v) for v in (0, 1, 2, 4, 8)]
     out += [("transfer.provider", v) for v in (*PROVIDERS, "ucx")]
     out += [("transfer.layout", v) for v in ("HND", "NHD", "HDN")]
-    out += [("transfer.completion", v) for v in ("cq_data", "counter")]
-    out += [("transfer.aux_writes", v) for v in (-1, 0, 1, 3)]
+    out += [("transfer.lanes", v) for v in (-1, 0, 2, 9)]
     out += [("launcher.kind", v) for v in ("local", "slurm", "pbs")]
     out += [("engine.kind", v) for v in ("reference", "sglang", "vllm")]
     out += [("router.port", v) for v in (8000, 30000, 31001, 99999)]

@@ -1,4 +1,4 @@
-"""Every recipe in recipes/ composes, validates clean, and plans routes as DESIGN.md §3 says."""
+"""Every recipe in recipes/ composes, validates clean, and plans routes as docs/sharding.md says."""
 
 from __future__ import annotations
 
@@ -6,14 +6,15 @@ import pytest
 from pdtool_cfg import recipe
 
 from pdtool.compose import recipe_description, recipe_files
-from pdtool.planner import build_plan
+from pdtool.plan import build_plan
 from pdtool.rules import validate
 
 RECIPES = sorted(recipe_files())
 
 #: HND counts are the reference engine's (its pages follow transfer.layout); SGLang recipes keep
 #: SGLang's NHD pools. A byte vocabulary makes these model shapes ones it could run.
-REFERENCE = ("engine=reference", "model.vocab_size=256")
+#: the same deployment on the reference engine (no experts: the recipes' SGLang --ep-size goes)
+REFERENCE = ("engine=reference", "model.vocab_size=256", "prefill.ep=1", "decode.ep=1")
 
 
 def test_the_required_recipes_exist():
@@ -82,7 +83,8 @@ def test_qwen3_coder_equal_tp_hnd():
         (s,) = route.slices
         assert s.src_candidates == (d,) and s.head_lo == d
         assert route.writes_per_page == 1  # equal TP: a whole NHD page of a buffer is contiguous
-        assert route.writes_per_request == 64 * 62 * 2 + 1  # pages x layers x K, V + aux
+        # pages x layers x K, V + one row of each of SGLang's 10 metadata buffers
+        assert route.writes_per_request == 64 * 62 * 2 + 10
     ref = recipe("qwen3-coder-480b", *REFERENCE)
     assert not [f for f in validate(ref) if f.severity == "error"]
     hnd = build_plan(ref).transfer

@@ -264,3 +264,22 @@ def test_health_reports_a_messenger_that_cannot_take_work():
         assert get() == (503, {"status": "unhealthy", "reason": reason[0]})
     finally:
         srv.close()
+
+
+def test_a_token_outside_the_vocabulary_fails_only_its_request():
+    """The front checks ids against its tokenizer; the decoder checks them against the model's
+    embedding rows, so a tokenizer with more ids than the model never crashes an instance."""
+    from pdtool.engines.reference.engine import AggregatedEngine
+
+    cfg = TinyConfig()
+    kv = PagedKV(cfg, cfg.cache_heads, 64, PAGE)
+    engine = AggregatedEngine(TinyModel(cfg), kv, Coord(), 8)
+    events = engine.step([{"rid": "bad", "tokens": [1, 9999], "max_tokens": 2},
+                          {"rid": "good", "tokens": encode("fine"), "max_tokens": 3}])
+    assert [(e.rid, e.done) for e in events] == [("bad", True)]
+    assert "outside the model" in events[0].info["error"]
+    out = []
+    while engine.busy:
+        out += [t for e in engine.step() if e.rid == "good" for t in e.tokens]
+    assert out == generate(cfg, encode("fine"), 3)
+    assert kv.pages.num_free == kv.pages.num_pages

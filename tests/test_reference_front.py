@@ -30,11 +30,106 @@ def test_bad_requests_name_the_field(body, field):
         parse_request(body)
 
 
+def _handshaken() -> tuple[Wire, Wire]:
+    """A front and a decoder wire after the front's HELLO and the decoder's answer."""
+    front, w = Wire(b"k" * 32, role="front"), Wire(b"k" * 32, role="decode")
+    assert w.unpack(front.pack("HELLO", front.hello()), ("HELLO",))[0] == "HELLO"
+    assert front.unpack(w.pack("HELLO", w.hello(), session=w.last_session), ("HELLO",))
+    return front, w
+
+
 def test_wire_refuses_forged_and_malformed_messages():
-    w = Wire(b"k" * 32)
-    frames = w.pack("GEN", {"rid": "a", "tokens": [1, 2], "max_tokens": 3})
+    front, w = _handshaken()
+    frames = front.pack("GEN", {"rid": "a", "tokens": [1, 2], "max_tokens": 3}, peer=w.name)
     assert w.unpack(frames, ("GEN",)) == ("GEN", {"rid": "a", "tokens": [1, 2], "max_tokens": 3})
     assert Wire(b"x" * 32).unpack(frames, ("GEN",)) is None  # other secret
     assert w.unpack([frames[0] + b"!", frames[1]], ("GEN",)) is None
     assert w.unpack(frames, ("OUT",)) is None
     assert w.rejected == 2
+
+
+def test_wire_needs_a_hello_and_names_the_version_of_an_old_front():
+    """GEN before HELLO cannot be bound; a HELLO with other limits is refused naming the
+    difference; an unversioned (pre-envelope) front frame is told the version."""
+    import hashlib
+    import hmac
+
+    import msgpack
+
+    from transfer.wire import PROTOCOL_VERSION, WireError
+
+    front, w = Wire(b"k" * 32), Wire(b"k" * 32, role="decode")
+    with pytest.raises(WireError, match="no HELLO from it"):
+        front.pack("GEN", {"rid": "a", "tokens": [1], "max_tokens": 1}, peer=w.name)
+    assert w.unpack(front.pack("HELLO", {**front.hello(), "max_prompt": 7}), ("HELLO",)) is None
+    old = msgpack.packb({"k": "GEN", "b": {"rid": "a", "tokens": [1], "max_tokens": 1},
+                         "t": 1.0, "n": b"n" * 16}, use_bin_type=True)
+    assert w.unpack([old, hmac.new(b"k" * 32, old, hashlib.sha256).digest()], ("GEN",)) is None
+    assert w.rejected == 2
+    with pytest.raises(WireError, match=f"protocol version 0, expected {PROTOCOL_VERSION}"):
+        w.envelope.open([old, hmac.new(b"k" * 32, old, hashlib.sha256).digest()])
+
+
+def test_a_dead_dispatcher_shows_in_health_and_fails_requests():
+    """Should the dispatcher thread ever die, the front says so instead of hanging: /health
+    answers 503 with the reason, waiting and new requests fail with it, and `dead` is set
+    (serve_front then exits non-zero, and the launcher stops the deployment)."""
+    import json
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    import zmq
+
+    from pdtool.engines.reference.front import Front, Unavailable
+    from pdtool.engines.reference.wire import router
+
+    secret = b"k" * 32
+    sock = router(zmq.Context.instance(), "127.0.0.1", 0)
+    stop = threading.Event()
+
+    def decoder() -> None:  # answers HELLO and PINGs the way serve._take_requests does
+        wire = Wire(secret, role="decode")
+        while not stop.is_set():
+            if sock.poll(50):
+                frames = sock.recv_multipart()
+                got = wire.unpack(frames[1:], ("HELLO", "GEN", "PING", "CANCEL"), peer=frames[0])
+                if got and got[0] == "HELLO":
+                    sock.send_multipart([frames[0], *wire.pack("HELLO", wire.hello(),
+                                                               session=wire.last_session)])
+                elif got and got[0] == "PING":
+                    sock.send_multipart([frames[0], *wire.pack("PONG", {"rid": "ping",
+                                                                         "tokens": []},
+                                                               peer=frames[0])])
+
+    thread = threading.Thread(target=decoder, daemon=True)
+    thread.start()
+    front = Front([sock.getsockopt_string(zmq.LAST_ENDPOINT)], secret, port=0)
+    front.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not front.ready:
+            assert time.monotonic() < deadline, "the decoder's PONG never arrived"
+            time.sleep(0.05)
+        rid, pending = front.submit([1, 2, 3], 4)
+        with front._lock:  # an item the dispatcher cannot unpack: it raises
+            front._push.send_pyobj("not a request")
+        assert front.dead.wait(10)
+        _, body = pending.q.get(timeout=10)
+        assert body["done"] and "dispatcher thread died" in body["info"]["error"]
+        with pytest.raises(Unavailable, match="dispatcher thread died"):
+            front.submit([1, 2], 1)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"http://127.0.0.1:{front.port}/health", timeout=10)
+        health = json.loads(err.value.read())
+        assert err.value.code == 503 and health["status"] == "unhealthy"
+        assert "dispatcher thread died" in health["reason"]
+        front.finish(rid)
+    finally:
+        t0 = time.monotonic()
+        front.stop()
+        stop.set()
+        thread.join(5)
+        sock.close(0)
+        assert time.monotonic() - t0 < 30

@@ -8,7 +8,7 @@ import pytest
 from pdtool_cfg import recipe
 
 from pdtool.engines.reference.fromplan import SpecError, spec_from_context
-from pdtool.planner import build_plan
+from pdtool.plan import build_plan
 from transfer.control import write_secret
 
 

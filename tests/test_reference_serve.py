@@ -36,7 +36,7 @@ from pdtool.engines.reference.oracle import encode, generate
 from pdtool.engines.reference.serve import RankSpec
 from pdtool.engines.reference.tokens import decode
 from pdtool.engines.reference.wire import Wire, dealer
-from pdtool.planner import from_json
+from pdtool.plan import from_json
 from transfer.control import read_secret
 
 torch.set_num_threads(1)
@@ -58,15 +58,15 @@ class Served:
     proc: subprocess.Popen | None = None
     dep: Deployment | None = None
 
-    def __init__(self, name: str, tmp) -> None:
+    def __init__(self, name: str, tmp, overrides: tuple[str, ...] = ()) -> None:
         if name == "tiny-local":
-            self._launch(tmp)
+            self._launch(tmp, overrides)
         else:
             self._specs(name, tmp)
         self.cfg = RankSpec(role="decode", model=self.model).cfg
         self.oracle_model = TinyModel(self.cfg)
 
-    def _launch(self, tmp) -> None:
+    def _launch(self, tmp, overrides: tuple[str, ...] = ()) -> None:
         """`pdtool launch +recipe=tiny-local` on free ports, fault hooks enabled by env."""
         p, d, r = free_port(), free_port_run(2), free_port()
         out = tmp / "job"
@@ -75,7 +75,8 @@ class Served:
              f"prefill.http_port={p}", f"decode.http_port={d}", f"router.port={r}",
              f"prefill.dist_init_port={free_port()}",
              f"decode.dist_init_port={free_port_run(2)}",
-             "+launcher.env.decode.PDTOOL_REFERENCE_ALLOW_FAULTS=1", "--out", str(out)],
+             "+launcher.env.decode.PDTOOL_REFERENCE_ALLOW_FAULTS=1", *overrides,
+             "--out", str(out)],
             stdout=open(tmp / "launch.log", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
             start_new_session=True)
         self.url = f"http://127.0.0.1:{r}"
@@ -237,10 +238,11 @@ def _direct(s: Served, prompt: str, max_tokens: int, faults: dict | None) -> dic
     _, health = get_json(f"{s.leaders[1]}/health")
     wire = Wire(bytes.fromhex(s.secret))
     ctx = zmq.Context.instance()
-    sock = dealer(ctx, health["engine"])
+    sock = dealer(ctx, health["engine"], wire)
+    decoder = wire.handshake(sock)
     body = {"rid": f"fault-{time.monotonic_ns()}", "tokens": encode(prompt),
             "max_tokens": max_tokens, "faults": faults}
-    sock.send_multipart(wire.pack("GEN", body))
+    sock.send_multipart(wire.pack("GEN", body, peer=decoder))
     toks, info = [], {}
     try:
         while True:

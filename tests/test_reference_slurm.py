@@ -18,7 +18,7 @@ from pdtool.engines.reference.fromplan import model_fields
 from pdtool.engines.reference.local import free_port, free_port_run, get_json
 from pdtool.engines.reference.model import TinyConfig, TinyModel
 from pdtool.engines.reference.oracle import encode, generate
-from pdtool.planner import from_json
+from pdtool.plan import from_json
 
 
 def test_tiny_local_serves_as_a_slurm_job(slurm, tmp_path: Path) -> None:

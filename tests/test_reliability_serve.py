@@ -35,15 +35,16 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_control import _request_body
+from test_control import _hello_body, _request_body
 from test_reference_serve import Served
 
 from pdtool.engines.reference.front import DECODE_DEAD_S
 from pdtool.engines.reference.local import get_json
 from pdtool.engines.reference.soak import deployment, run_soak
 from pdtool.engines.reference.wire import Wire, dealer
-from transfer.control import PROTOCOL_VERSION, SCHEMAS, Codec
 from transfer.fabric import shm_leftovers
+from transfer.wire import PROTOCOL_VERSION, Envelope
+from transfer.wire.messenger import MESSENGER
 
 FUZZ_ID = "fuzzer"
 
@@ -100,9 +101,13 @@ def _signed(secret: bytes, env: object) -> list[bytes]:
     return [data, hmac.new(secret, data, hashlib.sha256).digest()]
 
 
-def _env(type_: str, body: object, **over: object) -> dict:
-    return {"v": PROTOCOL_VERSION, "type": type_, "from": FUZZ_ID, "ts": time.time(),
-            "nonce": os.urandom(16), "body": body, **over}
+_fuzz_seq = iter(range(1 << 20, 1 << 40))
+
+
+def _env(type_: str, body: object, to: bytes, **over: object) -> dict:
+    """A fuzzer's envelope bound to the prefill's session `to` (past the binding checks)."""
+    return {"v": PROTOCOL_VERSION, "p": "messenger", "k": type_, "from": FUZZ_ID,
+            "sid": b"f" * 16, "to": to, "seq": next(_fuzz_seq), "body": body, **over}
 
 
 _value = st.recursive(
@@ -112,21 +117,21 @@ _value = st.recursive(
     max_leaves=16)
 
 
-def _bad_frames(secret: bytes):
+def _bad_frames(secret: bytes, env: Envelope, to: bytes):
     """Strategies for hostile input; each yields the frames to send."""
-    good_ping = Codec(secret, FUZZ_ID).encode
+    kinds = list(MESSENGER.kinds)
     return st.one_of(
         st.lists(st.binary(max_size=300), min_size=1, max_size=4),             # random
-        st.integers(0, 60).map(lambda k: [good_ping("PING", {})[0][:k],        # truncated
-                                          good_ping("PING", {})[1]]),
-        st.sampled_from(list(SCHEMAS)).map(                                    # wrong key
-            lambda t: Codec(b"w" * 32, FUZZ_ID).encode(t, _valid_body(t))),
-        st.tuples(st.sampled_from(list(SCHEMAS)), _value).map(                 # wrong types
-            lambda tb: _signed(secret, _env(tb[0], tb[1]))),
-        _value.map(lambda env: _signed(secret, env)),                          # not an envelope
-        st.sampled_from([{"v": 99}, {"ts": 1.0}, {"from": "someone-else"}, {"nonce": b"x"},
-                         {"ts": time.time() + 3600}]).map(
-            lambda over: _signed(secret, _env("PING", {}, **over))),
+        st.integers(0, 60).map(lambda k: [env.seal("PING", {}, to)[0][:k],     # truncated
+                                          env.seal("PING", {}, to)[1]]),
+        st.sampled_from(kinds).map(                                            # wrong key
+            lambda t: Envelope(b"w" * 32, FUZZ_ID, MESSENGER).seal(t, _valid_body(t), to)),
+        st.tuples(st.sampled_from(kinds), _value).map(                         # wrong types
+            lambda tb: _signed(secret, _env(tb[0], tb[1], to))),
+        _value.map(lambda e: _signed(secret, e)),                              # not an envelope
+        st.sampled_from([{"v": 99}, {"seq": 0}, {"from": "someone-else"}, {"sid": b"x"},
+                         {"to": b"y" * 16}, {"to": b""}]).map(
+            lambda over: _signed(secret, {**_env("PING", {}, to), **over})),
     )
 
 
@@ -135,7 +140,7 @@ def _abort_body() -> dict:
 
 
 def _valid_body(type_: str) -> dict:
-    return {"REQUEST": _request_body(), "ABORT": _abort_body(),
+    return {"HELLO": _hello_body(), "REQUEST": _request_body(), "ABORT": _abort_body(),
             "ABORTED": {**_abort_body(), "issued": 0, "errored": 0}}.get(type_, {})
 
 
@@ -147,6 +152,15 @@ def _replies(sock: zmq.Socket, wait_s: float) -> list[list[bytes]]:
     return out
 
 
+def _handshake(sock: zmq.Socket, env: Envelope) -> tuple[dict, bytes]:
+    """HELLO to the live prefill rank: its answer, and its session (which binds our frames)."""
+    sock.send_multipart(env.seal("HELLO", _hello_body()))
+    (reply,) = _replies(sock, 3.0)
+    hello = env.open(reply)
+    assert hello.type == "HELLO" and hello.body["role"] == "prefill"
+    return hello.body, hello.session
+
+
 def test_live_prefill_survives_control_plane_fuzzing(launched):
     secret = bytes.fromhex(launched.secret)
     address = _control(launched)
@@ -155,21 +169,34 @@ def test_live_prefill_survives_control_plane_fuzzing(launched):
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTING_ID, FUZZ_ID.encode())
     sock.connect(address)
+    env = Envelope(secret, FUZZ_ID, MESSENGER)
     try:
+        _, to = _handshake(sock, env)
+
         @settings(max_examples=300, deadline=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-        @given(_bad_frames(secret))
+        @given(_bad_frames(secret, env, to))
         def fuzz(frames):
             sock.send_multipart(frames)
 
         fuzz()
         _replies(sock, 1.0)  # PONGs to the complete PINGs among the examples
-        # replayed: the first copy is answered, the second refused
-        ping = Codec(secret, FUZZ_ID).encode("PING", {})
+    finally:
+        sock.close(0)
+    # replayed: the first copy is answered, the second refused (a fresh peer: the fuzzer's
+    # hand-made frames under its name opened sessions of their own, retiring `env`'s)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, b"replayer")
+    sock.connect(address)
+    env = Envelope(secret, "replayer", MESSENGER)
+    try:
+        _, to = _handshake(sock, env)
+        ping = env.seal("PING", {}, to)
         sock.send_multipart(ping)
         sock.send_multipart(ping)
         got = _replies(sock, 2.0)
-        pongs = [Codec(secret, "check").decode(f) for f in got]
+        pongs = [env.open(f) for f in got]
         assert [m.type for m in pongs] == ["PONG"], pongs
     finally:
         sock.close(0)
@@ -184,9 +211,10 @@ def test_live_prefill_survives_control_plane_fuzzing(launched):
     body = launched.complete("after the storm", 6)
     assert body["pdtool"]["token_ids"] == launched.oracle("after the storm", 6)
     for reason in ("refused a message: mac: signature does not match",
-                   "refused a message: nonce: already seen (replayed message)",
+                   "refused a message: seq: already seen (replayed message)",
                    "refused a message: frames: expected [payload, mac]",
-                   "refused a message: envelope.v: protocol version 99"):
+                   "refused a message: envelope.v: protocol version 99, expected 2",
+                   "refused a message: to: frame bound to another session"):
         assert _wait_log(launched, reason), reason
 
 
@@ -200,9 +228,9 @@ def test_unauthenticated_peer_gets_no_reply_and_no_key(launched):
     outsider.setsockopt(zmq.LINGER, 0)
     outsider.setsockopt(zmq.ROUTING_ID, b"outsider")
     outsider.connect(_control(launched))
-    wrong = Codec(os.urandom(32), "outsider")
-    for type_ in SCHEMAS:
-        outsider.send_multipart(wrong.encode(type_, _valid_body(type_)))
+    wrong = Envelope(os.urandom(32), "outsider", MESSENGER)
+    for type_ in MESSENGER.kinds:
+        outsider.send_multipart(wrong.seal(type_, _valid_body(type_), b"t" * 16))
     outsider.send_multipart([b"PING"])  # unsigned
     assert _replies(outsider, 2.0) == []
     outsider.close(0)
@@ -210,30 +238,37 @@ def test_unauthenticated_peer_gets_no_reply_and_no_key(launched):
     insider.setsockopt(zmq.LINGER, 0)
     insider.setsockopt(zmq.ROUTING_ID, FUZZ_ID.encode())
     insider.connect(_control(launched))
-    insider.send_multipart(Codec(secret, FUZZ_ID).encode("REQUEST", _valid_body("REQUEST")))
+    env = Envelope(secret, FUZZ_ID, MESSENGER)
+    hello, to = _handshake(insider, env)  # a prefill's HELLO names no memory key or address
+    assert hello["fabric_name"] == b"" and hello["regions"] == hello["aux_regions"] == []
+    assert hello["error"]  # this decoder's static data does not fit the deployment
+    insider.send_multipart(env.seal("REQUEST", _valid_body("REQUEST"), to))
     (reply,) = _replies(insider, 3.0)
     insider.close(0)
-    msg = Codec(secret, "check").decode(reply)
+    msg = env.open(reply)
     assert msg.type == "ABORTED" and msg.body["reason"].startswith("refused: ")
     assert set(msg.body) == {"rid", "slot", "gen", "reason", "issued", "errored"}
 
 
 def test_decode_wire_refuses_forged_and_replayed_requests(launched):
     _, health = get_json(f"{launched.leaders[1]}/health")
-    sock = dealer(zmq.Context.instance(), health["engine"])
+    wire = Wire(bytes.fromhex(launched.secret))
+    sock = dealer(zmq.Context.instance(), health["engine"], wire)
     try:
-        body = {"rid": f"replay-{time.monotonic_ns()}", "tokens": [72, 105], "max_tokens": 2}
-        sock.send_multipart(Wire(os.urandom(32)).pack("GEN", body))  # forged
+        forger = Wire(os.urandom(32), name=wire.name)
+        sock.send_multipart(forger.pack("HELLO", forger.hello()))  # forged
         assert _replies(sock, 1.5) == []
-        frames = Wire(bytes.fromhex(launched.secret)).pack("GEN", body)
+        decoder = wire.handshake(sock)
+        body = {"rid": f"replay-{time.monotonic_ns()}", "tokens": [72, 105], "max_tokens": 2}
+        frames = wire.pack("GEN", body, peer=decoder)
         sock.send_multipart(frames)
         first = _replies(sock, 5.0)
-        assert first and Wire(bytes.fromhex(launched.secret)).unpack(first[-1], ("OUT",))
+        assert first and wire.unpack(first[-1], ("OUT",))
         sock.send_multipart(frames)  # a captured GEN, replayed: no second run
         assert _replies(sock, 1.5) == []
     finally:
         sock.close(0)
-    assert _wait_log(launched, "nonce: already seen (replayed message)")
+    assert _wait_log(launched, "seq: already seen (replayed message)")
 
 
 # ----------------------------------------------------------------------------- HTTP input
@@ -279,8 +314,10 @@ def test_front_refuses_hostile_http_input(launched):
             return  # a valid request: served by the other tests, too slow to send 150 of
         code, reply = _post(launched.url, body)
         codes.append(code)
-        assert code == 400 and reply["error"]["message"].split(":")[0] in (
-            "body", "prompt", "max_tokens", "stream"), (body, code, reply)
+        named = reply["error"]["message"].split(":")[0]
+        sent = json.loads(body) if code == 400 and named not in ("body", "prompt") else {}
+        assert code == 400 and (named in ("body", "prompt", "max_tokens", "stream", "model")
+                                or named in sent), (body, code, reply)
 
     fuzz()
     assert codes, "hypothesis produced no invalid body"
@@ -296,6 +333,30 @@ def test_front_refuses_hostile_http_input(launched):
     body = launched.complete("still fine", 3)
     assert body["pdtool"]["token_ids"] == launched.oracle("still fine", 3)
     assert launched.proc.poll() is None
+
+
+def test_a_prompt_longer_than_the_context_fails_alone(launched):
+    """A 100,000-character prompt once killed the front's dispatcher thread (every later
+    request hung while /health said ok): now it is a 400 naming the field, and the front
+    keeps serving."""
+    _, health = get_json(f"{launched.url}/health")
+    context = health["context"]
+    assert 0 < context < 100_000
+    code, reply = get_json(f"{launched.url}/v1/completions",
+                           {"prompt": "x" * 100_000, "max_tokens": 4})
+    assert code == 400 and reply["error"]["message"].startswith("prompt: 100000 tokens"), reply
+    code, reply = get_json(f"{launched.url}/v1/completions",
+                           {"prompt": "x" * 10, "max_tokens": context - 5})
+    assert code == 400 and reply["error"]["message"].startswith("max_tokens:"), reply
+    assert str(context - 10) in reply["error"]["message"]
+    code, reply = get_json(f"{launched.url}/v1/completions",
+                           {"prompt": [66] * 70_000, "max_tokens": 1})
+    assert code == 400 and reply["error"]["message"].startswith("prompt:"), reply
+    body = launched.complete("still fine", 3)
+    assert body["pdtool"]["token_ids"] == launched.oracle("still fine", 3)
+    assert get_json(f"{launched.url}/health")[0] == 200
+    routers = [p for p in Path(launched.tmp).rglob("*.log") if "router" in p.name]
+    assert routers and not any("Traceback" in p.read_text() for p in routers)
 
 
 # ----------------------------------------------------------------------------- soak
@@ -352,10 +413,11 @@ def test_front_fails_requests_of_a_dead_decode_instance_promptly(tmp_path):
         # the prompt must take longer than that to compute (8000 tokens sometimes did not):
         # 12000 tokens = 3000 of the decoder's 4096 pages, next to the other request's
         _, health = get_json(f"{leaders[2]}/health")
-        sock = dealer(zmq.Context.instance(), health["engine"])
-        sock.send_multipart(Wire(bytes.fromhex(secret)).pack("GEN", {
+        wire = Wire(bytes.fromhex(secret))
+        sock = dealer(zmq.Context.instance(), health["engine"], wire)
+        sock.send_multipart(wire.pack("GEN", {
             "rid": "long-prompt", "tokens": [65 + i % 26 for i in range(12000)],
-            "max_tokens": 1}))
+            "max_tokens": 1}, peer=wire.handshake(sock)))
         time.sleep(1.0)
         sock.close(0)
         victim = next(p for p, s in zip(dep.procs, dep.specs, strict=True)

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pdtool_cfg import recipe_args
 
 from pdtool.compose import load_config, recipe_files
 from pdtool.launch.shell import Var, q, word, words
-from pdtool.planner import build_plan, from_json
+from pdtool.plan import build_plan, expand_cpus, from_json
 from pdtool.render import SECRET_NAME, render, write_job_folder
 from pdtool.schema import gpus_per_instance
 
@@ -28,16 +29,17 @@ RECIPES = sorted(recipe_files())
 def launcher_overrides(recipe: str, launcher: str) -> list[str]:
     """Overrides that make a recipe fit the launcher: Slurm gets enough nodes; the local launcher
     gets one machine with every GPU the deployment needs (a GPU recipe does not fit 8 GPUs)."""
-    cfg, findings = load_config([f"+recipe={recipe}"])
+    args = [f"+recipe={recipe}", *recipe_args(recipe)]
+    cfg, findings = load_config(args)
     assert cfg is not None, findings
     if launcher == "slurm":
         # shm cannot cross nodes: the one-machine recipes use TCP over the cluster network
         net = ["transfer=tcp"] if cfg.transfer.provider == "shm" else []
-        return [f"+recipe={recipe}", "launcher=slurm", "cluster.nodes=16", *net]
+        return [*args, "launcher=slurm", "cluster.nodes=16", *net]
     need = sum(gpus_per_instance(cfg.prefill if r == "prefill" else cfg.decode) *
                (cfg.prefill if r == "prefill" else cfg.decode).instances
                for r in ("prefill", "decode"))
-    over = [f"+recipe={recipe}", "launcher=local"]
+    over = [*args, "launcher=local"]
     if need > cfg.cluster.gpus_per_node:
         numa = cfg.cluster.gpu_numa or [0]
         per = max(1, need // max(1, len(set(numa))))
@@ -234,3 +236,125 @@ def test_slurm_job_folder_with_percent_is_refused(tmp_path: Path) -> None:
     rendered, findings = render(launcher_overrides("deepseek-r1", "slurm"), tmp_path / "a%jb")
     assert rendered is None
     assert findings[-1].key == "launcher.output_dir" and "%" in findings[-1].message
+
+
+def sbatch_header(script: Path) -> list[str]:
+    return [line.split(" ", 1)[1] for line in script.read_text().splitlines()
+            if line.startswith("#SBATCH ")]
+
+
+def test_shared_nodes_ask_for_what_the_processes_use(tmp_path: Path) -> None:
+    """launcher.exclusive=false: the job asks for the busiest node's CPUs, the memory and the
+    GPUs; each step asks for its ranks' CPUs (Slurm chose which CPUs the job has: no mask)."""
+    over = [*launcher_overrides("llama-3.1-70b", "slurm"), "launcher.exclusive=false",
+            "launcher.mem=400G"]
+    rendered, findings = render(over, tmp_path / "job")
+    assert rendered is not None, findings
+    head = sbatch_header(rendered.script)
+    assert "--exclusive" not in head and "--mem=0" not in head
+    # p5: 96 CPUs per NUMA node, 4 GPUs each, so a node of 8 ranks uses all 192
+    assert {"--ntasks-per-node=1", "--cpus-per-task=192", "--mem=400G",
+            "--gpus-per-node=8"} <= set(head)
+    dec = next(p for p in rendered.spec.procs if p.name == "decode-1.n0")
+    assert "--cpus-per-task=96" in dec.argv and "--gres=gpu:8" in dec.argv
+    assert not [a for a in dec.argv if str(a).startswith("--cpu-bind")]
+
+
+def test_exclusive_steps_bind_to_their_ranks_cpus(tmp_path: Path) -> None:
+    rendered, findings = render(launcher_overrides("llama-3.1-70b", "slurm"), tmp_path / "job")
+    assert rendered is not None, findings
+    head = sbatch_header(rendered.script)
+    assert {"--exclusive", "--mem=0", "--gpus-per-node=8", "--ntasks-per-node=1"} <= set(head)
+    plan = rendered.plan
+    for p in rendered.spec.procs:
+        ranks = [r for i in plan.instances if i.role == p.role and i.index == p.instance
+                 for r in i.ranks if r.rank in p.ranks]
+        mask = sum(1 << c for r in ranks for c in expand_cpus(r.cpus))
+        assert f"--cpu-bind=mask_cpu:{hex(mask)}" in p.argv
+        assert "--cpus-per-task=192" in p.argv  # the step holds the node's CPUs
+    (router,) = rendered.spec.router
+    assert "--cpu-bind=none" in router.argv
+
+
+@pytest.mark.parametrize(("over", "key", "fragment"), [
+    (["launcher.exclusive=false"], "launcher.mem", "gets only the memory it asks"),
+    (["launcher.mem=lots"], "launcher.mem", "not a Slurm memory size"),
+    (["launcher.gpus_per_node=4"], "launcher.gpus_per_node", "GPUs 0..7"),
+    (["launcher.gpus_per_node=16"], "launcher.gpus_per_node", "nodes have 8"),
+])
+def test_slurm_resource_keys_are_checked(over, key, fragment) -> None:
+    from pdtool_cfg import assert_error, recipe
+
+    cfg = recipe("llama-3.1-70b", *over)
+    assert_error(cfg, key, fragment)
+
+
+def test_secrets_reach_processes_only_through_0600_files(tmp_path: Path) -> None:
+    """A secret-looking launcher.env value and a launcher.secret_env name taken from the shell:
+    in no argv, script, saved config or launch.json; in 0600 files; in the processes' env."""
+    out, dumps = tmp_path / "job", tmp_path / "dumps"
+    dumps.mkdir()
+    token, password = "hf_Zq81secret", "pw 'quoted' $(touch PWNED)"
+    over = ["+recipe=tiny-local", "engine=sglang", "cluster.device=cuda",
+            "launcher.health_timeout_s=2", "prefill.http_port=38200", "decode.http_port=38210",
+            "prefill.bootstrap_port=38220", "prefill.dist_init_port=38230",
+            "decode.dist_init_port=38240", "router.port=38250",
+            f"engine.python={HERE / 'argv_dump.py'}", f"+launcher.env.all.HF_TOKEN={token}",
+            "launcher.secret_env=[DB_PASS]", "+launcher.env.decode.PLAIN=visible"]
+    env = {**os.environ, "DB_PASS": password, "ARGV_DUMP_DIR": str(dumps),
+           "PDTOOL_PYTHON": sys.executable}
+    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "render", *over, "--out", str(out)],
+                         capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    assert token not in res.stdout + res.stderr
+    files = {f.name: f for f in out.iterdir() if f.is_file()}
+    for name in ("secret-prefill.env", "secret-decode.env", "secret-router.env"):
+        assert stat.S_IMODE(files[name].stat().st_mode) == 0o600
+    for name, f in files.items():
+        if not name.startswith("secret"):
+            text = f.read_text()
+            assert token not in text and "pw 'quoted'" not in text, name
+    assert "REDACTED" in (out / "config.yaml").read_text()
+    proc = subprocess.Popen(["bash", str(out / "run_local.sh")], cwd=tmp_path, env={
+        k: v for k, v in env.items() if k != "DB_PASS"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        for pid in job_processes(out):
+            os.kill(pid, 9)
+    records = [json.loads(p.read_text()) for p in dumps.glob("*.json")]
+    workers = [r for r in records if "pdtool.worker" in r["argv"]]
+    assert len(workers) == 3
+    for r in workers:
+        assert r["env"]["HF_TOKEN"] == token and r["env"]["DB_PASS"] == password
+        assert not any(token in a or "quoted" in a for a in r["argv"])
+        role = r["argv"][r["argv"].index("--role") + 1]
+        assert ("PLAIN" in r["env"]) == (role == "decode")
+    assert not (tmp_path / "PWNED").exists() and not (out / "PWNED").exists()
+
+
+def test_listed_secret_without_value_is_refused(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "NO_SUCH_SECRET_X"}
+    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "render", "+recipe=tiny-local",
+                          "launcher.secret_env=[NO_SUCH_SECRET_X]", "--out", str(tmp_path / "j")],
+                         capture_output=True, text=True, env={**env, "COLUMNS": "200"})
+    assert res.returncode == 1
+    assert "launcher.secret_env" in res.stderr and "NO_SUCH_SECRET_X" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("launcher", ["local", "slurm"])
+def test_script_options_are_arguments_not_environment(launcher: str, tmp_path: Path) -> None:
+    rendered, _ = render(launcher_overrides("tiny-local", launcher), tmp_path / "job")
+    text = rendered.script.read_text()
+    assert f"RUN_DIR={q(str(rendered.out))}\n" in text  # not ${PDTOOL_RUN_DIR:-...}
+    assert "PDTOOL_EXIT_WHEN_HEALTHY:-" not in text
+    res = subprocess.run(["bash", str(rendered.script), "--bogus"], capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 2 and "usage:" in res.stderr
+    if launcher == "slurm":
+        assert all(p.argv[:2] == ["srun", "--export=ALL"] for p in rendered.spec.all())

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pdtool_cfg import compose
+from pdtool_cfg import compose, option_args
 
 from pdtool.compose import (
     ComposeError,
@@ -49,7 +49,7 @@ def test_every_group_has_options():
 
 @pytest.mark.parametrize(("group", "option"), GROUP_OPTIONS, ids=lambda x: str(x))
 def test_each_group_option_composes_typed(group, option):
-    cfg, problems = load_config([f"{group}={option}"])
+    cfg, problems = load_config([f"{group}={option}", *option_args(group, option)])
     assert problems == []
     assert isinstance(cfg, Config)
     node = getattr(cfg, group)
@@ -123,6 +123,8 @@ def test_env_per_role_is_added_with_plus():
     ("overrides", "key", "fragment"),
     [
         (["model.layers=4"], "model.layers", "Could not override"),
+        # metadata writes are the engine's (transfer.geometry), not a setting
+        (["transfer.aux_writes=1"], "transfer.aux_writes", "Could not override"),
         (["prefill.tp=four"], "prefill.tp", "four"),
         (["prefill.dp_attention=maybe"], "prefill.dp_attention", "maybe"),
         (["cluster.gpu_memory_gb=lots"], "cluster.gpu_memory_gb", "lots"),

@@ -1,4 +1,5 @@
-"""Pure parts of the SGLang backend: signed control frames, SGLang buffer geometry, counts."""
+"""Pure parts of the SGLang backend: signed control frames (its buffer geometry and write
+counts are transfer.geometry's: tests/test_geometry.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import msgpack
 import pytest
 import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
 
-from transfer.layout import LayoutError
 from transfer.sglang import conn
 
 
@@ -35,28 +35,6 @@ def test_frames_refuse_another_wire_version(monkeypatch) -> None:
     monkeypatch.setattr(conn, "WIRE_VERSION", 1)
     with pytest.raises(ValueError, match="wire version 99"):
         conn.decode_frame(frame)
-
-
-def test_buffer_layouts_read_sglang_item_lengths() -> None:
-    # MHA K buffer: 64 slots x 2 heads x 8 dims x bf16, page size 4 -> item 128 B
-    (lay,) = conn.buffer_layouts([64 * 2 * 8 * 2], [128], heads_local=2, page_size=4)
-    assert (lay.kind, lay.num_pages, lay.heads_local, lay.page_size, lay.head_dim) == \
-        ("NHD", 16, 2, 4, 16)
-    with pytest.raises(LayoutError, match="KV buffer 1: item length 100 B"):
-        conn.buffer_layouts([2048, 2000], [128, 100], heads_local=2, page_size=4)
-
-
-@pytest.mark.parametrize(("mla", "heads", "p_tp", "d_tp", "per_page"), [
-    (False, 8, 8, 8, 1),        # equal TP: one write per (page, buffer)
-    (False, 8, 8, 4, 2 * 64),   # each decode rank rebuilds from 2 prefill ranks, per token
-    (False, 8, 4, 8, 64),       # each decode rank takes half of one prefill rank's heads
-    (True, 1, 8, 2, 1),         # MLA: latent replicated, one source
-])
-def test_expected_writes_follow_the_routes(mla, heads, p_tp, d_tp, per_page) -> None:
-    n = conn.expected_writes(is_mla=mla, total_heads=heads, prefill_tp=p_tp, decode_tp=d_tp,
-                             decode_rank=d_tp - 1, page_size=64, num_pages=10,
-                             num_buffers=2 * 61, num_aux=10)
-    assert n == 10 * 2 * 61 * per_page + 10
 
 
 def test_frames_cannot_be_replayed(monkeypatch) -> None:

@@ -2,7 +2,7 @@
 so no flag is misspelt and every value lands in the field the plan meant.
 
 `--disaggregation-transfer-backend pdtool` is accepted once pdtool's plugin has extended SGLang's
-choices; here the choice is registered the way the plugin does it (DESIGN.md §6, step 1:
+choices; here the choice is registered the way the plugin does it (docs/sglang.md, step 1:
 `arg_groups.choices.add_disagg_transfer_backend_choices`), without importing the backend.
 """
 
@@ -14,15 +14,30 @@ from pathlib import Path
 
 import pytest
 
-from pdtool.compose import load_config
+from pdtool.compose import load_config, recipe_files
 from pdtool.launch.shell import resolve
-from pdtool.planner import build_plan
+from pdtool.plan import build_plan
 from pdtool.render import write_job_folder
 
-SGLANG_RECIPES = ["deepseek-r1", "deepseek-r1-dp-attention", "qwen3-coder-480b", "llama-3.1-70b"]
-#: extra shapes: a prefill instance spanning two nodes (TP16), DP attention across two nodes
+
+def _sglang_recipes() -> list[str]:
+    out = []
+    for name in sorted(recipe_files()):
+        cfg, findings = load_config([f"+recipe={name}"])
+        assert cfg is not None, findings
+        if cfg.engine.kind == "sglang":
+            out.append(name)
+    return out
+
+
+#: every recipe that runs SGLang
+SGLANG_RECIPES = _sglang_recipes()
+#: extra shapes: a prefill instance spanning two nodes (TP16), plain DP replicas, an explicit
+#: KV dtype
 SHAPES = {
     "deepseek-r1-tp16": ["+recipe=deepseek-r1", "prefill.tp=16", "prefill.nodes=2"],
+    "llama-dp2": ["+recipe=llama-3.1-70b", "decode.tp=2", "decode.dp=2",
+                  "decode.kv_dtype=fp8_e4m3"],
 }
 
 
@@ -33,7 +48,9 @@ def server_parser() -> argparse.ArgumentParser:
 
     if "pdtool" not in choices.DISAGG_TRANSFER_BACKEND_CHOICES:
         choices.add_disagg_transfer_backend_choices(["pdtool"])
-    p = argparse.ArgumentParser(exit_on_error=False)
+    # no abbreviations: a rendered flag must be SGLang's full name (`--tp` only parsed as a
+    # prefix of `--tp-size`)
+    p = argparse.ArgumentParser(exit_on_error=False, allow_abbrev=False)
     ServerArgs.add_cli_args(p)
     return p
 
@@ -67,6 +84,9 @@ CASES = [[f"+recipe={r}"] for r in SGLANG_RECIPES] + list(SHAPES.values())
 
 @pytest.mark.parametrize("overrides", CASES, ids=SGLANG_RECIPES + list(SHAPES))
 def test_server_lines_parse(overrides, server_parser, tmp_path: Path) -> None:
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.numa_utils import get_numa_node_if_available
+
     cfg, plan, rendered = render_slurm(overrides, tmp_path)
     hosts = variables(plan.nodes)
     insts = {(i.role, i.index): i for i in plan.instances}
@@ -78,7 +98,12 @@ def test_server_lines_parse(overrides, server_parser, tmp_path: Path) -> None:
         full = resolve(p.argv, hosts)
         assert full[full.index("--") + 1:] == argv
         a = server_parser.parse_args(argv[3:])
+        # no deprecated spelling (SGLang warns and maps them; they go away after 2026-12-31)
+        deprecated = {f for act in server_parser._actions for f in act.option_strings
+                      if (act.help or "").startswith("Deprecated")}
+        assert not deprecated & set(argv), deprecated & set(argv)
         inst = insts[(p.role, p.instance)]
+        rc = cfg.prefill if p.role == "prefill" else cfg.decode
         ranks = [r for r in inst.ranks if r.rank in p.ranks]
         assert a.disaggregation_mode == p.role
         assert a.disaggregation_transfer_backend == "pdtool"
@@ -89,10 +114,16 @@ def test_server_lines_parse(overrides, server_parser, tmp_path: Path) -> None:
         assert a.host == hosts[f"HOSTS[{p.node}]"]
         if p.role == "prefill":
             assert a.disaggregation_bootstrap_port == inst.bootstrap_port
+        assert not a.enable_dp_attention
         if inst.dp_attention:
-            assert a.dp_size == inst.dp and a.enable_dp_attention
+            assert (a.attn_dp_size, a.dp_size) == (inst.dp, 1)
         else:
-            assert not a.enable_dp_attention
+            assert (a.attn_dp_size, a.dp_size) == (1, inst.dp)
+        assert a.ep_size == rc.ep
+        assert a.max_running_requests == (rc.max_running_requests or None)
+        assert a.kv_cache_dtype == {"auto": "auto", "bf16": "bfloat16"}.get(
+            rc.kv_dtype, rc.kv_dtype)
+        assert a.trust_remote_code == cfg.model.name.startswith("deepseek")
         if len(inst.nodes) > 1:
             assert a.dist_init_addr == f"{hosts[f'HOSTS[{inst.nodes[0]}]']}:{inst.dist_init_port}"
             assert a.nnodes == len(inst.nodes)
@@ -101,7 +132,14 @@ def test_server_lines_parse(overrides, server_parser, tmp_path: Path) -> None:
         # one NIC list per GPU of this node, as SGLang's per-GPU JSON map
         ib = json.loads(a.disaggregation_ib_device)
         assert ib == {str(r.gpu): ",".join(r.nics) for r in ranks}
-        assert a.numa_node == [r.numa for r in ranks]
+        # SGLang indexes --numa-node by absolute GPU id (numa_utils: numa_node[gpu_id]):
+        # one entry per GPU of the node, and each rank's GPU finds its own NUMA node
+        assert len(a.numa_node) == cfg.cluster.gpus_per_node
+        server_args = ServerArgs.from_cli_args(a)
+        for k, r in enumerate(sorted(ranks, key=lambda x: x.gpu)):
+            gpu_id = a.base_gpu_id + k * a.gpu_id_step  # the scheduler's gpu_id
+            assert gpu_id == r.gpu
+            assert get_numa_node_if_available(server_args, gpu_id) == r.numa
     if overrides == SHAPES["deepseek-r1-tp16"]:
         assert seen_nodes == {0, 1}
 
@@ -129,3 +167,69 @@ def test_misspelt_flag_is_caught(server_parser) -> None:
     """The parser really rejects unknown flags (so the tests above prove something)."""
     with pytest.raises((SystemExit, argparse.ArgumentError)):
         server_parser.parse_args(["--model-path", "m", "--disagregation-mode", "prefill"])
+
+
+def test_fp8_moe_without_expert_parallelism_is_refused() -> None:
+    """Qwen3-Coder-480B-FP8 at TP8: 2560/8 = 320 expert columns per GPU, not whole 128-column
+    FP8 blocks; the recipe's ep=8 keeps experts whole."""
+    from pdtool_cfg import assert_error, findings_for, recipe
+
+    assert findings_for(recipe("qwen3-coder-480b"), "decode.ep") == []
+    f = assert_error(recipe("qwen3-coder-480b", "decode.ep=1"), "decode.ep", "320", "128")
+    assert "decode.ep=2" in f.fix
+    assert_error(recipe("qwen3-coder-480b", "prefill.ep=3"), "prefill.ep", "divisor")
+    assert_error(recipe("llama-3.1-70b", "decode.ep=2"), "decode.ep", "dense model")
+    # DeepSeek-R1's 2048 columns split in whole blocks at TP8 without EP
+    assert findings_for(recipe("deepseek-r1"), "decode.ep") == []
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_kv_dtype_sglang_has_not_is_refused(dtype: str) -> None:
+    from pdtool_cfg import assert_error, recipe
+
+    assert_error(recipe("llama-3.1-70b", f"prefill.kv_dtype={dtype}", f"decode.kv_dtype={dtype}"),
+                 "decode.kv_dtype",
+                 "no " + dtype)
+
+
+DPA_PACKED = ["+recipe=llama-3.1-70b", "decode.dp=2", "decode.dp_attention=true"]
+
+
+def test_packed_dp_attention_instances_never_share_a_port(tmp_path: Path) -> None:
+    """Two DP-attention decoders on one node: SGLang derives +13 and +233..+239 from each one's
+    --port, so their bases are spaced until none of those meet (with base + i they did)."""
+    from sglang.srt import server_args as sa
+
+    from pdtool import ports
+
+    assert ports.ZMQ_TCP_PORT_DELTA == sa.ZMQ_TCP_PORT_DELTA
+    assert ports.DP_ATTENTION_HANDSHAKE_PORT_DELTA == sa.DP_ATTENTION_HANDSHAKE_PORT_DELTA
+    cfg, plan, rendered = render_slurm(DPA_PACKED, tmp_path)
+    d0, d1 = (i for i in plan.instances if i.role == "decode")
+    assert d0.nodes == d1.nodes  # packed
+    taken: set[int] = set()
+    for inst in (d0, d1):
+        mine = {p for p, _, _ in ports.instance_ports(cfg, "decode", inst.index)}
+        assert inst.http_port in mine and inst.dist_init_port in mine
+        assert {inst.http_port + 13, *range(inst.http_port + 233, inst.http_port + 240)} <= mine
+        assert not taken & mine
+        taken |= mine
+    # the rendered lines use the plan's ports
+    hosts = variables(plan.nodes)
+    got = {p.name: resolve(p.engine_argv, hosts) for p in rendered.spec.procs}
+    for inst in (d0, d1):
+        argv = got[f"{inst.name}.n0"]
+        assert argv[argv.index("--port") + 1] == str(inst.http_port)
+        assert argv[argv.index("--nccl-port") + 1] == str(inst.dist_init_port)
+
+
+def test_port_overlap_with_a_derived_port_is_refused() -> None:
+    """On one machine, decode's HTTP port on prefill's DP-attention dist-init port (+233)."""
+    from pdtool_cfg import assert_error, recipe
+
+    numa = "[" + ",".join(["0"] * 8 + ["1"] * 8) + "]"
+    cfg = recipe("llama-3.1-70b", "launcher=local", "cluster.gpus_per_node=16",
+                 f"cluster.gpu_numa={numa}", "prefill.dp=2", "prefill.dp_attention=true",
+                 "decode.http_port=30233")
+    f = assert_error(cfg, "decode.http_port", "30233", "prefill.http_port + 233")
+    assert "prefill-0 DP-attention dist-init" in f.message

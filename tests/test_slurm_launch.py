@@ -8,6 +8,7 @@ that cannot start makes the job FAILED with a message naming it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pdtool.planner import from_json
+from pdtool.plan import from_json
 
 #: prefill TP2 spans nodes 0-1 (one "GPU" per node), decode instances on nodes 2 and 3
 OVERRIDES = [
@@ -30,7 +31,10 @@ OVERRIDES = [
 
 
 def launch(slurm, out: Path, *extra: str) -> str:
-    env = slurm.env()
+    # leftovers in the submitting shell change nothing: the options travel as the script's
+    # arguments and the job folder is the rendered one
+    env = {**slurm.env(), "PDTOOL_RUN_DIR": str(out.parent / "elsewhere"),
+           "PDTOOL_PREFLIGHT": "0", "PDTOOL_EXIT_WHEN_HEALTHY": "0"}
     res = subprocess.run(
         [sys.executable, "-m", "pdtool.cli", "launch", *OVERRIDES, *extra, "--out", str(out),
          "--preflight", "--exit-when-healthy"],
@@ -95,6 +99,7 @@ def test_job_places_each_role_on_its_node_group(engine: str, slurm, tmp_path: Pa
     assert lines[decode]["FI_PROVIDER"] == "-"  # tcp;ofi_rxm: provider via PDTOOL_*
     assert "deployment ready" in batch and f"healthy: {decode}" in batch
     assert "stopping after a healthy start" in batch
+    assert not (out.parent / "elsewhere").exists()
     # stopped with SIGTERM (scancel --signal), not killed: every worker says so
     for log in (out / "logs" / job).glob("*.log"):
         assert "pdtool-worker: stopped" in log.read_text(), log
@@ -121,3 +126,75 @@ def test_worker_that_cannot_start_fails_the_job(slurm, tmp_path: Path) -> None:
     steps = slurm.run("squeue", "-h", "-s", "-j", job, check=False)
     assert steps.strip() == ""
     assert not os.environ.get("PDTOOL_PREFLIGHT")
+
+
+#: a GPU site: 2 GPUs per node (the emulated nodes' fake devices), GPU g on CPU g; prefill TP2
+#: on node 0, two TP1 decode instances packed on node 1
+GPU_SITE = [
+    "+recipe=tiny-local", "launcher=slurm", "engine=sglang", "transfer=tcp", "cluster.nodes=2",
+    "cluster.device=cuda", "cluster.gpus_per_node=2", "cluster.gpu_numa=[0,0]",
+    "cluster.numa_cpus=[0-1]", "prefill.tp=2", "decode.instances=2",
+    "prefill.http_port=26400", "decode.http_port=26500", "prefill.bootstrap_port=26450",
+    "prefill.dist_init_port=26460", "decode.dist_init_port=26560", "router.port=26600",
+    "launcher.health_timeout_s=120",
+]
+
+
+def test_each_step_sees_its_gpus_and_cpus(slurm, tmp_path: Path) -> None:
+    """From inside every step: the job's GPUs of its node (Slurm's GRES environment), and a CPU
+    mask equal to the CPUs the plan gave its ranks (task/affinity applied --cpu-bind)."""
+    from slurm_cluster import GPUS_PER_NODE, NODE_MEMORY_MB
+
+    out, probes = tmp_path / "job", tmp_path / "probes"
+    probes.mkdir()
+    probe = Path(__file__).parent / "step_probe.py"
+    res = subprocess.run(
+        [sys.executable, "-m", "pdtool.cli", "launch", *GPU_SITE, f"engine.python={probe}",
+         f"+launcher.env.all.STEP_PROBE_DIR={probes}", "launcher.job_name=pdtool-gpus",
+         "--out", str(out), "--preflight", "--exit-when-healthy"],
+        env=slurm.env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    job = re.search(r"submitted job (\d+)", res.stdout).group(1)
+    state = slurm.wait_job(job, timeout=240)
+    batch = (out / "logs" / f"slurm-{job}.out").read_text()
+    assert state == ("COMPLETED", "0:0"), batch
+    header = (out / "job.sbatch").read_text()
+    for opt in ("--ntasks-per-node=1", "--exclusive", "--mem=0",
+                f"--gpus-per-node={GPUS_PER_NODE}"):
+        assert f"#SBATCH {opt}\n" in header
+    plan = from_json((out / "plan.json").read_text())
+    # --mem=0: the job holds every node's whole memory (without it, only the default)
+    shown = slurm.run("scontrol", "-o", "show", "job", job)
+    tres = dict(kv.split("=", 1) for kv in re.search(r"\bTRES=(\S+)", shown).group(1).split(","))
+    assert tres["mem"] == f"{NODE_MEMORY_MB * plan.nodes}M"
+    assert f"TresPerNode=gres:gpu:{GPUS_PER_NODE}" in shown
+    want_cpus = {}
+    for inst in plan.instances:
+        by_node: dict[int, set[str]] = {}
+        for r in inst.ranks:
+            by_node.setdefault(r.node_rank, set()).add(r.cpus)
+        for k, cpus in by_node.items():
+            want_cpus[f"{inst.name}.n{k}"] = ",".join(sorted(cpus))
+    assert want_cpus == {"prefill-0.n0": "0,1", "decode-0.n0": "0", "decode-1.n0": "1"}
+    seen = {}
+    for f in probes.glob("*.json"):
+        rec = json.loads(f.read_text())
+        if "pdtool.worker" not in rec["argv"]:
+            continue  # the batch script's health helper runs through the same interpreter
+        argv = rec["argv"]
+        role = argv[argv.index("--role") + 1]
+        name = "router" if role == "router" else \
+            f"{role}-{argv[argv.index('--instance') + 1]}.n{argv[argv.index('--node-rank') + 1]}"
+        seen[name] = rec
+    assert set(seen) == {*want_cpus, "router"}
+    for name, rec in seen.items():
+        env = rec["env"]
+        assert env["SLURM_JOB_ID"] == job and env["SLURM_STEP_ID"] != "batch"
+        if name == "router":
+            assert rec["cpus_allowed"] == "0-1"  # --cpu-bind=none: the whole node
+            continue
+        # every GPU of the node, so the plan's GPU ids are the CUDA ordinals (--base-gpu-id)
+        assert env["CUDA_VISIBLE_DEVICES"] == "0,1", name
+        assert env["SLURM_STEP_GPUS"] == "0,1", name
+        want = {"0,1": "0-1"}.get(want_cpus[name], want_cpus[name])
+        assert rec["cpus_allowed"] == want, f"{name}: bound to {rec['cpus_allowed']}"

@@ -4,9 +4,11 @@ Light on import: `pdtool validate/plan` import `transfer.routes` and must stay f
 without libfabric, so the names below load their module on first use. Only the messengers'
 threads load the libfabric binding (transfer.fabric), whose absence raises a clear error.
 
-    routes     ShardSpec, Slice, routes_for, expected_writes, pages_for   (shared route math)
+    parallel   ParallelDims                                                (GPUs, heads per rank)
+    routes     ShardSpec, Slice, routes_for, pages_for                     (who sends which heads)
+    geometry   PagePool, AuxBuffer, expected_writes, writes_per_page       (pools, write counts)
     layout     KVLayout, write_plan, AuxSpec                               (HND/NHD offsets)
-    control    Codec, Channel, ControlError, read_secret, write_secret     (signed control plane)
+    wire       Envelope, WireError, read_secret, write_secret             (signed control planes)
     slots      SlotTable                                                   (decoder slots)
     messenger  PrefillMessenger, DecodeMessenger, PrefillConfig, DecodeConfig, TransferStatus
 """
@@ -18,12 +20,13 @@ from typing import Any
 
 _EXPORTS = {
     "ShardSpec": "routes", "Slice": "routes", "RouteError": "routes", "routes_for": "routes",
-    "all_routes": "routes", "candidate_sources": "routes", "writes_per_page": "routes",
-    "pages_for": "routes", "expected_writes": "routes", "slice_ops": "routes",
-    "sendable": "routes",
+    "candidate_sources": "routes", "pages_for": "routes", "sendable": "routes",
+    "ParallelDims": "parallel",
+    "PagePool": "geometry", "AuxBuffer": "geometry", "writes_per_page": "geometry",
+    "expected_writes": "geometry", "slice_ops": "geometry",
     "KVLayout": "layout", "LayoutError": "layout", "AuxSpec": "layout", "write_plan": "layout",
-    "Codec": "control", "Channel": "control", "ControlError": "control",
-    "read_secret": "control", "write_secret": "control", "generate_secret": "control",
+    "Envelope": "wire", "WireError": "wire",
+    "read_secret": "wire", "write_secret": "wire", "generate_secret": "wire",
     "SlotTable": "slots",
     "PrefillMessenger": "messenger", "DecodeMessenger": "messenger",
     "PrefillConfig": "messenger", "DecodeConfig": "messenger", "PrefillRequest": "messenger",

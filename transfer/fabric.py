@@ -1,13 +1,16 @@
 """Typed Python surface of the libfabric binding (the native `transfer._fabric` stays private).
 
-One `Endpoint` = one RDM endpoint + address vector + one completion queue (FI_CQ_FORMAT_DATA),
-opened with FI_THREAD_DOMAIN: use it from ONE thread (a lock makes accidental sharing safe, not
-fast), or hand it to its own C progress thread as a decoder's receive lane (`share_counts`,
-`start_progress`). Progress is manual on shm and rxm: the target must keep calling `poll()` (or
+One `Endpoint` = one RDM endpoint + address vector + one completion queue (FI_CQ_FORMAT_DATA)
+in a fabric + domain (transfer/csrc/domain.c). Use it from ONE thread (a lock makes accidental
+sharing safe, not fast), or hand it to its own C progress thread as a decoder's receive lane:
+`open_lane` opens another endpoint in the SAME domain (FI_THREAD_COMPLETION: each endpoint's CQ
+is drained by one thread) counting into the owner's slots, and memory registered once in that
+domain serves every lane (`lane_region`), so the KV is registered once, not once per lane.
+Progress is manual on shm and rxm: the target must keep calling `poll()` (or
 a `wait_*`) or nothing lands; the sender's `write_batch` drains the CQ itself when the queue is
 full.
 
-Completion counting (DESIGN §4-5): every write carries 32 bits of immediate data,
+Completion counting (docs/libfabric.md): every write carries 32 bits of immediate data,
 `encode_imm(slot, gen)`. The target's `poll()` adds one to `recv_counts[slot]` when `gen` equals
 `recv_gen[slot]` (set by the decoder when it arms the slot), else to `stale_writes`: a late write
 from a timed-out transfer never advances the slot's new owner. The sender passes a `tag` with each
@@ -18,6 +21,13 @@ process_vm_readv, one copy; FI_SHM_DISABLE_CMA's two-copy SAR path measured ~20%
 its CQ reads, and one read copies everything queued for it. So `write_batch` caps the bytes in
 flight per endpoint (`max_inflight_bytes`, not just the provider's queue depth): with 1 MiB pages
 the queue alone let one poll of the target copy 1 GiB, blind to its control work for ~200 ms.
+
+GPU memory (`transfer.gpu_memory=direct`): `Endpoint(..., hmem=True)` asks fi_getinfo for
+FI_HMEM; `register(iface="cuda", device=gpu)` checks the pointer through the CUDA driver (loaded
+only then) and registers it with FI_HMEM_CUDA / FI_HMEM_DEVICE_ONLY, as a dma-buf where the
+headers and driver have it. Where this libfabric cannot (`cuda_registration`,
+`gpu_direct_support`) it raises GpuMemoryError naming the key and the cause; the staged path
+(transfer/staging.py) needs none of it.
 
 Errors: caller mistakes raise `ValueError`; provider faults raise `FabricError` carrying the
 failing call, the provider's message and context. Completion errors are data: `poll()` records
@@ -63,12 +73,16 @@ __all__ = [
     "Endpoint",
     "FabricError",
     "FabricUnavailableError",
+    "GpuMemoryError",
     "MemoryRegion",
     "RemoteRegion",
     "available_providers",
     "buffer_address",
+    "build_features",
+    "check_cuda_pointer",
     "decode_imm",
     "encode_imm",
+    "gpu_direct_support",
     "shm_leftovers",
 ]
 
@@ -141,13 +155,19 @@ def available_providers() -> list[str]:
     found: list[str] = []
     for prov in ("shm", "tcp;ofi_rxm", "efa", "verbs;ofi_rxm", "sockets", "udp;ofi_rxd"):
         info = _ffi.new("struct pd_info *")
-        out = _ffi.new("pd_ep **")
+        out = _ffi.new("pd_dom **")
         err = _ffi.new("char[]", _ERRBUF)
-        if _lib.pd_open(out, prov.encode(), _ffi.NULL, _ffi.NULL, _ffi.NULL, 0, 1, 0, info, err,
-                        _ERRBUF) == 0:
-            _lib.pd_close(out[0])
+        if _lib.pd_domain_open(out, prov.encode(), _ffi.NULL, _ffi.NULL, _ffi.NULL, 0, 0, info,
+                               err, _ERRBUF) == 0:
+            _lib.pd_domain_release(out[0])
             found.append(prov)
     return found
+
+
+class GpuMemoryError(FabricError, NotImplementedError):
+    """CUDA memory cannot be registered here (transfer.gpu_memory=direct is impossible): the
+    provider or this libfabric build lacks it, or the pointer is not registrable device memory.
+    Also a NotImplementedError, what callers caught before CUDA registration existed."""
 
 
 @dataclass(frozen=True)
@@ -188,6 +208,7 @@ class MemoryRegion:
         self.addr = addr
         self.length = length
         self.iface = iface
+        self.dmabuf = False  # registered through a dma-buf (CUDA memory, libfabric >= 1.20)
 
     @property
     def desc(self) -> Any:
@@ -236,6 +257,57 @@ def buffer_address(buf: Any) -> tuple[int, int]:
     return int(arr.ctypes.data), int(arr.nbytes)
 
 
+class _Domain:
+    """One libfabric fabric + domain as Python sees it: the fi_info the domain was opened with,
+    and the counter of requested MR keys, which must be unique per DOMAIN (shared by lanes).
+
+    The C domain is reference counted: every endpoint and registration on it holds one, so it
+    closes after the last of them; `handle` is only used to open the first endpoint."""
+
+    def __init__(self, provider: str, domain: str | None, node: str | None,
+                 service: str | None, remote_counter: bool, hmem: bool) -> None:
+        self.provider_arg = provider
+        self.args = (domain, node, service)
+        self.context = (f"provider={provider!r} domain={domain!r} node={node!r} "
+                        f"service={service!r}; see `fi_info -p '{provider}'`")
+        self.info = _ffi.new("struct pd_info *")
+        self.next_key = 1
+        self._offers_hmem: bool | None = True if hmem else None
+        self._cuda_mr: tuple[bool, str] | None = None
+        out = _ffi.new("pd_dom **")
+        err = _ffi.new("char[]", _ERRBUF)
+        ret = _lib.pd_domain_open(out, provider.encode(), _c(domain), _c(node), _c(service),
+                                  int(remote_counter), int(hmem), self.info, err, _ERRBUF)
+        if ret and hmem:
+            why = _ffi.string(err).decode(errors="replace")
+            raise GpuMemoryError("open endpoint", ret, f"transfer.gpu_memory=direct: provider "
+                                 f"{provider!r} does not offer FI_HMEM (registration of GPU "
+                                 f"memory) here ({why}); use transfer.gpu_memory=staged",
+                                 self.context)
+        _check(ret, "open endpoint", self.context, err)
+        self.handle = out[0]
+
+    def offers_hmem(self) -> bool:
+        """Asked for the domain this one IS (its name), not the one requested (maybe None)."""
+        if self._offers_hmem is None:
+            _, node, service = self.args
+            ret = _lib.pd_offers_hmem(self.provider_arg.encode(), self.info.domain, _c(node),
+                                      _c(service))
+            self._offers_hmem = ret == 1
+        return self._offers_hmem
+
+
+def _c(s: str | None) -> Any:
+    return s.encode() if s else _ffi.NULL
+
+
+_NO_CUDA = ("transfer.gpu_memory=direct is not possible with provider {prov}: {why}. This "
+            "libfabric cannot register CUDA memory (-FI_ENOSYS: built without CUDA, as "
+            "Debian's libfabric 1.17 is, or its CUDA support did not initialize). Use "
+            "transfer.gpu_memory=staged (KV through registered host memory, copied to and from "
+            "the GPU) or a libfabric built with CUDA (EFA installer, MOFED/HPC-X)")
+
+
 class Endpoint:
     """One RDM endpoint with its AV, CQ and per-slot counters. See the module docstring."""
 
@@ -255,6 +327,8 @@ class Endpoint:
         cq_size: int = DEFAULT_CQ_SIZE,
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
         drain_sleep_s: float | None = None,
+        hmem: bool = False,
+        same_domain_as: Endpoint | None = None,
     ) -> None:
         if not 0 < max_slots <= MAX_SLOTS:
             raise ValueError(f"max_slots must be in [1, {MAX_SLOTS}], got {max_slots}")
@@ -274,22 +348,30 @@ class Endpoint:
         self._lock = threading.Lock()
         self._mrs: set[MemoryRegion] = set()
         self._h: Any = None
-        self._next_key = 1
+        self._lane_mrs: dict[int, MemoryRegion] = {}
         self._peers: set[int] = set()
         self._progress = False
         self._owner: Endpoint | None = None
-        info = _ffi.new("struct pd_info *")
+        if same_domain_as is not None:
+            if same_domain_as.closed:
+                raise ValueError("same_domain_as: that endpoint is closed")
+            self._domain = same_domain_as._domain
+            if provider != self._domain.provider_arg:
+                raise ValueError(f"same_domain_as: provider {provider!r} differs from the "
+                                 f"domain's {self._domain.provider_arg!r}")
+            dom_h = _lib.pd_ep_domain(same_domain_as._h)
+            opened = False
+        else:
+            self._domain = _Domain(provider, domain, node, service, remote_counter, hmem)
+            dom_h, opened = self._domain.handle, True
         out = _ffi.new("pd_ep **")
         err = _ffi.new("char[]", _ERRBUF)
-
-        def c(s: str | None) -> Any:
-            return s.encode() if s else _ffi.NULL
-
-        ret = _lib.pd_open(out, provider.encode(), c(domain), c(node), c(service),
-                           int(remote_counter), max_outstanding, cq_size, info, err, _ERRBUF)
-        _check(ret, "open endpoint", f"provider={provider!r} domain={domain!r} node={node!r} "
-               f"service={service!r}; see `fi_info -p '{provider}'`", err)
+        ret = _lib.pd_ep_open(out, dom_h, max_outstanding, cq_size, err, _ERRBUF)
+        if opened:
+            _lib.pd_domain_release(dom_h)  # the endpoint (and later its MRs) hold it now
+        _check(ret, "open endpoint", self._domain.context, err)
         self._h = out[0]
+        info = self._domain.info
         # Both peers busy-poll (manual progress). When a wait/retry loop finds nothing to do it
         # calls sched_yield(), so a peer sharing the core (2-core boxes, oversubscribed nodes)
         # gets to run; costs one syscall per idle spin when cores are plentiful.
@@ -319,7 +401,10 @@ class Endpoint:
         self.mr_local = bool(info.mr_mode & _FI_MR_LOCAL)
         self.mr_endpoint = bool(info.mr_mode & _FI_MR_ENDPOINT)
         self.rma_event = bool(info.has_rma_event)
-        self.has_remote_counter = bool(info.has_remote_cntr)
+        self.has_remote_counter = bool(_lib.pd_has_remote_cntr(self._h))
+        # FI_HMEM: asked for (hmem=True) and granted; `offers_hmem` says whether it could be
+        self.hmem = bool(info.hmem)
+        self.threading: int = int(info.threading)
         if self.cq_data_size < 4:
             self.close()
             raise FabricError("open endpoint", 95, f"provider {self.provider} carries only "
@@ -396,14 +481,21 @@ class Endpoint:
     # ----------------------------------------------------------------- memory
     def register(self, addr: int, length: int, *, remote_write: bool = True,
                  iface: str = "system", device: int = 0) -> MemoryRegion:
-        """Register [addr, addr+length). `iface`/`device` are the FI_HMEM interface (kept for
-        CUDA memory); only "system" (host memory) is implemented now."""
+        """Register [addr, addr+length) in this endpoint's domain (so every lane opened with
+        `open_lane` can use it, see `lane_region`).
+
+        iface="cuda" registers GPU memory of `device` for transfer.gpu_memory=direct: the
+        endpoint must be opened with `hmem=True`; this libfabric must have CUDA support (asked
+        once, `cuda_registration`); the pointer is checked through the CUDA driver, loaded only
+        now (device memory of `device`, one cudaMalloc allocation, not VMM/expandable
+        segments); then fi_mr_regattr with FI_HMEM_CUDA and FI_HMEM_DEVICE_ONLY, as a dma-buf
+        where both libfabric and the driver offer it. Any refusal raises GpuMemoryError."""
         if iface not in _IFACES:
             raise ValueError(f"iface must be one of {sorted(_IFACES)}, got {iface!r}")
-        if iface != "system":
-            raise NotImplementedError(f"iface={iface!r}: only host memory is supported yet")
         if addr <= 0 or length <= 0:
             raise ValueError(f"register: need addr > 0 and length > 0, got {addr:#x}, {length}")
+        if iface == "cuda":
+            self._check_cuda_capable()
         access = int(_lib.PD_ACCESS_LOCAL_WRITE)
         if remote_write:
             access |= int(_lib.PD_ACCESS_REMOTE_WRITE)
@@ -412,14 +504,53 @@ class Endpoint:
         err = _ffi.new("char[]", _ERRBUF)
         with self._lock:
             h = self._calls()
-            requested = self._next_key
-            self._next_key += 1
+            requested = self._domain.next_key
+            self._domain.next_key += 1
             ret = _lib.pd_mr_reg(h, _ffi.cast("void *", addr), length, access,
                                  _IFACES[iface], device, requested, out, key, err, _ERRBUF)
-        _check(ret, "register memory", f"addr={addr:#x} length={length} iface={iface}", err)
+        context = f"addr={addr:#x} length={length} iface={iface}"
+        if ret and iface == "cuda":
+            why = _ffi.string(err).decode(errors="replace")
+            raise GpuMemoryError("register memory", ret, f"transfer.gpu_memory=direct: cannot "
+                                 f"register GPU {device}'s memory with {self.provider}: {why}",
+                                 context)
+        _check(ret, "register memory", context, err)
         mr = MemoryRegion(self, out[0], int(key[0]), addr, length, iface)
+        mr.dmabuf = bool(_lib.pd_mr_uses_dmabuf(out[0]))
         self._mrs.add(mr)
         return mr
+
+    def _check_cuda_capable(self) -> None:
+        if not self.hmem:
+            raise GpuMemoryError(
+                "register memory", 95, f"transfer.gpu_memory=direct: this {self.provider} "
+                f"endpoint was opened without FI_HMEM (Endpoint(..., hmem=True)); with "
+                f"transfer.gpu_memory=staged KV moves through registered host memory instead")
+        ok, why = self.cuda_registration()
+        if not ok:
+            raise GpuMemoryError("register memory", int(_lib.PD_ENOSYS),
+                                 _NO_CUDA.format(prov=self.provider, why=why))
+
+    @property
+    def offers_hmem(self) -> bool:
+        """Whether the provider offers FI_HMEM on this domain (asked from fi_getinfo once).
+        Necessary for direct GPU registration, not sufficient: see `cuda_registration`."""
+        return self._domain.offers_hmem()
+
+    def cuda_registration(self) -> tuple[bool, str]:
+        """(True, "") when this libfabric can register CUDA memory at all, else (False, why).
+        Asked without CUDA (a CUDA registration of a host page: -FI_ENOSYS means no CUDA
+        support in the library), once per domain."""
+        dom = self._domain
+        if dom._cuda_mr is None:
+            if not self.offers_hmem:
+                dom._cuda_mr = (False, f"provider {self.provider} does not offer FI_HMEM")
+            else:
+                err = _ffi.new("char[]", _ERRBUF)
+                with self._lock:
+                    ret = _lib.pd_probe_cuda_mr(self._calls(), err, _ERRBUF)
+                dom._cuda_mr = (ret == 0, _ffi.string(err).decode(errors="replace"))
+        return dom._cuda_mr
 
     def register_buffer(self, buf: Any, **kw: Any) -> MemoryRegion:
         """Register a contiguous numpy array or CPU torch tensor (keep it alive yourself)."""
@@ -672,6 +803,45 @@ class Endpoint:
             _lib.pd_share_counts(self._calls(), owner._live())
         self._owner = owner  # keeps the owner's arrays alive while C may count into them
 
+    def open_lane(self, **kw: Any) -> Endpoint:
+        """A receive lane of this endpoint: a new endpoint (own CQ and address, drained by its
+        own thread once `start_progress` is called) in this endpoint's fabric and DOMAIN,
+        counting into this endpoint's slots (`share_counts`). Memory registered here serves
+        the lane too (`lane_region`): one domain and one registration for all lanes.
+        `kw`: Endpoint options for the lane (idle/cq settings); slots follow the owner."""
+        lane = Endpoint(self._domain.provider_arg, same_domain_as=self,
+                        max_slots=self.max_slots, **kw)
+        try:
+            lane.share_counts(self)
+        except Exception:
+            lane.close()
+            raise
+        return lane
+
+    def lane_region(self, mr: MemoryRegion) -> MemoryRegion:
+        """The registration a sender must use to write `mr`'s memory through THIS endpoint:
+        `mr` itself when it belongs to this endpoint's domain (the registration is the
+        domain's). Only providers with FI_MR_ENDPOINT tie a registration to one endpoint:
+        there the memory is registered again for this endpoint, once. Call before
+        `start_progress`."""
+        if mr.closed:
+            raise ValueError("lane_region: the MemoryRegion is closed")
+        if mr._ep._domain is not self._domain:
+            raise ValueError("lane_region: the MemoryRegion belongs to another domain")
+        if not self.mr_endpoint or mr._ep is self:
+            return mr
+        own = self._lane_mrs.get(id(mr))
+        if own is None or own.closed:
+            own = self.register(mr.addr, mr.length, iface=mr.iface)
+            self._lane_mrs[id(mr)] = own
+        return own
+
+    @property
+    def domain_handle(self) -> int:
+        """Identity of the C domain this endpoint lives in (equal for an endpoint and its
+        lanes): for checks and logs, not a libfabric object to pass anywhere."""
+        return int(_ffi.cast("uintptr_t", _lib.pd_ep_domain(self._live())))
+
     def start_progress(self, sleep_s: float = 20e-6) -> None:
         """Drain this endpoint's CQ (and so, on shm, perform its copies) from a C thread of its
         own until `stop_progress`/`close`. Register memory and insert peers BEFORE: while the
@@ -764,6 +934,12 @@ class Endpoint:
         return int(_lib.pd_remote_cntr(self._live()))
 
     @property
+    def dropped_errors(self) -> int:
+        """Completion errors the native ring dropped (it keeps the newest 64 until `errors`
+        takes them): non-zero means some failed writes were never reported one by one."""
+        return int(_lib.pd_dropped_errors(self._live()))
+
+    @property
     def errors(self) -> list[tuple[int, int, str]]:
         """Completion errors seen so far as (tag, errno, message); taking them clears the
         native ring (which keeps the newest 64). tag is 2**64-1 when unknown."""
@@ -779,6 +955,40 @@ class Endpoint:
             self._errors.append((int(e.tag), int(e.err), msg))
         out, self._errors = self._errors, []
         return out
+
+
+def build_features() -> dict[str, bool]:
+    """What the binding was compiled against: `dmabuf` (headers with FI_MR_DMABUF, libfabric
+    >= 1.20: CUDA memory is registered as a dma-buf where the driver offers one) and
+    `cuda_api_permitted` (FI_OPT_CUDA_API_PERMITTED, >= 1.18: set to false on EFA)."""
+    return {"dmabuf": bool(_lib.pd_have_dmabuf()),
+            "cuda_api_permitted": bool(_lib.pd_have_cuda_api_permitted())}
+
+
+def gpu_direct_support(provider: str, *, domain: str | None = None,
+                       node: str | None = None) -> tuple[bool, str]:
+    """Can `provider` (on `domain`) register CUDA memory here: (True, "") or (False, why).
+
+    What `transfer.gpu_memory=auto` asks at run time to pick direct over staged: the provider
+    must offer FI_HMEM and this libfabric must have CUDA support (Debian's 1.17 has neither
+    for tcp;ofi_rxm, and no CUDA for shm). Opens one endpoint; needs no GPU and no CUDA."""
+    try:
+        with Endpoint(provider, domain=domain, node=node, max_slots=1) as ep:
+            return ep.cuda_registration()
+    except FabricError as exc:
+        return False, str(exc)
+
+
+def check_cuda_pointer(addr: int, length: int, device: int) -> None:
+    """GpuMemoryError unless [addr, addr+length) is registrable memory of CUDA device `device`
+    (device memory, that GPU's, one cudaMalloc allocation, not VMM/expandable segments). Loads
+    the CUDA driver (libcuda.so.1) on first use; `register(iface="cuda")` runs the same check."""
+    err = _ffi.new("char[]", _ERRBUF)
+    ret = _lib.pd_cuda_check_pointer(_ffi.cast("void *", addr), length, device, err, _ERRBUF)
+    if ret:
+        raise GpuMemoryError("check CUDA pointer", ret, "transfer.gpu_memory=direct: " +
+                             _ffi.string(err).decode(errors="replace"),
+                             f"addr={addr:#x} length={length} device={device}")
 
 
 def shm_leftovers(pids: list[int] | None = None) -> list[str]:

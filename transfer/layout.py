@@ -5,12 +5,12 @@ that decoder, heads [h, h+n)" into three uint64 arrays (source offsets, destinat
 lengths) that one C call submits as RMA writes. This module builds those arrays with numpy
 broadcasting, never a Python loop per page, so a batch of thousands of pages costs microseconds.
 
-One buffer per layer (DESIGN "key cross-team decisions"), `kv_parts` = 2 for K and V fused per
+One buffer per layer (docs/sharding.md), `kv_parts` = 2 for K and V fused per
 head, 1 for an MLA latent:
   * HND: `[num_pages, heads_local, kv_parts, page_size, head_dim]` — the pages of one head run are
     contiguous inside a page, so a head slice of a page is ONE write whatever the TP split.
   * NHD: `[num_pages, page_size, heads_local, kv_parts, head_dim]` — heads interleave inside each
-    token, so a partial head run is one write per token (`routes.writes_per_page` says the same).
+    token, so a partial head run is one write per token (`geometry.writes_per_page` says the same).
 
 Both sides must agree on page size, head dim, kv_parts and element size; `heads_local` may differ
 (that is the TP mismatch the routes describe).
@@ -166,7 +166,7 @@ def write_plan(src: KVLayout, dst: KVLayout, src_pages: np.ndarray, dst_pages: n
     """(src offsets, dst offsets, lengths) moving slice `sl` of `src_pages` into `dst_pages`.
 
     Offsets are relative to one layer buffer on each side; the same arrays serve every layer.
-    The number of writes per page equals `routes.writes_per_page` for the same slice.
+    The number of writes per page equals `geometry.writes_per_page` for the same slice.
     """
     src.check_peer(dst)
     if len(src_pages) != len(dst_pages):

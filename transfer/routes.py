@@ -1,21 +1,19 @@
 """Shard routes: which prefill rank sends which KV-head slice to which decode rank.
 
-Pure functions shared by `pdtool plan` (to show and check a deployment) and by the messenger
-(to issue writes and to know how many to count), so both always agree on the arithmetic.
+Pure functions shared by `pdtool plan` (to show and check a deployment), the messenger and the
+SGLang backend (to issue writes), so all agree on who sends what. How many writes a slice costs
+in an engine's pages is `transfer.geometry`'s; the degrees arithmetic is `transfer.parallel`'s.
 
-Sharding model (DESIGN.md §3). A side has `tp` GPUs per instance and `dp` attention replicas;
-attention is sharded over `attn_tp = tp // dp` ranks. With `H` KV heads (MLA: one latent head):
-  * `H % attn_tp == 0`: rank r holds heads [r*H/attn_tp, (r+1)*H/attn_tp) (head-sharded);
-  * `attn_tp % H == 0`: rank r holds head r // (attn_tp/H), so every head has attn_tp/H
-    replicas and any replica may send it (MLA is the case H == 1).
+Sharding model (docs/sharding.md): `transfer.parallel` (which heads a rank holds, and replicas).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass
+
+from .parallel import ParallelDims
 
 LAYOUTS = ("HND", "NHD")
 
@@ -26,51 +24,44 @@ class RouteError(ValueError):
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """How one side (prefill or decode) shards its KV cache."""
+    """How one side (prefill or decode) shards its KV cache: `dp` attention groups in a TP
+    group of `tp` ranks. The arithmetic is `transfer.parallel.ParallelDims`' (`dims`)."""
 
     num_kv_heads: int
     tp: int
     dp: int = 1
 
     @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(tp=self.tp, dp=self.dp, dp_attention=True,
+                            kv_heads=self.num_kv_heads)
+
+    @property
     def attn_tp(self) -> int:
-        return self.tp // self.dp
+        return self.dims.attn_tp
 
     @property
     def replicated(self) -> bool:
         """True when each head lives on more than one rank (MLA, or GQA with tp > heads)."""
-        return self.attn_tp > self.num_kv_heads
+        return self.dims.replicated
 
     def check(self) -> None:
-        if self.num_kv_heads < 1 or self.tp < 1 or self.dp < 1:
-            raise RouteError(f"heads, tp and dp must be >= 1, got {self}")
-        if self.tp % self.dp:
-            raise RouteError(f"tp={self.tp} is not a multiple of dp={self.dp}")
-        h, t = self.num_kv_heads, self.attn_tp
-        if h % t and t % h:
-            raise RouteError(
-                f"{h} KV heads cannot be split over attention TP {t}: "
-                f"need heads % tp == 0 or tp % heads == 0"
-            )
+        """Raise RouteError with every problem of the degrees (`ParallelDims.problems`)."""
+        found = self.dims.problems()
+        if found:
+            raise RouteError("; ".join(p.message for p in found))
 
     @property
     def heads_per_rank(self) -> int:
-        return max(1, self.num_kv_heads // self.attn_tp)
+        return self.dims.heads_per_rank
 
     def heads_of(self, rank: int) -> range:
         """Global KV heads held by attention rank `rank`."""
-        if self.replicated:
-            head = rank // (self.attn_tp // self.num_kv_heads)
-            return range(head, head + 1)
-        n = self.heads_per_rank
-        return range(rank * n, (rank + 1) * n)
+        return self.dims.heads_of(rank)
 
     def holders(self, head: int) -> list[int]:
         """Attention ranks that hold `head` (one unless replicated)."""
-        if self.replicated:
-            r = self.attn_tp // self.num_kv_heads
-            return list(range(head * r, (head + 1) * r))
-        return [head // self.heads_per_rank]
+        return self.dims.holders(head)
 
 
 @dataclass(frozen=True)
@@ -146,54 +137,10 @@ def routes_for(
     return out
 
 
-def all_routes(src: ShardSpec, dst: ShardSpec) -> list[Slice]:
-    """Deterministic routes for every decode attention rank (first replica where replicated)."""
-    return [s for d in range(dst.attn_tp) for s in routes_for(src, dst, d)]
-
-
-def writes_per_page(
-    sl: Slice, src: ShardSpec, dst: ShardSpec, layout: str, page_size: int
-) -> int:
-    """RMA writes one slice needs per page and per layer buffer.
-
-    HND keeps heads outermost, so any head run is one contiguous range on both sides. NHD
-    interleaves heads inside each token, so a partial head run is one write per token; a slice
-    covering every local head on both sides is still one contiguous page.
-    """
-    if layout not in LAYOUTS:
-        raise RouteError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if layout == "HND":
-        return 1
-    whole = sl.num_heads == src.heads_per_rank == dst.heads_per_rank
-    return 1 if whole else page_size
-
-
 def pages_for(num_tokens: int, page_size: int) -> int:
-    """Pages prefill sends for a prompt of `num_tokens`: it stops one token short (DESIGN §4)."""
+    """Pages prefill sends for a prompt of `num_tokens`: it stops one token short
+    (docs/messenger.md, step 4)."""
     return math.ceil(max(num_tokens - 1, 0) / page_size)
-
-
-def slice_ops(
-    sl: Slice,
-    src: ShardSpec,
-    dst: ShardSpec,
-    *,
-    layout: str,
-    page_size: int,
-    num_pages: int,
-    writes_per_op: int = 1,
-) -> int:
-    """Completions one slice produces per layer buffer for a request of `num_pages` pages.
-
-    Its writes, in page order, go `writes_per_op` to an operation (one fi_writemsg with an iov
-    per write, one CQ entry on each side); operation boundaries sit at multiples of
-    `writes_per_op` from the first write, so the count does not depend on how the prompt was
-    chunked. 1 = one operation per write.
-    """
-    if writes_per_op < 1:
-        raise RouteError(f"writes_per_op must be >= 1, got {writes_per_op}")
-    writes = num_pages * writes_per_page(sl, src, dst, layout, page_size)
-    return -(-writes // writes_per_op)
 
 
 def sendable(sent: int, ready: int, total: int, writes_per_op: int) -> int:
@@ -204,29 +151,3 @@ def sendable(sent: int, ready: int, total: int, writes_per_op: int) -> int:
     if ready >= total:
         return total
     return sent + (ready - sent) // writes_per_op * writes_per_op
-
-
-def expected_writes(
-    slices: Sequence[Slice],
-    src: ShardSpec,
-    dst: ShardSpec,
-    *,
-    layout: str,
-    page_size: int,
-    num_pages: int,
-    num_layers: int,
-    buffers_per_layer: int = 1,
-    aux_writes: int = 0,
-    writes_per_op: int = 1,
-) -> int:
-    """Completions a decode rank counts before a request is complete.
-
-    With one write per operation: pages × layers × layer buffers × Σ_slices(writes per page) +
-    context/metadata copies. `buffers_per_layer` is 1 for a fused K/V page (or MLA's latent),
-    2 for separate K and V. With `writes_per_op` > 1 each slice's writes per layer buffer are
-    grouped (`slice_ops`); context copies stay one operation each.
-    """
-    per_buffer = sum(slice_ops(s, src, dst, layout=layout, page_size=page_size,
-                               num_pages=num_pages, writes_per_op=writes_per_op)
-                     for s in slices)
-    return num_layers * buffers_per_layer * per_buffer + aux_writes

@@ -2,7 +2,7 @@
 ports, memory and KV sizes, and the KV transfer routes with the writes each decoder counts.
 
 Refuses (exit 1, findings printed) when the config has validation errors; `--json` prints the
-plan exactly as `pdtool.planner.plan_to_dict` returns it (what render and the workers read).
+plan exactly as `pdtool.plan.plan_to_dict` returns it (what render and the workers read).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
 
     con.print(
         f"transfer: provider [cyan]{t.provider}[/], layout [cyan]{_layout(t)}[/], page "
-        f"{t.page_size} tokens, completion {t.completion}; prefill attention TP "
+        f"{t.page_size} tokens; prefill attention TP "
         f"{t.prefill.attn_tp} ({t.prefill.heads_per_rank} head(s)/rank"
         f"{', replicated' if t.prefill.replicated else ''}) -> decode attention TP "
         f"{t.decode.attn_tp} ({t.decode.heads_per_rank} head(s)/rank"
@@ -175,7 +175,7 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pdtool.planner import PlanError, build_plan, plan_to_dict
+    from pdtool.plan import PlanError, build_plan, plan_to_dict
 
     if args.tokens < 1:
         print("pdtool plan: --tokens must be >= 1", file=sys.stderr)

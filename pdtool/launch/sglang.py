@@ -1,4 +1,4 @@
-"""SGLang launch lines (DESIGN.md §6), checked against SGLang 0.5.23's own parser in the tests.
+"""SGLang launch lines (docs/sglang.md), checked against SGLang 0.5.23's own parser in the tests.
 
 Pure functions of the config and plan; hosts are shell variables (`HOSTS[k]`) because node
 addresses exist only inside the allocation.
@@ -10,12 +10,12 @@ import json
 from collections.abc import Callable
 
 from pdtool.launch.shell import Var, Word, word
-from pdtool.planner import InstancePlan, Plan, RankPlan
+from pdtool.plan import InstancePlan, Plan, RankPlan, gpu_numa
 from pdtool.schema import Config
 
-#: pdtool KV dtype names -> SGLang --kv-cache-dtype choices
-KV_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
-             "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+#: pdtool KV dtype names -> SGLang 0.5.23 --kv-cache-dtype choices (it has no fp16/fp32 cache:
+#: validate refuses those for engine=sglang, rules.launch)
+SGLANG_KV_DTYPES = {"bf16": "bfloat16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
 
 def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPlan],
@@ -31,7 +31,7 @@ def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPla
         "--disaggregation-transfer-backend", plan.transfer.backend_name,
         "--host", node_host,
         "--port", str(inst.http_port),
-        "--tp", str(inst.tp),
+        "--tp-size", str(inst.tp),
         "--page-size", str(inst.page_size),
         "--mem-fraction-static", str(inst.mem_fraction),
         "--chunked-prefill-size", str(inst.chunked_prefill_size),
@@ -39,9 +39,11 @@ def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPla
     if inst.bootstrap_port is not None:
         argv += ["--disaggregation-bootstrap-port", str(inst.bootstrap_port)]
     if inst.dp > 1:
-        argv += ["--dp", str(inst.dp)]
-        if inst.dp_attention:
-            argv += ["--enable-dp-attention"]
+        # 0.5.23: DP attention is its own width (--attn-dp-size D inside --tp-size N, as
+        # --dp-size D --enable-dp-attention was, now deprecated); --dp-size D is D replicas
+        argv += ["--attn-dp-size" if inst.dp_attention else "--dp-size", str(inst.dp)]
+    if rc.ep > 1:
+        argv += ["--ep-size", str(rc.ep)]
     if len(inst.nodes) > 1:
         argv += ["--dist-init-addr", word(head_host, f":{inst.dist_init_port}"),
                  "--nnodes", str(len(inst.nodes)), "--node-rank", str(ranks[0].node_rank)]
@@ -52,14 +54,17 @@ def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPla
     if first_gpu:
         argv += ["--base-gpu-id", str(first_gpu)]
     if rc.kv_dtype != "auto":
-        argv += ["--kv-cache-dtype", KV_DTYPES.get(inst.kv_dtype, inst.kv_dtype)]
+        argv += ["--kv-cache-dtype", SGLANG_KV_DTYPES[inst.kv_dtype]]
     if rc.max_running_requests:
         argv += ["--max-running-requests", str(rc.max_running_requests)]
     ib = {str(r.gpu): ",".join(r.nics) for r in ranks if r.nics}
     if ib:
         argv += ["--disaggregation-ib-device", json.dumps(ib, separators=(",", ":"))]
-    if cfg.cluster.device == "cuda" and any(r.cpus for r in ranks):
-        argv += ["--numa-node", *(str(r.numa) for r in ranks)]
+    if cfg.cluster.device == "cuda" and cfg.cluster.gpu_numa:
+        # SGLang reads numa_node[gpu_id] with the absolute GPU id (base_gpu_id + local index,
+        # utils/numa_utils.py): one entry per GPU of the node, not per GPU of this instance
+        argv += ["--numa-node",
+                 *(str(gpu_numa(cfg.cluster, g)) for g in range(cfg.cluster.gpus_per_node))]
     if cfg.cluster.device != "cuda":
         argv += ["--device", cfg.cluster.device]
     argv += [*cfg.engine.extra_args, *rc.extra_args]

@@ -26,13 +26,12 @@ def submit(script: Path, exit_when_healthy: bool = False, preflight: bool = Fals
     if shutil.which("sbatch") is None:
         raise SubmitError("sbatch not found: run on a Slurm login node (or use launcher=local)")
     script = Path(script).resolve()
-    env = dict(os.environ)
-    if exit_when_healthy:
-        env["PDTOOL_EXIT_WHEN_HEALTHY"] = "1"
-    if preflight:
-        env["PDTOOL_PREFLIGHT"] = "1"  # sbatch exports the submit environment to the job
-    res = subprocess.run(["sbatch", "--parsable", str(script)], cwd=script.parent, env=env,
-                         capture_output=True, text=True, timeout=120)
+    # the options are the script's arguments: inherited environment is lost with
+    # SBATCH_EXPORT=NONE, and a stale value in this shell must not change the job
+    args = [*(["--preflight"] if preflight else []),
+            *(["--exit-when-healthy"] if exit_when_healthy else [])]
+    res = subprocess.run(["sbatch", "--parsable", str(script), *args], cwd=script.parent,
+                         env=dict(os.environ), capture_output=True, text=True, timeout=120)
     if res.returncode != 0:
         msg = (res.stderr or res.stdout).strip() or f"exit status {res.returncode}"
         raise SubmitError(f"sbatch refused {script}: {msg}")

@@ -19,9 +19,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from pdtool.launch import secrets
+from pdtool.launch.resources import describe_cpus, job_options, step_options
 from pdtool.launch.sglang import router_argv, server_argv
 from pdtool.launch.shell import Var, Word, word
-from pdtool.planner import InstancePlan, Plan, RankPlan
+from pdtool.plan import InstancePlan, Plan, RankPlan
 from pdtool.schema import Config
 
 #: engines whose one process drives all GPUs of its node
@@ -102,9 +104,8 @@ def _url(node: int, port: int, path: str = "/health") -> Word:
 
 
 def _role_env(cfg: Config, rname: str) -> dict[str, str]:
-    env = dict(cfg.launcher.env.all)
-    env.update(getattr(cfg.launcher.env, rname))
-    return env
+    """The role's launcher.env without its secrets (those come from a 0600 file)."""
+    return secrets.split(cfg, rname)[0]
 
 
 def _common_env(ranks: list[RankPlan]) -> dict[str, str]:
@@ -135,11 +136,15 @@ def _worker_argv(cfg: Config, spec_launcher: str, inst: InstancePlan, node: int,
     return argv
 
 
-def _srun(cfg: Config, p: Proc) -> list[str | Word]:
-    """srun prefix placing one process on allocation node `p.node` as its own job step."""
+def _srun(cfg: Config, p: Proc, ranks: list[RankPlan]) -> list[str | Word]:
+    """srun prefix placing one process on allocation node `p.node` as its own job step, with
+    its CPUs, binding and GPUs (pdtool.launch.resources)."""
     argv: list[str | Word] = [
-        "srun", "--nodes=1", "--ntasks=1", f"--relative={p.node}", "--overlap",
+        # --export=ALL: the step gets this script's environment even in a job submitted with
+        # --export=NONE (srun would inherit NONE through SLURM_EXPORT_ENV)
+        "srun", "--export=ALL", "--nodes=1", "--ntasks=1", f"--relative={p.node}", "--overlap",
         "--kill-on-bad-exit=1", f"--job-name={p.name}", word("--output=", *p.log.parts),
+        *step_options(cfg, ranks),
     ]
     lc = cfg.launcher
     if lc.container_image:
@@ -150,13 +155,16 @@ def _srun(cfg: Config, p: Proc) -> list[str | Word]:
     return argv
 
 
-def _wrap(cfg: Config, launcher: str, p: Proc, env: dict[str, str], numa: list[str],
-          argv: list[str | Word]) -> list[str | Word]:
+def _wrap(cfg: Config, launcher: str, p: Proc, ranks: list[RankPlan], env: dict[str, str],
+          numa: list[str], argv: list[str | Word], secret_roles: frozenset[str] = frozenset(),
+          ) -> list[str | Word]:
     inner: list[str | Word] = []
+    if p.role in secret_roles:
+        inner += secrets.wrapper(RUN_DIR, p.role)
     if env:
         inner += ["env", *_env_words(env, f"launcher.env.{p.role}")]
     inner += numa + argv
-    return (_srun(cfg, p) if launcher == "slurm" else []) + inner
+    return (_srun(cfg, p, ranks) if launcher == "slurm" else []) + inner
 
 
 def _numactl(ranks: list[RankPlan]) -> list[str]:
@@ -172,7 +180,8 @@ def _ranks_text(ranks: list[RankPlan]) -> str:
     return f"ranks {ranks[0].rank}-{ranks[-1].rank}"
 
 
-def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str) -> list[Proc]:
+def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str,
+                    secret_roles: frozenset[str]) -> list[Proc]:
     env_user = _role_env(cfg, inst.role)
     procs: list[Proc] = []
     per_node = cfg.engine.kind in PER_NODE_ENGINES
@@ -197,7 +206,8 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str) 
             ranks=tuple(r.rank for r in ranks),
             comment=(f"{inst.name}: node {node} (instance node {ranks[0].node_rank}), "
                      f"{_ranks_text(ranks)}, GPUs {gpus}, NICs {nics}, "
-                     f"NUMA {','.join(sorted({str(r.numa) for r in ranks}))}"),
+                     f"NUMA {','.join(sorted({str(r.numa) for r in ranks}))}, "
+                     f"CPUs {describe_cpus(ranks)}"),
             health=_url(node, inst.http_port) if is_head else None,
         )
         if per_node:
@@ -211,13 +221,14 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str) 
             select = ["--rank", str(ranks[0].rank)]
             numa = _numactl(ranks)
             env = {**ranks[0].env, **env_user}
-        p.argv = _wrap(cfg, launcher, p, env,  numa,
-                       _worker_argv(cfg, launcher, inst, node, select, p.engine_argv))
+        p.argv = _wrap(cfg, launcher, p, ranks, env, numa,
+                       _worker_argv(cfg, launcher, inst, node, select, p.engine_argv),
+                       secret_roles)
         procs.append(p)
     return procs
 
 
-def _router_proc(cfg: Config, plan: Plan, launcher: str) -> Proc:
+def _router_proc(cfg: Config, plan: Plan, launcher: str, secret_roles: frozenset[str]) -> Proc:
     rp = plan.router
     p = Proc(name="router", role="router", instance=0, node=rp.node, ranks=(),
              comment=(f"router: node {rp.node}, port {rp.port}, "
@@ -234,7 +245,7 @@ def _router_proc(cfg: Config, plan: Plan, launcher: str) -> Proc:
         inner += ["--expect-node", node_name(rp.node)]
     if p.engine_argv:
         inner += ["--", *p.engine_argv]
-    p.argv = _wrap(cfg, launcher, p, env, [], inner)
+    p.argv = _wrap(cfg, launcher, p, [], env, [], inner, secret_roles)
     return p
 
 
@@ -245,8 +256,7 @@ def _job(cfg: Config, plan: Plan, run_dir: str, procs: list[Proc]) -> JobSpec:
         val = getattr(lc, key)
         if val:
             opts.append(f"{flag}={val}")
-    if lc.exclusive:
-        opts.append("--exclusive")
+    opts += job_options(cfg, plan)
     for key, val in (("launcher.job_name", lc.job_name), ("launcher.time", lc.time),
                      *((f"launcher.{k}", getattr(lc, k)) for k in ("partition", "account", "qos")),
                      *(("launcher.sbatch_extra", x) for x in lc.sbatch_extra)):
@@ -261,17 +271,19 @@ def _job(cfg: Config, plan: Plan, run_dir: str, procs: list[Proc]) -> JobSpec:
         roles.setdefault(p.node, [])
         if p.name.split(".")[0] not in roles[p.node]:
             roles[p.node].append(p.name.split(".")[0])
-    per_node = max(sum(1 for p in procs if p.node == n) for n in range(plan.nodes))
+    # every step is one task sharing its node (--overlap): the job holds one task per node
     return JobSpec(
-        name=lc.job_name, nodes=plan.nodes, ntasks_per_node=max(per_node, 1), time=lc.time,
+        name=lc.job_name, nodes=plan.nodes, ntasks_per_node=1, time=lc.time,
         batch_log=f"{run_dir}/logs/slurm-%j.out", sbatch_options=opts,
         sbatch_extra=list(lc.sbatch_extra),
         node_roles=[f"node {n}: {' '.join(roles.get(n, []))}" for n in range(plan.nodes)],
     )
 
 
-def build_launch(cfg: Config, plan: Plan, run_dir: str) -> LaunchSpec:
-    """The launch spec of a planned deployment; `run_dir` is the absolute job folder."""
+def build_launch(cfg: Config, plan: Plan, run_dir: str,
+                 secret_roles: frozenset[str] = frozenset()) -> LaunchSpec:
+    """The launch spec of a planned deployment; `run_dir` is the absolute job folder.
+    Processes of `secret_roles` load their role's secret file first (pdtool.launch.secrets)."""
     launcher = cfg.launcher.kind
     if launcher == "slurm" and "%" in run_dir:
         raise LaunchError(f"launcher.output_dir: {run_dir!r} contains '%', which Slurm expands "
@@ -280,8 +292,9 @@ def build_launch(cfg: Config, plan: Plan, run_dir: str) -> LaunchSpec:
         raise LaunchError(f"launcher.kind: unknown launcher {launcher!r} (local | slurm)")
     if cfg.engine.kind not in ("sglang", "reference"):
         raise LaunchError(f"engine.kind: unknown engine {cfg.engine.kind!r} (sglang | reference)")
-    procs = [p for inst in plan.instances for p in _instance_procs(cfg, plan, inst, launcher)]
-    router = _router_proc(cfg, plan, launcher)
+    procs = [p for inst in plan.instances
+             for p in _instance_procs(cfg, plan, inst, launcher, secret_roles)]
+    router = _router_proc(cfg, plan, launcher, secret_roles)
     job = _job(cfg, plan, run_dir, [*procs, router])
     return LaunchSpec(launcher=launcher, engine=cfg.engine.kind, python=cfg.engine.python,
                       procs=procs, router=[router], job=job,

@@ -7,14 +7,26 @@ a value it cannot compute with (tp=0, an unknown provider, an impossible placeme
 2. shards     head split, prefill/decode TP, pages, chunking  (rules.shards)
    arithmetic GPUs per instance vs nodes, launcher, engine     (rules.topology.ARITHMETIC)
    engine     what the reference CPU engine can run           (rules.reference)
-3. placed     idle GPUs, provider/NIC kinds, NIC per rank, ports, memory fit, NHD write count
+   experts    expert parallelism, FP8 MoE blocks              (rules.moe)
+3. placed     idle GPUs, provider/NIC kinds, NIC per rank, ports, memory fit, NHD write count,
+              what a Slurm job asks for                       (rules.launch)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from pdtool.rules import memfit, ports, reference, sglang, shards, topology, values
+from pdtool.rules import (
+    launch,
+    memfit,
+    moe,
+    ports,
+    reference,
+    sglang,
+    shards,
+    topology,
+    values,
+)
 from pdtool.rules.finding import Finding, error, has_errors, warning
 from pdtool.schema import Config
 
@@ -22,8 +34,9 @@ Rule = Callable[[Config], list[Finding]]
 
 STAGES: tuple[tuple[Rule, ...], ...] = (
     values.ALL,
-    shards.ALL + topology.ARITHMETIC + reference.ALL,
-    topology.PLACED + ports.ALL + memfit.ALL + (shards.check_nhd_writes,) + sglang.ALL,
+    shards.ALL + topology.ARITHMETIC + reference.ALL + moe.ALL,
+    topology.PLACED + ports.ALL + memfit.ALL + (shards.check_nhd_writes,) + sglang.ALL
+    + launch.ALL,
 )
 
 

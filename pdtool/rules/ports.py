@@ -1,16 +1,18 @@
 """Ports: every listening port in range and unique per machine; the router agrees with them.
 
-Instance i of a role binds `<role>.http_port + i`, `<role>.dist_init_port + i` (multi-node
-rendezvous) and, for prefill, `prefill.bootstrap_port + i` (the KV bootstrap server the router
-hands to decode) on its head node; the router binds `router.port` on node 0. With the local
-launcher every process shares one machine, so all of them must differ. The router's prefill
-entries (URL + bootstrap port) are derived from the same numbers in the plan, so they agree
-with the workers by construction; what can break is a collision with the router's own port.
+Instance i of a role listens on the ports `pdtool.ports.instance_ports` models: its HTTP port
+and what SGLang derives from it (with DP attention: +13 and +233..+239), its dist-init port
+(and, across nodes with DP attention, +1..+6 and +13), and for prefill its bootstrap port,
+all on its head node; packed instances' bases are spaced so their own ports never meet. The
+router binds `router.port` on node 0. With the local launcher every process shares one
+machine, so all of them must differ. The router's prefill entries (URL + bootstrap port) are
+derived from the same numbers in the plan, so they agree with the workers by construction.
 """
 
 from __future__ import annotations
 
-from pdtool.planner import placements
+from pdtool.plan import placements
+from pdtool.ports import instance_ports
 from pdtool.rules.finding import Finding, error
 from pdtool.schema import ROLES, Config, role
 
@@ -23,17 +25,17 @@ def _bindings(cfg: Config) -> list[tuple[int, int, str, str]]:
     places = placements(cfg)
     out = [(0, cfg.router.port, "router.port", "router")]
     for r in ROLES:
-        rc = role(cfg, r)
-        for i in range(rc.instances):
+        for i in range(role(cfg, r).instances):
             host = 0 if local else places[(r, i)][0][0]
-            name = f"{r}-{i}"
-            out.append((host, rc.http_port + i, f"{r}.http_port", f"{name} HTTP"))
-            out.append((host, rc.dist_init_port + i, f"{r}.dist_init_port", f"{name} dist-init"))
-            if r == "prefill":
-                out.append(
-                    (host, rc.bootstrap_port + i, f"{r}.bootstrap_port", f"{name} bootstrap")
-                )
+            out += [(host, port, key, f"{r}-{i} {what} ({key} + {port - _base(cfg, key)})"
+                     if port != _base(cfg, key) else f"{r}-{i} {what}")
+                    for port, key, what in instance_ports(cfg, r, i)]
     return out
+
+
+def _base(cfg: Config, key: str) -> int:
+    rname, field = key.split(".")
+    return getattr(role(cfg, rname), field)
 
 
 def check_ports(cfg: Config) -> list[Finding]:
@@ -67,7 +69,7 @@ def check_ports(cfg: Config) -> list[Finding]:
             error(
                 key,
                 f"{what} and {prev[1]} both listen on port {port} on {where} "
-                f"({key} vs {prev[0]}; instance i uses base + i)",
+                f"({key} vs {prev[0]}; instance i uses base + i x spacing)",
                 f"set {key}={free} (or another base whose range is free)",
             )
         )

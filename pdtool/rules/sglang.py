@@ -8,28 +8,25 @@ therefore writes:
   * one write per token per (page, layer buffer, source rank) for MHA/GQA with different
     attention TP: a head slice of an NHD page is not contiguous. It works, but costs
     `page_size` times the ops; the warning shows the count so the user can pick equal TP.
-The counts are the plan's (`planner.route_plans`, which takes SGLang's pools from
-`planner.page_layout`), so the warning and `pdtool plan` always show the same number.
+The counts are the plan's (`pdtool.plan.route_plans`, in SGLang's pools and metadata buffers as
+`transfer.geometry` describes them), so the warning and `pdtool plan` always show the same number.
 SGLang flags for state the backend does not carry (draft KV, PP, CP, KV sharding) are errors.
 """
 
 from __future__ import annotations
 
-from pdtool.planner import DEFAULT_TOKENS, page_layout, route_plans, shard_spec
+from pdtool.plan import DEFAULT_TOKENS, equal_sharding_writes, route_plans, shard_spec
 from pdtool.rules.finding import Finding, error, warning
 from pdtool.schema import Config
-from transfer import routes as R
 
 
 def sglang_writes_per_request(cfg: Config, tokens: int = DEFAULT_TOKENS) -> tuple[int, int]:
     """(worst decode rank's writes for a `tokens` request, same with equal sharding).
 
-    The first is the plan's own count; the second is one write per (page, layer buffer).
+    Both are `transfer.geometry.expected_writes` in SGLang's pools, as the plan counts them.
     """
     worst = max(r.writes_per_request for r in route_plans(cfg, tokens))
-    _, buffers = page_layout(cfg)
-    pages = R.pages_for(tokens, cfg.decode.page_size)
-    return worst, pages * cfg.model.num_layers * buffers + cfg.transfer.aux_writes
+    return worst, equal_sharding_writes(cfg, tokens)
 
 
 def check_sglang_nhd_tp_mismatch(cfg: Config) -> list[Finding]:

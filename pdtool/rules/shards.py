@@ -1,4 +1,4 @@
-"""Shard compatibility between prefill and decode (DESIGN.md §3).
+"""Shard compatibility between prefill and decode (docs/sharding.md).
 
 * Each side: KV heads split over attention TP (`heads % tp == 0`) or replicated in groups
   (`tp % heads == 0`; MLA is the one-head case).
@@ -12,55 +12,34 @@
 
 from __future__ import annotations
 
-from pdtool.planner import DEFAULT_TOKENS, route_plans, shard_spec
+from pdtool.plan import DEFAULT_TOKENS, request_writes, route_plans, shard_spec
 from pdtool.rules.finding import Finding, error, warning
-from pdtool.schema import ROLES, Config, attn_tp, kv_dtype, kv_heads, role
-
-
-def _tp_key(cfg: Config, r: str) -> str:
-    rc = role(cfg, r)
-    return f"{r}.tp" if not rc.dp_attention or rc.dp == 1 else f"{r}.dp"
-
-
-def _tp_text(cfg: Config, r: str) -> str:
-    rc = role(cfg, r)
-    if rc.dp_attention and rc.dp > 1:
-        return f"attention TP {attn_tp(rc)} ({r}.tp={rc.tp} / {r}.dp={rc.dp})"
-    return f"attention TP {rc.tp} ({r}.tp)"
-
-
-def _divisors_and_multiples(h: int, limit: int = 64) -> list[int]:
-    return sorted({t for t in range(1, limit + 1) if h % t == 0 or t % h == 0})
+from pdtool.schema import ROLES, Config, kv_dtype, role_dims
+from transfer import routes as R
+from transfer.geometry import messenger_pool
 
 
 def check_head_split(cfg: Config) -> list[Finding]:
-    out: list[Finding] = []
-    h = kv_heads(cfg.model)
+    """Each side's heads must shard or replicate over its attention TP
+    (`transfer.parallel.ParallelDims.head_problems`, which shows every factor)."""
     what = "MLA latent head" if cfg.model.attention == "mla" else "KV heads"
+    out: list[Finding] = []
     for r in ROLES:
-        t = attn_tp(role(cfg, r))
-        if h % t and t % h:
-            ok = ", ".join(str(x) for x in _divisors_and_multiples(h)[:8])
-            out.append(
-                error(
-                    _tp_key(cfg, r),
-                    f"{h} {what} (model.num_kv_heads) cannot be split over {_tp_text(cfg, r)}: "
-                    f"need {h} % {t} == 0 (heads sharded) or {t} % {h} == 0 (heads replicated)",
-                    f"choose an attention TP in {{{ok}, ...}}",
-                )
-            )
+        d = role_dims(cfg, r)
+        out += [error(d.key(p.field), p.message, p.fix) for p in d.head_problems(what)]
     return out
 
 
 def check_tp_pair(cfg: Config) -> list[Finding]:
     """MHA/GQA only: MLA's latent is whole on every rank, so any TP pair works there."""
-    p, d = attn_tp(cfg.prefill), attn_tp(cfg.decode)
+    pd, dd = role_dims(cfg, "prefill"), role_dims(cfg, "decode")
+    p, d = pd.attn_tp, dd.attn_tp
     if cfg.model.attention == "mla" or p % d == 0 or d % p == 0:
         return []
     return [
         error(
-            _tp_key(cfg, "decode"),
-            f"prefill {_tp_text(cfg, 'prefill')} and decode {_tp_text(cfg, 'decode')}: one "
+            dd.tp_key,
+            f"prefill {pd.attn_tp_text()} and decode {dd.attn_tp_text()}: one "
             f"must divide the other ({p} % {d} = {p % d}, {d} % {p} = {d % p}), or a decode "
             "rank's heads would straddle prefill ranks unevenly",
             f"set decode's attention TP to a divisor or multiple of {p}",
@@ -128,8 +107,8 @@ def check_nhd_writes(cfg: Config, tokens: int = DEFAULT_TOKENS) -> list[Finding]
     worst = max(routes, key=lambda r: r.writes_per_request)
     hnd = len(worst.slices)
     src, dst = shard_spec(cfg, "prefill"), shard_spec(cfg, "decode")
-    pages = -(-max(tokens - 1, 0) // cfg.decode.page_size)
-    hnd_total = pages * cfg.model.num_layers * hnd + cfg.transfer.aux_writes
+    hnd_total = request_writes(cfg, tokens, R.routes_for(src, dst, worst.dst_rank), src, dst,
+                               messenger_pool("HND", cfg.model.attention == "mla"))
     return [
         warning(
             "transfer.layout",

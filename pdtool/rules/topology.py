@@ -13,64 +13,17 @@ from __future__ import annotations
 
 import math
 
-from pdtool.planner import (
-    PROVIDER_NIC_KINDS,
-    choose_nics,
-    instance_nodes,
-    placements,
-    role_node_count,
-)
+from pdtool.plan import PROVIDER_NIC_KINDS, choose_nics, placements
 from pdtool.rules.finding import Finding, error, warning
-from pdtool.schema import ROLES, Config, gpus_per_instance, role
-
-
-def _gpus_text(cfg: Config, r: str) -> str:
-    rc = role(cfg, r)
-    if rc.dp_attention or rc.dp == 1:
-        return f"{r}.tp={rc.tp}"
-    return f"{r}.tp={rc.tp} x {r}.dp={rc.dp}"
+from pdtool.schema import ROLES, Config, role, role_dims
 
 
 def check_instance_fit(cfg: Config) -> list[Finding]:
+    """An instance's GPUs fill whole nodes or fit in one (`ParallelDims.node_problems`)."""
     out: list[Finding] = []
-    gpn = cfg.cluster.gpus_per_node
     for r in ROLES:
-        rc = role(cfg, r)
-        g = gpus_per_instance(rc)
-        if rc.nodes > 1:
-            if g % rc.nodes:
-                out.append(
-                    error(
-                        f"{r}.nodes",
-                        f"{g} GPUs per instance ({_gpus_text(cfg, r)}) cannot be spread evenly "
-                        f"over {r}.nodes={rc.nodes}",
-                        f"set {r}.nodes to a divisor of {g}",
-                    )
-                )
-            elif g // rc.nodes != gpn:
-                per = g // rc.nodes
-                fix_tp = rc.nodes * gpn
-                idle = f"{gpn - per} GPUs idle on each node" if per < gpn else "too few GPUs"
-                out.append(
-                    error(
-                        f"{r}.tp",
-                        f"an instance spanning {r}.nodes={rc.nodes} nodes uses whole nodes: "
-                        f"{_gpus_text(cfg, r)} -> {g} / {rc.nodes} = {per} GPUs per node, "
-                        f"nodes have cluster.gpus_per_node={gpn} ({idle})",
-                        f"set {r}.tp={fix_tp}"
-                        + (f" or {r}.nodes={math.ceil(g / gpn)}" if g % gpn == 0 else ""),
-                    )
-                )
-        elif g > gpn:
-            out.append(
-                error(
-                    f"{r}.nodes",
-                    f"an instance needs {g} GPUs ({_gpus_text(cfg, r)}), one node has "
-                    f"cluster.gpus_per_node={gpn}",
-                    f"set {r}.nodes={math.ceil(g / gpn)}"
-                    + ("" if g % gpn == 0 else f" and {r}.tp to a multiple of {gpn}"),
-                )
-            )
+        d = role_dims(cfg, r)
+        out += [error(d.key(p.field), p.message, p.fix) for p in d.node_problems()]
     return out
 
 
@@ -85,9 +38,9 @@ def check_idle_gpus(cfg: Config) -> list[Finding]:
     out: list[Finding] = []
     gpn = cfg.cluster.gpus_per_node
     for r in ROLES:
-        rc = role(cfg, r)
-        g = gpus_per_instance(rc)
-        span, per_node = instance_nodes(cfg.cluster, rc)
+        rc, d = role(cfg, r), role_dims(cfg, r)
+        g = d.gpus
+        span, per_node = d.node_span()
         if span > 1:
             continue
         if gpn % g:
@@ -96,7 +49,7 @@ def check_idle_gpus(cfg: Config) -> list[Finding]:
                     f"{r}.tp",
                     f"{per_node} instance(s) of {g} GPUs fill {per_node * g} of a node's "
                     f"{gpn} GPUs: {gpn - per_node * g} idle on every {r} node",
-                    f"choose {_gpus_text(cfg, r).split('=')[0]} so that it divides {gpn}",
+                    f"choose {d.gpus_text().split('=')[0]} so that it divides {gpn}",
                 )
             )
         rest = rc.instances % per_node
@@ -128,10 +81,10 @@ def check_node_budget(cfg: Config) -> list[Finding]:
                         f"set {r}.nodes=1 or use launcher=slurm",
                     )
                 )
-        total = sum(gpus_per_instance(role(cfg, r)) * role(cfg, r).instances for r in ROLES)
+        total = sum(role_dims(cfg, r).gpus * role(cfg, r).instances for r in ROLES)
         if not out and total > cl.gpus_per_node:
             parts = " + ".join(
-                f"{role(cfg, r).instances} x {gpus_per_instance(role(cfg, r))} ({r})" for r in ROLES
+                f"{role(cfg, r).instances} x {role_dims(cfg, r).gpus} ({r})" for r in ROLES
             )
             out.append(
                 error(
@@ -142,7 +95,7 @@ def check_node_budget(cfg: Config) -> list[Finding]:
                 )
             )
         return out
-    need = {r: role_node_count(cl, role(cfg, r)) for r in ROLES}
+    need = {r: role_dims(cfg, r).node_count(role(cfg, r).instances) for r in ROLES}
     total = sum(need.values())
     if total <= cl.nodes:
         return []

@@ -9,22 +9,23 @@ from __future__ import annotations
 
 import re
 
-from pdtool.planner import expand_cpus
+from pdtool.plan import expand_cpus
 from pdtool.rules.finding import Finding, error, warning
 from pdtool.schema import (
     ATTENTION_KINDS,
-    COMPLETION_MODES,
     DEVICES,
     ENGINES,
-    KV_DTYPES,
+    KV_DTYPE_CHOICES,
     LAUNCHERS,
     LAYOUTS,
     MAX_LANES,
+    MODES,
     NIC_KINDS,
     PROVIDERS,
     ROLES,
     WEIGHT_DTYPES,
     Config,
+    dims,
     role,
 )
 
@@ -235,7 +236,7 @@ def check_roles(cfg: Config) -> list[Finding]:
         for name in ("tp", "dp", "nodes", "instances", "page_size", "chunked_prefill_size"):
             out += _at_least(f"{r}.{name}", getattr(rc, name), 1)
         out += _at_least(f"{r}.max_running_requests", rc.max_running_requests, 0)
-        out += _choice(f"{r}.kv_dtype", rc.kv_dtype, KV_DTYPES)
+        out += _choice(f"{r}.kv_dtype", rc.kv_dtype, KV_DTYPE_CHOICES)
         out += _choice(f"{r}.kv_layout", rc.kv_layout, LAYOUTS)
         if not 0 < rc.mem_fraction <= 1:
             out.append(
@@ -246,15 +247,9 @@ def check_roles(cfg: Config) -> list[Finding]:
                     f"set {r}.mem_fraction=0.85 (SGLang's usual static fraction)",
                 )
             )
-        if rc.tp >= 1 and rc.dp >= 1 and rc.dp_attention and rc.tp % rc.dp:
-            out.append(
-                error(
-                    f"{r}.dp",
-                    f"DP attention splits the {rc.tp} GPUs of {r}.tp into {r}.dp={rc.dp} "
-                    f"groups: {rc.tp} % {rc.dp} = {rc.tp % rc.dp}",
-                    f"set {r}.dp to a divisor of {rc.tp} (e.g. {r}.dp={rc.tp})",
-                )
-            )
+        if rc.tp >= 1 and rc.dp >= 1:  # DP attention groups must divide the TP group
+            out += [error(f"{r}.{p.field}", p.message, p.fix)
+                    for p in dims(rc).degree_problems()]
     return out
 
 
@@ -262,8 +257,6 @@ def check_transfer(cfg: Config) -> list[Finding]:
     t = cfg.transfer
     out = _choice("transfer.provider", t.provider, PROVIDERS)
     out += _choice("transfer.layout", t.layout, LAYOUTS)
-    out += _choice("transfer.completion", t.completion, COMPLETION_MODES)
-    out += _at_least("transfer.aux_writes", t.aux_writes, 0)
     if not 0 <= t.lanes <= MAX_LANES:
         out.append(error("transfer.lanes", f"receive lanes per decode rank must be 0 (automatic) "
                          f"to {MAX_LANES}, got {t.lanes}",
@@ -277,15 +270,6 @@ def check_transfer(cfg: Config) -> list[Finding]:
                          f"{t.peer_timeout_s} s is not longer than transfer.heartbeat_s "
                          f"({t.heartbeat_s} s): every peer would look dead",
                          "set transfer.peer_timeout_s to several heartbeats (default 5.0)"))
-    if t.completion == "counter" and t.provider in PROVIDERS and t.provider != "shm":
-        out.append(
-            error(
-                "transfer.completion",
-                f"provider {t.provider!r} has no FI_RMA_EVENT: a remote-write counter never "
-                "moves there",
-                "set transfer.completion=cq_data (immediate data counted per transfer)",
-            )
-        )
     if not t.backend_name or not re.fullmatch(r"[a-z][a-z0-9_-]*", t.backend_name):
         out.append(
             error(
@@ -355,6 +339,11 @@ def check_launcher(cfg: Config) -> list[Finding]:
 def check_engine_router(cfg: Config) -> list[Finding]:
     out = _choice("engine.kind", cfg.engine.kind, ENGINES)
     out += _choice("router.policy", cfg.router.policy, ROUTER_POLICIES)
+    out += _choice("mode", cfg.mode, MODES)
+    if cfg.mode == "aggregated" and cfg.engine.kind != "reference":
+        out.append(error("mode", "mode=aggregated is implemented by the reference engine "
+                         f"only, engine.kind={cfg.engine.kind}",
+                         "use engine=reference, or mode=disaggregated"))
     return out
 
 

@@ -6,7 +6,7 @@ thread owns everything else — the libfabric endpoint, the ZeroMQ sockets, the 
 and loops: drain the CQ, run commands, read control messages, watch the progress counter, check
 counts, and every few milliseconds run timers (timeouts, heartbeats, quarantine). Keeping every
 poll in one place matters on small machines: two busy-polling threads per process halve the
-throughput (DESIGN §5). While nothing is in flight the thread sleeps on its sockets and the
+throughput (docs/libfabric.md). While nothing is in flight the thread sleeps on its sockets and the
 engine's command doorbell (so a message or a command wakes it at once; `idle_sleep_s` only
 paces the timers); while writes are due it polls the completion queue in short C slices (the
 GIL released, the core yielded when a poll finds nothing), or, with `busy_sleep_s` > 0, polls
@@ -32,9 +32,10 @@ from typing import Any
 import numpy as np
 import zmq
 
-from ..control import check_bind_host, check_secret
 from ..layout import KVLayout, LayoutError
 from ..routes import RouteError, ShardSpec
+from ..wire.channel import check_bind_host
+from ..wire.secret import check_secret
 
 log = logging.getLogger("transfer.messenger")
 
@@ -58,7 +59,10 @@ def _positive(name: str, v: Any, *, allow_zero: bool = False) -> None:
 class CommonConfig:
     """Settings both sides share. `spec` is this side's sharding, `peer_spec` the other's.
 
-    `rank` is this process's attention-TP rank inside its instance (0 = lead). Timeouts:
+    `rank` is this process's attention-TP rank inside its instance (0 = lead). `domain`: the
+    libfabric domain (NIC) to open, the one the plan chose for this rank's GPU (the worker
+    exports it, `transfer.workerenv.domain_for`); None takes the provider's first domain, and a
+    domain the provider does not have fails the start with an error naming `domain`. Timeouts:
     `timeout_s` bounds one transfer end to end; a peer silent for `peer_timeout_s` is dead;
     heartbeats go every `heartbeat_s`. `busy_sleep_s`: 0 (the default, and the fast path) polls
     in C slices while writes are due, yielding the core when idle; a positive value polls once
@@ -71,12 +75,13 @@ class CommonConfig:
     peer_spec: ShardSpec
     rank: int = 0
     provider: str = "shm"
+    domain: str | None = None
     buffers_per_layer: int = 1
     timeout_s: float = 60.0
     heartbeat_s: float = 0.5
     peer_timeout_s: float = 5.0
     busy_sleep_s: float = 0.0
-    idle_sleep_s: float = 0.005  # = Worker.TIMER_S: messages and commands wake it anyway
+    idle_sleep_s: float = 0.005  # = MessengerThread.TIMER_S: messages and commands wake it anyway
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -94,6 +99,9 @@ class CommonConfig:
                              f"peer_spec.num_kv_heads={self.peer_spec.num_kv_heads}")
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.spec.attn_tp:
             raise ValueError(f"rank: expected 0..{self.spec.attn_tp - 1}, got {self.rank!r}")
+        if self.domain is not None and (not isinstance(self.domain, str) or not self.domain):
+            raise ValueError(f"domain: expected a libfabric domain name or None, got "
+                             f"{self.domain!r}")
         if self.buffers_per_layer not in (1, 2):
             raise ValueError(f"buffers_per_layer: 1 (fused K/V) or 2 (separate), got "
                              f"{self.buffers_per_layer!r}")
@@ -306,7 +314,7 @@ class Doorbell:
                 os.close(fd)
 
 
-class Worker:
+class MessengerThread:
     """Runs `_setup`, then `_step` in a loop on the messenger thread, then `_teardown`."""
 
     role = "worker"
@@ -341,6 +349,29 @@ class Worker:
             raise LayoutError(f"kv_buffers: {first.heads_local} local heads, but spec "
                               f"{spec} gives {spec.heads_per_rank} per rank")
         return first
+
+    def _open_endpoint(self, **options: Any) -> Any:
+        """An endpoint of the configured provider on the configured domain (messenger thread).
+        EFA names its RDM domain after the device with a `-rdm` suffix, so a NIC name is tried
+        as given, then with that suffix; neither existing is an error naming `domain`."""
+        from ..fabric import Endpoint, FabricError  # validate/plan never need libfabric
+
+        cfg = self.config
+        if cfg.domain is None:
+            return Endpoint(cfg.provider, **options)
+        first: FabricError | None = None
+        for name in (cfg.domain, f"{cfg.domain}-rdm"):
+            try:
+                return Endpoint(cfg.provider, domain=name, **options)
+            except FabricError as exc:
+                first = first or exc
+        raise MessengerError(f"domain: cannot open provider {cfg.provider!r} on domain "
+                             f"{cfg.domain!r} (nor {cfg.domain + '-rdm'!r}): {first}") from None
+
+    @property
+    def fabric_domain(self) -> str:
+        """The libfabric domain (NIC) this messenger's endpoint opened (once started)."""
+        return self._ep.domain
 
     def _start(self, timeout: float = 60.0) -> None:
         self._thread.start()
@@ -427,7 +458,7 @@ class Worker:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def __enter__(self) -> Worker:
+    def __enter__(self) -> MessengerThread:
         return self
 
     def __exit__(self, *exc: object) -> None:

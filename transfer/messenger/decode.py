@@ -1,4 +1,4 @@
-"""Decode side of the KV messenger (DESIGN §4 steps 1 and 5).
+"""Decode side of the KV messenger (docs/messenger.md, steps 1 and 5).
 
 Per decode attention rank, one `DecodeMessenger`. For each request whose pages the engine has
 allocated (non-evictable), the engine calls `submit`; the messenger
@@ -10,13 +10,18 @@ allocated (non-evictable), the engine calls `submit`; the messenger
    that sends it (routes.routes_for; where the cache is replicated — MLA, or more TP ranks than
    KV heads — one replica at random, so every prefill GPU and NIC is used, and only that one
    sends the slice because this rank alone decides who sends its slices);
-3. sends its REQUEST part to the prefill instance's LEAD rank only. Why the lead: the prefill TP
+3. (once per prefill rank, at start-up and again after the rank went silent) sends a HELLO with
+   its static data — sharding, page layout, layers, registered regions, receive lanes, writes
+   per operation, and their compatibility hash (transfer.wire) — and waits for the rank's
+   HELLO; a request for an instance not yet answered waits (bounded by its timeout), one that
+   refused this rank fails at once with the rank's reason;
+4. sends its REQUEST part to the prefill instance's LEAD rank only. Why the lead: the prefill TP
    ranks run one scheduler whose lead broadcasts new requests to the other ranks anyway; the lead
    hands out a request once every decode rank's part arrived, the engine's broadcast carries the
    parts to every prefill rank, and each rank's `bind` picks out what it must send — no extra
    control hop, no race between a request reaching a rank and its routing data. ABORT and PING
    go to every prefill rank directly, because each rank has its own writes in flight;
-4. computes how many writes will land here (routes.expected_writes: pages × layers × buffers ×
+5. computes how many writes will land here (geometry.expected_writes: pages × layers × buffers ×
    writes per page summed over its source slices, plus one per aux buffer; the prefill groups
    up to `writes_per_op` consecutive page writes of a slice into one RMA operation, which lands
    as one completion, so the count is per operation) and hands the request to the engine
@@ -51,11 +56,22 @@ from typing import Any
 import numpy as np
 import zmq
 
-from ..control import Channel, Codec
+from ..geometry import expected_writes, slice_ops
 from ..layout import AuxSpec, LayoutError, as_buffer, aux_spec
-from ..routes import Slice, expected_writes, pages_for, routes_for, slice_ops
+from ..routes import Slice, pages_for, routes_for
 from ..slots import SlotTable
-from .common import DecodeConfig, MessengerError, PeerClock, TransferState, TransferStatus, Worker
+from ..wire.channel import Channel
+from ..wire.envelope import Envelope
+from ..wire.handshake import compat_hash, first_difference
+from ..wire.messenger import MESSENGER, facts, hello_facts
+from .common import (
+    DecodeConfig,
+    MessengerError,
+    MessengerThread,
+    PeerClock,
+    TransferState,
+    TransferStatus,
+)
 
 log = logging.getLogger("transfer.messenger.decode")
 _U32 = np.dtype("<u4")
@@ -78,7 +94,7 @@ class _Xfer:
     last_abort: float = 0.0
 
 
-class DecodeMessenger(Worker):
+class DecodeMessenger(MessengerThread):
     """See the module docstring. `kv_buffers`: one tensor per layer (or per layer and K/V with
     `buffers_per_layer=2`), all of the documented 5-D `layout`; `aux_buffers`: tensors of
     `[rows >= max_inflight, ...]` receiving context rows (hidden states, logits) — row = slot.
@@ -208,8 +224,8 @@ class DecodeMessenger(Worker):
         return self._writes_per_op
 
     def stalled_s(self) -> float:
-        """As Worker.stalled_s, counting the receive lanes' progress threads too: a lane stuck
-        inside the provider holds its transfers as surely as a stuck messenger thread."""
+        """As MessengerThread.stalled_s, counting the receive lanes' progress threads too: a lane
+        stuck inside the provider holds its transfers as surely as a stuck messenger thread."""
         lanes = [lane.progress_stalled_s for lane in getattr(self, "_lanes", [])]
         return max([super().stalled_s(), *lanes])
 
@@ -226,22 +242,19 @@ class DecodeMessenger(Worker):
 
     # ================================================================ messenger thread
     def _setup(self) -> None:
-        from ..fabric import Endpoint  # imported here: validate/plan never need libfabric
-
         cfg = self.config
-        self._ep = Endpoint(cfg.provider, max_slots=max(cfg.max_inflight, 1))
+        self._ep = self._open_endpoint(max_slots=max(cfg.max_inflight, 1))
         limit = self._ep.iov_limit
         self._writes_per_op = min(cfg.writes_per_op or limit, limit)
         self._kv_mrs = [self._ep.register(b.addr, b.nbytes) for b in self._kv]
-        # extra receive lanes: the same KV buffers, counted into this endpoint's slots, each
-        # drained (on shm: copied) by a C thread of its own
+        # extra receive lanes: endpoints of the same domain using the same KV registrations,
+        # counted into this endpoint's slots, each drained (on shm: copied) by a C thread
         self._lanes: list[Any] = []
         self._lane_info: list[dict[str, Any]] = []
         for _ in range(cfg.receive_lanes - 1):
-            lane = Endpoint(cfg.provider, max_slots=max(cfg.max_inflight, 1))
+            lane = self._ep.open_lane()
             self._lanes.append(lane)
-            mrs = [lane.register(b.addr, b.nbytes) for b in self._kv]
-            lane.share_counts(self._ep)
+            mrs = [lane.lane_region(m) for m in self._kv_mrs]
             lane.start_progress()
             self._lane_info.append({"fabric_name": lane.name,
                                     "regions": [m.descriptor().to_dict() for m in mrs]})
@@ -254,10 +267,29 @@ class DecodeMessenger(Worker):
         self._ep.watch_targets(self._slots.expected)
         self._counts = self._ep.recv_counts
         self._stale = 0
-        codec = Codec(cfg.secret, self.identity)
+        codec = Envelope(cfg.secret, self.identity, MESSENGER)
+        lay = self.layout
+        self._facts = facts(prefill=_spec_dict(cfg.peer_spec), decode=_spec_dict(cfg.spec),
+                            layout=lay.to_dict(), num_layers=self.num_layers,
+                            buffers_per_layer=cfg.buffers_per_layer, provider=cfg.provider,
+                            aux_row_bytes=[a.row_bytes for a in self._aux])
+        self._hello = {
+            "role": "decode", "compat": compat_hash(self._facts), "provider": cfg.provider,
+            "rank": cfg.rank, "num_parts": cfg.spec.attn_tp, "spec": _spec_dict(cfg.spec),
+            "peer_spec": _spec_dict(cfg.peer_spec), "layout": lay.to_dict(),
+            "num_layers": self.num_layers, "buffers_per_layer": cfg.buffers_per_layer,
+            "aux_row_bytes": [a.row_bytes for a in self._aux], "fabric_name": self._ep.name,
+            "regions": self._regions, "aux_regions": self._aux_regions,
+            "lanes": self._lane_info, "writes_per_op": self._writes_per_op, "error": ""}
         assert self._ctx is not None
         self._chans = [[Channel.connect(self._ctx, codec, addr) for addr in group]
                        for group in cfg.prefill_endpoints]
+        # per prefill rank: None until its HELLO came, then "" (it serves us) or its refusal
+        self._peer_ok: dict[tuple[int, int], str | None] = {
+            (g, r): None for g, group in enumerate(self._chans) for r in range(len(group))}
+        for group in self._chans:
+            for ch in group:
+                ch.send("HELLO", self._hello, session=b"")
         self._poller = zmq.Poller()
         for group in self._chans:
             for ch in group:
@@ -325,8 +357,7 @@ class DecodeMessenger(Worker):
             for r, ch in enumerate(group):
                 for _peer, msg in ch.recv():
                     self._on_message(g, r, msg)
-        if self._waiting:
-            self._start_waiting()
+        slot_wait = self._start_waiting() if self._waiting else False
         for slot in self._slots.completed():
             x = self._by_slot[int(slot)]
             got = self._slots.received(x.slot)
@@ -338,10 +369,12 @@ class DecodeMessenger(Worker):
         busy = self._slots.busy
         if self._lanes:
             self._ep.set_active(busy)  # the lanes poll eagerly only while writes may land
-        return bool(self._waiting) or busy
+        return slot_wait or busy
 
     # -- commands ---------------------------------------------------------------------------
     def _cmd_submit(self, x: _Xfer) -> None:
+        groups = len(self.config.prefill_endpoints)
+        x.group = x.peer if x.peer is not None else zlib.crc32(x.rid.encode()) % groups
         self._waiting.append(x)
 
     def _cmd_cancel(self, rid: str, reason: str) -> None:
@@ -360,15 +393,33 @@ class DecodeMessenger(Worker):
             del self._by_slot[slot]
             self._slots.release(slot)
 
-    def _start_waiting(self) -> None:
-        while self._waiting and self._slots.free:
-            self._begin(self._waiting.pop(0))
+    def _group_state(self, g: int) -> str | None:
+        """'' when every rank of prefill instance g answered our HELLO and serves us, the first
+        refusal if one refused, None while some have not answered yet."""
+        states = [self._peer_ok[(g, r)] for r in range(len(self._chans[g]))]
+        refused = [s for s in states if s]
+        return refused[0] if refused else (None if None in states else "")
+
+    def _start_waiting(self) -> bool:
+        """Start waiting transfers in order; True when some wait for a free slot only."""
+        keep: list[_Xfer] = []
+        for x in self._waiting:
+            state = self._group_state(x.group)
+            dead = any(g == x.group for g, _ in self._clock.dead)
+            if state is None and not dead:
+                keep.append(x)  # its prefill instance has not answered HELLO yet
+            elif state:
+                self._set(x, TransferStatus.FAILED, state)
+            elif self._slots.free or dead:
+                self._begin(x)
+            else:
+                keep.append(x)
+        self._waiting = keep
+        return any(self._group_state(x.group) == "" for x in keep)
 
     def _begin(self, x: _Xfer) -> None:
         cfg = self.config
         src, dst = cfg.peer_spec, cfg.spec
-        groups = len(cfg.prefill_endpoints)
-        x.group = x.peer if x.peer is not None else zlib.crc32(x.rid.encode()) % groups
         dead = sorted(r for g, r in self._clock.dead if g == x.group)
         if dead:  # fail fast: a REQUEST to a silent instance would only wait for timeout_s
             self._set(x, TransferStatus.FAILED, f"prefill {x.group} rank {dead[0]} is not "
@@ -388,7 +439,7 @@ class DecodeMessenger(Worker):
                                      num_pages=n, num_layers=self.num_layers,
                                      buffers_per_layer=cfg.buffers_per_layer,
                                      aux_writes=len(self._aux), writes_per_op=k)
-        if x.expected != sum(per_rank):  # pragma: no cover - both from routes.py
+        if x.expected != sum(per_rank):  # pragma: no cover - both from geometry.py
             raise MessengerError(f"{x.rid}: expected {x.expected} != per-rank sum {per_rank}")
         alloc = self._slots.allocate(x.expected)
         if alloc is None:  # pragma: no cover - _start_waiting checks free first
@@ -397,21 +448,14 @@ class DecodeMessenger(Worker):
         x.slot, x.gen = alloc
         self._xfers[x.rid] = x
         self._by_slot[x.slot] = x
-        body = {
+        body = {  # the static fields went once, in our HELLO
             "rid": x.rid,
             "token_ids": x.tokens.tobytes() if cfg.rank == 0 else b"",
             "num_tokens": len(x.tokens),
             "dst_pages": x.pages.tobytes(),
-            "slot": x.slot, "gen": x.gen,
-            "dst_rank": cfg.rank, "num_parts": dst.attn_tp,
-            "dst_spec": _spec_dict(dst), "src_spec": _spec_dict(src),
-            "layout": lay.to_dict(), "num_layers": self.num_layers,
-            "buffers_per_layer": cfg.buffers_per_layer,
-            "fabric_name": self._ep.name,
-            "regions": self._regions, "aux_regions": self._aux_regions, "aux_row": x.slot,
-            "lanes": self._lane_info,
+            "slot": x.slot, "gen": x.gen, "aux_row": x.slot,
             "slices": [_slice_dict(s) for s in slices],
-            "aux_rank": aux_rank, "expected": per_rank, "writes_per_op": k,
+            "aux_rank": aux_rank, "expected": per_rank,
             "timeout_s": max(0.001, cfg.timeout_s - (time.monotonic() - x.submitted)),
         }
         self._set(x, TransferStatus.PENDING)
@@ -425,6 +469,9 @@ class DecodeMessenger(Worker):
         now = time.monotonic()
         if self._clock.heard((g, r), now):
             log.info("prefill %d rank %d is answering again", g, r)
+        if msg.type == "HELLO":
+            self._on_hello(g, r, msg.body)
+            return
         if msg.type != "ABORTED":
             return  # PONG: liveness only
         b = msg.body
@@ -437,6 +484,25 @@ class DecodeMessenger(Worker):
         elif x.status in (TransferStatus.PENDING, TransferStatus.TRANSFERRING):
             x.confirmed[r] = landed
             self._fail(x, f"prefill {g} rank {r} aborted: {b['reason']}")
+
+    def _on_hello(self, g: int, r: int, h: dict[str, Any]) -> None:
+        """A prefill rank's answer to our HELLO: checked once; its static data is not resent."""
+        where = f"prefill {g} rank {r}"
+        if h["role"] != "prefill" or h["rank"] != r:
+            reason = (f"{where}: prefill_endpoints[{g}][{r}] answered as {h['role']} rank "
+                      f"{h['rank']}")
+        elif h["error"]:
+            reason = f"{where} refused this decode rank: {h['error']}"
+        elif h["compat"] != self._hello["compat"]:
+            diff = first_difference(self._facts, hello_facts(h))
+            reason = f"{where} is not compatible: {diff or 'compat: hash differs'}"
+        else:
+            reason = ""
+        if reason:
+            log.error("%s", reason)
+        elif self._peer_ok[(g, r)] is None:
+            log.info("%s: HELLO answered, compatible", where)
+        self._peer_ok[(g, r)] = reason
 
     def _fail(self, x: _Xfer, reason: str) -> None:
         if x.status not in (TransferStatus.PENDING, TransferStatus.TRANSFERRING):
@@ -468,11 +534,15 @@ class DecodeMessenger(Worker):
         self._stale = self._ep.stale_writes + sum(lane.stale_writes for lane in self._lanes)
         if now >= self._next_ping:
             self._next_ping = now + cfg.heartbeat_s
-            for group in self._chans:
-                for ch in group:
-                    ch.send("PING", {})
+            for g, group in enumerate(self._chans):
+                for r, ch in enumerate(group):
+                    if self._peer_ok[(g, r)] is None:  # not answered (or silent since): HELLO
+                        ch.send("HELLO", self._hello, session=b"")
+                    else:
+                        ch.send("PING", {})
         for peer in self._clock.newly_dead(now):
             g, r = peer
+            self._peer_ok[peer] = None  # a restarted prefill rank only answers a new HELLO
             # the peer's lease (it stops writing when it misses our pings) ends one more
             # peer_timeout after it last answered; after that its writes can no longer land
             lease_end = self._clock.last[peer] + 2 * cfg.peer_timeout_s
@@ -494,8 +564,9 @@ class DecodeMessenger(Worker):
         for w in list(self._waiting):
             if now - w.submitted > cfg.timeout_s:
                 self._waiting.remove(w)
-                self._set(w, TransferStatus.FAILED, f"no free transfer slot within "
-                                                    f"{cfg.timeout_s:.1f} s")
+                why = (f"prefill {w.group} did not answer HELLO" if
+                       self._group_state(w.group) is None else "no free transfer slot")
+                self._set(w, TransferStatus.FAILED, f"{why} within {cfg.timeout_s:.1f} s")
         for slot in self._slots.ready_to_release(now):
             x = self._by_slot.pop(slot)
             self._slots.release(slot)

@@ -1,9 +1,13 @@
-"""Prefill side of the KV messenger (DESIGN §4 steps 2-5).
+"""Prefill side of the KV messenger (docs/messenger.md, steps 2-5).
 
-One `PrefillMessenger` per prefill attention rank. The lead (rank 0) receives every decode
-rank's REQUEST part, validates each field against its own configuration (sharding, layout,
-layers, routes, expected counts, region sizes: a bad part is refused with an ABORTED naming the
-field), and once all parts of a request arrived hands it to the engine (`poll_requests`). The
+One `PrefillMessenger` per prefill attention rank. Every rank answers each decode rank's HELLO
+(transfer.wire) once: its static data — sharding, layout, layers, regions, receive lanes,
+writes per operation — is checked against this rank's configuration then (equal
+compatibility hashes skip the deployment-wide checks; a refusal names the field and goes back
+in our HELLO's `error`). The lead (rank 0) receives every decode rank's REQUEST part, checks
+what is per request (pages, token ids, aux row, routes, expected counts: a bad part is refused
+with an ABORTED naming the field), merges in that rank's HELLO data, and once all parts of a
+request arrived hands it to the engine (`poll_requests`). The
 engine broadcasts the `PrefillRequest` to its other TP ranks as it broadcasts any new request;
 every rank then calls `bind(req, src_pages)` and picks from the parts what it must send.
 
@@ -49,7 +53,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from ..control import Channel, Codec
+from ..geometry import slice_ops, writes_per_page
 from ..layout import AuxSpec, KVLayout, LayoutError, as_buffer, aux_spec, write_plan
 from ..routes import (
     RouteError,
@@ -58,17 +62,19 @@ from ..routes import (
     pages_for,
     routes_for,
     sendable,
-    slice_ops,
-    writes_per_page,
 )
+from ..wire.channel import Channel
+from ..wire.envelope import Envelope
+from ..wire.handshake import compat_hash, first_difference
+from ..wire.messenger import HELLO_STATIC, MESSENGER, facts, hello_facts
 from .common import (
     LAYER_MASK,
     PASS_SHIFT,
     MessengerError,
+    MessengerThread,
     PeerClock,
     PrefillConfig,
     PrefillResult,
-    Worker,
 )
 
 log = logging.getLogger("transfer.messenger.prefill")
@@ -175,7 +181,7 @@ class _Chosen(random.Random):
         return r
 
 
-class PrefillMessenger(Worker):
+class PrefillMessenger(MessengerThread):
     """See the module docstring. `kv_buffers`: one tensor per layer (or per layer and K/V),
     all of the 5-D `layout`; `aux_buffers`: staging tensors `[rows, ...]`, one row per request
     bound at once, rows of the same byte size as the decoder's aux rows. The caller keeps the
@@ -323,17 +329,30 @@ class PrefillMessenger(Worker):
 
     # ================================================================ messenger thread
     def _setup(self) -> None:
-        from ..fabric import Endpoint
-
         cfg = self.config
-        self._ep = Endpoint(cfg.provider, max_inflight_bytes=cfg.inflight_bytes)
+        self._ep = self._open_endpoint(max_inflight_bytes=cfg.inflight_bytes)
         self._kv_mrs = [self._ep.register(b.addr, b.nbytes, remote_write=False)
                         for b in self._kv]
         self._aux_mrs = [self._ep.register(as_buffer(a).addr, as_buffer(a).nbytes,
                                            remote_write=False) for a in self._aux_objs]
         assert self._ctx is not None
-        self._chan = Channel.listen(self._ctx, Codec(cfg.secret, self.identity), cfg.bind_host,
-                                    cfg.port, allow_any_interface=cfg.allow_any_interface)
+        self._chan = Channel.listen(self._ctx, Envelope(cfg.secret, self.identity, MESSENGER),
+                                    cfg.bind_host, cfg.port,
+                                    allow_any_interface=cfg.allow_any_interface)
+        spec, peer = _spec_dict(cfg.spec), _spec_dict(cfg.peer_spec)
+        aux_rows = [a.row_bytes for a in self._aux]
+        self._facts = facts(prefill=spec, decode=peer, layout=self.layout.to_dict(),
+                            num_layers=self.num_layers, buffers_per_layer=cfg.buffers_per_layer,
+                            provider=cfg.provider, aux_row_bytes=aux_rows)
+        self._hello = {
+            "role": "prefill", "compat": compat_hash(self._facts), "provider": cfg.provider,
+            "rank": cfg.rank, "num_parts": cfg.spec.attn_tp, "spec": spec, "peer_spec": peer,
+            "layout": self.layout.to_dict(), "num_layers": self.num_layers,
+            "buffers_per_layer": cfg.buffers_per_layer, "aux_row_bytes": aux_rows,
+            "fabric_name": b"", "regions": [], "aux_regions": [], "lanes": [],
+            "writes_per_op": min(self._ep.iov_limit, 64), "error": ""}
+        # per decode peer (routing id): its checked HELLO static fields, or why it is refused
+        self._peer_hello: dict[bytes, dict[str, Any] | str] = {}
         self.address = self._chan.address
         self._idle_poller = zmq.Poller()
         self._idle_poller.register(self._chan.sock, zmq.POLLIN)
@@ -411,6 +430,8 @@ class PrefillMessenger(Worker):
         try:
             if msg.type == "PING":
                 self._chan.send("PONG", {}, peer=peer)
+            elif msg.type == "HELLO":
+                self._on_hello(peer, msg)
             elif msg.type == "REQUEST":
                 self._on_request(peer, msg.body, now)
             elif msg.type == "ABORT":
@@ -426,8 +447,92 @@ class PrefillMessenger(Worker):
                                     "gen": body["gen"], "reason": reason[:1024],
                                     "issued": issued, "errored": errored}, peer=peer)
 
+    def _on_hello(self, peer: bytes, msg: Any) -> None:
+        """Check a decode rank's static data once; answer with our HELLO, bound to it."""
+        h = msg.body
+        try:
+            self._check_hello(h)
+        except Exception as exc:  # any refusal (Layout/Route/ValueError) names the field
+            error = str(exc)[:1024] or type(exc).__name__
+            log.warning("prefill rank %d refused the HELLO of %r: %s", self.config.rank, peer,
+                        error)
+            self._peer_hello[peer] = error
+        else:
+            if peer not in self._peer_hello:
+                log.info("prefill rank %d: decode rank %d (%r) is compatible", self.config.rank,
+                         h["rank"], peer)
+            self._peer_hello[peer] = {k: h[k] for k in HELLO_STATIC}
+            error = ""
+        self._chan.send("HELLO", {**self._hello, "error": error}, peer=peer,
+                        session=msg.session)
+
+    def _check_hello(self, h: dict[str, Any]) -> None:
+        """A decode rank's static fields against this rank (ValueError names the field). The
+        deployment-wide facts are compared only when the compatibility hashes differ."""
+        cfg, lay = self.config, self.layout
+        if h["role"] != "decode":
+            raise ValueError(f"role: a {h['role']} sent HELLO to a prefill")
+        src, dst = ShardSpec(**h["peer_spec"]), ShardSpec(**h["spec"])
+        dlay = KVLayout.from_dict(h["layout"])
+        if h["compat"] != self._hello["compat"]:
+            if src != cfg.spec:
+                raise ValueError(f"src_spec: decode assumes prefill sharding {src}, this "
+                                 f"prefill runs {cfg.spec}")
+            if dst != cfg.peer_spec:
+                raise ValueError(f"dst_spec: {dst} differs from this prefill's decode "
+                                 f"peer_spec {cfg.peer_spec}")
+            lay.check_peer(dlay)
+            if h["num_layers"] != self.num_layers or \
+                    h["buffers_per_layer"] != cfg.buffers_per_layer:
+                raise ValueError(f"num_layers/buffers_per_layer: decode has {h['num_layers']}/"
+                                 f"{h['buffers_per_layer']}, prefill {self.num_layers}/"
+                                 f"{cfg.buffers_per_layer}")
+            if len(h["aux_row_bytes"]) != len(self._aux):
+                raise ValueError(f"aux_regions: decode has {len(h['aux_row_bytes'])} aux "
+                                 f"buffers, prefill {len(self._aux)}")
+            for i, (rb, mine) in enumerate(zip(h["aux_row_bytes"], self._aux, strict=True)):
+                if rb != mine.row_bytes:
+                    raise ValueError(f"aux_regions[{i}]: row of {rb} bytes (prefill "
+                                     f"{mine.row_bytes})")
+            diff = first_difference(self._facts, hello_facts(h))
+            raise ValueError(diff or "compat: the compatibility hash differs though every "
+                                     "field agrees (different pdtool builds?)")
+        if h["num_parts"] != dst.attn_tp or h["rank"] >= dst.attn_tp:
+            raise ValueError(f"dst_rank/num_parts: {h['rank']}/{h['num_parts']} do not "
+                             f"fit decode attention TP {dst.attn_tp}")
+        if dlay.heads_local != dst.heads_per_rank:
+            raise ValueError(f"layout.heads_local: {dlay.heads_local}, but {dst} holds "
+                             f"{dst.heads_per_rank} per rank")
+        lanes = [("", h)] + [(f"lanes[{i}].", lane) for i, lane in enumerate(h["lanes"])]
+        for where, lane in lanes:
+            if len(lane["regions"]) != self.num_layers * cfg.buffers_per_layer:
+                raise ValueError(f"{where}regions: {len(lane['regions'])} for "
+                                 f"{self.num_layers * cfg.buffers_per_layer} layer buffers")
+            for i, r in enumerate(lane["regions"]):
+                if r["length"] < dlay.buffer_bytes:
+                    raise ValueError(f"{where}regions[{i}].length: {r['length']} < layer "
+                                     f"buffer {dlay.buffer_bytes} bytes")
+            _check_fabric_name(lane["fabric_name"], self._ep.name, f"{where}fabric_name")
+        if len(h["aux_regions"]) != len(self._aux):
+            raise ValueError(f"aux_regions: decode has {len(h['aux_regions'])} aux buffers, "
+                             f"prefill {len(self._aux)}")
+        for i, (r, mine) in enumerate(zip(h["aux_regions"], self._aux, strict=True)):
+            if r["row_bytes"] != mine.row_bytes or r["length"] < r["row_bytes"]:
+                raise ValueError(f"aux_regions[{i}]: rows of {r['row_bytes']} bytes (prefill "
+                                 f"{mine.row_bytes}) in {r['length']} bytes")
+        if h["writes_per_op"] > self._ep.iov_limit:
+            raise ValueError(f"writes_per_op: decode groups {h['writes_per_op']} writes per "
+                             f"operation, this prefill's provider takes at most "
+                             f"{self._ep.iov_limit} (set the decoder's writes_per_op)")
+
     def _on_request(self, peer: bytes, b: dict[str, Any], now: float) -> None:
         rid = b["rid"]
+        hello = self._peer_hello.get(peer)
+        if not isinstance(hello, dict):
+            reason = hello or "no HELLO from this decode rank yet"
+            self._reply_aborted(peer, b, f"refused: {reason}")
+            return
+        b = {**hello, **b, "dst_rank": hello["rank"]}
         try:
             self._check_part(b)
         except (ValueError, RouteError) as exc:  # LayoutError is a ValueError
@@ -462,39 +567,13 @@ class PrefillMessenger(Worker):
         self.news.ring()
 
     def _check_part(self, b: dict[str, Any]) -> None:
-        """Every field of a decode rank's part against this deployment (ValueError names it)."""
+        """The per-request fields of a decode rank's part, its HELLO data merged in (checked
+        at HELLO), against this deployment (ValueError names the field)."""
         cfg, lay = self.config, self.layout
         if cfg.rank != 0:
             raise ValueError(f"REQUEST went to prefill rank {cfg.rank}; send it to rank 0")
-        src, dst = ShardSpec(**b["src_spec"]), ShardSpec(**b["dst_spec"])
-        if src != cfg.spec:
-            raise ValueError(f"src_spec: decode assumes prefill sharding {src}, this prefill "
-                             f"runs {cfg.spec}")
-        if dst != cfg.peer_spec:
-            raise ValueError(f"dst_spec: {dst} differs from this prefill's decode peer_spec "
-                             f"{cfg.peer_spec}")
-        if b["num_parts"] != dst.attn_tp or b["dst_rank"] >= dst.attn_tp:
-            raise ValueError(f"dst_rank/num_parts: {b['dst_rank']}/{b['num_parts']} do not "
-                             f"fit decode attention TP {dst.attn_tp}")
+        src, dst = cfg.spec, cfg.peer_spec
         dlay = KVLayout.from_dict(b["layout"])
-        lay.check_peer(dlay)
-        if dlay.heads_local != dst.heads_per_rank:
-            raise ValueError(f"layout.heads_local: {dlay.heads_local}, but {dst} holds "
-                             f"{dst.heads_per_rank} per rank")
-        if b["num_layers"] != self.num_layers or b["buffers_per_layer"] != cfg.buffers_per_layer:
-            raise ValueError(f"num_layers/buffers_per_layer: decode has {b['num_layers']}/"
-                             f"{b['buffers_per_layer']}, prefill {self.num_layers}/"
-                             f"{cfg.buffers_per_layer}")
-        lanes = [("", b)] + [(f"lanes[{i}].", lane) for i, lane in enumerate(b["lanes"])]
-        for where, lane in lanes:
-            if len(lane["regions"]) != self.num_layers * cfg.buffers_per_layer:
-                raise ValueError(f"{where}regions: {len(lane['regions'])} for "
-                                 f"{self.num_layers * cfg.buffers_per_layer} layer buffers")
-            for i, r in enumerate(lane["regions"]):
-                if r["length"] < dlay.buffer_bytes:
-                    raise ValueError(f"{where}regions[{i}].length: {r['length']} < layer "
-                                     f"buffer {dlay.buffer_bytes} bytes")
-            _check_fabric_name(lane["fabric_name"], self._ep.name, f"{where}fabric_name")
         n = pages_for(b["num_tokens"], lay.page_size)
         if len(b["dst_pages"]) != 4 * n:
             raise ValueError(f"dst_pages: {len(b['dst_pages']) // 4} pages for "
@@ -506,24 +585,15 @@ class PrefillMessenger(Worker):
         if len(b["token_ids"]) != want_tokens:
             raise ValueError(f"token_ids: {len(b['token_ids']) // 4} ids, expected "
                              f"{want_tokens // 4}")
-        if len(b["aux_regions"]) != len(self._aux):
-            raise ValueError(f"aux_regions: decode has {len(b['aux_regions'])} aux buffers, "
-                             f"prefill {len(self._aux)}")
-        for i, (r, mine) in enumerate(zip(b["aux_regions"], self._aux, strict=True)):
-            if r["row_bytes"] != mine.row_bytes or r["length"] < (b["aux_row"] + 1) * \
-                    r["row_bytes"]:
-                raise ValueError(f"aux_regions[{i}]: row of {r['row_bytes']} bytes (prefill "
-                                 f"{mine.row_bytes}) or row {b['aux_row']} outside the buffer")
+        for i, r in enumerate(b["aux_regions"]):
+            if r["length"] < (b["aux_row"] + 1) * r["row_bytes"]:
+                raise ValueError(f"aux_regions[{i}]: row {b['aux_row']} outside the buffer")
         slices = _slices(b)
         want = routes_for(src, dst, b["dst_rank"], _Chosen([s.src_rank for s in slices]))
         if want != slices:
             raise ValueError("slices: not the routes for the chosen source ranks")
         if b["aux_rank"] >= src.attn_tp or len(b["expected"]) != src.attn_tp:
             raise ValueError(f"aux_rank/expected: must index the {src.attn_tp} prefill ranks")
-        if b["writes_per_op"] > self._ep.iov_limit:
-            raise ValueError(f"writes_per_op: decode groups {b['writes_per_op']} writes per "
-                             f"operation, this prefill's provider takes at most "
-                             f"{self._ep.iov_limit} (set the decoder's writes_per_op)")
         per = [0] * src.attn_tp
         for s in slices:
             per[s.src_rank] += self.num_layers * cfg.buffers_per_layer * slice_ops(
@@ -809,6 +879,8 @@ class PrefillMessenger(Worker):
         for peer in self._clock.newly_dead(now):
             log.warning("decode peer %r silent for %.1f s: aborting its requests", peer,
                         self.config.peer_timeout_s)
+            # its HELLO data goes too: a decode rank that lost us sends HELLO again
+            self._peer_hello.pop(peer, None)
             for x in list(self._reqs.values()):
                 if any(d.sender == peer for d in x.dests):
                     self._dead_names.update(n for d in x.dests if d.sender == peer
@@ -862,6 +934,10 @@ def _check_fabric_name(name: bytes, own: bytes, field: str = "fabric_name") -> N
     if not ok:
         raise ValueError(f"{field}: {name[:32]!r} is not an address of this provider "
                          f"(like {own[:32]!r})")
+
+
+def _spec_dict(s: ShardSpec) -> dict[str, int]:
+    return {"num_kv_heads": s.num_kv_heads, "tp": s.tp, "dp": s.dp}
 
 
 def _slices(b: dict[str, Any]) -> list[Slice]:

@@ -5,7 +5,7 @@ backend only moves bytes and reports `KVPoll` states. It subclasses SGLang's `Co
 its mooncake and nixl backends do, so bootstrap (HTTP registry), rank mapping across TP sizes,
 heartbeats, timeouts and failure bookkeeping stay SGLang's own code.
 
-Data plane (pdtool's messenger rules, DESIGN §4–5):
+Data plane (pdtool's messenger rules, docs/messenger.md):
   * every KV/aux buffer of a rank is registered once with one libfabric `Endpoint`;
   * prefill turns a chunk's page ids into (src offset, dst offset, length) arrays with
     `transfer.layout.write_plan` and submits each layer buffer's writes in one C call;
@@ -49,7 +49,6 @@ import collections
 import functools
 import hashlib
 import hmac
-import json
 import logging
 import os
 import queue
@@ -74,10 +73,11 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_device
 
-from transfer import fabric
+from transfer import fabric, workerenv
 from transfer.control import ControlError, ReplayGuard
+from transfer.geometry import sglang_buffer_layouts, sglang_decode_writes, sglang_slices
 from transfer.layout import KVLayout, LayoutError, write_plan
-from transfer.routes import RouteError, ShardSpec, Slice, routes_for, writes_per_page
+from transfer.routes import RouteError, Slice
 
 logger = logging.getLogger(__name__)
 
@@ -147,54 +147,6 @@ def decode_frame(msg: list[bytes]) -> tuple[bytes, dict[str, Any]]:
     except ControlError as exc:
         raise ValueError(str(exc)) from None
     return kind, body
-
-
-# --------------------------------------------------------------------------- page geometry
-def buffer_layouts(
-    data_lens: list[int], item_lens: list[int], heads_local: int, page_size: int
-) -> list[KVLayout]:
-    """NHD KVLayout of each SGLang layer buffer, in bytes (itemsize 1).
-
-    An SGLang item is one page of one buffer: `page_size` tokens × `heads_local` heads ×
-    head bytes. kv_parts is 1: K and V live in separate buffers, MLA has one latent buffer.
-    """
-    out = []
-    for i, (dlen, ilen) in enumerate(zip(data_lens, item_lens, strict=True)):
-        head_bytes, rem = divmod(ilen, page_size * heads_local)
-        if rem or head_bytes < 1:
-            raise LayoutError(
-                f"KV buffer {i}: item length {ilen} B is not page_size {page_size} × "
-                f"{heads_local} heads × whole head bytes"
-            )
-        out.append(KVLayout("NHD", dlen // ilen, heads_local, 1, page_size, head_bytes, 1))
-    return out
-
-
-def head_specs(is_mla: bool, total_heads: int, src_tp: int,
-               dst_tp: int) -> tuple[ShardSpec, ShardSpec]:
-    """Shard specs of both sides (MLA: one replicated latent head)."""
-    heads = 1 if is_mla else total_heads
-    return ShardSpec(heads, src_tp), ShardSpec(heads, dst_tp)
-
-
-def decode_slices(is_mla: bool, total_heads: int, prefill_tp: int, decode_tp: int,
-                  decode_rank: int) -> list[Slice]:
-    """Head slices decode rank `decode_rank` receives (MLA: one, from whichever rank SGLang
-    marked real; the prefill side uses the same function, so both agree on the count)."""
-    src, dst = head_specs(is_mla, total_heads, prefill_tp, decode_tp)
-    return routes_for(src, dst, decode_rank)
-
-
-def expected_writes(*, is_mla: bool, total_heads: int, prefill_tp: int, decode_tp: int,
-                    decode_rank: int, page_size: int, num_pages: int, num_buffers: int,
-                    num_aux: int) -> int:
-    """Writes a decode rank counts for one request: pages × buffers × Σ per-page writes + aux."""
-    src, dst = head_specs(is_mla, total_heads, prefill_tp, decode_tp)
-    slices = routes_for(src, dst, decode_rank)
-    per_page = 1 if is_mla else sum(
-        writes_per_page(s, src, dst, "NHD", page_size) for s in slices
-    )
-    return num_pages * num_buffers * per_page + num_aux
 
 
 # --------------------------------------------------------------------------- peer state
@@ -272,7 +224,7 @@ class PdtoolKVManager(CommonKVManager):
         self.heads_local = 1 if self.is_mla else int(getattr(args, "kv_head_num", 0))
         if not self.is_mla and (self.total_kv_heads < 1 or self.heads_local < 1):
             raise PdtoolBackendError("KVArgs.total_kv_head_num / kv_head_num are not set")
-        self.kv_layouts = buffer_layouts(args.kv_data_lens, args.kv_item_lens,
+        self.kv_layouts = sglang_buffer_layouts(args.kv_data_lens, args.kv_item_lens,
                                          self.heads_local, args.page_size)
         self.ep = self._open_endpoint()
         if not _secret():
@@ -337,20 +289,16 @@ class PdtoolKVManager(CommonKVManager):
 
     def _nic(self) -> str | None:
         """This rank's NIC: PDTOOL_FI_DOMAIN, else its GPU's first entry of PDTOOL_NICS."""
-        if os.environ.get("PDTOOL_FI_DOMAIN"):
-            return os.environ["PDTOOL_FI_DOMAIN"]
         try:
-            nics = json.loads(os.environ.get("PDTOOL_NICS") or "{}")
-        except ValueError:
-            raise PdtoolBackendError("PDTOOL_NICS is not a JSON object {gpu: 'nic,...'}") from None
-        own = str(nics.get(str(self.kv_args.gpu_id), "")).split(",")[0]
-        return own or None
+            return workerenv.domain_for(self.kv_args.gpu_id)
+        except workerenv.WorkerEnvError as exc:
+            raise PdtoolBackendError(str(exc)) from None
 
     def _open_endpoint(self) -> fabric.Endpoint:
         """Open the rank's endpoint on its NIC. libfabric names domains after the device, but
         EFA's RDM domain carries a `-rdm` suffix; if no domain matches, the provider's default
         NIC is used with a warning (it works, only slower when it is the wrong one)."""
-        provider = os.environ.get("PDTOOL_FI_PROVIDER", DEFAULT_PROVIDER)
+        provider = workerenv.provider(DEFAULT_PROVIDER)
         node = self.local_ip if provider.startswith(("tcp", "sockets")) else None
         nic = self._nic()
         tried: list[str | None] = [nic, f"{nic}-rdm", None] if nic and provider != "shm" \
@@ -482,11 +430,11 @@ class PdtoolKVManager(CommonKVManager):
             raise PdtoolBackendError(
                 f"metadata buffers differ: prefill item lengths {list(self.kv_args.aux_item_lens)}"
                 f", decode {peer.aux_item_lens} (enable the same optional metadata on both)")
-        peer.kv_layouts = buffer_layouts(b["kv_data_lens"], b["kv_item_lens"],
+        peer.kv_layouts = sglang_buffer_layouts(b["kv_data_lens"], b["kv_item_lens"],
                                          int(b["heads_local"]), int(b["page_size"]))
         for mine, theirs in zip(self.kv_layouts, peer.kv_layouts, strict=True):
             mine.check_peer(theirs)
-        slices = decode_slices(self.is_mla, self.total_kv_heads, self.attn_tp_size,
+        slices = sglang_slices(self.is_mla, self.total_kv_heads, self.attn_tp_size,
                                peer.tp_size, peer.tp_rank)
         my_rank = self.kv_args.engine_rank % self.attn_tp_size
         if self.is_mla:
@@ -754,7 +702,7 @@ class PdtoolKVReceiver(CommonKVReceiver):
         if state_indices and any(s is not None and len(s) for s in state_indices):
             raise NotImplementedError("pdtool: state pools are not supported")
         try:
-            expected = expected_writes(
+            expected = sglang_decode_writes(
                 is_mla=mgr.is_mla, total_heads=mgr.total_kv_heads,
                 prefill_tp=self.prefill_info.attn_tp_size, decode_tp=mgr.attn_tp_size,
                 decode_rank=mgr.kv_args.engine_rank % mgr.attn_tp_size,

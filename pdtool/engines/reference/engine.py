@@ -6,7 +6,7 @@ decision after that (page allocation, batching) is a deterministic function of t
 ranks allocate the same page ids without sending them around.
 
 The links (`PrefillLink`, `DecodeLink`) are the engine side of the KV messenger; the schedulers
-call them at the protocol points of DESIGN.md §4.
+call them at the protocol points of docs/messenger.md.
 """
 
 from __future__ import annotations
@@ -260,6 +260,24 @@ class Faults:
     hidden: bool = False
 
 
+class Sampler:
+    """Temperature / top-p sampling of one request from its own seeded generator. Every TP
+    rank computes the same logits and draws from the same seed, so all ranks pick the same
+    token without a collective."""
+
+    def __init__(self, temperature: float, top_p: float = 1.0, seed: int = 0) -> None:
+        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.gen = torch.Generator().manual_seed(int(seed))
+
+    def pick(self, logits: torch.Tensor) -> int:
+        probs = torch.softmax(logits.to(torch.float64) / self.temperature, dim=-1)
+        if self.top_p < 1.0:  # the smallest set of most likely tokens holding top_p
+            p, idx = probs.sort(descending=True)
+            keep = (p.cumsum(0) - p) < self.top_p
+            probs = torch.zeros_like(probs).scatter_(0, idx[keep], p[keep])
+        return int(torch.multinomial(probs, 1, generator=self.gen))
+
+
 @dataclass
 class _DReq:
     rid: str
@@ -274,6 +292,8 @@ class _DReq:
     first_draft: int | None = None
     draft_accepted: bool = False
     error: str = ""
+    sampler: Sampler | None = None  # None: greedy
+    kv_writes: int = 0  # counted writes the KV transfer waited for on this rank
 
 
 @dataclass
@@ -308,6 +328,8 @@ class DecodeEngine:
         self.steps = 0  # decode forward passes
         self.max_batch = 0  # most requests stepping together in one pass
         self.ran = False
+        self.eos = frozenset(getattr(model, "eos_ids", (EOS,)))
+        self.vocab = int(model.embed.shape[0])
 
     @property
     def busy(self) -> bool:
@@ -328,10 +350,15 @@ class DecodeEngine:
             if not toks or m["max_tokens"] < 1:
                 events.append(Event(m["rid"], [], True, {"error": "empty prompt or max_tokens"}))
                 continue
+            if max(toks) >= self.vocab:  # the front checks its tokenizer's; the model decides
+                events.append(Event(m["rid"], [], True, {"error": f"prompt: token id "
+                                    f"{max(toks)} is outside the model's {self.vocab} rows"}))
+                continue
             faults = Faults(**m["faults"]) if m.get("faults") else None
-            self.waiting.append(
-                _DReq(m["rid"], toks, int(m["max_tokens"]), int(m["peer"]), faults=faults)
-            )
+            sampling = m.get("sampling")
+            sampler = Sampler(**sampling) if sampling and sampling.get("temperature") else None
+            self.waiting.append(_DReq(m["rid"], toks, int(m["max_tokens"]), int(m["peer"]),
+                                      faults=faults, sampler=sampler))
         self._admit()
         self._collect_transfers(events)
         if self.running:
@@ -389,8 +416,10 @@ class DecodeEngine:
             r = self.transfer.pop(rid)
             hidden = self.link.hidden(rid).to(self.model.cfg.torch_dtype)
             self._inject_faults(r, hidden)
-            r.draft = int(self.model.draft(hidden[None], torch.tensor([r.prompt[-1]]))[0])
+            draft = self.model.draft(hidden[None], torch.tensor([r.prompt[-1]]))
+            r.draft = None if draft is None else int(draft[0])  # checkpoints have no draft
             r.first_draft = r.draft
+            r.kv_writes = int(getattr(self.link, "writes", lambda _rid: 0)(rid))
             self.link.release(rid)
             self.running.append(r)
 
@@ -429,12 +458,15 @@ class DecodeEngine:
             scale = hidden.pow(2).mean().sqrt()
             hidden.copy_(scale * torch.randn(hidden.shape, generator=g, dtype=hidden.dtype))
 
-    def _decode(self, events: list[Event]) -> None:
+    def _decode(self, events: list[Event], extra: list | None = None) -> torch.Tensor | None:
+        """One forward pass over every running request's next token(s), plus `extra` runs
+        (the aggregated engine's prefill chunks) batched behind them; returns the hidden
+        states (decode rows first), or None when nothing ran."""
         for r in [r for r in self.running if r.error]:
             self.running.remove(r)
             events.append(Event(r.rid, [], True, {"error": r.error}))
-        if not self.running:
-            return
+        if not self.running and not extra:
+            return None
         runs = []
         for r in self.running:
             last = r.out[-1] if r.out else r.prompt[-1]
@@ -444,20 +476,26 @@ class DecodeEngine:
             runs.append((toks, r.pos, r.pages))
         self.steps += 1
         self.max_batch = max(self.max_batch, len(runs))
-        batch = Batch.build(runs, self.kv.page_size)
-        logits = self.model.logits(self.model.forward(batch, self.kv.layers, self.kv.page_size))
+        rows = sum(len(t) for t, _, _ in runs)
+        batch = Batch.build(runs + (extra or []), self.kv.page_size)
+        hidden = self.model.forward(batch, self.kv.layers, self.kv.page_size)
+        logits = self.model.logits(hidden[:rows])
         best = logits.argmax(-1).tolist()
         i = 0
         for r, (toks, _, _) in zip(list(self.running), runs, strict=True):
-            got = [best[i]]
-            if r.draft is not None and best[i] == r.draft:
-                got.append(best[i + 1])  # the draft was right: its successor comes for free
+            pick = (lambda j: best[j]) if r.sampler is None else (
+                lambda j, s=r.sampler: s.pick(logits[j]))
+            got = [pick(i)]
+            if r.draft is not None and got[0] == r.draft:
+                # the draft was right: its successor comes for free (sampled or greedy, the
+                # token after the draft is drawn from the distribution given the draft)
+                got.append(pick(i + 1))
                 r.draft_accepted = True
             i += len(toks)
             r.draft = None
             emitted, finished = [], False
             for t in got:
-                if t == EOS:
+                if t in self.eos:
                     finished = True
                     break
                 emitted.append(t)
@@ -469,7 +507,118 @@ class DecodeEngine:
             if finished:
                 self.running.remove(r)
                 self.kv.pages.free(r.pages)
-                info = {"draft": r.first_draft, "draft_accepted": r.draft_accepted}
+                info = {"draft": r.first_draft, "draft_accepted": r.draft_accepted,
+                        "kv_writes": r.kv_writes}
                 events.append(Event(r.rid, emitted, True, info))
             else:
                 events.append(Event(r.rid, emitted))
+        return hidden
+
+
+class _NoTransfer:
+    """An aggregated instance has no KV messenger: nothing is ever in transfer."""
+
+    def problem(self) -> str:
+        return ""
+
+
+class AggregatedEngine(DecodeEngine):
+    """An ordinary (non-disaggregated) instance: it prefills its own requests' prompts in
+    chunks and batches those chunks with the running requests' decode steps in one forward
+    pass, as a plain SGLang server does (`mode=aggregated`). The prompt but its last token is
+    prefilled here, then the request decodes exactly as on a decode instance (its first step
+    runs the last prompt token, plus the draft proposed from the hidden state at N-2), so the
+    output is the same as disaggregated serving's."""
+
+    def __init__(self, model: TinyModel, kv: PagedKV, coord: Coord, chunk_size: int,
+                 max_running: int = 64) -> None:
+        if chunk_size % kv.page_size:
+            raise ValueError(f"chunked_prefill_size={chunk_size} must be a multiple of "
+                             f"page_size={kv.page_size}")
+        super().__init__(model, kv, _NoTransfer(), coord, max_running)  # type: ignore[arg-type]
+        self.chunk = chunk_size
+        self.prefilling: list[_DReq] = []
+        self.prefill_done: dict[str, int] = {}  # rid -> prompt tokens already in the cache
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.prefilling) or super().busy
+
+    def _admit(self) -> None:
+        P = self.kv.page_size
+        while self.waiting and (len(self.running) + len(self.prefilling)) < self.max_running:
+            r = self.waiting[0]
+            n = math.ceil((len(r.prompt) + r.max_tokens + 1) / P)
+            if n > self.kv.pages.num_pages:
+                self.waiting.pop(0)
+                r.error = f"needs {n} pages, the cache has {self.kv.pages.num_pages}"
+                self.running.append(r)
+                continue
+            if n > self.kv.pages.num_free:
+                break
+            self.waiting.pop(0)
+            r.pages = self.kv.pages.alloc(n)
+            r.pos = len(r.prompt) - 1
+            self.requests_started += 1
+            if len(r.prompt) == 1:
+                self.running.append(r)
+            else:
+                self.prefill_done[r.rid] = 0
+                self.prefilling.append(r)
+
+    def _cancel(self, rid: str, events: list[Event]) -> None:
+        for r in list(self.prefilling):
+            if r.rid == rid:
+                self.prefilling.remove(r)
+                self.prefill_done.pop(rid, None)
+                self.kv.pages.free(r.pages)
+                events.append(Event(rid, [], True, {"error": "cancelled: the client went away"}))
+        super()._cancel(rid, events)
+
+    def step(self, new: list[dict] | None = None) -> list[Event]:
+        new = new or []
+        self.ran = False
+        events: list[Event] = []
+        for m in new:
+            if m.get("cancel"):
+                self._cancel(m["rid"], events)
+                continue
+            if not m["tokens"] or max(m["tokens"]) >= self.vocab:
+                events.append(Event(m["rid"], [], True, {"error": "prompt: empty, or a token "
+                                    f"id outside the model's {self.vocab} rows"}))
+                continue
+            sampling = m.get("sampling")
+            sampler = Sampler(**sampling) if sampling and sampling.get("temperature") else None
+            self.waiting.append(_DReq(m["rid"], list(m["tokens"]), int(m["max_tokens"]), 0,
+                                      sampler=sampler))
+        self._admit()
+        P, left, chunks, picked = self.kv.page_size, self.chunk, [], []
+        for r in self.prefilling:  # chunks of prompt[:-1], page-aligned but for the last
+            done, todo = self.prefill_done[r.rid], len(r.prompt) - 1
+            take = min(left, todo - done)
+            if done + take < todo:
+                take -= take % P
+            if take <= 0:
+                break
+            chunks.append((r.prompt[done : done + take], done, r.pages))
+            picked.append((r, done + take))
+            left -= take
+        decoding = sum(len(t) for t in ([1] if r.draft is None else [1, 1]
+                                        for r in self.running if not r.error))
+        hidden = self._decode(events, chunks)
+        if hidden is None:
+            return events
+        self.ran = True
+        self.prompt_tokens_seen += sum(len(t) for t, _, _ in chunks)
+        ends = torch.cumsum(torch.tensor([len(t) for t, _, _ in chunks] or [0]), 0) - 1
+        for (r, hi), end in zip(picked, ends.tolist(), strict=False):
+            self.prefill_done[r.rid] = hi
+            if hi == len(r.prompt) - 1:  # prompt[:-1] cached: decode it from the next step
+                self.prefilling.remove(r)
+                del self.prefill_done[r.rid]
+                h = hidden[decoding + end].to(torch.float32).to(self.model.cfg.torch_dtype)
+                draft = self.model.draft(h[None], torch.tensor([r.prompt[-1]]))
+                r.draft = None if draft is None else int(draft[0])
+                r.first_draft = r.draft
+                self.running.append(r)
+        return events

@@ -1,6 +1,6 @@
 """From the plan to a RankSpec: what `pdtool.worker` hands the reference engine.
 
-The plan (pdtool.planner) says where every rank runs, its ports, page size and chunk size, the
+The plan (pdtool.plan) says where every rank runs, its ports, page size and chunk size, the
 model and the transfer settings; `spec_from_context` turns one worker's share of it into the
 engine's plain `RankSpec`. Anything the reference engine cannot run (a vocabulary that is not
 byte-level, DP attention, a KV dtype without a CPU kernel) is a `SpecError` naming the key.
@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .limits import KV_DTYPES, instance_problems, model_problems
-from .serve import RankSpec
+from transfer import workerenv
+
+from .limits import TORCH_KV_DTYPES, instance_problems, model_problems
+from .spec import RankSpec
 
 ALLOW_FAULTS_ENV = "PDTOOL_REFERENCE_ALLOW_FAULTS"
 MAX_PAGES = 4096  # the CPU engine needs far less than a "GPU" budget; keep processes small
@@ -29,8 +31,13 @@ def _raise_first(problems: list[tuple[str, str]]) -> None:
 
 
 def model_fields(model: Any, kv_dtype: str, role: str = "prefill") -> dict[str, Any]:
-    """TinyConfig fields from the plan's model summary (MLA: nope and v dims = head_dim)."""
+    """`models.model_config` fields from the plan's model summary: a checkpoint folder
+    (`model.path`), or the built-in model's TinyConfig (MLA: nope and v dims = head_dim)."""
+    from .checkpoint import is_local
+
     _raise_first(model_problems(model, kv_dtype, role))
+    if is_local(model.path):
+        return {"path": model.path, "kv_dtype": TORCH_KV_DTYPES[kv_dtype]}
     mla = model.attention == "mla"
     fields = {
         "attention": "mla" if mla else "gqa",
@@ -43,7 +50,7 @@ def model_fields(model: Any, kv_dtype: str, role: str = "prefill") -> dict[str, 
         "v_head_dim": model.head_dim,
         "intermediate": model.intermediate_size,
         "seed": model.seed,
-        "kv_dtype": KV_DTYPES[kv_dtype],
+        "kv_dtype": TORCH_KV_DTYPES[kv_dtype],
     }
     if mla:
         fields.update(kv_lora_rank=model.kv_lora_rank, qk_rope_dim=model.qk_rope_head_dim)
@@ -52,11 +59,11 @@ def model_fields(model: Any, kv_dtype: str, role: str = "prefill") -> dict[str, 
 
 def check_instance(model: Any, fields: dict[str, Any], inst: Any, role: str) -> None:
     """What would otherwise fail inside the engine, as a SpecError naming the key."""
-    from .model import TinyConfig
+    from .models import model_config
 
     _raise_first(instance_problems(model, inst, role))
     try:
-        TinyConfig(**fields).check_tp(inst.tp)
+        model_config(fields).check_tp(inst.tp)
     except ValueError as exc:
         raise SpecError(f"{role}.tp: {exc}") from None
 
@@ -89,12 +96,19 @@ def pair_of(plan: Any, decode_index: int) -> int:
 
 def spec_from_context(ctx: Any) -> RankSpec:
     """RankSpec of a worker (`pdtool.worker.WorkerContext`): plan + role + instance + rank."""
+    from .checkpoint import is_local
+
     plan = ctx.plan
+    aggregated = plan.mode == "aggregated"
     if ctx.role == "router":
         urls = [f"http://{_host_of(t.node, ctx.host)}:{t.http_port}/health"
                 for t in plan.router.decode]
+        if aggregated:  # every instance serves whole requests: the prefill ones too
+            urls = [f"http://{_host_of(i.nodes[0], ctx.host)}:{i.http_port}/health"
+                    for i in plan.role_instances("prefill")] + urls
         return RankSpec(role="front", host=ctx.host, http_port=plan.router.port,
-                        secret_hex=_secret_hex(), decoders=urls)
+                        secret_hex=_secret_hex(), decoders=urls, model_name=plan.model.name,
+                        tokenizer=plan.model.path if is_local(plan.model.path) else "")
     inst = ctx.instance
     fields = model_fields(plan.model, inst.kv_dtype, ctx.role)
     check_instance(plan.model, fields, inst, ctx.role)
@@ -104,9 +118,11 @@ def spec_from_context(ctx: Any) -> RankSpec:
         if mem.role == ctx.role and mem.kv_tokens > 0:
             pages = max(1, min(MAX_PAGES, mem.kv_tokens // inst.page_size))
     return RankSpec(
-        role=ctx.role, instance=inst.index, tp=inst.tp, rank=rank.rank, host=ctx.host,
+        role="aggregated" if aggregated else ctx.role, instance=inst.index, tp=inst.tp,
+        rank=rank.rank, host=ctx.host,
         leader_host=_host_of(inst.nodes[0], ctx.host), dist_port=inst.dist_init_port,
-        http_port=inst.http_port, page_size=inst.page_size, num_pages=pages,
+        http_port=inst.http_port, page_size=inst.page_size, layout=inst.kv_layout,
+        num_pages=pages,
         chunk=inst.chunked_prefill_size,
         model=fields, secret_hex=_secret_hex(),
         messenger=messenger_settings(plan, inst, rank, ctx.host),
@@ -118,11 +134,14 @@ def spec_from_context(ctx: Any) -> RankSpec:
 
 def messenger_settings(plan: Any, inst: Any, rank: Any, host: str) -> dict[str, Any]:
     """What the messenger adapter needs from the plan (plain data). Prefill ranks' control
-    addresses are read at start-up from each prefill lead's /health (see link.py)."""
+    addresses are read at start-up from each prefill lead's /health (see link.py); the
+    libfabric domain is the NIC the plan chose for this rank's GPU, as the worker exported it
+    (transfer.workerenv)."""
     t = plan.transfer
     prefill = [{"health": f"http://{_host_of(i.nodes[0], host)}:{i.http_port}/health"}
                for i in plan.role_instances("prefill")]
-    return {"provider": t.provider, "timeout_s": t.timeout_s,
+    return {"provider": t.provider, "domain": workerenv.domain_for(rank.gpu),
+            "timeout_s": t.timeout_s,
             "peer_timeout_s": t.peer_timeout_s, "heartbeat_s": t.heartbeat_s, "lanes": t.lanes,
             "connect_timeout_s": max(t.connect_timeout_s, 120.0), "prefill": prefill,
             "prefill_tp": t.prefill.attn_tp, "decode_tp": t.decode.attn_tp}

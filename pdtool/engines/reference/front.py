@@ -1,4 +1,5 @@
-"""The front: OpenAI-style HTTP `/v1/completions` spread over the decode instances.
+"""The front: the OpenAI HTTP API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`)
+spread over the decode instances.
 
 Standard library only (`http.server` with a thread per connection). One dispatcher thread owns
 every ZeroMQ socket (sockets are not thread-safe): HTTP threads hand it requests through an
@@ -10,16 +11,24 @@ Responses carry the OpenAI fields plus a `pdtool` object: token ids (byte tokens
 valid UTF-8 on their own), time to first token and time per output token measured here, the
 decode instance, and the MTP draft verified in the first decode step.
 
-Failure handling: the dispatcher PINGs every decode instance every `PING_S` and notes when each
-last answered (any message counts). One silent for `dead_after_s` (default `DECODE_DEAD_S`) is
-marked down: its requests in flight fail at once with an error naming it (HTTP 503, or an SSE
-error chunk when streaming) instead of waiting for `REQUEST_TIMEOUT_S`, and new requests go to
-the instances still up (503 when none is). It is used again as soon as it answers.
+Requests are checked before they reach the dispatcher (api.py; the prompt and `max_tokens`
+against the context the decode instances publish in their /health), so one the engine cannot
+take fails alone with a 400 naming the field. The dispatcher catches what one request's send
+can raise and fails only that request; should it die all the same, /health answers 503 with
+the reason, every waiting request fails with it, and `serve_front` exits non-zero so the
+launcher stops the deployment (a front that accepts requests nobody will answer is worse).
+
+Failure handling: the dispatcher PINGs every decode instance every `PING_S` (a HELLO instead,
+until the instance answered one and again once it went silent: pdtool.engines.reference.wire)
+and notes when each last answered (any message counts). One silent for `dead_after_s`
+(default `DECODE_DEAD_S`) is marked down: its requests in flight fail at once with an error
+naming it (HTTP 503, or an SSE error chunk when streaming) instead of waiting for
+`REQUEST_TIMEOUT_S`, and new requests go to the instances still up (503 when none is). It is
+used again as soon as it answers.
 """
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import itertools
 import json
@@ -34,9 +43,12 @@ from typing import Any
 
 import zmq
 
-from .tokens import decode as detok
-from .tokens import encode
-from .wire import Wire, dealer
+from . import api
+from .api import BadRequest, GenRequest, parse_request
+from .tokenizer import ByteTokenizer, HFTokenizer, StreamText
+from .wire import MAX_PROMPT, PROTOCOL, Wire, WireError, dealer
+
+__all__ = ["BadRequest", "Front", "Unavailable", "parse_request"]
 
 log = logging.getLogger("pdtool.reference.front")
 REQUEST_TIMEOUT_S = 300.0  # backstop only: a dead decode instance is noticed within seconds
@@ -44,10 +56,6 @@ DECODE_DEAD_S = 5.0        # a decode instance silent this long is down
 PING_S = 0.25
 MAX_BODY = 1 << 20
 CLIENT_TIMEOUT_S = 30.0    # socket timeout while reading a request
-
-
-class BadRequest(ValueError):
-    """A request the front refuses with HTTP 400; the text names the field."""
 
 
 class Unavailable(RuntimeError):
@@ -58,43 +66,6 @@ class Unavailable(RuntimeError):
 class _Pending:
     q: queue.Queue = field(default_factory=queue.Queue)
     instance: int = 0
-
-
-def parse_request(body: bytes) -> dict[str, Any]:
-    """Validate a /v1/completions body; returns prompt tokens, max_tokens, stream."""
-    try:
-        req = json.loads(body or b"{}")
-    except json.JSONDecodeError as exc:
-        raise BadRequest(f"body: not valid JSON ({exc.msg})") from None
-    except UnicodeDecodeError:
-        raise BadRequest("body: not valid JSON (not UTF-8/16/32 text)") from None
-    except RecursionError:
-        raise BadRequest("body: JSON nested too deeply") from None
-    if not isinstance(req, dict):
-        raise BadRequest("body: expected a JSON object")
-    prompt = req.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        tokens = encode(prompt)
-    elif isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 256 for t in prompt
-    ):
-        tokens = list(prompt)
-    else:
-        raise BadRequest("prompt: expected a string or a list of byte token ids (0..255)")
-    if not tokens:
-        raise BadRequest("prompt: must not be empty")
-    max_tokens = req.get("max_tokens", 16)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not (
-        1 <= max_tokens <= 4096
-    ):
-        raise BadRequest("max_tokens: expected an integer in [1, 4096]")
-    stream = req.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("stream: expected true or false")
-    return {"tokens": tokens, "max_tokens": max_tokens, "stream": stream,
-            "model": str(req.get("model", "reference"))}
 
 
 class _Server(ThreadingHTTPServer):
@@ -113,12 +84,19 @@ class Front:
         port: int = 8000,
         model_name: str = "reference",
         dead_after_s: float = DECODE_DEAD_S,
+        context: int = MAX_PROMPT,
+        tokenizer: ByteTokenizer | HFTokenizer | None = None,
     ) -> None:
         if not decoders:
             raise ValueError("front: needs at least one decode instance address")
         self.decoders = decoders
-        self.wire = Wire(secret)
+        self.wire = Wire(secret, role="front")
+        self._names = [""] * len(decoders)  # each instance's name, from its HELLO
         self.model_name = model_name
+        self.context = context  # tokens a request may span (prompt + max_tokens)
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.problem = ""  # why the front cannot serve ('' while it can): /health shows it
+        self.dead = threading.Event()  # the dispatcher died: serve_front stops the process
         self.pending: dict[str, _Pending] = {}
         self.inflight = [0] * len(decoders)
         self.up = [False] * len(decoders)
@@ -159,7 +137,29 @@ class Front:
 
     # -- dispatcher thread (owns the dealers) ---------------------------------------------
     def _dispatch(self) -> None:
-        socks = [dealer(self._ctx, a) for a in self.decoders]
+        try:
+            self._dispatch_loop()
+        except Exception as exc:  # a bug: say so everywhere instead of hanging every request
+            self.problem = f"the front's dispatcher thread died: {type(exc).__name__}: {exc}"
+            log.exception("front: %s", self.problem)
+            self._fail_all(self.problem)
+            self.dead.set()
+
+    def _fail_all(self, reason: str) -> None:
+        with self._lock:
+            lost = list(self.pending.items())
+        for rid, p in lost:
+            p.q.put((time.perf_counter(), {"rid": rid, "tokens": [], "done": True,
+                                           "info": {"error": reason, "unavailable": True}}))
+
+    def _fail(self, rid: str, reason: str) -> None:
+        p = self.pending.get(rid)
+        if p is not None:
+            p.q.put((time.perf_counter(), {"rid": rid, "tokens": [], "done": True,
+                                           "info": {"error": reason}}))
+
+    def _dispatch_loop(self) -> None:
+        socks = [dealer(self._ctx, a, self.wire) for a in self.decoders]
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
         for s in socks:
@@ -169,8 +169,12 @@ class Front:
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_ping:
-                    for s in socks:
-                        s.send_multipart(self.wire.pack("PING", {"rid": "ping", "tokens": []}))
+                    for i, s in enumerate(socks):  # HELLO until answered (again)
+                        frames = (self.wire.pack("PING", {"rid": "ping", "tokens": []},
+                                                 peer=self._names[i])
+                                  if self.up[i] else self.wire.pack("HELLO", self.wire.hello()))
+                        with contextlib.suppress(zmq.Again):  # a stalled peer: it goes down
+                            s.send_multipart(frames, zmq.NOBLOCK)
                     next_ping = now + PING_S
                     self._check_dead(now)
                 events = dict(poller.poll(int(PING_S * 1000)))
@@ -182,8 +186,16 @@ class Front:
                             break
                         if item is None:
                             return
-                        idx, body, kind = item
-                        socks[idx].send_multipart(self.wire.pack(kind, body))
+                        idx, rid, body, kind = item
+                        try:
+                            frames = self.wire.pack(kind, body, peer=self._names[idx])
+                            socks[idx].send_multipart(frames, zmq.NOBLOCK)
+                        except WireError as exc:  # no HELLO from it yet: cannot happen for up
+                            self._fail(rid, f"decode instance {idx}: {kind} not sent: {exc}")
+                        except zmq.Again:
+                            self._fail(rid, f"decode instance {idx}: its request queue is full")
+                        except zmq.ZMQError as exc:
+                            self._fail(rid, f"decode instance {idx}: sending failed ({exc})")
                 for i, s in enumerate(socks):
                     if s in events:
                         self._drain(i, s)
@@ -212,12 +224,14 @@ class Front:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            got = self.wire.unpack(frames, ("OUT", "PONG"))
+            got = self.wire.unpack(frames, ("HELLO", "OUT", "PONG"))
             if got is None:
                 continue
             kind, body = got
             self._heard[idx] = time.monotonic()
-            if kind == "PONG":
+            if kind == "HELLO":
+                self._names[idx] = self.wire.last_sender
+            if kind in ("HELLO", "PONG"):
                 if not self.up[idx]:
                     log.info("front: decode instance %d is up", idx)
                 self.up[idx] = True
@@ -227,9 +241,21 @@ class Front:
                 p.q.put((time.perf_counter(), body))
 
     # -- called from HTTP threads ------------------------------------------------------------
-    def submit(self, tokens: list[int], max_tokens: int) -> tuple[str, _Pending]:
+    def submit(self, tokens: list[int], max_tokens: int,
+               sampling: dict | None = None) -> tuple[str, _Pending]:
+        """Queue one request for the dispatcher (signed here: a body the wire refuses fails
+        this request only, as a BadRequest naming the field)."""
         rid = uuid.uuid4().hex
+        body: dict[str, Any] = {"rid": rid, "tokens": tokens, "max_tokens": max_tokens}
+        if sampling is not None:
+            body["sampling"] = sampling
+        try:
+            PROTOCOL.schemas["GEN"]("GEN", body)  # signed by the dispatcher, bound to the peer
+        except WireError as exc:
+            raise BadRequest(str(exc)) from None
         with self._lock:
+            if self.problem:
+                raise Unavailable(self.problem)
             turn = next(self._rr)
             n = len(self.decoders)
             live = [i for i in range(n) if self.up[i]]
@@ -240,8 +266,7 @@ class Front:
             self.inflight[idx] += 1
             p = _Pending(instance=idx)
             self.pending[rid] = p
-            self._push.send_pyobj((idx, {"rid": rid, "tokens": tokens, "max_tokens": max_tokens},
-                                   "GEN"))
+            self._push.send_pyobj((idx, rid, body, "GEN"))
         return rid, p
 
     def cancel(self, rid: str) -> None:
@@ -250,19 +275,13 @@ class Front:
         with self._lock:
             p = self.pending.get(rid)
             if p is not None:
-                self._push.send_pyobj((p.instance, {"rid": rid, "tokens": []}, "CANCEL"))
+                self._push.send_pyobj((p.instance, rid, {"rid": rid, "tokens": []}, "CANCEL"))
 
     def finish(self, rid: str) -> None:
         with self._lock:
             p = self.pending.pop(rid, None)
             if p is not None:
                 self.inflight[p.instance] -= 1
-
-    def generate(self, tokens: list[int], max_tokens: int):
-        """Yield (time, OUT body) for one request until done (raises Unavailable when no
-        decode instance is up, TimeoutError at the backstop)."""
-        rid, p = self.submit(tokens, max_tokens)
-        yield from self.results(rid, p)
 
     def results(self, rid: str, p: _Pending):
         """(time, OUT body) of a submitted request until done; always `finish`es it."""
@@ -282,6 +301,8 @@ class Front:
 
 
 def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
+    routes = {"/v1/completions": False, "/v1/chat/completions": True}
+
     class Handler(BaseHTTPRequestHandler):
         server_version = "pdtool-reference"
         timeout = CLIENT_TIMEOUT_S  # a client that stops sending mid-request is dropped
@@ -298,23 +319,31 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
         def _error(self, code: int, msg: str, kind: str = "invalid_request_error") -> None:
-            self._json(code, {"error": {"message": msg, "type": kind}})
+            self._json(code, {"error": {"message": msg, "type": kind, "code": code}})
 
         def do_GET(self) -> None:
+            model = {"id": front.model_name, "object": "model", "created": 0,
+                     "owned_by": "pdtool"}
             if self.path == "/health":
                 up = sum(front.up)
-                code = 200 if front.ready else 503
-                self._json(code, {"status": "ok" if code == 200 else "starting",
-                                  "decode_instances": len(front.up), "decode_up": up})
+                if front.problem:
+                    code, status = 503, {"status": "unhealthy", "reason": front.problem}
+                else:
+                    code = 200 if front.ready else 503
+                    status = {"status": "ok" if code == 200 else "starting"}
+                self._json(code, {**status, "decode_instances": len(front.up), "decode_up": up,
+                                  "context": front.context})
             elif self.path == "/v1/models":
-                self._json(200, {"object": "list", "data": [
-                    {"id": front.model_name, "object": "model", "owned_by": "pdtool"}]})
+                self._json(200, {"object": "list", "data": [model]})
+            elif self.path == f"/v1/models/{front.model_name}":
+                self._json(200, model)
             else:
-                self._error(404, f"no route {self.path}")
+                self._error(404, f"no route {self.path}", "not_found_error")
 
         def do_POST(self) -> None:
-            if self.path != "/v1/completions":
-                self._error(404, f"no route {self.path}")
+            chat = routes.get(self.path)
+            if chat is None:
+                self._error(404, f"no route {self.path}", "not_found_error")
                 return
             try:
                 try:
@@ -325,86 +354,153 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
                     raise BadRequest(f"body: larger than {MAX_BODY} bytes")
                 if n < 0:  # read(-1) would wait for the client to close the connection
                     raise BadRequest("Content-Length: must not be negative")
-                req = parse_request(self.rfile.read(n))
-            except (BadRequest, ValueError) as exc:
+                req = parse_request(self.rfile.read(n), front.tokenizer, chat)
+                req.fit(front.context)  # the one model served answers whatever name is sent
+            except BadRequest as exc:
                 self._error(400, str(exc))
                 return
             t0 = time.perf_counter()
             try:
-                if req["stream"]:
+                if req.stream:
                     self._stream(req, t0)
                 else:
                     self._whole(req, t0)
+            except BadRequest as exc:
+                self._error(400, str(exc))
             except TimeoutError as exc:
                 self._error(504, str(exc), "timeout")
             except Unavailable as exc:
                 self._error(503, str(exc), "unavailable")
             except (BrokenPipeError, ConnectionResetError):
                 pass
+            except Exception as exc:  # one request's bug never costs the others
+                log.exception("front: request failed")
+                with contextlib.suppress(OSError):
+                    self._error(500, f"internal error: {type(exc).__name__}: {exc}",
+                                "server_error")
 
-        def _whole(self, req: dict, t0: float) -> None:
-            toks, times, info, inst = [], [], {}, 0
-            for t, body in front.generate(req["tokens"], req["max_tokens"]):
-                if body["tokens"]:
-                    times.append(t)
-                toks += body["tokens"]
-                info, inst = body["info"], body["instance"]
-            if "error" in info:
-                code, kind = (503, "unavailable") if info.get("unavailable") else \
+        def _whole(self, req: GenRequest, t0: float) -> None:
+            rid, pending = front.submit(req.tokens, req.max_tokens, req.sampling)
+            out = _Output(front, req)
+            for t, body in front.results(rid, pending):
+                out.add(t, body)
+                if out.stopped and not body["done"]:
+                    front.cancel(rid)  # a stop string matched: the decoder can stop too
+                    break
+            if "error" in out.info:
+                code, kind = (503, "unavailable") if out.info.get("unavailable") else \
                     (500, "server_error")
-                self._error(code, f"decode instance {inst}: {info['error']}", kind)
+                self._error(code, f"decode instance {out.instance}: {out.info['error']}", kind)
                 return
-            self._json(200, _completion(front, req, toks, _timing(t0, times, len(toks)),
-                                        info, inst))
+            self._json(200, api.whole(req, api.new_id(req.chat), front.model_name, out.text,
+                                      out.finish, len(out.tokens), out.extra(t0)))
 
-        def _stream(self, req: dict, t0: float) -> None:
-            rid, pending = front.submit(req["tokens"], req["max_tokens"])  # 503 before headers
-            try:
-                self._stream_results(req, t0, front.results(rid, pending))
+        def _stream(self, req: GenRequest, t0: float) -> None:
+            rid, pending = front.submit(req.tokens, req.max_tokens, req.sampling)
+            try:  # 503/400 above come before any header
+                self._stream_results(req, t0, rid, front.results(rid, pending))
             except (BrokenPipeError, ConnectionResetError):
                 front.cancel(rid)
                 raise
             finally:
                 front.finish(rid)  # also when the client went away before the first token
 
-        def _stream_results(self, req: dict, t0: float, results) -> None:
+        def _send(self, obj: dict) -> None:
+            self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+            self.wfile.flush()
+
+        def _stream_results(self, req: GenRequest, t0: float, rid: str, results) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
             self.end_headers()
-            dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            toks: list[int] = []
-            times: list[float] = []
-            rid = f"cmpl-{uuid.uuid4().hex}"
+            out = _Output(front, req)
+            cid, model, first = api.new_id(req.chat), front.model_name, True
             for t, body in results:
-                if body["done"] and "error" in body["info"]:  # OpenAI streams errors as data
-                    err = {"error": {"message": f"decode instance {body['instance']}: "
-                                                f"{body['info']['error']}", "type": "server_error"}}
-                    self.wfile.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                text = out.add(t, body)
+                if "error" in out.info:  # OpenAI streams errors as data
+                    self._send({"error": {"message": f"decode instance {out.instance}: "
+                                                     f"{out.info['error']}",
+                                          "type": "server_error"}})
                     break
-                if body["tokens"]:
-                    times.append(t)
-                toks += body["tokens"]
-                text = dec.decode(bytes(x for x in body["tokens"] if x < 256), final=body["done"])
-                chunk = {"id": rid, "object": "text_completion", "created": int(time.time()),
-                         "model": req["model"], "choices": [{"index": 0, "text": text,
-                         "finish_reason": None, "logprobs": None}],
-                         "pdtool": {"token_ids": body["tokens"]}}
-                if body["done"]:
-                    info = body["info"]
-                    chunk["choices"][0]["finish_reason"] = _finish(req, toks)
-                    chunk["pdtool"].update(_timing(t0, times, len(toks)), **info,
-                                           decode_instance=body["instance"])
-                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                self.wfile.flush()
+                done = body["done"] or out.stopped
+                extra = {"token_ids": body["tokens"]}
+                if done:
+                    extra = out.extra(t0) | extra
+                if text or done or body["tokens"]:
+                    self._send(api.chunk(req, cid, model, text, out.finish if done else None,
+                                         extra, first))
+                    first = False
+                if done:
+                    if not body["done"]:
+                        front.cancel(rid)
+                    if req.include_usage:
+                        self._send(api.chunk(req, cid, model, None, None) |
+                                   {"usage": api.usage(req, len(out.tokens))})
+                    break
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
 
     return Handler
 
 
-def _finish(req: dict, toks: list[int]) -> str:
-    return "length" if len(toks) >= req["max_tokens"] else "stop"
+class _Output:
+    """One response's tokens and text as they arrive: detokenized incrementally, cut at the
+    first stop string (text that could start one is held back until it cannot)."""
+
+    def __init__(self, front: Front, req: GenRequest) -> None:
+        self.req = req
+        self.stream = StreamText(front.tokenizer)
+        self.tokens: list[int] = []
+        self.times: list[float] = []
+        self.text = ""  # released so far
+        self._held = ""
+        self.stopped = False
+        self.info: dict = {}
+        self.instance = 0
+
+    def add(self, t: float, body: dict) -> str:
+        """Returns the text released by this OUT message."""
+        self.instance = body.get("instance", self.instance)
+        if body["done"]:
+            self.info = body["info"]
+        if self.stopped or (not body["tokens"] and not body["done"]):
+            return ""
+        if body["tokens"]:
+            self.times.append(t)
+        self.tokens += body["tokens"]
+        pending = self._held + self.stream.push(body["tokens"], final=body["done"])
+        release, self._held = self._cut(pending, final=body["done"])
+        self.text += release
+        return release
+
+    def _cut(self, text: str, final: bool) -> tuple[str, str]:
+        stops = self.req.stop
+        if not stops:
+            return text, ""
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            return text[: min(hits)], ""
+        if final:
+            return text, ""
+        keep = 0  # longest tail that is a prefix of some stop string
+        for s in stops:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    keep = max(keep, k)
+                    break
+        return text[: len(text) - keep], text[len(text) - keep:]
+
+    @property
+    def finish(self) -> str:
+        if self.stopped:
+            return "stop"
+        return "length" if len(self.tokens) >= (self.req.max_tokens or 0) else "stop"
+
+    def extra(self, t0: float) -> dict:
+        return {"token_ids": self.tokens, "decode_instance": self.instance,
+                **_timing(t0, self.times, len(self.tokens)), **self.info}
 
 
 def _timing(t0: float, times: list[float], n: int) -> dict:
@@ -412,26 +508,3 @@ def _timing(t0: float, times: list[float], n: int) -> dict:
         return {"ttft_s": None, "tpot_s": None}
     tpot = (times[-1] - times[0]) / (n - 1) if n > 1 else None
     return {"ttft_s": times[0] - t0, "tpot_s": tpot}
-
-
-def _completion(front: Front, req: dict, toks: list[int], timing: dict, info: dict,
-                inst: int) -> dict:
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": req["model"],
-        "choices": [{"index": 0, "text": detok(toks), "finish_reason": _finish(req, toks),
-                     "logprobs": None}],
-        "usage": {"prompt_tokens": len(req["tokens"]), "completion_tokens": len(toks),
-                  "total_tokens": len(req["tokens"]) + len(toks)},
-        "pdtool": {"token_ids": toks, "decode_instance": inst, **timing, **info},
-    }
-
-
-def serve_front(front: Front, stop: threading.Event) -> None:
-    """Run until `stop` is set (the worker entry's SIGTERM handler sets it)."""
-    front.start()
-    with contextlib.suppress(KeyboardInterrupt):
-        stop.wait()
-    front.stop()

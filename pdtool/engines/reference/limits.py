@@ -9,18 +9,41 @@ from __future__ import annotations
 from typing import Any
 
 #: plan/config KV dtypes the engine has CPU kernels for, and their torch names
-KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+TORCH_KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def checkpoint_problems(model: Any) -> list[tuple[str, str]]:
+    """`model.path`: a checkpoint folder the engine runs, whose config.json the model.* keys
+    agree with (the plan sizes memory from the keys, the engine loads the folder)."""
+    from .checkpoint import CheckpointError, plan_fields, read_arch
+
+    try:
+        fields = plan_fields(read_arch(model.path))
+    except CheckpointError as exc:
+        return [("model.path", str(exc))]
+    if model.attention == "mla":
+        return [("model.attention", "a checkpoint folder runs as gqa/mha here, got mla")]
+    return [(f"model.{key}", f"{model.path}/config.json says {fields[key]}, the config says "
+                             f"{getattr(model, key)}")
+            for key in ("num_layers", "hidden_size", "num_q_heads", "num_kv_heads", "head_dim",
+                        "intermediate_size", "vocab_size")
+            if getattr(model, key) != fields[key]]
 
 
 def model_problems(model: Any, kv_dtype: str, role: str) -> list[tuple[str, str]]:
     """(config key, problem) pairs for the model and one role's KV dtype."""
     out: list[tuple[str, str]] = []
+    if kv_dtype not in TORCH_KV_DTYPES:
+        out.append((f"{role}.kv_dtype",
+                    f"the reference engine supports {sorted(TORCH_KV_DTYPES)}, got {kv_dtype!r}"))
+    from .checkpoint import is_local
+
+    if is_local(model.path):
+        return checkpoint_problems(model) + out
     if model.vocab_size != 256:
         out.append(("model.vocab_size",
-                    f"the reference engine is byte-level (256), got {model.vocab_size}"))
-    if kv_dtype not in KV_DTYPES:
-        out.append((f"{role}.kv_dtype",
-                    f"the reference engine supports {sorted(KV_DTYPES)}, got {kv_dtype!r}"))
+                    f"the built-in model is byte-level (256; model.path=DIR serves a "
+                    f"checkpoint), got {model.vocab_size}"))
     mla = model.attention == "mla"
     if mla and model.kv_lora_rank < 1:
         out.append(("model.kv_lora_rank",

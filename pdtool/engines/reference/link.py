@@ -34,13 +34,15 @@ from .model import TinyModel
 AUX_ROWS = 256  # hidden-state rows: transfer slots on decode, requests in flight on prefill
 
 
-def _endpoints(health_url: str, timeout_s: float) -> tuple[str, ...]:
-    """A prefill instance's per-rank control addresses, read from its lead's /health."""
+def _endpoints(health_url: str, timeout_s: float) -> tuple[tuple[str, ...], int]:
+    """A prefill instance's per-rank control addresses and the longest prompt it holds (tokens,
+    0 = not published), read from its lead's /health."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             with urllib.request.urlopen(health_url, timeout=2) as r:
-                return tuple(json.loads(r.read())["control"])
+                health = json.loads(r.read())
+                return tuple(health["control"]), int(health.get("context", 0))
         except (urllib.error.URLError, OSError, KeyError, ValueError):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"prefill instance at {health_url} did not publish its "
@@ -58,6 +60,7 @@ def _common(spec: Any, model: TinyModel) -> dict[str, Any]:
         "peer_spec": cfg.shard_spec(peer_tp),
         "rank": spec.rank,
         "provider": m.get("provider", "shm"),
+        "domain": m.get("domain"),
         "timeout_s": float(m.get("timeout_s", 60.0)),
         "peer_timeout_s": float(m.get("peer_timeout_s", 5.0)),
         "heartbeat_s": float(m.get("heartbeat_s", 0.5)),
@@ -101,11 +104,14 @@ class DecodeSide(_Side):
 
         m = spec.messenger
         timeout = float(m.get("connect_timeout_s", 60.0))
-        groups = tuple(_endpoints(p["health"], timeout) for p in m["prefill"])
+        found = [_endpoints(p["health"], timeout) for p in m["prefill"]]
+        groups = tuple(control for control, _ in found)
+        #: longest prompt every prefill instance this rank may send to can hold (0: no limit)
+        self.peer_context = min((c for _, c in found if c), default=0)
         self.aux = torch.zeros(AUX_ROWS, model.cfg.hidden, dtype=torch.float32)
         config = DecodeConfig(**_common(spec, model), prefill_endpoints=groups,
                               max_inflight=AUX_ROWS, lanes=int(m.get("lanes", 0)))
-        self.m = DecodeMessenger(config, kv.layers, "HND", [self.aux])
+        self.m = DecodeMessenger(config, kv.buffers, kv.layout, [self.aux])
 
     def submit(self, rid: str, tokens: list[int], pages: list[int], peer: int) -> None:
         self.m.submit(rid, tokens, pages, peer)
@@ -126,6 +132,10 @@ class DecodeSide(_Side):
     def reason(self, rid: str) -> str:
         """Why a failed transfer failed (empty if it failed on another decode rank)."""
         return self.m.status(rid).reason
+
+    def writes(self, rid: str) -> int:
+        """Counted writes this rank's transfer of `rid` waited for (the route math's count)."""
+        return self.m.status(rid).expected
 
     def cancel(self, rid: str, reason: str) -> None:
         """Give up a transfer; it shows up in `failed()` once its pages are safe to free."""
@@ -151,7 +161,7 @@ class PrefillSide(_Side):
         self.aux = torch.zeros(AUX_ROWS, model.cfg.hidden, dtype=torch.float32)
         config = PrefillConfig(**_common(spec, model), bind_host=spec.host, port=0,
                                max_requests=AUX_ROWS)
-        self.m = PrefillMessenger(config, kv.layers, "HND", [self.aux])
+        self.m = PrefillMessenger(config, kv.buffers, kv.layout, [self.aux])
         addrs = [self.m.address]
         if spec.tp > 1:  # the lead publishes every rank's control address in /health
             addrs = [""] * spec.tp

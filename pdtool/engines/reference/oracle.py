@@ -35,7 +35,7 @@ def generate(
     while len(out) < max_tokens:
         hidden = model.forward(Batch.build([(run, start, pages)], page_size), kv.layers, page_size)
         tok = int(model.logits(hidden[-1:]).argmax(-1))
-        if tok == EOS:
+        if tok in getattr(model, "eos_ids", (EOS,)):
             break
         out.append(tok)
         start += len(run)

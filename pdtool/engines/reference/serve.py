@@ -1,9 +1,9 @@
 """Serving processes of the reference engine: prefill ranks, decode ranks and the front.
 
-Entry points for the worker entry (`pdtool.worker`): `run_prefill(plan, rank_info)`,
-`run_decode(plan, rank_info)`, `run_front(plan, rank_info)`. Each turns the plan into a
-`RankSpec` (plain data, also accepted as JSON by `python -m pdtool.engines.reference.serve`, which
-the engine's own tests use) and serves until SIGTERM/SIGINT.
+Entry point for the worker entry (`pdtool.worker`): `run_worker(ctx)` turns the plan into a
+`RankSpec` (spec.py: plain data, also accepted as JSON by `python -m
+pdtool.engines.reference.serve`, which the engine's own tests use) and serves until
+SIGTERM/SIGINT.
 
 Per instance, TP ranks form one gloo process group (rendezvous on rank 0's host at the
 instance's `dist_init_port`). Rank 0 leads: it takes new requests (the front's, or the
@@ -23,60 +23,25 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from .health import HealthServer
+from .spec import RankSpec
 from .wire import Wire, router
 
 if TYPE_CHECKING:  # torch is imported by the prefill/decode roles only: the front starts fast
     from .cache import PagedKV
     from .engine import Coord, Event
-    from .model import TP, TinyConfig, TinyModel
+    from .model import TP, TinyModel
 
 log = logging.getLogger("pdtool.reference.serve")
 
 IDLE_WAIT_S = 0.05  # decode leader's longest wait for the front when nothing is running
 PREFILL_IDLE_S = (0.001, 0.02)  # prefill leader's messenger poll: backs off from 1 to 20 ms
 BUSY_WAIT_S = 0.0005  # while transfers are in flight but nothing can be computed
-DEFAULT_PAGES = 4096
-
-
-@dataclass
-class RankSpec:
-    """Everything one reference-engine rank needs (pure data, JSON round-trips)."""
-
-    role: str  # prefill | decode | front
-    instance: int = 0
-    tp: int = 1
-    rank: int = 0
-    host: str = "127.0.0.1"  # this process binds here
-    leader_host: str = "127.0.0.1"  # the instance's rank 0 (gloo rendezvous)
-    dist_port: int = 0
-    http_port: int = 0
-    page_size: int = 4
-    num_pages: int = DEFAULT_PAGES
-    chunk: int = 16
-    max_running: int = 64
-    model: dict[str, Any] = field(default_factory=dict)  # TinyConfig fields
-    secret_hex: str = ""
-    messenger: dict[str, Any] = field(default_factory=dict)  # passed to the messenger adapter
-    peer: int = 0  # decode: the prefill instance it pairs with
-    decoders: list[str] = field(default_factory=list)  # front: decode leaders' /health URLs
-    allow_faults: bool = False  # decode: honour GEN "faults" (test hooks, engine.Faults)
-
-    @property
-    def cfg(self) -> TinyConfig:
-        from .model import TinyConfig
-
-        return TinyConfig(**self.model)
-
-    @property
-    def secret(self) -> bytes:
-        return bytes.fromhex(self.secret_hex)
 
 
 # -- plumbing -------------------------------------------------------------------------------------
@@ -129,15 +94,20 @@ def make_link(spec: RankSpec, kv: PagedKV, model: TinyModel) -> Any:
 def _start_rank(spec: RankSpec, stop: threading.Event, link: Any) -> tuple[Any, ...]:
     """Process group, model, warmed-up KV cache and messenger link of one serving rank."""
     from .cache import PagedKV
-    from .model import TinyModel
+    from .models import build_model
 
     coord, tp = _init(spec)
-    model = TinyModel(spec.cfg, tp)
-    kv = PagedKV(spec.cfg, len(model.kv_heads), spec.num_pages, spec.page_size)
+    model = build_model(spec.cfg, tp)
+    kv = PagedKV(spec.cfg, len(model.kv_heads), spec.num_pages, spec.page_size, spec.layout)
     _warm_up(model, kv)
     log.info("%s %d rank %d: model and cache ready", spec.role, spec.instance, spec.rank)
-    link = link if link is not None else make_link(spec, kv, model)
-    log.info("%s %d rank %d: messenger ready", spec.role, spec.instance, spec.rank)
+    if spec.role == "aggregated":  # whole requests here: no KV messenger
+        from .engine import _NoTransfer
+
+        link = _NoTransfer()
+    else:
+        link = link if link is not None else make_link(spec, kv, model)
+        log.info("%s %d rank %d: messenger ready", spec.role, spec.instance, spec.rank)
     _stop_on_signals(stop)
     return coord, model, kv, link
 
@@ -146,28 +116,39 @@ def _start_rank(spec: RankSpec, stop: threading.Event, link: Any) -> tuple[Any, 
 
 
 def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dict[str, Any]:
-    from .engine import DecodeEngine
+    """A decode instance's rank, or (role "aggregated") an ordinary instance's: the same
+    request socket, health and loop; the aggregated engine prefills its requests itself."""
+    from .engine import AggregatedEngine, DecodeEngine
 
     coord, model, kv, link = _start_rank(spec, stop, link)
-    engine = DecodeEngine(model, kv, link, coord, spec.max_running)
+    if spec.role == "aggregated":
+        engine = AggregatedEngine(model, kv, coord, spec.chunk, spec.max_running)
+    else:
+        engine = DecodeEngine(model, kv, link, coord, spec.max_running)
 
     def stats() -> dict[str, Any]:
-        return {"role": "decode", "instance": spec.instance, "rank": spec.rank,
+        return {"role": spec.role, "instance": spec.instance, "rank": spec.rank,
                 "pages_total": kv.pages.num_pages, "pages_free": kv.pages.num_free,
+                "kv_layout": kv.layout, "kv_shape": list(kv.shape),
+                "kv_writes_per_op": int(getattr(getattr(link, "m", None), "writes_per_op", 0)),
                 "tokens_seen": model.tokens_seen, "prompt_tokens_seen": engine.prompt_tokens_seen,
                 "requests_started": engine.requests_started, "steps": engine.steps,
                 "max_batch": engine.max_batch, "running": len(engine.running),
-                "in_transfer": len(engine.transfer), "waiting": len(engine.waiting)}
+                "in_transfer": len(engine.transfer), "waiting": len(engine.waiting),
+                "prefilling": len(getattr(engine, "prefilling", ()))}
 
     sock = health = None
-    wire = Wire(spec.secret)
+    wire = Wire(spec.secret, role="decode")
     owner: dict[str, bytes] = {}
     if coord.leader:
         ctx = zmq.Context.instance()
         sock = router(ctx, spec.host, 0)
         address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        context = decode_context(spec, getattr(link, "peer_context", 0),
+                                 getattr(model.cfg, "max_context", 0))
         health = HealthServer(spec.host, spec.http_port,
-                              lambda: {"role": "decode", "engine": address}, stats,
+                              lambda: {"role": spec.role, "engine": address,
+                                       "context": context}, stats,
                               getattr(link, "problem", lambda: ""))
         health.ready = True
     news = getattr(link, "news_fd", None)  # the messenger's doorbell: a transfer settled
@@ -206,6 +187,18 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
     return stats()
 
 
+def decode_context(spec: RankSpec, peer_context: int = 0, model_context: int = 0) -> int:
+    """Tokens one request may span (prompt + max_tokens) on this decode instance: its cache
+    holds them plus the first step's draft slot, the prefill's cache holds the prompt, the
+    wire carries at most MAX_PROMPT, and the model's context_length bounds both. The front
+    refuses longer requests with a 400 (published in /health)."""
+    from .wire import MAX_PROMPT
+
+    limits = [spec.num_pages * spec.page_size - 1, MAX_PROMPT]
+    limits += [c for c in (spec.context, peer_context, model_context) if c > 0]
+    return min(limits)
+
+
 def _take_requests(sock: zmq.Socket, wire: Wire, owner: dict[str, bytes],
                    peer: int, allow_faults: bool) -> list[dict]:
     new = []
@@ -216,13 +209,17 @@ def _take_requests(sock: zmq.Socket, wire: Wire, owner: dict[str, bytes],
             return new
         if len(frames) < 2:
             continue
-        got = wire.unpack(frames[1:], ("GEN", "PING", "CANCEL"))
+        got = wire.unpack(frames[1:], ("HELLO", "GEN", "PING", "CANCEL"), peer=frames[0])
         if got is None:
             continue
         kind, body = got
-        if kind == "PING":
+        if kind == "HELLO":  # a front (re)connected: answer bound to its session
+            sock.send_multipart([frames[0], *wire.pack("HELLO", wire.hello(),
+                                                       session=wire.last_session)])
+        elif kind == "PING":
             sock.send_multipart([frames[0], *wire.pack("PONG", {"rid": body["rid"],
-                                                                  "tokens": []})])
+                                                                  "tokens": []},
+                                                       peer=frames[0])])
         elif kind == "CANCEL":  # only whoever sent the request may cancel it
             if owner.get(body["rid"]) == frames[0]:
                 log.info("request %s cancelled by the front (client gone)", body["rid"])
@@ -233,6 +230,7 @@ def _take_requests(sock: zmq.Socket, wire: Wire, owner: dict[str, bytes],
             owner[body["rid"]] = frames[0]
             new.append({"rid": body["rid"], "tokens": body["tokens"],
                         "max_tokens": body["max_tokens"], "peer": peer,
+                        "sampling": body.get("sampling"),
                         "faults": body.get("faults") if allow_faults else None})
 
 
@@ -243,7 +241,7 @@ def _send_events(sock: zmq.Socket, wire: Wire, owner: dict[str, bytes],
         if ident is None:
             continue
         body = {"rid": ev.rid, "tokens": ev.tokens, "done": ev.done, "info": ev.info}
-        sock.send_multipart([ident, *wire.pack("OUT", body)])
+        sock.send_multipart([ident, *wire.pack("OUT", body, peer=ident)])
 
 
 # -- prefill --------------------------------------------------------------------------------------
@@ -264,8 +262,10 @@ def serve_prefill(spec: RankSpec, stop: threading.Event, link: Any = None) -> di
     health = None
     if coord.leader:
         control = list(getattr(link, "control", []))
+        context = spec.num_pages * spec.page_size  # pages_for(prompt) must fit the cache
         health = HealthServer(spec.host, spec.http_port,
-                              lambda: {"role": "prefill", "control": control}, stats,
+                              lambda: {"role": "prefill", "control": control,
+                                       "context": context}, stats,
                               getattr(link, "problem", lambda: ""))
         health.ready = True
     ran = False
@@ -322,18 +322,21 @@ def _close_link(link: Any) -> None:
 # -- front ----------------------------------------------------------------------------------------
 
 
-def discover(health_urls: list[str], timeout_s: float = 300.0) -> list[str]:
-    """Wait for every decode leader's /health and read its request socket address."""
+def discover(health_urls: list[str], timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """Wait for every decode leader's /health: its request socket address ("engine") and the
+    context it takes ("context")."""
     import urllib.error
     import urllib.request
 
-    out: list[str] = []
+    out: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout_s
     for url in health_urls:
         while True:
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
-                    out.append(json.loads(r.read())["engine"])
+                    health = json.loads(r.read())
+                    out.append({"engine": str(health["engine"]),
+                                "context": int(health.get("context", 0))})
                     break
             except (urllib.error.URLError, OSError, KeyError, ValueError):
                 if time.monotonic() > deadline:
@@ -343,18 +346,29 @@ def discover(health_urls: list[str], timeout_s: float = 300.0) -> list[str]:
     return out
 
 
-def serve_front(spec: RankSpec, stop: threading.Event) -> None:
+def serve_front(spec: RankSpec, stop: threading.Event) -> int:
+    """Serve until `stop`; returns 1 if the front broke (its dispatcher died) so the process
+    exits with an error and the launcher stops the deployment."""
     from .front import Front
+    from .tokenizer import load_tokenizer
+    from .wire import MAX_PROMPT
 
-    addresses = discover(spec.decoders)
-    front = Front(addresses, spec.secret, spec.host, spec.http_port)
+    found = discover(spec.decoders)
+    context = min((d["context"] for d in found if d["context"] > 0), default=MAX_PROMPT)
+    front = Front([d["engine"] for d in found], spec.secret, spec.host, spec.http_port,
+                  model_name=spec.model_name, context=context,
+                  tokenizer=load_tokenizer(spec.tokenizer))
     front.start()
-    log.info("front on http://%s:%d over %d decode instances", spec.host, front.port,
-             len(addresses))
+    log.info("front on http://%s:%d over %d decode instances, context %d tokens", spec.host,
+             front.port, len(found), context)
     try:
-        stop.wait()
+        while not stop.wait(0.2):
+            if front.dead.is_set():
+                log.error("front: stopping: %s", front.problem)
+                return 1
     finally:
         front.stop()
+    return 0
 
 
 # -- the worker entry's hooks --------------------------------------------------------------------
@@ -372,18 +386,6 @@ def run_worker(ctx: Any) -> int:
     return run(spec)
 
 
-def run_prefill(plan: Any, ctx: Any) -> int:
-    return run_worker(ctx)
-
-
-def run_decode(plan: Any, ctx: Any) -> int:
-    return run_worker(ctx)
-
-
-def run_front(plan: Any, ctx: Any) -> int:
-    return run_worker(ctx)
-
-
 # -- entry points ---------------------------------------------------------------------------------
 
 
@@ -391,16 +393,17 @@ def run(spec: RankSpec) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     log.info("%s %d rank %d: starting", spec.role, spec.instance, spec.rank)
     stop = _stop_on_signals()
-    if spec.role == "decode":
+    if spec.role in ("decode", "aggregated"):
         stats = serve_decode(spec, stop)
     elif spec.role == "prefill":
         stats = serve_prefill(spec, stop)
     elif spec.role == "front":
-        serve_front(spec, stop)
+        code = serve_front(spec, stop)
         log.info("front: stopped")
-        return 0
+        return code
     else:
-        raise ValueError(f"role: expected prefill, decode or front, got {spec.role!r}")
+        raise ValueError(f"role: expected prefill, decode, aggregated or front, got "
+                         f"{spec.role!r}")
     print("STATS " + json.dumps(stats), flush=True)
     log.info("%s %d rank %d: stopped", spec.role, spec.instance, spec.rank)
     return 0

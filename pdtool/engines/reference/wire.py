@@ -1,13 +1,18 @@
-"""Front ↔ decode-leader messages: msgpack over ZeroMQ, HMAC-SHA256 signed.
+"""Front ↔ decode-leader messages of the reference engine, in transfer.wire's envelope.
 
-Same rules as the messenger's control plane (transfer/control.py): the MAC is checked before a
-byte of the body is decoded, then every field is checked, and a refused message is dropped and
-counted, never raised into the serving loop. Every message also carries a timestamp and a
-random nonce under the MAC; a message older than the replay window, or whose nonce was seen
-within it, is refused (transfer.control.ReplayGuard), so a captured GEN cannot be replayed to
-re-run a request and receive its output. Only these kinds travel here:
-  * GEN (front → decoder): {"rid": str, "tokens": [int 0..255], "max_tokens": int}
-  * OUT (decoder → front): {"rid": str, "tokens": [int], "done": bool, "info": {...}}
+The envelope (transfer/wire/envelope.py) signs every message with the deployment secret,
+checks the MAC before a byte of the body is decoded, then the version, the session binding
+and sequence number (a captured GEN replayed — to this run or to a restarted decoder — is
+refused, with no clock involved, so it cannot re-run a request and receive its output), then
+every field. A refused message is dropped, logged and counted, never raised into the serving
+loop. Messages (transfer/wire/PROTOCOL.md has the full table):
+  * HELLO (front → decoder, answered by the decoder bound to the front's session): the limits
+    every GEN is checked against and their compatibility hash, once per connection; the front
+    sends HELLO in place of PING until an instance answered, and again once it went silent.
+  * GEN (front → decoder): {"rid": str, "tokens": [token id], "max_tokens": int}, optional
+    "sampling": {"temperature": float >= 0, "top_p": float in (0, 1], "seed": int} (absent or
+    temperature 0: greedy), optional "faults": {"page"?: [layer, index], "hidden"?: bool}
+  * OUT (decoder → front): {"rid": str, "tokens": [token id], "done": bool, "info": {...}}
   * PING (front → decoder) / PONG (decoder → front): {"rid": str, "tokens": []}, so the front
     knows which decode instances are up (its /health) without the decoder knowing the front.
   * CANCEL (front → decoder): {"rid": str, "tokens": []}: the client went away; honoured only
@@ -16,102 +21,137 @@ re-run a request and receive its output. Only these kinds travel here:
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
+import os
 import secrets
 import time
 from typing import Any
 
-import msgpack
 import zmq
 
-from transfer.control import ControlError, ReplayGuard, check_secret
+from transfer.wire import (
+    Envelope,
+    Protocol,
+    WireError,
+    bool_field,
+    bytes_field,
+    compat_hash,
+    first_difference,
+    float_field,
+    int_field,
+    list_field,
+    map_field,
+    optional,
+    str_field,
+)
 
 log = logging.getLogger("pdtool.reference.wire")
 MAX_BYTES = 4 << 20
 MAX_PROMPT = 1 << 16
-REPLAY_WINDOW_S = 30.0
+MAX_TOKENS = 1 << 16
+MAX_TOKEN_ID = (1 << 31) - 1  # token ids are vocabulary rows: any checkpoint's vocabulary fits
+# what every GEN is checked against; a front and decoder that differ here refuse each other
+FACTS = {"token_ids": f"0..{MAX_TOKEN_ID}", "max_prompt": MAX_PROMPT, "max_tokens": MAX_TOKENS}
 
 
-class WireError(ValueError):
-    """A message refused by the receiver; the text names the field."""
+def _any_map(path: str, v: Any) -> dict:
+    if not isinstance(v, dict):
+        raise WireError(f"{path}: expected a map, got {type(v).__name__}")
+    return v
 
 
-def _check(kind: str, body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise WireError(f"{kind}: body must be a map")
-    rid = body.get("rid")
-    if not isinstance(rid, str) or not 0 < len(rid) <= 128:
-        raise WireError(f"{kind}.rid: expected a non-empty string")
-    toks = body.get("tokens")
-    if not isinstance(toks, list) or len(toks) > MAX_PROMPT or not all(
-        isinstance(t, int) and 0 <= t < 512 for t in toks
-    ):
-        raise WireError(f"{kind}.tokens: expected a list of token ids")
-    if kind == "GEN":
-        mt = body.get("max_tokens")
-        if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= 1 << 16:
-            raise WireError("GEN.max_tokens: expected an int in [1, 65536]")
-        if not toks or any(t > 255 for t in toks):
-            raise WireError("GEN.tokens: expected 1 or more byte values (0..255)")
-        faults = body.get("faults")
-        if faults is not None and not (
-            isinstance(faults, dict) and set(faults) <= {"page", "hidden"}
-        ):
-            raise WireError("GEN.faults: expected a map with 'page' and/or 'hidden'")
-    elif kind in ("PING", "PONG", "CANCEL"):
-        pass
-    elif kind == "OUT":
-        if not isinstance(body.get("done"), bool) or not isinstance(body.get("info"), dict):
-            raise WireError("OUT.done/info: expected a bool and a map")
-    else:
-        raise WireError(f"kind: unknown message kind {kind!r}")
-    return body
+_RID = str_field(128, min_len=1)
+_NONE = list_field(int_field(0, 0), 0)
+_ID = map_field({"rid": _RID, "tokens": _NONE})
+_TOKENS = list_field(int_field(0, MAX_TOKEN_ID), MAX_PROMPT)
+_SAMPLING = map_field({"temperature": float_field(0.0, 100.0), "top_p": float_field(1e-9, 1.0),
+                       "seed": int_field(0, (1 << 63) - 1)},
+                      frozenset({"temperature", "top_p", "seed"}))
+_FAULTS = map_field({"page": optional(list_field(int_field(0), 2, 2)), "hidden": bool_field()},
+                    frozenset({"page", "hidden"}))
+PROTOCOL = Protocol("reference", {
+    "HELLO": map_field({"role": str_field(8, ("front", "decode")), "compat": bytes_field(16, 1, 16),
+                        "max_prompt": int_field(1, 1 << 31), "max_tokens": int_field(1, 1 << 31),
+                        "error": str_field(1024)}),
+    "GEN": map_field({"rid": _RID, "tokens": list_field(int_field(0, MAX_TOKEN_ID), MAX_PROMPT, 1),
+                      "max_tokens": int_field(1, MAX_TOKENS), "sampling": optional(_SAMPLING),
+                      "faults": optional(_FAULTS)},
+                     frozenset({"sampling", "faults"})),
+    "OUT": map_field({"rid": _RID, "tokens": _TOKENS, "done": bool_field(), "info": _any_map}),
+    "PING": _ID, "PONG": _ID, "CANCEL": _ID,
+})
 
 
 class Wire:
-    """Encode/verify signed messages for one deployment secret."""
+    """Encode/verify signed messages for one deployment secret and one process (its session).
+    `last_sender`/`last_session` name the sender of the latest accepted message, so a HELLO
+    can be answered bound to it."""
 
-    def __init__(self, secret: bytes) -> None:
-        self._secret = check_secret(secret)
+    def __init__(self, secret: bytes, name: str | None = None, role: str = "front") -> None:
+        name = name or f"{role}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.envelope = Envelope(secret, name, PROTOCOL, max_bytes=MAX_BYTES)
+        self.role = role
         self.rejected = 0
-        self.replay = ReplayGuard(REPLAY_WINDOW_S)
+        self.last_sender = ""
+        self.last_session = b""
 
     def __repr__(self) -> str:  # never show the secret
-        return "Wire()"
+        return f"Wire({self.name!r})"
 
-    def pack(self, kind: str, body: dict) -> list[bytes]:
-        payload = msgpack.packb({"k": kind, "b": _check(kind, body), "t": time.time(),
-                                 "n": secrets.token_bytes(16)}, use_bin_type=True)
-        return [payload, hmac.new(self._secret, payload, hashlib.sha256).digest()]
+    @property
+    def name(self) -> str:
+        return self.envelope.sender
 
-    def unpack(self, frames: list[bytes], kinds: tuple[str, ...]) -> tuple[str, dict] | None:
-        """(kind, checked body), or None (logged and counted) if the message is refused."""
+    def hello(self, error: str = "") -> dict:
+        return {"role": self.role, "compat": compat_hash(FACTS), "max_prompt": MAX_PROMPT,
+                "max_tokens": MAX_TOKENS, "error": error}
+
+    def pack(self, kind: str, body: dict, peer: str | bytes | None = None,
+             session: bytes | None = None) -> list[bytes]:
+        """Frames for `kind`, bound to `session` or else to the session `peer` (a name or
+        routing id) is known under; HELLO alone may go unbound. WireError when the body is
+        invalid or a kind that needs a binding has none (no HELLO from that peer yet)."""
+        if session is None:
+            name = peer.decode(errors="replace") if isinstance(peer, bytes) else peer
+            session = self.envelope.session_of(name) if name else b""
+        return self.envelope.seal(kind, body, session)
+
+    def unpack(self, frames: list[bytes], kinds: tuple[str, ...],
+               peer: bytes | None = None) -> tuple[str, dict] | None:
+        """(kind, checked body), or None (logged and counted) if the message is refused.
+        `peer`: the routing id a ROUTER saw, which the signed sender must equal. A HELLO
+        whose limits differ from ours is refused here, naming the first difference."""
         try:
             if len(frames) != 2 or len(frames[0]) > MAX_BYTES:
                 raise WireError("frames: expected [payload, mac] within the size limit")
-            mac = hmac.new(self._secret, frames[0], hashlib.sha256).digest()
-            if not hmac.compare_digest(mac, frames[1]):
-                raise WireError("mac: signature does not match the deployment secret")
-            try:
-                raw = msgpack.unpackb(frames[0], raw=False)
-            except Exception as exc:  # msgpack raises several types on malformed input
-                raise WireError(f"payload: not msgpack ({type(exc).__name__})") from None
-            if not isinstance(raw, dict) or raw.get("k") not in kinds:
-                raise WireError(f"kind: expected one of {kinds}")
-            ts, nonce = raw.get("t"), raw.get("n")
-            if not isinstance(ts, float) or not isinstance(nonce, bytes) or len(nonce) != 16:
-                raise WireError("t/n: expected a timestamp and a 16-byte nonce")
-            try:
-                self.replay.check(ts, nonce, time.time())
-            except ControlError as exc:
-                raise WireError(str(exc)) from None
-            return raw["k"], _check(raw["k"], raw.get("b"))
+            msg = self.envelope.open(frames, peer.decode(errors="replace")
+                                     if peer is not None else None)
+            if msg.type not in kinds:
+                raise WireError(f"kind: expected one of {kinds}, got {msg.type!r}")
+            if msg.type == "HELLO":
+                h = msg.body
+                if h["error"]:
+                    raise WireError(f"HELLO: the peer refused us: {h['error']}")
+                theirs = {**FACTS, "max_prompt": h["max_prompt"], "max_tokens": h["max_tokens"]}
+                diff = first_difference(FACTS, theirs)
+                if diff or h["compat"] != compat_hash(FACTS):
+                    raise WireError(f"HELLO: {diff or 'compat: hash differs'}")
         except WireError as exc:
             self.rejected += 1
             log.warning("refused a message: %s", exc)
             return None
+        self.last_sender, self.last_session = msg.sender, msg.session
+        return msg.type, msg.body
+
+    def handshake(self, sock: zmq.Socket, timeout_s: float = 10.0) -> str:
+        """A blocking client's HELLO on a `dealer` socket: returns the decoder's name, after
+        which messages to it are bound (`pack(kind, body, peer=name)`)."""
+        sock.send_multipart(self.pack("HELLO", self.hello()))
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if sock.poll(50) and self.unpack(sock.recv_multipart(), ("HELLO",)) is not None:
+                return self.last_sender
+        raise WireError(f"HELLO: no answer from the decoder within {timeout_s:.0f} s")
 
 
 def router(ctx: zmq.Context, host: str, port: int) -> zmq.Socket:
@@ -122,9 +162,12 @@ def router(ctx: zmq.Context, host: str, port: int) -> zmq.Socket:
     return sock
 
 
-def dealer(ctx: zmq.Context, address: str) -> zmq.Socket:
+def dealer(ctx: zmq.Context, address: str, wire: Wire) -> zmq.Socket:
+    """A socket to one decoder whose routing id is the wire's name (the decoder checks that
+    a message's signed sender is the socket that sent it)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_BYTES + 1024)
+    sock.setsockopt(zmq.ROUTING_ID, wire.name.encode())
     sock.connect(address)
     return sock

@@ -24,11 +24,14 @@ A fault may name another point (the randomized fault suite uses them):
     write was issued), before the metadata (aux rows) is staged;
   * "kill@meta": right after staging the metadata, while its copy to the decoder is issued.
 `decode_kill_at` kills decode rank 0 "submit" (right after submitting) or "writes" (once it
-has counted writes). `control_faults` arms the control-plane fault hook (transfer.control
+has counted writes). `control_faults` arms the control-plane fault hook (transfer.wire.channel
 `ControlFaults`) in the decode processes ("decode") or a prefill instance ("prefill<i>").
 `track` makes the decoder time each request's failure (detection and pages-free) and report
 its messenger's `stats()` once idle, and the prefill report its own.
 Processes are always reaped (and their /dev/shm files removed) when `run` returns.
+
+The control plane's secret is the caller's (`run(s, secret=...)`) or a fresh random one per run:
+the harness carries none of its own.
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ import numpy as np
 
 from ..hostmem import host_buffer
 from ..routes import ShardSpec, pages_for
-
-SECRET = b"loopback-test-secret-0123456789ab"
+from ..wire.channel import FAULTS_ENV
+from ..wire.secret import check_secret, generate_secret
 
 
 @dataclass(frozen=True)
@@ -202,19 +205,19 @@ def _cpu_delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------- prefill process
-def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any],
-                  ev: dict[str, Any]) -> None:
+def _prefill_main(s: Scenario, secret: bytes, inst: int, rank: int, conn: Any,
+                  bcast: list[Any], ev: dict[str, Any]) -> None:
     import torch
 
-    from .common import PrefillConfig
-    from .prefill import PrefillMessenger
+    from ..messenger.common import PrefillConfig
+    from ..messenger.prefill import PrefillMessenger
 
     src, dst = ShardSpec(s.num_kv_heads, s.prefill_tp), ShardSpec(s.num_kv_heads, s.decode_tp)
     # in huge-page host memory, as an engine's KV cache would be (transfer.hostmem)
     kv = [host_buffer(tuple(b.shape), b.dtype).copy_(b) for layer in range(s.num_layers)
           for b in _split(s, _local(s, _global_layer(s, layer), src, rank))]
     aux = [torch.zeros((64, rb), dtype=torch.uint8) for rb in s.aux_row_bytes]
-    cfg = PrefillConfig(secret=SECRET, spec=src, peer_spec=dst, rank=rank, provider=s.provider,
+    cfg = PrefillConfig(secret=secret, spec=src, peer_spec=dst, rank=rank, provider=s.provider,
                         buffers_per_layer=2 if s.split_kv else 1,
                         timeout_s=s.timeout_s, heartbeat_s=s.heartbeat_s,
                         peer_timeout_s=s.peer_timeout_s, inflight_bytes=s.prefill_inflight_bytes,
@@ -225,7 +228,7 @@ def _prefill_main(s: Scenario, inst: int, rank: int, conn: Any, bcast: list[Any]
     point = point or ("layer:0" if kind else "")
     cf = dict(s.control_faults).get(f"prefill{inst}")
     if cf:
-        os.environ["PDTOOL_CONTROL_FAULTS"] = cf
+        os.environ[FAULTS_ENV] = cf
     m = PrefillMessenger(cfg, kv, s.layout, aux)
     conn.send(m.address)
     pages = _page_ids(s, s.src_pages, 1)
@@ -325,12 +328,12 @@ def _fault(s: Scenario, m: Any, fault: str, ev: dict[str, Any], report: dict[str
 
 
 # --------------------------------------------------------------------------- decode process
-def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...], conn: Any,
-                 ev: dict[str, Any]) -> None:
+def _decode_main(s: Scenario, secret: bytes, rank: int, endpoints: tuple[tuple[str, ...], ...],
+                 conn: Any, ev: dict[str, Any]) -> None:
     import torch
 
-    from .common import DecodeConfig, TransferStatus
-    from .decode import DecodeMessenger
+    from ..messenger.common import DecodeConfig, TransferStatus
+    from ..messenger.decode import DecodeMessenger
 
     src, dst = ShardSpec(s.num_kv_heads, s.prefill_tp), ShardSpec(s.num_kv_heads, s.decode_tp)
     parts = 1 if s.split_kv else s.kv_parts
@@ -340,7 +343,7 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
     kv = [host_buffer(shape, _torch_dtype(s.dtype))
           for _ in range(s.num_layers * (2 if s.split_kv else 1))]
     aux = [torch.zeros((64, rb), dtype=torch.uint8) for rb in s.aux_row_bytes]
-    cfg = DecodeConfig(secret=SECRET, spec=dst, peer_spec=src, rank=rank, provider=s.provider,
+    cfg = DecodeConfig(secret=secret, spec=dst, peer_spec=src, rank=rank, provider=s.provider,
                        buffers_per_layer=2 if s.split_kv else 1,
                        prefill_endpoints=endpoints, max_inflight=s.max_inflight,
                        timeout_s=s.timeout_s,
@@ -349,7 +352,7 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
                        writes_per_op=s.writes_per_op, lanes=s.lanes)
     cf = dict(s.control_faults).get("decode")
     if cf:
-        os.environ["PDTOOL_CONTROL_FAULTS"] = cf
+        os.environ[FAULTS_ENV] = cf
     kill_at = s.decode_kill_at or ("writes" if s.decode_kill else "")
     m = DecodeMessenger(cfg, kv, s.layout, aux)
     dpages, spages = _page_ids(s, s.dst_pages, 2), _page_ids(s, s.src_pages, 1)
@@ -426,7 +429,7 @@ def _decode_main(s: Scenario, rank: int, endpoints: tuple[tuple[str, ...], ...],
 
 
 def _control_log() -> list[tuple[str, str, str]]:
-    from ..control import env_faults
+    from ..wire.channel import env_faults
 
     f = env_faults()
     return list(f.log) if f is not None else []
@@ -451,9 +454,12 @@ def _verify(s: Scenario, m: Any, kv: list[Any], dst: ShardSpec, rank: int, rid: 
 
 
 # --------------------------------------------------------------------------- orchestration
-def run(s: Scenario) -> Outcome:
-    """Start every process, wait for the decode reports, stop and reap everything."""
+def run(s: Scenario, secret: bytes | None = None) -> Outcome:
+    """Start every process, wait for the decode reports, stop and reap everything. `secret`:
+    the control plane's key (at least 32 random bytes); by default a fresh one for this run."""
     import torch  # noqa: F401  (once here, so the forked rank processes start at once)
+
+    secret = generate_secret() if secret is None else check_secret(secret)
 
     ctx = mp.get_context("fork")
     ev = {k: ctx.Event() for k in ("stop", "decoder_saw_writes", "decoder_failed")}
@@ -468,7 +474,8 @@ def run(s: Scenario) -> Outcome:
             for rank in range(s.prefill_tp):
                 a, b = ctx.Pipe()
                 my_q = bcast if rank == 0 else [bcast[rank - 1]]
-                p = ctx.Process(target=_prefill_main, args=(s, inst, rank, b, my_q, ev),
+                p = ctx.Process(target=_prefill_main,
+                                args=(s, secret, inst, rank, b, my_q, ev),
                                 daemon=True)
                 p.start()
                 b.close()  # so a killed child shows up as EOF here
@@ -479,7 +486,8 @@ def run(s: Scenario) -> Outcome:
         dconns = []
         for rank in range(s.decode_tp):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=_decode_main, args=(s, rank, tuple(endpoints), b, ev),
+            p = ctx.Process(target=_decode_main,
+                            args=(s, secret, rank, tuple(endpoints), b, ev),
                             daemon=True)
             p.start()
             b.close()

@@ -1,0 +1,102 @@
+"""What the Slurm job and each of its steps ask for: GPUs, CPUs (and their binding), memory.
+
+Pure functions of the config and plan. The shape (README "Slurm job shape"):
+
+* the job asks one task per node (every step is one task) and, per node, the GPUs
+  (`--gpus-per-node=launcher.gpus_per_node`, device=cuda only) and memory the processes use:
+  an exclusive job takes whole nodes with all their memory (`--exclusive --mem=0`; without
+  `--mem` Slurm gives an exclusive job only its default memory), a shared one
+  (`launcher.exclusive=false`) asks `--cpus-per-task` for the busiest node's CPUs and
+  `--mem=launcher.mem`;
+* every step is `--overlap` (they all share the node) and sees all GPUs of the job on its node,
+  so the plan's GPU ids are CUDA ordinals on every site, with or without device cgroups
+  (SGLang picks its GPUs with `--base-gpu-id` and indexes `--numa-node` by that absolute id);
+* on an exclusive node a step takes the node's CPUs and binds its task to the CPUs the plan
+  gave its ranks (`--cpu-bind=mask_cpu:`; Slurm refuses a mask outside the step's CPUs, so
+  the step must hold them all); on a shared node Slurm chose which CPUs the job has, so a step
+  asks for its ranks' CPU count and Slurm binds it to CPUs of its own choosing.
+"""
+
+from __future__ import annotations
+
+from pdtool.plan import Plan, RankPlan, compress_cpus, expand_cpus
+from pdtool.schema import Config
+
+
+def node_cpus(cfg: Config) -> list[int]:
+    """Every CPU of a node, from the cluster preset's NUMA CPU lists (empty when unknown)."""
+    return sorted({c for spec in cfg.cluster.numa_cpus for c in expand_cpus(spec)})
+
+
+def rank_cpu_list(ranks: list[RankPlan]) -> list[int]:
+    """The CPUs the plan gave these ranks (a per-node engine process drives several)."""
+    return sorted({c for r in ranks for c in expand_cpus(r.cpus)}) if ranks else []
+
+
+def cpu_mask(cpus: list[int]) -> str:
+    """`mask_cpu:` value (hex) for a CPU list."""
+    return hex(sum(1 << c for c in set(cpus)))
+
+
+def gpus_requested(cfg: Config) -> int:
+    """GPUs the job asks per node: none on device=cpu (worker slots, not devices)."""
+    return cfg.launcher.gpus_per_node if cfg.cluster.device == "cuda" else 0
+
+
+def gpus_used(plan: Plan) -> dict[int, int]:
+    """Allocation node -> GPUs its processes address (highest plan GPU id + 1)."""
+    out: dict[int, int] = {}
+    for inst in plan.instances:
+        for r in inst.ranks:
+            out[r.node] = max(out.get(r.node, 0), r.gpu + 1)
+    return out
+
+
+def cpus_used(plan: Plan) -> dict[int, int]:
+    """Allocation node -> CPUs its ranks were given (the union of their lists)."""
+    per: dict[int, set[int]] = {}
+    for inst in plan.instances:
+        for r in inst.ranks:
+            per.setdefault(r.node, set()).update(expand_cpus(r.cpus))
+    return {n: len(c) for n, c in per.items()}
+
+
+def step_options(cfg: Config, ranks: list[RankPlan]) -> list[str]:
+    """srun options of one step: its CPUs and binding, its GPUs. `ranks` empty: the router."""
+    lc = cfg.launcher
+    out: list[str] = []
+    every = node_cpus(cfg)
+    mine = rank_cpu_list(ranks)
+    if lc.exclusive and every:
+        out.append(f"--cpus-per-task={len(every)}")
+        # the router has no ranks: it floats over the node, as its threads expect
+        out.append(f"--cpu-bind=mask_cpu:{cpu_mask(mine)}" if mine else "--cpu-bind=none")
+    elif mine:
+        out.append(f"--cpus-per-task={len(mine)}")
+    gpus = gpus_requested(cfg)
+    if gpus and ranks:
+        out.append(f"--gres=gpu:{gpus}")
+    return out
+
+
+def job_options(cfg: Config, plan: Plan) -> list[str]:
+    """sbatch options for the resources (beside --nodes and --ntasks-per-node)."""
+    lc = cfg.launcher
+    out: list[str] = []
+    if lc.exclusive:
+        out += ["--exclusive", f"--mem={lc.mem or 0}"]
+    else:
+        cpus = max(cpus_used(plan).values(), default=0)
+        if cpus:
+            out.append(f"--cpus-per-task={cpus}")
+        if lc.mem:
+            out.append(f"--mem={lc.mem}")
+    gpus = gpus_requested(cfg)
+    if gpus:
+        out.append(f"--gpus-per-node={gpus}")
+    return out
+
+
+def describe_cpus(ranks: list[RankPlan]) -> str:
+    """The CPU list of a process, for its comment line."""
+    return compress_cpus(rank_cpu_list(ranks)) or "any"

@@ -1,0 +1,97 @@
+"""Every TCP port an instance listens on, and the spacing of packed instances' port bases.
+
+Pure functions of the config, used by the planner (instance i's bases are `base + i * stride`)
+and by validate (rules.ports: no two listeners share a port on one machine).
+
+What SGLang 0.5.23 binds per instance, besides `--port` (HTTP) and, for prefill, the
+`--disaggregation-bootstrap-port` (read from server_args.py `PortArgs.init_new` and
+managers/data_parallel_controller.py):
+* without DP attention: the NCCL/dist-init port pdtool passes (`--nccl-port` on one node, the
+  `--dist-init-addr` port across nodes); the rest is IPC;
+* with DP attention on one node: `port + 233` (its dist-init address, ZMQ_TCP_PORT_DELTA),
+  `port + 234 .. port + 239` (tokenizer, detokenizer, RPC, metrics, scheduler input, load
+  collector: port_base + 0..5) and `port + 13` (the DP-attention handshake,
+  DP_ATTENTION_HANDSHAKE_PORT_DELTA), plus `--nccl-port`;
+* with DP attention across nodes, on the head node: the dist-init port, its `+1 .. +6` and its
+  `+13` (the handshake is derived from `--dist-init-addr` then).
+The reference engine binds its HTTP port, prefill's bootstrap port and its dist-init port.
+"""
+
+from __future__ import annotations
+
+from pdtool.schema import Config, RoleConfig, gpus_per_instance, role
+
+#: SGLang 0.5.23 server_args.ZMQ_TCP_PORT_DELTA, DP_ATTENTION_HANDSHAKE_PORT_DELTA, and the
+#: fixed ports derived from the DP-attention port base (port_base + 0 .. 5)
+ZMQ_TCP_PORT_DELTA = 233
+DP_ATTENTION_HANDSHAKE_PORT_DELTA = 13
+DERIVED_PORTS = 6
+
+
+def _dp_attention(cfg: Config, rc: RoleConfig) -> bool:
+    return cfg.engine.kind == "sglang" and rc.dp_attention and rc.dp > 1
+
+
+def multi_node(cfg: Config, rc: RoleConfig) -> bool:
+    """True when an instance spans nodes (SGLang then takes --dist-init-addr), as the
+    planner's `instance_nodes` decides."""
+    return rc.nodes > 1 or gpus_per_instance(rc) > cfg.cluster.gpus_per_node
+
+
+def http_offsets(cfg: Config, rc: RoleConfig) -> tuple[tuple[int, str], ...]:
+    """(offset from the HTTP port, what) of the ports derived from `--port`."""
+    out: list[tuple[int, str]] = [(0, "HTTP")]
+    if _dp_attention(cfg, rc) and not multi_node(cfg, rc):
+        out.append((DP_ATTENTION_HANDSHAKE_PORT_DELTA, "DP-attention handshake"))
+        out.append((ZMQ_TCP_PORT_DELTA, "DP-attention dist-init"))
+        out += [(ZMQ_TCP_PORT_DELTA + 1 + k, "DP-attention ZMQ") for k in range(DERIVED_PORTS)]
+    return tuple(out)
+
+
+def dist_offsets(cfg: Config, rc: RoleConfig) -> tuple[tuple[int, str], ...]:
+    """(offset from the dist-init port, what) of the ports derived from it (on the head node)."""
+    out: list[tuple[int, str]] = [(0, "dist-init")]
+    if _dp_attention(cfg, rc) and multi_node(cfg, rc):
+        out += [(1 + k, "DP-attention ZMQ") for k in range(DERIVED_PORTS)]
+        out.append((DP_ATTENTION_HANDSHAKE_PORT_DELTA, "DP-attention handshake"))
+    return tuple(out)
+
+
+def stride(offsets: tuple[tuple[int, str], ...], instances: int) -> int:
+    """Smallest spacing of `instances` port bases whose derived ports never meet."""
+    offs = {o for o, _ in offsets}
+    s = 1
+    while True:
+        taken: set[int] = set()
+        ok = True
+        for i in range(instances):
+            mine = {s * i + o for o in offs}
+            if taken & mine:
+                ok = False
+                break
+            taken |= mine
+        if ok:
+            return s
+        s += 1
+
+
+def http_stride(cfg: Config, rname: str) -> int:
+    rc = role(cfg, rname)
+    return stride(http_offsets(cfg, rc), rc.instances)
+
+
+def dist_stride(cfg: Config, rname: str) -> int:
+    rc = role(cfg, rname)
+    return stride(dist_offsets(cfg, rc), rc.instances)
+
+
+def instance_ports(cfg: Config, rname: str, i: int) -> list[tuple[int, str, str]]:
+    """(port, config key, what) of every listener of instance `i` of a role, on its head node."""
+    rc = role(cfg, rname)
+    http = rc.http_port + i * http_stride(cfg, rname)
+    dist = rc.dist_init_port + i * dist_stride(cfg, rname)
+    out = [(http + o, f"{rname}.http_port", what) for o, what in http_offsets(cfg, rc)]
+    out += [(dist + o, f"{rname}.dist_init_port", what) for o, what in dist_offsets(cfg, rc)]
+    if rname == "prefill":
+        out.append((rc.bootstrap_port + i, f"{rname}.bootstrap_port", "bootstrap"))
+    return out

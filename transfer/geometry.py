@@ -1,0 +1,253 @@
+"""KV geometry: how each engine keeps a rank's pages and metadata, and how many writes a request
+costs. The one owner of the write count (`expected_writes`).
+
+`pdtool plan`, the validate rules, the messenger and the SGLang backend all count with the
+functions below, from the same data, so the figure `pdtool plan` prints is the figure a decoder
+waits for.
+
+Pools as data. A `PagePool` says, for one engine: the buffers of one layer (fused K/V, separate
+K and V, or MLA's latent), the axes of one page of one buffer, outermost first, and whether the
+engine sends the KV of the last prompt token. From the axes follows how many contiguous runs a
+head slice of a page is (`PagePool.runs_per_page`): the product of the axes outside `heads`.
+
+  messenger HND   buffer per layer [pages, heads, parts, tokens, dim]  parts 2 (K,V) or 1 (MLA)
+  messenger NHD   buffer per layer [pages, tokens, heads, parts, dim]
+  sglang MHA      K and V buffers per layer, [slots, heads, dim]; page p = slots [pP, (p+1)P)
+  sglang MLA      one latent buffer per layer, [slots, 1, kv_lora_rank + rope]
+
+The messenger stops one token short (decode recomputes the last prompt token: its first decode
+step); SGLang's decoder allocates, and its prefill sends, every prompt token's KV
+(`kv_to_page_indices` of the whole prompt).
+
+Metadata as data. `AuxBuffer` is one row-per-request buffer sent once per request after the
+last chunk. The reference engine has one (the last hidden state); SGLang 0.5.23 registers every
+buffer of its `MetadataBuffers` (`sglang_metadata_buffers`, in `get_buf_infos` order), and the
+backend writes one row of each.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .routes import LAYOUTS, RouteError, ShardSpec, Slice, pages_for, routes_for
+
+if TYPE_CHECKING:  # transfer.layout needs numpy; `pdtool validate` must not load it
+    from .layout import KVLayout
+
+
+# --------------------------------------------------------------------------- page pools
+@dataclass(frozen=True)
+class PagePool:
+    """How an engine keeps one rank's KV pages.
+
+    `axes` names the dimensions of ONE page of one buffer, outermost first: `heads`, `tokens`
+    (the page size), `parts` (K and V fused per head entry) and `dim`. `layout` is the
+    `transfer.layout.KVLayout` kind that computes its byte offsets. `buffers` names the buffers
+    of one layer in registration order within the layer.
+    """
+
+    name: str
+    layout: str
+    axes: tuple[str, ...]
+    buffers: tuple[str, ...]
+    parts: int
+    whole_prompt: bool
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise RouteError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if "heads" not in self.axes:
+            raise RouteError(f"pool {self.name}: axes {self.axes} have no `heads` axis")
+
+    @property
+    def buffers_per_layer(self) -> int:
+        return len(self.buffers)
+
+    def runs_per_page(self, page_size: int) -> int:
+        """Contiguous runs a partial head slice of one page is: the axes outside `heads`."""
+        sizes = {"tokens": page_size, "parts": self.parts}
+        outer = self.axes[: self.axes.index("heads")]
+        return math.prod(sizes.get(a, 1) for a in outer)
+
+    def pages_for(self, num_tokens: int, page_size: int) -> int:
+        """Pages a prompt of `num_tokens` sends into."""
+        if self.whole_prompt:
+            return math.ceil(max(num_tokens, 0) / page_size)
+        return pages_for(num_tokens, page_size)
+
+
+#: The axes of one page of the messenger's fused buffers, per `transfer.layout`.
+MESSENGER_AXES = {
+    "HND": ("heads", "parts", "tokens", "dim"),
+    "NHD": ("tokens", "heads", "parts", "dim"),
+}
+
+
+def messenger_pool(layout: str, mla: bool = False) -> PagePool:
+    """pdtool's messenger (reference engine): one buffer per layer, K and V fused per head."""
+    if layout not in MESSENGER_AXES:
+        raise RouteError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return PagePool(f"messenger {layout}", layout, MESSENGER_AXES[layout],
+                    ("latent",) if mla else ("KV",), 1 if mla else 2, whole_prompt=False)
+
+
+def sglang_pool(mla: bool) -> PagePool:
+    """SGLang 0.5.23's device pools: NHD slot rows, K and V apart (MLA: one latent buffer)."""
+    return PagePool("sglang MLA" if mla else "sglang MHA", "NHD", ("tokens", "heads", "dim"),
+                    ("latent",) if mla else ("K", "V"), 1, whole_prompt=True)
+
+
+def _pool(layout: str | PagePool) -> PagePool:
+    return layout if isinstance(layout, PagePool) else messenger_pool(layout)
+
+
+# --------------------------------------------------------------------------- metadata buffers
+@dataclass(frozen=True)
+class AuxBuffer:
+    """One metadata buffer: a row of `row` elements of `itemsize` bytes per request slot."""
+
+    name: str
+    row: int
+    itemsize: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row * self.itemsize
+
+
+def reference_aux(hidden_size: int) -> tuple[AuxBuffer, ...]:
+    """The reference engine's one metadata buffer: the last hidden state, fp32."""
+    return (AuxBuffer("hidden_state", hidden_size, 4),)
+
+
+#: SGLang's default `--sampling-mask-max-tokens` (only sized rows, never the count).
+SGLANG_SAMPLING_MASK_TOKENS = 4096
+
+
+def sglang_metadata_buffers(*, sampling_mask: bool = False,
+                            max_sampling_mask_tokens: int = SGLANG_SAMPLING_MASK_TOKENS,
+                            dsa_topk_dim: int = 0, kv_checksum: bool = False,
+                            hidden_size: int = 16, hidden_itemsize: int = 4,
+                            max_top_logprobs: int = 128) -> tuple[AuxBuffer, ...]:
+    """SGLang 0.5.23 `MetadataBuffers.get_buf_infos()`, as data, in its order.
+
+    Optional buffers follow SGLang's switches: `SGLANG_ENABLE_DISAGG_SAMPLING_MASK` (three
+    sampling-mask buffers), a DSA model (`output_dsa_topk_indices`) and
+    `--disaggregation-enable-kv-checksum` (`kv_checksum`). Without speculative decoding the
+    scheduler sizes the hidden-state row at 16 fp32 (its RDMA padding).
+    """
+    i32, f32, i64, u64 = 4, 4, 8, 8
+    out = [AuxBuffer("output_ids", 16, i32), AuxBuffer("cached_tokens", 16, i32),
+           AuxBuffer("output_token_logprobs_val", 16, f32),
+           AuxBuffer("output_token_logprobs_idx", 16, i32),
+           AuxBuffer("output_top_logprobs_val", max_top_logprobs, f32),
+           AuxBuffer("output_top_logprobs_idx", max_top_logprobs, i32)]
+    if sampling_mask:
+        out += [AuxBuffer("output_token_sampling_mask_len", 16, i32),
+                AuxBuffer("output_token_sampling_mask_idx", max_sampling_mask_tokens, i32),
+                AuxBuffer("output_token_sampling_logprobs", max_sampling_mask_tokens, f32)]
+    out += [AuxBuffer("output_topk_p", 16, f32), AuxBuffer("output_topk_index", 16, i64),
+            AuxBuffer("output_hidden_states", hidden_size, hidden_itemsize)]
+    if dsa_topk_dim > 0:
+        out.append(AuxBuffer("output_dsa_topk_indices", dsa_topk_dim, i32))
+    out.append(AuxBuffer("bootstrap_room", 8, u64))
+    if kv_checksum:
+        out.append(AuxBuffer("kv_checksum", 8, u64))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- write counts
+def writes_per_page(sl: Slice, src: ShardSpec, dst: ShardSpec, layout: str | PagePool,
+                    page_size: int) -> int:
+    """RMA writes one slice needs per page and per layer buffer.
+
+    A slice covering every local head on both sides is one contiguous page; a partial head run
+    is `PagePool.runs_per_page` writes (HND: 1, heads outermost; NHD: one per token).
+    """
+    pool = _pool(layout)
+    whole = sl.num_heads == src.heads_per_rank == dst.heads_per_rank
+    return 1 if whole else pool.runs_per_page(page_size)
+
+
+def slice_ops(sl: Slice, src: ShardSpec, dst: ShardSpec, *, layout: str | PagePool,
+              page_size: int, num_pages: int, writes_per_op: int = 1) -> int:
+    """Completions one slice produces per layer buffer for a request of `num_pages` pages.
+
+    Its writes, in page order, go `writes_per_op` to an operation (one fi_writemsg with an iov
+    per write, one CQ entry on each side); operation boundaries sit at multiples of
+    `writes_per_op` from the first write, so the count does not depend on how the prompt was
+    chunked. 1 = one operation per write.
+    """
+    if writes_per_op < 1:
+        raise RouteError(f"writes_per_op must be >= 1, got {writes_per_op}")
+    writes = num_pages * writes_per_page(sl, src, dst, layout, page_size)
+    return -(-writes // writes_per_op)
+
+
+def expected_writes(slices: Sequence[Slice], src: ShardSpec, dst: ShardSpec, *,
+                    layout: str | PagePool, page_size: int, num_pages: int, num_layers: int,
+                    buffers_per_layer: int = 1, aux_writes: int = 0,
+                    writes_per_op: int = 1) -> int:
+    """Completions a decode rank counts before a request is complete.
+
+    With one write per operation: pages × layers × layer buffers × Σ_slices(writes per page) +
+    one write per metadata buffer. With `writes_per_op` > 1 each slice's writes per layer
+    buffer are grouped (`slice_ops`); metadata copies stay one operation each.
+    """
+    per_buffer = sum(slice_ops(s, src, dst, layout=layout, page_size=page_size,
+                               num_pages=num_pages, writes_per_op=writes_per_op)
+                     for s in slices)
+    return num_layers * buffers_per_layer * per_buffer + aux_writes
+
+
+# --------------------------------------------------------------------------- SGLang's buffers
+def sglang_buffer_layouts(data_lens: list[int], item_lens: list[int], heads_local: int,
+                          page_size: int) -> list[KVLayout]:
+    """NHD KVLayout of each SGLang layer buffer (KVArgs.kv_data_lens/kv_item_lens), in bytes
+    (itemsize 1).
+
+    An SGLang item is one page of one buffer: `page_size` tokens × `heads_local` heads ×
+    head bytes. kv_parts is 1: K and V live in separate buffers, MLA has one latent buffer.
+    """
+    from .layout import KVLayout, LayoutError
+
+    out = []
+    for i, (dlen, ilen) in enumerate(zip(data_lens, item_lens, strict=True)):
+        head_bytes, rem = divmod(ilen, page_size * heads_local)
+        if rem or head_bytes < 1:
+            raise LayoutError(
+                f"KV buffer {i}: item length {ilen} B is not page_size {page_size} × "
+                f"{heads_local} heads × whole head bytes"
+            )
+        out.append(KVLayout("NHD", dlen // ilen, heads_local, 1, page_size, head_bytes, 1))
+    return out
+
+
+def sglang_specs(is_mla: bool, total_heads: int, src_tp: int,
+                 dst_tp: int) -> tuple[ShardSpec, ShardSpec]:
+    """Shard specs of both sides from SGLang's attention TP sizes (MLA: one latent head)."""
+    heads = 1 if is_mla else total_heads
+    return ShardSpec(heads, src_tp), ShardSpec(heads, dst_tp)
+
+
+def sglang_slices(is_mla: bool, total_heads: int, prefill_tp: int, decode_tp: int,
+                  decode_rank: int) -> list[Slice]:
+    """Head slices decode rank `decode_rank` receives (MLA: one, from whichever rank SGLang
+    marked real; the prefill side uses the same function, so both agree on the count)."""
+    src, dst = sglang_specs(is_mla, total_heads, prefill_tp, decode_tp)
+    return routes_for(src, dst, decode_rank)
+
+
+def sglang_decode_writes(*, is_mla: bool, total_heads: int, prefill_tp: int, decode_tp: int,
+                         decode_rank: int, page_size: int, num_pages: int, num_buffers: int,
+                         num_aux: int) -> int:
+    """What the SGLang backend's decode rank waits for, from what it registered: `num_buffers`
+    KV buffers (len(KVArgs.kv_data_ptrs): every layer's K and V, or latent) and `num_aux`
+    metadata buffers (len(KVArgs.aux_data_ptrs)), for `num_pages` allocated pages."""
+    src, dst = sglang_specs(is_mla, total_heads, prefill_tp, decode_tp)
+    return expected_writes(routes_for(src, dst, decode_rank), src, dst,
+                           layout=sglang_pool(is_mla), page_size=page_size, num_pages=num_pages,
+                           num_layers=1, buffers_per_layer=num_buffers, aux_writes=num_aux)

@@ -1,0 +1,523 @@
+"""Staged GPU memory (`transfer.gpu_memory=staged`): KV moves through registered host memory.
+
+Where the provider cannot register GPU memory (Debian's libfabric has no CUDA; tcp;ofi_rxm never
+has FI_HMEM, see `transfer.gpu_memory`), the sender copies pages device -> host into a bounded
+pool of pinned, registered bounce buffers and writes from there; the receiver's writes land in a
+registered host landing area and are copied host -> device once the transfer's count is reached.
+The counting protocol is unchanged: every operation still carries the slot's immediate data and
+the decoder still counts operations; only the memory the operations read and write differs.
+
+Sender (prefill), one per endpoint::
+
+    pool = BouncePool(ep, buffers=4, buffer_bytes=8 << 20, device=kv.device)
+    sender = StagedSender(ep, pool)
+    for layer in finished_layers:                   # or all at once: an iterable of Chunk
+        nops += sender.send(peer, remote, [Chunk(kv_flat, src_offs, lengths, dst_offs)],
+                            imm=encode_imm(slot, gen), per_op=k)
+    sender.flush()                                  # every write completed locally
+
+`send` pipelines the chunks of one call: the device -> host copy of a chunk runs on a side
+stream (a worker thread for CPU tensors) while the writes of the previous chunk are posted
+(chunk i+1's copy is always issued before chunk i's writes), and a chunk's writes are posted
+only once its copy's event completed. At most `buffers`
+chunks are staged at a time (bounded memory: the pool is allocated once); a chunk larger than
+a buffer is split at multiples of `per_op` writes, so it becomes exactly as many operations as
+one `write_batch` of it would (the receiver's expected count does not change).
+
+Receiver (decode)::
+
+    landing = LandingPool(ep, capacity_bytes=256 << 20, block_bytes=1 << 20)
+    grant = landing.reserve(lengths)        # None when full: keep the request waiting
+    # send grant.region and grant.dst_offsets to the sender in place of the KV offsets,
+    # arm the slot and count exactly as for unstaged transfers; once the count is reached:
+    landing.deliver(grant, kv_flat, kv_offsets)   # host -> device; returns once copied
+    landing.release(grant)
+
+Both sides work on flat uint8 views of the KV buffers (torch tensors, CUDA or CPU). CUDA is
+imported only when a tensor is a CUDA tensor: on CPU the "device copy" is a host copy through
+the same code, which is what the CPU tests exercise.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import itertools
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .fabric import DEFAULT_TIMEOUT_S, Endpoint, FabricError, MemoryRegion, RemoteRegion
+
+__all__ = ["BouncePool", "Chunk", "LandingGrant", "LandingPool", "StagedSender"]
+
+
+@dataclass
+class Chunk:
+    """Pages of one layer (or any group) to send: `src` is a flat uint8 tensor (a KV buffer,
+    CUDA or CPU); write i copies src[src_offsets[i]:+lengths[i]] to the peer's
+    dst_offsets[i] (offsets into the remote region, e.g. a `LandingGrant`'s)."""
+
+    src: Any
+    src_offsets: np.ndarray
+    lengths: np.ndarray
+    dst_offsets: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.src_offsets = np.ascontiguousarray(self.src_offsets, dtype=np.uint64)
+        self.lengths = np.ascontiguousarray(self.lengths, dtype=np.uint64)
+        self.dst_offsets = np.ascontiguousarray(self.dst_offsets, dtype=np.uint64)
+        n = len(self.lengths)
+        if len(self.src_offsets) != n or len(self.dst_offsets) != n:
+            raise ValueError(f"Chunk: src_offsets/lengths/dst_offsets differ in length: "
+                             f"{len(self.src_offsets)}, {n}, {len(self.dst_offsets)}")
+        nbytes = _nbytes(self.src)
+        if n and int((self.src_offsets + self.lengths).max()) > nbytes:
+            raise ValueError(f"Chunk: a source range runs past the {nbytes}-byte buffer")
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lengths.sum())
+
+
+def _nbytes(t: Any) -> int:
+    return int(t.numel() * t.element_size())
+
+
+def _is_cuda(t: Any) -> bool:
+    return getattr(getattr(t, "device", None), "type", "cpu") == "cuda"
+
+
+def _uniform(offsets: np.ndarray, lengths: np.ndarray, *buffers: Any) -> int:
+    """The common length L when every range is an L-aligned L-byte page of buffers whose
+    sizes are multiples of L (the fast path: one index_select/index_copy per chunk instead of
+    one copy per page), else 0."""
+    if not len(lengths):
+        return 0
+    size = int(lengths[0])
+    if (size and bool((lengths == size).all()) and not bool((offsets % size).any())
+            and all(_nbytes(b) % size == 0 for b in buffers)):
+        return size
+    return 0
+
+
+class _Copier:
+    """Asynchronous copies between a KV tensor and host memory. CUDA tensors: on a side stream
+    of their device, completion = a recorded event. CPU tensors: on one worker thread (torch
+    releases the GIL while copying), completion = its future. Handles are opaque."""
+
+    def __init__(self, device: Any) -> None:
+        self.cuda = getattr(device, "type", "cpu") == "cuda"
+        if self.cuda:
+            import torch
+
+            self._torch = torch
+            self.stream = torch.cuda.Stream(device=device)
+        else:
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, "pdtool-staging")
+
+    # ------------------------------------------------------------------ sender: gather
+    def gather(self, src: Any, offsets: np.ndarray, lengths: np.ndarray, out: Any) -> Any:
+        """Copy the ranges of `src`, packed one after another, into the host tensor `out`."""
+        if not self.cuda:
+            return self._thread.submit(_gather_into, src, offsets, lengths, out)
+        torch = self._torch
+        self.stream.wait_stream(torch.cuda.current_stream(src.device))  # the pages are ready
+        with torch.cuda.stream(self.stream):
+            size = _uniform(offsets, lengths, src)
+            keep = None
+            if size:
+                idx = torch.as_tensor((offsets // size).astype(np.int64), device=src.device)
+                keep = src.view(-1, size).index_select(0, idx)  # packed on the GPU
+                out[:keep.numel()].view_as(keep).copy_(keep, non_blocking=True)
+            else:
+                pos = 0
+                for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True):
+                    out[pos:pos + n].copy_(src[o:o + n], non_blocking=True)
+                    pos += n
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event, keep  # keep the packed temporary alive until the event
+
+    # ------------------------------------------------------------------ receiver: scatter
+    def scatter(self, host: Any, host_offsets: np.ndarray, dst: Any, offsets: np.ndarray,
+                lengths: np.ndarray) -> None:
+        """Copy host[host_offsets[i]:+lengths[i]] to dst[offsets[i]:+lengths[i]]; returns
+        once the data is in `dst` (the engine may use the pages right after)."""
+        if not self.cuda:
+            _scatter_from(host, host_offsets, dst, offsets, lengths)
+            return
+        torch = self._torch
+        self.stream.wait_stream(torch.cuda.current_stream(dst.device))  # earlier uses of dst
+        with torch.cuda.stream(self.stream):
+            size = _uniform(offsets, lengths, dst)
+            if size:
+                # one host -> device copy per contiguous run of landed pages, then one
+                # index_copy_ into the KV pages
+                n = len(lengths)
+                packed = torch.empty(n * size, dtype=torch.uint8, device=dst.device)
+                for a, b in _runs(host_offsets, size):
+                    h = int(host_offsets[a])
+                    packed[a * size:b * size].copy_(host[h:h + (b - a) * size],
+                                                    non_blocking=True)
+                didx = torch.as_tensor((offsets // size).astype(np.int64), device=dst.device)
+                dst.view(-1, size).index_copy_(0, didx, packed.view(n, size))
+            else:
+                for h, o, n in zip(host_offsets.tolist(), offsets.tolist(), lengths.tolist(),
+                                   strict=True):
+                    dst[o:o + n].copy_(host[h:h + n], non_blocking=True)
+        self.stream.synchronize()
+
+    def done(self, handle: Any) -> bool:
+        return handle[0].query() if self.cuda else handle.done()
+
+    def wait(self, handle: Any) -> None:
+        if self.cuda:
+            handle[0].synchronize()
+        else:
+            handle.result()
+
+    def close(self) -> None:
+        if not self.cuda:
+            self._thread.shutdown(wait=True)
+
+
+def _runs(offsets: np.ndarray, size: int) -> list[tuple[int, int]]:
+    """[a, b) index ranges over which offsets[i] advance by exactly `size` (contiguous)."""
+    if not len(offsets):
+        return []
+    breaks = np.flatnonzero(np.diff(offsets.astype(np.int64)) != size) + 1
+    edges = [0, *breaks.tolist(), len(offsets)]
+    return list(itertools.pairwise(edges))
+
+
+def _gather_into(src: Any, offsets: np.ndarray, lengths: np.ndarray, out: Any) -> None:
+    import torch
+
+    size = _uniform(offsets, lengths, src)
+    if size:
+        idx = torch.as_tensor((offsets // size).astype(np.int64))
+        n = len(lengths)
+        torch.index_select(src.view(-1, size), 0, idx, out=out[:n * size].view(n, size))
+        return
+    pos = 0
+    for o, n in zip(offsets.tolist(), lengths.tolist(), strict=True):
+        out[pos:pos + n].copy_(src[o:o + n])
+        pos += n
+
+
+def _scatter_from(host: Any, host_offsets: np.ndarray, dst: Any, offsets: np.ndarray,
+                  lengths: np.ndarray) -> None:
+    import torch
+
+    size = _uniform(offsets, lengths, dst)
+    if size:
+        # one index_copy_ per contiguous run of landed pages, straight from the landing
+        # memory (an index_select first would allocate and fault in a temporary)
+        didx = torch.as_tensor((offsets // size).astype(np.int64))
+        for a, b in _runs(host_offsets, size):
+            h = int(host_offsets[a])
+            dst.view(-1, size).index_copy_(0, didx[a:b], host[h:h + (b - a) * size].view(-1, size))
+        return
+    for h, o, n in zip(host_offsets.tolist(), offsets.tolist(), lengths.tolist(), strict=True):
+        dst[o:o + n].copy_(host[h:h + n])
+
+
+def _host_memory(nbytes: int, pinned: bool) -> Any:
+    """A zeroed uint8 host tensor in its own huge-page-advised anonymous mapping (hostmem),
+    page-locked with cudaHostRegister when CUDA copies use it (so they run as DMA, without a
+    hidden staging copy). Not cudaHostAlloc: shm's receiver reads this memory with
+    process_vm_readv, which needs ordinary process pages, not a driver mapping."""
+    import torch
+
+    from .hostmem import host_buffer
+
+    buf = host_buffer((nbytes,), torch.uint8)
+    if pinned:
+        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
+        if err != 0 or not buf.is_pinned():
+            raise RuntimeError(f"staging: cudaHostRegister of {nbytes} bytes failed (cudaError "
+                               f"{err}); the bounce/landing memory cannot be page-locked")
+    return buf
+
+
+def _release_host_memory(buf: Any, pinned: bool) -> None:
+    if pinned:  # (not buf.is_pinned(): on CPU that asks the CUDA runtime)
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
+class BouncePool:
+    """`buffers` host bounce buffers of `buffer_bytes` each: one allocation, registered once on
+    `ep` (read by the local writes only). Buffer i counts its writes' local completions in
+    send_done[tag_base + i]; it is free again once they all completed."""
+
+    def __init__(self, ep: Endpoint, *, buffers: int = 4, buffer_bytes: int = 8 << 20,
+                 device: Any = "cpu", tag_base: int | None = None) -> None:
+        if buffers < 2:
+            raise ValueError(f"BouncePool: buffers must be >= 2 to overlap copies and writes, "
+                             f"got {buffers}")
+        if buffer_bytes < 1:
+            raise ValueError(f"BouncePool: buffer_bytes must be >= 1, got {buffer_bytes}")
+        if tag_base is None:
+            tag_base = ep.max_slots - buffers
+        if not 0 <= tag_base <= ep.max_slots - buffers:
+            raise ValueError(f"BouncePool: tags {tag_base}..{tag_base + buffers - 1} do not fit "
+                             f"the endpoint's {ep.max_slots} slots")
+        import torch
+
+        self.device = torch.device(device)
+        self.buffers = buffers
+        self.buffer_bytes = buffer_bytes
+        self.tag_base = tag_base
+        self.memory = _host_memory(buffers * buffer_bytes, pinned=self.device.type == "cuda")
+        self.mr: MemoryRegion = ep.register_buffer(self.memory, remote_write=False)
+        self._ep = ep
+        self.posted = np.zeros(buffers, dtype=np.int64)  # operations posted per buffer, ever
+        self._free = collections.deque(range(buffers))
+        self._inflight: list[int] = []  # posted, writes not yet all completed (oldest first)
+        self.in_use_peak = 0
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Host memory the pool holds (fixed at creation, whatever is sent through it)."""
+        return self.buffers * self.buffer_bytes
+
+    @property
+    def has_free(self) -> bool:
+        return bool(self._free)
+
+    def view(self, i: int) -> Any:
+        return self.memory[i * self.buffer_bytes:(i + 1) * self.buffer_bytes]
+
+    def _target(self, i: int) -> int:
+        return int(self.posted[i] & 0xFFFFFFFF)  # send_done is uint32
+
+    def take(self, timeout: float) -> int:
+        """A free buffer; waits (driving the endpoint's writes) while all are in use."""
+        if not self._free:
+            self.reclaim(block=True, timeout=timeout)
+        i = self._free.popleft()
+        self.in_use_peak = max(self.in_use_peak, self.buffers - len(self._free))
+        return i
+
+    def posted_to(self, i: int, ops: int) -> None:
+        """Buffer i's writes were posted: it is free once `ops` more completed locally."""
+        self.posted[i] += ops
+        self._inflight.append(i)
+
+    def reclaim(self, *, block: bool, timeout: float) -> None:
+        """Free the buffers whose writes all completed; with `block`, wait for the oldest one
+        when none has (FabricError on timeout or when one of its writes failed)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            done = [i for i in self._inflight
+                    if int(self._ep.send_done[self.tag_base + i]) >= self._target(i)]
+            for i in done:
+                self._inflight.remove(i)
+                self._free.append(i)
+            if self._free or not block or not self._inflight:
+                return
+            oldest = self._inflight[0]
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._ep.wait_send(self.tag_base + oldest, self._target(oldest),
+                                                   left):
+                raise FabricError("staged send", 110, f"no bounce buffer came free within "
+                                  f"{timeout:.1f} s (writes not completing)")
+
+    def wait_all(self, timeout: float) -> None:
+        """Until every posted write completed locally (FabricError on timeout or a failed
+        write, whose completion error names the buffer's tag)."""
+        deadline = time.monotonic() + timeout
+        while self._inflight:
+            i = self._inflight[0]
+            left = max(0.0, deadline - time.monotonic())
+            if not self._ep.wait_send(self.tag_base + i, self._target(i), left):
+                raise FabricError("staged send", 110, f"bounce buffer {i}'s writes did not "
+                                  f"complete within {timeout:.1f} s")
+            self.reclaim(block=False, timeout=0)
+
+    def close(self) -> None:
+        self.mr.close()
+        _release_host_memory(self.memory, self.device.type == "cuda")
+
+
+@dataclass
+class _Staged:
+    index: int
+    buffer: int
+    chunk: Chunk
+    handle: Any
+
+
+class StagedSender:
+    """Sends Chunks through a BouncePool (see the module docstring). One thread at a time: the
+    thread that owns the endpoint. `trace` (when a list) records ("copy", i) when piece i's
+    device -> host copy is issued and ("post", i) once its writes were posted."""
+
+    def __init__(self, ep: Endpoint, pool: BouncePool, *,
+                 trace: list[tuple[str, int]] | None = None,
+                 timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.ep = ep
+        self.pool = pool
+        self.trace = trace
+        self.timeout = timeout
+        self._copier = _Copier(pool.device)
+        self._count = 0
+
+    def _pieces(self, chunk: Chunk, per_op: int) -> Iterable[Chunk]:
+        """`chunk` cut to fit one bounce buffer, each piece but the last a multiple of `per_op`
+        writes (so the pieces make as many operations as the whole chunk would)."""
+        cap = self.pool.buffer_bytes
+        n = len(chunk.lengths)
+        ends = np.cumsum(chunk.lengths, dtype=np.uint64)
+        start, base = 0, 0
+        while start < n:
+            fit = int(np.searchsorted(ends, base + cap, side="right"))  # writes that fit
+            stop = n if fit >= n else start + (fit - start) // per_op * per_op
+            if stop <= start:
+                raise ValueError(f"StagedSender: {per_op} write(s) of up to "
+                                 f"{int(chunk.lengths.max())} bytes do not fit a {cap}-byte "
+                                 f"bounce buffer")
+            yield Chunk(chunk.src, chunk.src_offsets[start:stop], chunk.lengths[start:stop],
+                        chunk.dst_offsets[start:stop])
+            base = int(ends[stop - 1])
+            start = stop
+
+    def send(self, peer: int | Sequence[int], remote: RemoteRegion | Sequence[RemoteRegion],
+             chunks: Iterable[Chunk], *, imm: int, per_op: int = 1) -> int:
+        """Stage and write every chunk, in order; returns the operations posted. Returns once
+        all are POSTED; `flush` waits for their local completion."""
+        staged: collections.deque[_Staged] = collections.deque()
+        nops = 0
+        pieces = (p for c in chunks for p in self._pieces(c, per_op))
+        pending = next(pieces, None)
+        while pending is not None or staged:
+            if pending is not None and not self.pool.has_free:
+                self.pool.reclaim(block=False, timeout=0)
+            # issue copies ahead while a buffer is free, and always the next piece's before
+            # this piece's writes are posted (waiting for a buffer if need be): the copy of
+            # piece i+1 runs while piece i's writes go out
+            while pending is not None and (self.pool.has_free or len(staged) < 2):
+                buf = self.pool.take(self.timeout)
+                handle = self._copier.gather(pending.src, pending.src_offsets, pending.lengths,
+                                             self.pool.view(buf))
+                staged.append(_Staged(self._count, buf, pending, handle))
+                if self.trace is not None:
+                    self.trace.append(("copy", self._count))
+                self._count += 1
+                pending = next(pieces, None)
+            s = staged.popleft()
+            self._copier.wait(s.handle)  # the writes read the bounce buffer: copy first
+            lengths = s.chunk.lengths
+            src = np.zeros(len(lengths), dtype=np.uint64)
+            np.cumsum(lengths[:-1], dtype=np.uint64, out=src[1:])
+            src += np.uint64(s.buffer * self.pool.buffer_bytes)
+            ops = self.ep.write_batch(peer, self.pool.mr, remote, src, s.chunk.dst_offsets,
+                                      lengths, imm, self.pool.tag_base + s.buffer,
+                                      per_op=per_op, timeout=self.timeout)
+            self.pool.posted_to(s.buffer, ops)
+            nops += ops
+            if self.trace is not None:
+                self.trace.append(("post", s.index))
+        return nops
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every posted write completed locally (bounce buffers all free). After a
+        FabricError from `send` or `flush` (a peer that stopped draining, a failed write) the
+        pool's buffers may still be read by posted writes: close the pool with the endpoint
+        (and the peer) rather than reuse it."""
+        self.pool.wait_all(self.timeout if timeout is None else timeout)
+
+    def close(self) -> None:
+        self._copier.close()
+
+
+@dataclass(frozen=True)
+class LandingGrant:
+    """Landing space for one transfer: write i of it goes to `dst_offsets[i]` of `region`."""
+
+    blocks: tuple[int, ...]
+    dst_offsets: np.ndarray
+    lengths: np.ndarray
+    region: RemoteRegion
+
+
+class LandingPool:
+    """The receiver's registered host landing area, `capacity_bytes` in blocks of
+    `block_bytes`. A transfer reserves whole blocks for its writes (packed in order; a write
+    never straddles two blocks), so memory stays bounded by the capacity whatever the KV size,
+    and a request that does not fit waits for an earlier one's release."""
+
+    def __init__(self, ep: Endpoint, *, capacity_bytes: int, block_bytes: int = 1 << 20,
+                 device: Any = "cpu") -> None:
+        if block_bytes < 1 or capacity_bytes < block_bytes:
+            raise ValueError(f"LandingPool: need 1 <= block_bytes <= capacity_bytes, got "
+                             f"{block_bytes}, {capacity_bytes}")
+        import torch
+
+        self.device = torch.device(device)
+        self.block_bytes = block_bytes
+        self.nblocks = capacity_bytes // block_bytes
+        self.memory = _host_memory(self.nblocks * block_bytes,
+                                   pinned=self.device.type == "cuda")
+        self.mr = ep.register_buffer(self.memory)
+        self._free = collections.deque(range(self.nblocks))
+        self._copier = _Copier(self.device)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.nblocks * self.block_bytes
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def reserve(self, lengths: np.ndarray) -> LandingGrant | None:
+        """Landing offsets for writes of these lengths, or None while not enough blocks are
+        free (ValueError when they could never fit)."""
+        lengths = np.ascontiguousarray(lengths, dtype=np.uint64)
+        if len(lengths) and int(lengths.max()) > self.block_bytes:
+            raise ValueError(f"LandingPool: a {int(lengths.max())}-byte write exceeds the "
+                             f"{self.block_bytes}-byte block")
+        # pack the writes in order, opening a new block when the next one does not fit
+        block_of = np.zeros(len(lengths), dtype=np.int64)
+        within = np.zeros(len(lengths), dtype=np.uint64)
+        need, fill = 0, self.block_bytes
+        for i, n in enumerate(lengths.tolist()):
+            if fill + n > self.block_bytes:
+                need, fill = need + 1, 0
+            block_of[i], within[i] = need - 1, fill
+            fill += n
+        if need > self.nblocks:
+            raise ValueError(f"LandingPool: the transfer needs {need} blocks, the pool has "
+                             f"{self.nblocks}")
+        if need > len(self._free):
+            return None
+        blocks = tuple(self._free.popleft() for _ in range(need))
+        base = np.array(blocks, dtype=np.uint64) * np.uint64(self.block_bytes)
+        dst = base[block_of] + within if need else within
+        return LandingGrant(blocks, dst, lengths, self.mr.descriptor())
+
+    def deliver(self, grant: LandingGrant, dst: Any, dst_offsets: np.ndarray) -> None:
+        """Copy the landed writes into `dst` (flat uint8 KV tensor, CUDA or CPU) at
+        `dst_offsets`; returns once the data is there. Call after the count is reached."""
+        dst_offsets = np.ascontiguousarray(dst_offsets, dtype=np.uint64)
+        if len(dst_offsets) != len(grant.lengths):
+            raise ValueError(f"deliver: {len(dst_offsets)} destinations for "
+                             f"{len(grant.lengths)} writes")
+        if len(dst_offsets) and int((dst_offsets + grant.lengths).max()) > _nbytes(dst):
+            raise ValueError("deliver: a destination range runs past the KV buffer")
+        self._copier.scatter(self.memory, grant.dst_offsets, dst, dst_offsets, grant.lengths)
+
+    def release(self, grant: LandingGrant) -> None:
+        self._free.extend(grant.blocks)
+
+    def close(self) -> None:
+        self._copier.close()
+        self.mr.close()
+        _release_host_memory(self.memory, self.device.type == "cuda")

@@ -1,0 +1,93 @@
+"""The SGLang backend's control frames (transfer/sglang/conn.py), in the one envelope.
+
+SGLang's own sockets carry them: a decode rank PUSHes to each prefill rank's bootstrap port,
+so the frames travel one way. On the wire a frame is `[TAG, payload, mac]` — the tag lets the
+prefill's control loop tell pdtool frames from SGLang's ABORT notifications on the same socket
+— and `Frames` seals and opens them (the envelope's `[payload, mac]` behind the tag).
+
+  * HELLO (was REG; decode rank -> each prefill rank, once): the decode rank's static data —
+    its endpoint, provider, TP layout, pool geometry, registered KV and aux regions — and the
+    compatibility hash of the facts both sides must share (`facts`).
+  * META (decode rank -> prefill rank, per request): the room, the decoder's page ids, the
+    aux row, the transfer slot and generation, SGLang's destination count and prefix length.
+
+Binding: every frame but HELLO must carry the prefill rank's session id; with one-way
+sockets the decode rank learns it from the prefill rank's entry in SGLang's bootstrap
+registry (the prefill publishes `Frames.session.hex()` with its rank address), so a frame
+captured before the prefill restarted names a session that no longer exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .envelope import Envelope, Message, Protocol
+from .fields import (
+    Check,
+    WireError,
+    bool_field,
+    bytes_field,
+    int_field,
+    list_field,
+    map_field,
+    optional,
+    str_field,
+)
+from .handshake import COMPAT_BYTES
+
+TAG = b"PDTOOL"
+_NAT = int_field(0, 1 << 31)
+_POS = int_field(1, 1 << 31)
+_REGION = map_field({"base": int_field(), "key": int_field(), "length": int_field()})
+_PEER = str_field(300, min_len=1)
+
+SCHEMAS: dict[str, Check] = {
+    "HELLO": map_field({
+        "compat": bytes_field(COMPAT_BYTES, min_len=COMPAT_BYTES),
+        "peer": _PEER, "ip": str_field(256, min_len=1), "port": int_field(1, 65535),
+        "fabric_name": bytes_field(1024, min_len=1), "provider": str_field(64),
+        "tp_size": _POS, "tp_rank": _NAT, "is_mla": bool_field(),
+        "total_kv_heads": _NAT, "heads_local": _NAT, "page_size": _POS,
+        "kv": list_field(_REGION, 1 << 14), "kv_data_lens": list_field(int_field(), 1 << 14),
+        "kv_item_lens": list_field(int_field(), 1 << 14),
+        "aux": list_field(_REGION, 64), "aux_item_lens": list_field(int_field(), 64),
+    }),
+    "META": map_field({
+        "peer": _PEER, "room": int_field(0, (1 << 64) - 1),
+        "kv_indices": bytes_field(64 << 20, 4),    # int32 page ids, native order
+        "aux_index": optional(_NAT), "slot": int_field(0, 0xFFFF), "gen": int_field(0, 0xFFFF),
+        "required_dst_info_num": _POS, "is_dummy": bool_field(), "decode_prefix_len": _NAT,
+    }),
+}
+
+SGLANG = Protocol("sglang", SCHEMAS)
+
+
+def facts(*, provider: str, is_mla: bool, page_size: int, total_kv_heads: int,
+          num_kv_buffers: int, aux_item_lens: list[int]) -> dict[str, Any]:
+    """What prefill and decode must agree on (HELLO.compat). KV heads only count without
+    MLA (the latent is replicated)."""
+    return {"provider": provider, "is_mla": is_mla, "page_size": page_size,
+            "total_kv_heads": 0 if is_mla else total_kv_heads,
+            "num_kv_buffers": num_kv_buffers, "aux_item_lens": list(aux_item_lens)}
+
+
+class Frames:
+    """The pair SGLang's sockets use: `encode(kind, body, to)` -> `[TAG, payload, mac]` and
+    `decode(msg)` -> the verified `Message`; WireError (a ValueError) names what was
+    refused. One per manager (its session); construction refuses a missing secret."""
+
+    def __init__(self, secret: bytes, sender: str) -> None:
+        self.envelope = Envelope(secret, sender, SGLANG)
+
+    @property
+    def session(self) -> bytes:
+        return self.envelope.session
+
+    def encode(self, kind: str, body: dict[str, Any], to: bytes = b"") -> list[bytes]:
+        return [TAG, *self.envelope.seal(kind, body, to)]
+
+    def decode(self, msg: list[bytes]) -> Message:
+        if len(msg) != 3 or msg[0] != TAG:
+            raise WireError(f"not a pdtool control frame ({len(msg)} parts)")
+        return self.envelope.open(msg[1:])
