@@ -21,7 +21,7 @@ from pdtool.bench.stats import (
     stage_rates,
     summarize,
 )
-from pdtool.commands.bench import BenchError, aggregated_overrides, interleave
+from pdtool.commands.bench import aggregated_overrides, interleave
 
 
 def rec(start: float, stamps: list[float], tokens: list[int] | None = None, inp: int = 10,
@@ -137,16 +137,16 @@ def test_interleave_alternates_targets_and_covers_every_request():
     assert len(interleave(["a", "b"], [0, 1], rounds=8)) == 4  # never more rounds than requests
 
 
-def test_compare_refuses_a_config_without_mode():
+def test_aggregated_twin_moves_every_port():
     from pdtool.compose import load_config
 
     cfg, _ = load_config(["+recipe=tiny-local"])
-    if hasattr(cfg, "mode"):
-        over = aggregated_overrides(cfg, ["+recipe=tiny-local"], offset=100)
-        assert "mode=aggregated" in over and f"router.port={cfg.router.port + 100}" in over
-    else:
-        with pytest.raises(BenchError, match="no `mode` key"):
-            aggregated_overrides(cfg, [])
+    over = aggregated_overrides(cfg, ["+recipe=tiny-local"], offset=100)
+    assert over[:2] == ["+recipe=tiny-local", "mode=aggregated"]
+    assert f"router.port={cfg.router.port + 100}" in over
+    assert f"decode.http_port={cfg.decode.http_port + 100}" in over
+    twin, _ = load_config(over)
+    assert twin.mode == "aggregated" and twin.prefill.http_port == cfg.prefill.http_port + 100
 
 
 def bench_cli(*args: str) -> subprocess.CompletedProcess[str]:

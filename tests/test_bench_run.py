@@ -49,3 +49,33 @@ def test_launch_sweep_writes_results_and_plot(tmp_path: Path):
     assert "balanced prefill:decode = 1:" in log
     png = (out / "latency.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_compare_aggregated_runs_both_deployments_interleaved(tmp_path: Path):
+    """--compare aggregated starts the mode=aggregated twin on moved ports in its own job
+    folder, runs the same prompts against both, and writes one summary per target."""
+    ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
+             f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
+             f"decode.dist_init_port={free_port()}", f"prefill.bootstrap_port={free_port()}"]
+    out = tmp_path / "bench"
+    p = subprocess.run(
+        [sys.executable, "-m", "pdtool.cli", "bench", "+recipe=tiny-local", *ports,
+         f"launcher.output_dir={tmp_path}", "--launch", "--compare", "aggregated",
+         "--concurrency", "1", "--requests", "4", "--rounds", "2", "--isl", "16", "--osl", "3",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600, check=False)
+    log = p.stdout + p.stderr
+    assert p.returncode == 0, log
+    assert "disaggregated / aggregated" in log
+    doc = json.loads((out / "results.json").read_text())
+    runs = {r["target"]: r for r in doc["runs"]}
+    assert set(runs) == {"disaggregated", "aggregated"}
+    for r in runs.values():
+        assert r["summary"]["completed"] == 4
+    # the same prompts went to both
+    assert [x["input_tokens"] for x in runs["disaggregated"]["records"]] == \
+        [x["input_tokens"] for x in runs["aggregated"]["records"]]
+    twin = [d for d in tmp_path.iterdir() if (d / "aggregated" / "plan.json").exists()]
+    assert len(twin) == 1
+    assert json.loads((twin[0] / "aggregated" / "plan.json").read_text())["mode"] == "aggregated"
+    assert json.loads((twin[0] / "plan.json").read_text())["mode"] == "disaggregated"

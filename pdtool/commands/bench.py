@@ -316,7 +316,9 @@ def _launch_and_bench(args: argparse.Namespace, cfg: Any, bench: Any, err: Any) 
     if twin is None:
         return supervisor(rendered).run(
             smoke=lambda url: bench({"disaggregated": url}, out), task="bench")
-    agg, code = render_or_explain(twin, None)
+    # its own job folder inside the first one: two folders named by the same second would
+    # be one, and the first deployment's workers would read the twin's plan
+    agg, code = render_or_explain(twin, rendered.out / "aggregated")
     if agg is None:
         return code
 
