@@ -162,6 +162,10 @@ class TransferConfig:
     lanes: int = 0  # receive endpoints per decode rank, each copying on its own thread (0: 2 on
     # shm, where the receiver does every copy; 1 elsewhere)
     backend_name: str = "pdtool"  # name given to SGLang's --disaggregation-transfer-backend
+    # how KV in GPU memory reaches the fabric: auto | direct (FI_HMEM) | staged (host bounce
+    # buffers); transfer.gpu_memory has the rule (engine=sglang; the reference engine's KV is
+    # in host memory)
+    gpu_memory: str = "auto"
 
 
 @dataclass

@@ -64,6 +64,7 @@ def _knobs() -> list[tuple[str, object]]:
     out += [("transfer.provider", v) for v in (*PROVIDERS, "ucx")]
     out += [("transfer.layout", v) for v in ("HND", "NHD", "HDN")]
     out += [("transfer.lanes", v) for v in (-1, 0, 2, 9)]
+    out += [("transfer.gpu_memory", v) for v in ("auto", "direct", "staged", "host")]
     out += [("launcher.kind", v) for v in ("local", "slurm", "pbs")]
     out += [("engine.kind", v) for v in ("reference", "sglang", "vllm")]
     out += [("router.port", v) for v in (8000, 30000, 31001, 99999)]

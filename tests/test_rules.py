@@ -425,3 +425,25 @@ def test_validate_orders_errors_first_and_stops_on_bad_values():
     cfg.decode.http_port = cfg.prefill.http_port  # would be a port error in a later stage
     found = validate(cfg)
     assert [f.key for f in found] == ["prefill.tp"]
+
+
+# --- GPU memory ---------------------------------------------------------------------------
+
+
+def test_gpu_memory_direct_needs_a_provider_with_fi_hmem():
+    f = assert_error(recipe("llama-3.1-70b", "transfer=tcp", "transfer.gpu_memory=direct"),
+                     "transfer.gpu_memory", "tcp;ofi_rxm cannot register GPU memory", "FI_HMEM")
+    assert "staged" in f.fix
+    assert not [f for f in validate(recipe("llama-3.1-70b", "transfer.gpu_memory=direct"))
+                if f.key == "transfer.gpu_memory"]  # efa may: the worker checks at start-up
+    assert_error(recipe("llama-3.1-70b", "transfer.gpu_memory=yes"), "transfer.gpu_memory",
+                 "'yes' is not one of auto | direct | staged")
+
+
+def test_gpu_memory_does_not_apply_to_the_reference_engine():
+    assert_error(compose("transfer.gpu_memory=staged"), "transfer.gpu_memory",
+                 "reference engine keeps its KV in host memory")
+    plan = build_plan(compose()).transfer
+    assert (plan.gpu_memory, plan.gpu_memory_path.split(" ")[0]) == ("auto", "host")
+    sg = build_plan(recipe("llama-3.1-70b", "transfer=tcp", "transfer.gpu_memory=staged"))
+    assert sg.transfer.gpu_memory_path.startswith("transfer.gpu_memory=staged: staged")

@@ -152,6 +152,7 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
         f"{t.decode.attn_tp} ({t.decode.heads_per_rank} head(s)/rank"
         f"{', replicated' if t.decode.replicated else ''})"
     )
+    con.print(f"GPU memory: {t.gpu_memory_path}")
     con.print(f"routes: {t.summary}")
     ct = Table(
         title=f"routes for a {t.tokens}-token request ({t.pages_per_request} pages x "

@@ -100,7 +100,7 @@ class SlicePlan:
     num_heads: int
     src_head_off: int
     dst_head_off: int
-    writes_per_page: int  # per page and layer buffer, in the effective layout (page_layout)
+    writes_per_page: int  # per page and layer buffer, in the engine's pages (routes.kv_pool)
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ class ShardPlan:
 @dataclass(frozen=True)
 class TransferPlan:
     provider: str
-    layout: str  # the page layout written (page_layout), not always transfer.layout
+    layout: str  # the page layout written (routes.kv_pool), not always transfer.layout
     backend_name: str
     timeout_s: float
     connect_timeout_s: float
@@ -147,7 +147,9 @@ class TransferPlan:
     peer_timeout_s: float = 5.0  # messenger liveness (transfer.peer_timeout_s)
     heartbeat_s: float = 0.5
     lanes: int = 0  # decoder receive lanes (transfer.lanes; 0: the messenger's default)
-    layout_source: str = LAYOUT_FROM_CONFIG  # where `layout` comes from (page_layout)
+    layout_source: str = LAYOUT_FROM_CONFIG  # where `layout` comes from (routes.kv_pool)
+    gpu_memory: str = "auto"  # transfer.gpu_memory: auto | direct | staged
+    gpu_memory_path: str = ""  # what that means here (transfer.gpu_memory.choose_gpu_memory)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from pdtool.plan.records import (
 from pdtool.schema import Config, kv_dtype, kv_head_width, role, role_dims
 from transfer import geometry as G
 from transfer import routes as R
+from transfer.gpu_memory import choose_gpu_memory
 
 #: SGLang switches that add metadata buffers (`geometry.sglang_metadata_buffers`).
 SGLANG_SAMPLING_MASK_ENV = "SGLANG_ENABLE_DISAGG_SAMPLING_MASK"
@@ -150,6 +151,14 @@ def route_summary(cfg: Config) -> str:
     return "; ".join(parts)
 
 
+def gpu_memory_path(cfg: Config) -> str:
+    """How KV in GPU memory reaches the fabric, as the host can tell (the worker decides `auto`
+    from the node's probe); the reference engine's KV is in host memory."""
+    if cfg.engine.kind == "reference":
+        return "host memory (the reference engine's KV is not on a GPU)"
+    return choose_gpu_memory(cfg.transfer.gpu_memory, cfg.transfer.provider).line()
+
+
 def _shard_plan(spec: R.ShardSpec) -> ShardPlan:
     return ShardPlan(
         num_kv_heads=spec.num_kv_heads,
@@ -175,6 +184,8 @@ def transfer_plan(cfg: Config, tokens: int) -> TransferPlan:
         peer_timeout_s=tr.peer_timeout_s,
         heartbeat_s=tr.heartbeat_s,
         lanes=tr.lanes,
+        gpu_memory=tr.gpu_memory,
+        gpu_memory_path=gpu_memory_path(cfg),
         aux_writes=len(aux_buffers(cfg)),
         page_size=cfg.decode.page_size,
         kv_dtype=kv_dtype(model, role(cfg, "decode")),

@@ -8,6 +8,7 @@ a value it cannot compute with (tp=0, an unknown provider, an impossible placeme
    arithmetic GPUs per instance vs nodes, launcher, engine     (rules.topology.ARITHMETIC)
    engine     what the reference CPU engine can run           (rules.reference)
    experts    expert parallelism, FP8 MoE blocks              (rules.moe)
+   GPU memory direct/staged/auto for the engine and provider   (rules.gpu_memory)
 3. placed     idle GPUs, provider/NIC kinds, NIC per rank, ports, memory fit, NHD write count,
               what a Slurm job asks for                       (rules.launch)
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from pdtool.rules import (
+    gpu_memory,
     launch,
     memfit,
     moe,
@@ -34,7 +36,7 @@ Rule = Callable[[Config], list[Finding]]
 
 STAGES: tuple[tuple[Rule, ...], ...] = (
     values.ALL,
-    shards.ALL + topology.ARITHMETIC + reference.ALL + moe.ALL,
+    shards.ALL + topology.ARITHMETIC + reference.ALL + moe.ALL + gpu_memory.ALL,
     topology.PLACED + ports.ALL + memfit.ALL + (shards.check_nhd_writes,) + sglang.ALL
     + launch.ALL,
 )

@@ -28,6 +28,7 @@ from pdtool.schema import (
     dims,
     role,
 )
+from transfer.gpu_memory import GPU_MEMORY_MODES
 
 ROUTER_POLICIES = ("round_robin", "random", "cache_aware", "power_of_two")
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$|^(infinite|UNLIMITED)$")
@@ -257,6 +258,7 @@ def check_transfer(cfg: Config) -> list[Finding]:
     t = cfg.transfer
     out = _choice("transfer.provider", t.provider, PROVIDERS)
     out += _choice("transfer.layout", t.layout, LAYOUTS)
+    out += _choice("transfer.gpu_memory", t.gpu_memory, GPU_MEMORY_MODES)
     if not 0 <= t.lanes <= MAX_LANES:
         out.append(error("transfer.lanes", f"receive lanes per decode rank must be 0 (automatic) "
                          f"to {MAX_LANES}, got {t.lanes}",

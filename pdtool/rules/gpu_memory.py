@@ -1,0 +1,29 @@
+"""`transfer.gpu_memory`: whether the chosen path can move KV held in GPU memory.
+
+The rule itself is `transfer.gpu_memory.gpu_memory_problem` (shared with the workers, which
+decide `auto` from the node's probe); here it becomes a finding naming the key. The reference
+engine keeps its KV in host memory, so only `auto` means anything there.
+"""
+
+from __future__ import annotations
+
+from pdtool.rules.finding import Finding, error
+from pdtool.schema import Config
+from transfer.gpu_memory import KEY, gpu_memory_problem
+
+
+def check_gpu_memory(cfg: Config) -> list[Finding]:
+    mode = cfg.transfer.gpu_memory
+    if cfg.engine.kind == "reference":
+        if mode == "auto":
+            return []
+        return [error(KEY, f"{KEY}={mode}: the reference engine keeps its KV in host memory, "
+                           "there is no GPU memory to register or stage",
+                      f"leave {KEY}=auto (or use engine=sglang)")]
+    problem = gpu_memory_problem(mode, cfg.transfer.provider)
+    if problem is None:
+        return []
+    return [error(KEY, problem, f"use {KEY}=staged (or auto)")]
+
+
+ALL = (check_gpu_memory,)
