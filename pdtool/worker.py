@@ -145,8 +145,52 @@ def worker_env(ctx: WorkerContext) -> dict[str, str]:
         per_rank=ctx.plan.engine not in PER_NODE_ENGINES)
 
 
-def startup_line(ctx: WorkerContext, node: str) -> str:
-    """One greppable line saying what this process resolved (tests read it from the logs)."""
+def kv_in_gpu_memory(plan: Any) -> bool:
+    """The KV cache lives in GPU memory only with SGLang on a GPU cluster; the reference
+    engine keeps it in host memory (torch on CPU), where `transfer.gpu_memory` has no say."""
+    return plan.engine == "sglang" and plan.cluster.device == "cuda"
+
+
+def gpu_memory_choice(ctx: WorkerContext) -> Any:
+    """The path KV in GPU memory takes on this node (`transfer.gpu_memory.GpuMemoryChoice`),
+    or None when the KV is in host memory. `auto`/`direct` ask the node's libfabric
+    (`transfer.fabric.gpu_direct_support`, on the rank's NIC: one endpoint, no GPU and no CUDA
+    needed); a provider that never has FI_HMEM, or `staged`, needs no probe. `direct` on a node
+    that cannot is a WorkerError with the probe's reason, before any engine starts."""
+    if ctx.instance is None or not kv_in_gpu_memory(ctx.plan):
+        return None
+    from transfer.gpu_memory import NO_HMEM_PROVIDERS, choose_gpu_memory
+
+    t = ctx.plan.transfer
+    probe = None
+    if t.gpu_memory != "staged" and t.provider not in NO_HMEM_PROVIDERS:
+        probe = _gpu_direct_probe(t.provider, ctx.ranks[0].nics)
+    try:
+        return choose_gpu_memory(t.gpu_memory, t.provider, probe)
+    except ValueError as e:
+        raise WorkerError(str(e)) from None
+
+
+def _gpu_direct_probe(provider: str, nics: Any) -> tuple[bool, str]:
+    """`gpu_direct_support` on the rank's first NIC (EFA's RDM domain carries `-rdm`), else on
+    the provider's default domain (shm has one per host)."""
+    try:
+        from transfer.fabric import gpu_direct_support
+    except ImportError as e:
+        raise WorkerError(f"transfer.gpu_memory: cannot load the libfabric binding to ask "
+                          f"whether {provider} registers GPU memory ({e})") from None
+    nic = nics[0] if nics and provider != "shm" else None
+    answer = (False, "no domain tried")
+    for domain in ([nic, f"{nic}-rdm"] if nic else []) + [None]:
+        answer = gpu_direct_support(provider, domain=domain)
+        if answer[0]:
+            return answer
+    return answer
+
+
+def startup_line(ctx: WorkerContext, node: str, gpu_memory: Any = None) -> str:
+    """One greppable line saying what this process resolved (tests read it from the logs).
+    `gpu_memory`: `gpu_memory_choice(ctx)` (None: the KV is in host memory)."""
     parts = [f"role={ctx.role}", f"node={node}", f"host={ctx.host}", f"engine={ctx.plan.engine}"]
     if ctx.instance is not None:
         rs = ctx.ranks
@@ -160,6 +204,7 @@ def startup_line(ctx: WorkerContext, node: str) -> str:
             f"numa={','.join(str(r.numa) for r in rs)}",
             f"cpus={rs[0].cpus or '-'}",
             f"FI_PROVIDER={os.environ.get('FI_PROVIDER', '-')}",
+            f"gpu_memory={gpu_memory.path if gpu_memory is not None else 'host'}",
         ]
     else:
         parts.append(f"plan_node={ctx.plan.router.node}")
@@ -293,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         node = check_node(args.expect_node)
         ctx.env = worker_env(ctx)
         os.environ.update(ctx.env)
-        print(startup_line(ctx, node), flush=True)
+        choice = gpu_memory_choice(ctx)
+        print(startup_line(ctx, node, choice), flush=True)
+        if choice is not None:  # on host-memory KV the start line says gpu_memory=host
+            print(f"pdtool-worker: {choice.line()}", flush=True)
         if workerenv.flag(workerenv.PREFLIGHT):
             print("pdtool-worker: preflight: not starting the engine", flush=True)
             return run_preflight(ctx)
