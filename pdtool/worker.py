@@ -145,6 +145,26 @@ def worker_env(ctx: WorkerContext) -> dict[str, str]:
         per_rank=ctx.plan.engine not in PER_NODE_ENGINES)
 
 
+def check_engine_version(ctx: WorkerContext) -> None:
+    """engine=sglang: the SGLang installed for this worker's python (which also runs the
+    engine) must be the release `engine.version` names, whose disaggregation interface pdtool's
+    backend is written for; read from the package metadata, without importing SGLang."""
+    if ctx.plan.engine != "sglang" or ctx.instance is None:
+        return
+    from importlib import metadata
+
+    want = ctx.plan.engine_version
+    try:
+        have = metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        raise WorkerError(f"engine.version={want}: SGLang is not installed for {sys.executable}; "
+                          f"install sglang=={want} (or point engine.python / launcher.venv / "
+                          "launcher.container_image at an environment that has it)") from None
+    if have != want:
+        raise WorkerError(f"engine.version={want}, but {sys.executable} has sglang=={have}; "
+                          f"install sglang=={want}, or use the environment that has it")
+
+
 def kv_in_gpu_memory(plan: Any) -> bool:
     """The KV cache lives in GPU memory only with SGLang on a GPU cluster; the reference
     engine keeps it in host memory (torch on CPU), where `transfer.gpu_memory` has no say."""
@@ -338,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         node = check_node(args.expect_node)
         ctx.env = worker_env(ctx)
         os.environ.update(ctx.env)
+        check_engine_version(ctx)
         choice = gpu_memory_choice(ctx)
         print(startup_line(ctx, node, choice), flush=True)
         if choice is not None:  # on host-memory KV the start line says gpu_memory=host

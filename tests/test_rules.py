@@ -59,10 +59,6 @@ def test_expert_params_warning_for_moe_without_expert_count():
     assert_warning(cfg, "model.expert_params_b", "MoE")
 
 
-def test_experts_per_token_above_experts():
-    cfg = recipe("deepseek-r1")
-    cfg.model.experts_per_token = 300
-    assert_error(cfg, "model.experts_per_token", "300 active experts")
 
 
 def test_mla_needs_latent_dims_and_one_head():
@@ -338,11 +334,11 @@ def test_nic_off_switch_and_off_numa_warn():
     f = assert_warning(cfg, "cluster.nics", "GPU 3 has no efa NIC on its PCIe switch")
     assert "same NUMA node 0" in f.message
     cfg = recipe("llama-3.1-70b")
-    cfg.cluster.nics = [NicConfig(name="rdmap200s0", kind="efa", numa=1, gpus=[], gbps=100)]
+    cfg.cluster.nics = [NicConfig(name="rdmap200s0", kind="efa", numa=1, gpus=[])]
     # a host NIC serves every GPU: fine
     assert not [f for f in validate(cfg) if f.key.startswith("cluster.nics")]
     cfg.cluster.nics = [
-        NicConfig(name="rdmap200s0", kind="efa", numa=1, gpus=[7], gbps=100),
+        NicConfig(name="rdmap200s0", kind="efa", numa=1, gpus=[7]),
     ]
     f = assert_warning(cfg, "cluster.nics", "crosses the socket link")
 
@@ -447,3 +443,26 @@ def test_gpu_memory_does_not_apply_to_the_reference_engine():
     assert (plan.gpu_memory, plan.gpu_memory_path.split(" ")[0]) == ("auto", "host")
     sg = build_plan(recipe("llama-3.1-70b", "transfer=tcp", "transfer.gpu_memory=staged"))
     assert sg.transfer.gpu_memory_path.startswith("transfer.gpu_memory=staged: staged")
+
+
+# --- engine.version, router.policy -------------------------------------------------------
+
+
+def test_engine_version_is_the_sglang_release_pdtool_is_written_for():
+    assert not [f for f in validate(recipe("deepseek-r1")) if f.key == "engine.version"]
+    f = assert_error(recipe("deepseek-r1", "engine.version=0.5.22"), "engine.version",
+                     "'0.5.22'", "written for SGLang 0.5.23")
+    assert "engine.version=0.5.23" in f.fix
+    assert_error(recipe("deepseek-r1", "engine.version="), "engine.version", "''")
+    assert_error(compose("engine.version=2.0"), "engine.version", "reference engine")
+    assert build_plan(recipe("deepseek-r1")).engine_version == "0.5.23"
+
+
+def test_router_policy_the_reference_front_does_not_implement_is_refused():
+    assert not [f for f in validate(compose()) if f.key == "router.policy"]
+    for policy in ("random", "cache_aware", "power_of_two"):
+        f = assert_error(compose(f"router.policy={policy}"), "router.policy",
+                         "reference engine's front routes round_robin only")
+        assert "router.policy=round_robin" in f.fix
+        assert not [f for f in validate(recipe("deepseek-r1", f"router.policy={policy}"))
+                    if f.key == "router.policy"]  # sglang-router implements them all

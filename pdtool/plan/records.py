@@ -197,6 +197,7 @@ class Plan:
     transfer: TransferPlan
     memory: tuple[RoleMemory, ...]
     mode: str = "disaggregated"  # config `mode`: aggregated instances run whole requests
+    engine_version: str = ""  # engine.version: the SGLang release the worker checks at start
 
     def role_instances(self, role_name: str) -> tuple[InstancePlan, ...]:
         return tuple(i for i in self.instances if i.role == role_name)

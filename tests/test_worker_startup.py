@@ -1,11 +1,15 @@
-"""`transfer.gpu_memory` at the worker: the path KV in GPU memory takes is decided at start-up
-from the node's libfabric (`transfer.fabric.gpu_direct_support`) and printed in the start line;
-`direct` on a node that cannot fails there with the reason. The worker entry runs for real
+"""What the worker decides and checks at start-up, before any engine runs.
+
+`transfer.gpu_memory`: the path KV in GPU memory takes is decided from the node's libfabric
+(`transfer.fabric.gpu_direct_support`) and printed in the start line; `direct` on a node that
+cannot fails there with the reason. `engine.version`: the installed SGLang must be the release
+the plan names. The worker entry runs for real
 (`python -m pdtool.worker`); with engine=sglang and nothing after `--` it stops right after
 its start-up lines, so no engine and no port is needed."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,12 +28,15 @@ def _plan(tmp_path: Path, *overrides: str) -> Path:
     return path
 
 
-def _worker(plan: Path, role: str = "decode") -> subprocess.CompletedProcess[str]:
+def _worker(plan: Path, role: str = "decode", pythonpath: str = "") -> \
+        subprocess.CompletedProcess[str]:
     args = ["--role", role] + (["--instance", "0", "--node-rank", "0"] if role != "router"
                                else [])
+    env = {**os.environ, "PDTOOL_PREFLIGHT": ""}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-m", "pdtool.worker", "--plan", str(plan), *args],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PDTOOL_PREFLIGHT": ""})
+                          capture_output=True, text=True, timeout=120, env=env)
 
 
 def _start_fields(stdout: str) -> dict[str, str]:
@@ -79,3 +86,19 @@ def test_host_memory_kv_and_the_router_print_no_probe(tmp_path: Path) -> None:
     assert not kv_in_gpu_memory(ctx.plan) and gpu_memory_choice(ctx) is None
     res = _worker(_plan(tmp_path, *SGLANG_ON_GPUS), "router")
     assert "gpu_memory" not in res.stdout and "transfer.gpu_memory" not in res.stdout
+
+
+def test_the_installed_sglang_must_be_the_release_engine_version_names(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, *SGLANG_ON_GPUS)
+    assert json.loads(plan.read_text())["engine_version"] == "0.5.23"
+    res = _worker(plan)  # this machine has SGLang 0.5.23: start-up goes on to the engine
+    assert "pdtool-worker: start" in res.stdout and "engine.version" not in res.stderr
+    # another release first on the path (package metadata as pip installs it)
+    other = tmp_path / "site"
+    (other / "sglang-0.5.22.dist-info").mkdir(parents=True)
+    (other / "sglang-0.5.22.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.22\n")
+    res = _worker(plan, pythonpath=str(other))
+    assert res.returncode == 2 and "pdtool-worker: start" not in res.stdout
+    assert "engine.version=0.5.23, but" in res.stderr and "has sglang==0.5.22" in res.stderr
+    assert "Traceback" not in res.stderr
