@@ -26,14 +26,13 @@ from typing import Any
 from pdtool import __version__
 from pdtool.launch import secrets as secret_env_files
 from pdtool.launch.shell import Var, Word, q, words
-from pdtool.launch.spec import LaunchError, LaunchSpec, build_launch
+from pdtool.launch.spec import STOP_GRACE_S, LaunchError, LaunchSpec, build_launch
 from pdtool.paths import templates_dir
 from pdtool.rules import validate
 from pdtool.rules.finding import Finding, error, has_errors
 
 SCRIPT_NAMES = {"slurm": "job.sbatch", "local": "run_local.sh"}
 SECRET_NAME = "secret.key"
-STOP_GRACE_S = 30
 
 
 @dataclass
@@ -43,6 +42,7 @@ class Rendered:
     spec: LaunchSpec
     plan: Any
     cfg: Any
+    text: str = ""  # the script, for a dry run (nothing written)
 
 
 def _comment(value: object) -> str:
@@ -93,6 +93,7 @@ def script_text(cfg: Any, plan: Any, spec: LaunchSpec, run_dir: Path) -> str:
         "router_health": spec.router_health(),
         "router_url": spec.router_url,
         "health_timeout": lc.health_timeout_s,
+        "watchdog_s": lc.watchdog_s,
         "local_hosts": ["127.0.0.1"] * plan.nodes,
     }
     name = "slurm.sbatch.j2" if spec.launcher == "slurm" else "local.sh.j2"
@@ -133,11 +134,9 @@ def write_secret(path: Path) -> None:
         f.write(secrets.token_hex(32) + "\n")
 
 
-def write_job_folder(cfg: Any, plan: Any, out: Path) -> Rendered:
-    """Render scripts, config, plan and secret into `out` (created if needed)."""
-    from pdtool.compose import config_to_yaml
-    from pdtool.plan import to_json
-
+def build_job(cfg: Any, plan: Any, out: Path) -> tuple[Rendered, str, dict[str, dict[str, str]]]:
+    """(what `out` would hold, the script's text, the secrets by role), writing nothing:
+    `pdtool launch --dry-run` shows this, `write_job_folder` writes it."""
     out = Path(out).resolve()
     try:
         secret_env = secret_env_files.secrets_by_role(cfg, os.environ)
@@ -145,6 +144,18 @@ def write_job_folder(cfg: Any, plan: Any, out: Path) -> Rendered:
         raise LaunchError(str(e)) from e
     spec = build_launch(cfg, plan, str(out), frozenset(secret_env))
     text = script_text(cfg, plan, spec, out)
+    rendered = Rendered(out=out, script=out / SCRIPT_NAMES[spec.launcher], spec=spec, plan=plan,
+                        cfg=cfg)
+    return rendered, text, secret_env
+
+
+def write_job_folder(cfg: Any, plan: Any, out: Path) -> Rendered:
+    """Render scripts, config, plan and secret into `out` (created if needed)."""
+    from pdtool.compose import config_to_yaml
+    from pdtool.plan import to_json
+
+    rendered, text, secret_env = build_job(cfg, plan, out)
+    out, spec = rendered.out, rendered.spec
     out.mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
     script = out / SCRIPT_NAMES[spec.launcher]
@@ -155,7 +166,7 @@ def write_job_folder(cfg: Any, plan: Any, out: Path) -> Rendered:
     (out / "launch.json").write_text(json.dumps(spec_to_dict(spec), indent=2) + "\n")
     write_secret(out / SECRET_NAME)
     secret_env_files.write_files(out, secret_env)
-    return Rendered(out=out, script=script, spec=spec, plan=plan, cfg=cfg)
+    return rendered
 
 
 def prepare(overrides: list[str]) -> tuple[Any, Any, list[Finding]]:

@@ -34,6 +34,7 @@ MAX_LANES = 8  # transfer.lanes (the messenger's DecodeConfig takes 0..8)
 LAUNCHERS = ("local", "slurm")
 ENGINES = ("reference", "sglang")
 MODES = ("disaggregated", "aggregated")  # aggregated: every instance runs whole requests
+TRANSFER_BACKENDS = ("pdtool", "mooncake", "nixl")
 ROLES = ("prefill", "decode")
 
 #: Bytes per element of each dtype name used above.
@@ -94,6 +95,7 @@ class NicConfig:
     kind: str = MISSING  # efa | connectx | tcp | shm
     numa: int = 0
     gpus: list[int] = field(default_factory=list)
+    gbps: int = 0  # link speed: the shared-host-NIC warning shows each GPU's share (rules.launch)
 
 
 @dataclass
@@ -114,6 +116,11 @@ class ClusterConfig:
     gpu_numa: list[int] = field(default_factory=list)
     numa_cpus: list[str] = field(default_factory=list)
     nics: list[NicConfig] = field(default_factory=list)
+    # the host interface for NCCL/Gloo bootstrap sockets of instances spanning nodes
+    # (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); "" leaves NCCL's own choice
+    socket_ifname: str = ""
+    # every "node" is this one machine (an emulated Slurm cluster): loopback reaches them all
+    one_host: bool = False
 
 
 @dataclass
@@ -162,6 +169,9 @@ class TransferConfig:
     # buffers); transfer.gpu_memory has the rule (engine=sglang; the reference engine's KV is
     # in host memory)
     gpu_memory: str = "auto"
+    # engine=sglang: who moves the KV: pdtool's messenger (its plugin, registered as
+    # backend_name), or SGLang's own mooncake / nixl backends on the plan's per-GPU NICs
+    backend: str = "pdtool"
 
 
 @dataclass
@@ -200,6 +210,9 @@ class LauncherConfig:
     # variables that are secrets besides the secret-looking names (pdtool.launch.secrets):
     # they reach the processes through 0600 files, from launcher.env or the submitting shell
     secret_env: list[str] = field(default_factory=list)
+    # once ready, every instance and the router are probed this often; 3 misses in a row
+    # (a hung engine) end the deployment naming it (0: off)
+    watchdog_s: float = 10.0
 
 
 @dataclass

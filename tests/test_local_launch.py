@@ -181,7 +181,8 @@ def test_worker_that_never_comes_up_fails_clearly(tmp_path: Path) -> None:
 def test_dry_run_prints_commands_and_starts_nothing(tmp_path: Path) -> None:
     out = tmp_path / "job"
     res = subprocess.run([sys.executable, "-m", "pdtool.cli", "launch", *overrides(27500),
-                          "launcher=slurm", "transfer=tcp", "cluster.nodes=2", "--dry-run",
+                          "launcher=slurm", "transfer=tcp", "cluster.nodes=2",
+                          "cluster.one_host=true", "--dry-run",
                           "--out", str(out)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert "srun --export=ALL --nodes=1 --ntasks=1 --relative=1" in res.stdout

@@ -1,7 +1,7 @@
 """`transfer.layout` reaches the reference engine: NHD pages (`[pages, page_size, heads,
 kv_parts, head_dim]`) in both caches, written by the messenger with NHD's write count.
 
-A partial head run is one write per token in NHD (routes.writes_per_page), so with prefill TP2
+A partial head run is one write per token in NHD (geometry.writes_per_page), so with prefill TP2
 -> decode TP1 every page costs page_size writes per source rank where HND costs one: the count
 the decoder waited for equals the route math's NHD count, not the HND one, and the tokens
 equal the oracle's (the decoder attends over exactly what arrived: test_reference_serve's
@@ -16,7 +16,8 @@ from hf_checkpoints import deployment
 from pdtool.engines.reference.local import get_json
 from pdtool.engines.reference.model import TinyConfig, TinyModel
 from pdtool.engines.reference.oracle import encode, generate
-from transfer.routes import ShardSpec, expected_writes, pages_for, routes_for
+from transfer.geometry import expected_writes
+from transfer.routes import ShardSpec, pages_for, routes_for
 
 PROMPTS = ["NHD pages interleave heads inside every token of the page.", "ab", "x" * 70]
 

@@ -26,6 +26,7 @@ def test_tiny_local_serves_as_a_slurm_job(slurm, tmp_path: Path) -> None:
     router, prefill, decode = free_port(), free_port(), free_port_run(2)
     overrides = [
         "+recipe=tiny-local", "launcher=slurm", "transfer=tcp", "cluster.nodes=4",
+        "cluster.one_host=true",  # the emulated nodes are this machine: loopback reaches them
         "cluster.gpus_per_node=1", "cluster.gpu_numa=[0]", "prefill.tp=2", "prefill.nodes=2",
         "decode.instances=2", f"prefill.http_port={prefill}", f"decode.http_port={decode}",
         f"prefill.bootstrap_port={free_port()}", f"prefill.dist_init_port={free_port()}",

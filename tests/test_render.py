@@ -34,7 +34,8 @@ def launcher_overrides(recipe: str, launcher: str) -> list[str]:
     assert cfg is not None, findings
     if launcher == "slurm":
         # shm cannot cross nodes: the one-machine recipes use TCP over the cluster network
-        net = ["transfer=tcp"] if cfg.transfer.provider == "shm" else []
+        # (over loopback: every rendered "node" is this machine)
+        net = ["transfer=tcp", "cluster.one_host=true"] if cfg.transfer.provider == "shm" else []
         return [*args, "launcher=slurm", "cluster.nodes=16", *net]
     need = sum(gpus_per_instance(cfg.prefill if r == "prefill" else cfg.decode) *
                (cfg.prefill if r == "prefill" else cfg.decode).instances
@@ -358,3 +359,88 @@ def test_script_options_are_arguments_not_environment(launcher: str, tmp_path: P
     assert res.returncode == 2 and "usage:" in res.stderr
     if launcher == "slurm":
         assert all(p.argv[:2] == ["srun", "--export=ALL"] for p in rendered.spec.all())
+
+
+def test_cross_node_loopback_is_refused_and_a_shared_host_nic_warned() -> None:
+    from pdtool_cfg import assert_error, assert_warning, findings_for, recipe
+
+    cfg = recipe("tiny-local", "launcher=slurm", "cluster.nodes=2", "transfer=tcp")
+    assert_error(cfg, "transfer.provider", "loopback interface lo between different nodes")
+    one = recipe("tiny-local", "launcher=slurm", "cluster.nodes=2", "transfer=tcp",
+                 "cluster.one_host=true")
+    assert findings_for(one, "transfer.provider") == []
+    cfg = recipe("llama-3.1-70b", "transfer=tcp",
+                 "cluster.nics=[{name:eth0,kind:tcp,gbps:100}]")
+    assert_warning(cfg, "transfer.provider", "all 8 GPUs", "12.5 Gb/s per GPU of 100 Gb/s")
+
+
+def test_multi_node_instances_get_the_socket_interface(tmp_path: Path) -> None:
+    over = [*launcher_overrides("deepseek-r1", "slurm"), "prefill.tp=16", "prefill.nodes=2",
+            "cluster.socket_ifname=ens5"]
+    rendered, findings = render(over, tmp_path / "job")
+    assert rendered is not None, findings
+    for p in rendered.spec.procs:
+        spans = p.role == "prefill"  # TP16 over two nodes; decode instances are one node each
+        assert ("NCCL_SOCKET_IFNAME=ens5" in p.argv) == spans
+        assert ("GLOO_SOCKET_IFNAME=ens5" in p.argv) == spans
+
+
+def test_render_multirun_writes_one_folder_per_combination(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "render", "-m", "+recipe=tiny-local",
+                          "decode.instances=1,2", "--out", str(tmp_path / "sweep")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    for i, n in ((0, 1), (1, 2)):
+        plan = from_json((tmp_path / "sweep" / str(i) / "plan.json").read_text())
+        assert sum(1 for inst in plan.instances if inst.role == "decode") == n
+
+
+def test_dry_run_shows_the_header_and_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "launch", "+recipe=deepseek-r1",
+                          "+launcher.env.all.HF_TOKEN=hf_dryrunsecret", "--dry-run", "--out",
+                          str(out)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "#SBATCH --nodes=4" in res.stdout and "#SBATCH --gpus-per-node=8" in res.stdout
+    assert "hf_dryrunsecret" not in res.stdout + res.stderr
+    assert not out.exists()
+
+
+def test_container_mode_imports_once_and_sets_up_every_node(tmp_path: Path) -> None:
+    """pyxis is not on this machine: the rendered job's structure. One step per node imports
+    the image, names it for the job and runs launcher.setup inside it; every process step
+    reuses the named container (no second import), with the job folder and the model mounted
+    and the home directory not."""
+    over = [*launcher_overrides("deepseek-r1", "slurm"),
+            "launcher.container_image=lmsysorg/sglang:v0.5.23-cu129",
+            "launcher.container_mounts=[/fsx/models:/models:ro]", "model.path=/models/r1",
+            "launcher.setup=[pip install --no-deps /fsx/wheels/pdtool.whl,nvidia-smi -L]"]
+    rendered, findings = render(over, tmp_path / "job")
+    assert rendered is not None, findings
+    check_script(rendered.script)
+    text = rendered.script.read_text()
+    plan = rendered.plan
+    setup = [line for line in text.splitlines() if "--job-name=container-setup" in line]
+    assert len(setup) == 1
+    assert f"--nodes={plan.nodes} --ntasks-per-node=1" in setup[0]
+    assert "--container-image=lmsysorg/sglang:v0.5.23-cu129" in setup[0]
+    step = rendered.spec.job.container_setup
+    assert step[-3:] == ["bash", "-c", "set -euo pipefail\npip install --no-deps "
+                         "/fsx/wheels/pdtool.whl\nnvidia-smi -L"]
+    assert text.count("--container-image=") == 1  # imported once per node, by that step
+    # setup runs in the container on every node, not in the batch shell on node 0
+    assert "# launcher.setup (site shell lines, verbatim)" not in text
+    for p in rendered.spec.all():
+        argv = [q(a) for a in p.argv]
+        assert "--container-name=pdtool-\"${SLURM_JOB_ID}\"" in argv
+        assert "--no-container-mount-home" in argv
+        assert any(a.startswith("--container-mounts=") and "/fsx/models:/models:ro" in a
+                   for a in argv)
+        assert not any(a.startswith("--container-image") for a in argv)
+
+
+def test_container_model_path_must_be_mounted() -> None:
+    from pdtool_cfg import assert_error, recipe
+
+    cfg = recipe("deepseek-r1", "launcher.container_image=img", "model.path=/fsx/r1")
+    assert_error(cfg, "model.path", "no launcher.container_mounts entry")

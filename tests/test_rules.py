@@ -334,11 +334,11 @@ def test_nic_off_switch_and_off_numa_warn():
     f = assert_warning(cfg, "cluster.nics", "GPU 3 has no efa NIC on its PCIe switch")
     assert "same NUMA node 0" in f.message
     cfg = recipe("llama-3.1-70b")
-    cfg.cluster.nics = [NicConfig(name="rdmap200s0", kind="efa", numa=1, gpus=[])]
+    cfg.cluster.nics = [NicConfig(name="rdmap200s0", kind="efa", numa=1, gpus=[], gbps=100)]
     # a host NIC serves every GPU: fine
     assert not [f for f in validate(cfg) if f.key.startswith("cluster.nics")]
     cfg.cluster.nics = [
-        NicConfig(name="rdmap200s0", kind="efa", numa=1, gpus=[7]),
+        NicConfig(name="rdmap200s0", kind="efa", numa=1, gpus=[7], gbps=100),
     ]
     f = assert_warning(cfg, "cluster.nics", "crosses the socket link")
 

@@ -135,7 +135,6 @@ def test_env_per_role_is_added_with_plus():
         (["model.experts_per_token=8"], "model.experts_per_token", "not in 'ModelConfig'"),
         (["model.num_shared_experts=1"], "model.num_shared_experts", "not in 'ModelConfig'"),
         (["model.num_mtp_layers=1"], "model.num_mtp_layers", "not in 'ModelConfig'"),
-        (["cluster.nics.0.gbps=100"], "cluster.nics[0].gbps", "not in 'NicConfig'"),
         (["+recipe=no-such-recipe"], "recipe", "no-such-recipe"),
         (["recipe=tiny-local"], "recipe", "No match in the defaults list"),
         (["+recipe="], "recipe", "empty recipe name"),

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+from pdtool_cfg import recipe_args
 
 from pdtool.compose import load_config, recipe_files
 from pdtool.launch.shell import resolve
@@ -23,7 +24,7 @@ from pdtool.render import write_job_folder
 def _sglang_recipes() -> list[str]:
     out = []
     for name in sorted(recipe_files()):
-        cfg, findings = load_config([f"+recipe={name}"])
+        cfg, findings = load_config([f"+recipe={name}", *recipe_args(name)])
         assert cfg is not None, findings
         if cfg.engine.kind == "sglang":
             out.append(name)
@@ -38,6 +39,9 @@ SHAPES = {
     "deepseek-r1-tp16": ["+recipe=deepseek-r1", "prefill.tp=16", "prefill.nodes=2"],
     "llama-dp2": ["+recipe=llama-3.1-70b", "decode.tp=2", "decode.dp=2",
                   "decode.kv_dtype=fp8_e4m3"],
+    # SGLang's own transfer backends, on the plan's per-GPU NICs
+    "deepseek-r1-mooncake": ["+recipe=deepseek-r1", "transfer.backend=mooncake"],
+    "qwen3-coder-nixl": ["+recipe=qwen3-coder-480b", "transfer.backend=nixl"],
 }
 
 
@@ -84,6 +88,9 @@ CASES = [[f"+recipe={r}"] for r in SGLANG_RECIPES] + list(SHAPES.values())
 
 @pytest.mark.parametrize("overrides", CASES, ids=SGLANG_RECIPES + list(SHAPES))
 def test_server_lines_parse(overrides, server_parser, tmp_path: Path) -> None:
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        get_ib_devices_for_gpu,
+    )
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.utils.numa_utils import get_numa_node_if_available
 
@@ -106,7 +113,8 @@ def test_server_lines_parse(overrides, server_parser, tmp_path: Path) -> None:
         rc = cfg.prefill if p.role == "prefill" else cfg.decode
         ranks = [r for r in inst.ranks if r.rank in p.ranks]
         assert a.disaggregation_mode == p.role
-        assert a.disaggregation_transfer_backend == "pdtool"
+        assert a.disaggregation_transfer_backend == {"pdtool": "pdtool"}.get(
+            cfg.transfer.backend, cfg.transfer.backend)
         assert a.model_path == (cfg.model.path or cfg.model.name)
         assert a.tp_size == inst.tp
         assert a.page_size == inst.page_size
@@ -132,6 +140,9 @@ def test_server_lines_parse(overrides, server_parser, tmp_path: Path) -> None:
         # one NIC list per GPU of this node, as SGLang's per-GPU JSON map
         ib = json.loads(a.disaggregation_ib_device)
         assert ib == {str(r.gpu): ",".join(r.nics) for r in ranks}
+        for r in ranks:  # as SGLang's backends read it for each GPU
+            assert get_ib_devices_for_gpu(a.disaggregation_ib_device, r.gpu).replace(
+                " ", "") == ",".join(r.nics)
         # SGLang indexes --numa-node by absolute GPU id (numa_utils: numa_node[gpu_id]):
         # one entry per GPU of the node, and each rank's GPU finds its own NUMA node
         assert len(a.numa_node) == cfg.cluster.gpus_per_node
@@ -233,3 +244,11 @@ def test_port_overlap_with_a_derived_port_is_refused() -> None:
                  "decode.http_port=30233")
     f = assert_error(cfg, "decode.http_port", "30233", "prefill.http_port + 233")
     assert "prefill-0 DP-attention dist-init" in f.message
+
+
+def test_transfer_backend_is_checked() -> None:
+    from pdtool_cfg import assert_error, recipe
+
+    assert_error(recipe("deepseek-r1", "transfer.backend=ucx"), "transfer.backend", "unknown")
+    assert_error(recipe("tiny-local", "transfer.backend=nixl"), "transfer.backend",
+                 "reference engine")

@@ -8,12 +8,15 @@ that cannot start makes the job FAILED with a message naming it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,7 @@ from pdtool.plan import from_json
 #: prefill TP2 spans nodes 0-1 (one "GPU" per node), decode instances on nodes 2 and 3
 OVERRIDES = [
     "+recipe=tiny-local", "launcher=slurm", "transfer=tcp", "cluster.nodes=4",
+    "cluster.one_host=true",  # the emulated nodes are this machine: loopback reaches them
     "cluster.gpus_per_node=1", "cluster.gpu_numa=[0]", "prefill.tp=2", "prefill.nodes=2",
     "decode.instances=2", "prefill.http_port=26100", "decode.http_port=26200",
     "prefill.bootstrap_port=26150", "prefill.dist_init_port=26160", "decode.dist_init_port=26260",
@@ -132,6 +136,7 @@ def test_worker_that_cannot_start_fails_the_job(slurm, tmp_path: Path) -> None:
 #: on node 0, two TP1 decode instances packed on node 1
 GPU_SITE = [
     "+recipe=tiny-local", "launcher=slurm", "engine=sglang", "transfer=tcp", "cluster.nodes=2",
+    "cluster.one_host=true",
     "cluster.device=cuda", "cluster.gpus_per_node=2", "cluster.gpu_numa=[0,0]",
     "cluster.numa_cpus=[0-1]", "prefill.tp=2", "decode.instances=2",
     "prefill.http_port=26400", "decode.http_port=26500", "prefill.bootstrap_port=26450",
@@ -198,3 +203,114 @@ def test_each_step_sees_its_gpus_and_cpus(slurm, tmp_path: Path) -> None:
         assert env["SLURM_STEP_GPUS"] == "0,1", name
         want = {"0,1": "0-1"}.get(want_cpus[name], want_cpus[name])
         assert rec["cpus_allowed"] == want, f"{name}: bound to {rec['cpus_allowed']}"
+
+
+def submit_running(slurm, out: Path, *extra: str) -> str:
+    """Launch the OVERRIDES deployment (preflight workers) and leave it running."""
+    res = subprocess.run(
+        [sys.executable, "-m", "pdtool.cli", "launch", *OVERRIDES, *extra, "--out", str(out),
+         "--preflight"], env=slurm.env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    job = re.search(r"submitted job (\d+)", res.stdout).group(1)
+    batch = out / "logs" / f"slurm-{job}.out"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if batch.exists() and "deployment ready" in batch.read_text():
+            return job
+        if slurm.job_state(job)[0] not in ("PENDING", "RUNNING", "CONFIGURING"):
+            break
+        time.sleep(0.5)
+    raise AssertionError(batch.read_text() if batch.exists() else f"job {job} never started")
+
+
+def test_term_before_the_time_limit_stops_every_step_in_order(slurm, tmp_path: Path) -> None:
+    """What `#SBATCH --signal=B:TERM@120` delivers before the time limit (here sent at once):
+    the router stops first, then decode, then prefill, each with SIGTERM."""
+    out = tmp_path / "job"
+    job = submit_running(slurm, out, "launcher.job_name=pdtool-term")
+    assert f"#SBATCH --signal=B:TERM@{3 * 30 + 30}\n" in (out / "job.sbatch").read_text()
+    slurm.run("scancel", "--batch", "--signal=TERM", job)
+    slurm.wait_job(job, timeout=180)
+    batch = (out / "logs" / f"slurm-{job}.out").read_text()
+    assert "received SIGTERM" in batch
+    order = [m.group(1) for m in re.finditer(r"\] stopping (\S+)$", batch, re.M)]
+    assert order == ["router", "decode-0.r0", "decode-1.r0", "prefill-0.r0", "prefill-0.r1"], \
+        batch
+    for log in (out / "logs" / job).glob("*.log"):
+        assert "pdtool-worker: stopped" in log.read_text(), log  # SIGTERM, not SIGKILL
+    assert "SIGKILL" not in batch
+
+
+def _step_worker_pid(job: str, role: str, instance: int) -> int:
+    for d in Path("/proc").iterdir():
+        try:
+            if not d.name.isdigit():
+                continue
+            env = dict(e.split(b"=", 1) for e in (d / "environ").read_bytes().split(b"\0")
+                       if b"=" in e)
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # the worker itself (python -m pdtool.worker), not the srun that carries the same argv
+        if (env.get(b"SLURM_JOB_ID") == job.encode() and argv[1:3] == [b"-m", b"pdtool.worker"]
+                and argv[argv.index(b"--role") + 1] == role.encode()
+                and argv[argv.index(b"--instance") + 1] == str(instance).encode()):
+            return int(d.name)
+    raise AssertionError(f"no {role}-{instance} worker of job {job}")
+
+
+def test_hung_engine_ends_the_job(slurm, tmp_path: Path) -> None:
+    """decode-1 stops answering although its process lives (SIGSTOP): the watchdog ends the
+    job, naming it with the end of its log."""
+    out = tmp_path / "job"
+    job = submit_running(slurm, out, "launcher.job_name=pdtool-hang", "launcher.watchdog_s=1")
+    pid = _step_worker_pid(job, "decode", 1)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        state, _ = slurm.wait_job(job, timeout=240)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    batch = (out / "logs" / f"slurm-{job}.out").read_text()
+    assert state == "FAILED", batch
+    assert "decode-1.r0 stopped answering" in batch
+    assert "pdtool-worker: start" in batch  # its log tail
+
+
+def test_launch_multirun_submits_one_job_per_combination(slurm, tmp_path: Path) -> None:
+    over = [o for o in OVERRIDES if not o.startswith("decode.instances=")]
+    res = subprocess.run(
+        [sys.executable, "-m", "pdtool.cli", "launch", "-m", *over, "decode.instances=1,2",
+         "launcher.job_name=pdtool-sweep", "--out", str(tmp_path / "sweep"), "--preflight",
+         "--exit-when-healthy"],
+        env={**slurm.env(), "COLUMNS": "250"}, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    jobs = re.findall(r"^submitted job (\d+) for run (\d+): (\S+)$", res.stdout, re.M)
+    assert [(run, folder) for _, run, folder in jobs] == [
+        ("0", str(tmp_path / "sweep" / "0")), ("1", str(tmp_path / "sweep" / "1"))]
+    assert "2 job(s)" in res.stdout  # the table
+    for (job, run, _), n in zip(jobs, (1, 2), strict=True):
+        state = slurm.wait_job(job, timeout=180)
+        folder = tmp_path / "sweep" / run
+        assert state == ("COMPLETED", "0:0"), (folder / "logs" / f"slurm-{job}.out").read_text()
+        plan = from_json((folder / "plan.json").read_text())
+        assert sum(1 for i in plan.instances if i.role == "decode") == int(n)
+
+
+def test_requeued_job_keeps_the_earlier_logs(slurm, tmp_path: Path) -> None:
+    out = tmp_path / "job"
+    job = submit_running(slurm, out, "launcher.job_name=pdtool-requeue")
+    first = sorted(p.name for p in (out / "logs" / job).glob("*.log"))
+    slurm.run("scontrol", "requeue", job)
+    batch = out / "logs" / f"slurm-{job}.out"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and batch.read_text().count("deployment ready") < 2:
+        time.sleep(1)
+    slurm.run("scancel", job, check=False)
+    text = batch.read_text()
+    assert text.count("deployment ready") == 2, text  # --open-mode=append: both runs
+    assert sorted(p.name for p in (out / "logs" / job).glob("*.log")) == first
+    again = out / "logs" / f"{job}.1"
+    assert sorted(p.name for p in again.glob("*.log")) == first
+    for log in (out / "logs" / job).glob("*.log"):
+        assert "pdtool-worker: start" in log.read_text()

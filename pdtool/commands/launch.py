@@ -3,7 +3,8 @@
 launcher=slurm submits the batch script with sbatch and prints the job id and the log folder;
 launcher=local runs every process under pdtool's supervisor on this machine, streams status,
 waits for health and stops everything on Ctrl-C or when a process dies. `--dry-run` renders
-and prints what would run, starting nothing.
+and prints what would run (the #SBATCH header too), writing and starting nothing. `-m` sweeps
+(`decode.instances=1,2`) submit one job per combination and print a table of job ids.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ def print_dry_run(rendered) -> None:
 
     spec = rendered.spec
     print(f"would run {rendered.script} (launcher={spec.launcher}, {spec.job.nodes} node(s)):")
+    if spec.launcher == "slurm":
+        for line in rendered.text.splitlines():
+            if line.startswith("#SBATCH "):
+                print(f"  {line}")
     where = (
         "address of allocation node k (Slurm NodeAddr)" if spec.launcher == "slurm" else "127.0.0.1"
     )
@@ -58,11 +63,18 @@ def print_dry_run(rendered) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    rendered, code = render.render_or_explain(args.overrides, args.out)
+    combos, code = render.combinations(args)
+    if code:
+        return code
+    if len(combos) > 1:
+        return sweep(args, combos)
+    (overrides, out, suffix), = combos
+    rendered, code = render.render_or_explain(overrides, out, suffix, write=not args.dry_run)
     if rendered is None:
         return code
     if args.dry_run:
         print_dry_run(rendered)
+        print("(dry run: nothing written, nothing started)")
         return 0
     if args.smoke and rendered.spec.launcher != "local":
         print("pdtool: ERROR: --smoke runs the deployment on this machine (launcher=local); "
@@ -92,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         rendered.out,
         health_timeout=rendered.cfg.launcher.health_timeout_s,
         preflight=args.preflight,
+        watchdog_s=rendered.cfg.launcher.watchdog_s,
     )
     smoke = None
     if args.smoke:
@@ -105,3 +118,52 @@ def run(args: argparse.Namespace) -> int:
             return send(url, prompt, model=model)
 
     return sup.run(exit_when_healthy=args.exit_when_healthy, smoke=smoke)
+
+
+def sweep(args: argparse.Namespace, combos) -> int:
+    """`launch -m`: one job per combination, each in its own folder, submitted one after the
+    other; a table of job ids at the end. Only for Slurm (local deployments share the ports
+    of this machine); --dry-run shows each and writes nothing."""
+    from pdtool.commands._common import console
+
+    rows = []
+    worst = 0
+    for i, (overrides, out, suffix) in enumerate(combos):
+        print(f"--- run {i}: {' '.join(overrides)}")
+        rendered, code = render.render_or_explain(overrides, out, suffix,
+                                                  write=not args.dry_run)
+        if rendered is None:
+            rows.append((i, overrides, "-", "not rendered"))
+            worst = max(worst, code)
+            continue
+        if args.dry_run:
+            print_dry_run(rendered)
+            rows.append((i, overrides, str(rendered.out), "dry run"))
+            continue
+        if rendered.spec.launcher != "slurm":
+            print("pdtool: ERROR: launch -m starts one job per combination: launcher=slurm "
+                  "only (local deployments would share this machine's ports); use render -m")
+            return 2
+        from pdtool.launch.slurm import SubmitError, submit
+
+        try:
+            sub = submit(rendered.script, exit_when_healthy=args.exit_when_healthy,
+                         preflight=args.preflight)
+        except SubmitError as e:
+            print(f"pdtool: ERROR: {e}")
+            rows.append((i, overrides, str(rendered.out), "sbatch refused"))
+            worst = max(worst, 1)
+            continue
+        print(f"submitted job {sub.job_id} for run {i}: {rendered.out}")
+        rows.append((i, overrides, str(rendered.out), sub.job_id))
+    from rich.table import Table
+
+    t = Table(title=f"{len(rows)} job(s)", pad_edge=False)
+    for col in ("run", "overrides", "job folder", "job id"):
+        t.add_column(col, overflow="fold")
+    for i, overrides, out, job in rows:
+        t.add_row(str(i), " ".join(overrides), out, job)
+    console().print(t)
+    if args.dry_run:
+        print("(dry run: nothing written, nothing started)")
+    return worst

@@ -1,5 +1,8 @@
 """`pdtool render [+recipe=NAME] [overrides...] --out DIR`: write a job folder.
 
+With `-m`, sweeps (`decode.instances=1,2,3`) render one folder per combination: `DIR/<i>`, or
+`<output_dir>/<job_name>-<timestamp>-<i>` without --out.
+
 The folder holds the launcher's script (job.sbatch or run_local.sh), the resolved config, the
 plan, every process's command line (launch.json) and a 0600 control-plane secret, so the job can
 be re-run from the folder alone. A config with validation errors is refused (findings printed,
@@ -19,10 +22,17 @@ HELP = "write the launch scripts, resolved config and plan of a deployment into 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Overrides and the job folder; `pdtool launch` takes the same two."""
+    """Overrides, sweeps and the job folder; `pdtool launch` takes the same."""
     from pdtool.commands._common import add_overrides_argument
 
     add_overrides_argument(p)
+    p.add_argument(
+        "-m",
+        "--multirun",
+        action="store_true",
+        help="expand sweeps (key=a,b,c): one job folder per combination, <out>/<index> "
+        "(or one timestamped folder each)",
+    )
     p.add_argument(
         "--out",
         type=Path,
@@ -30,16 +40,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def default_out(cfg: Any) -> Path:
+def combinations(args: argparse.Namespace) -> tuple[list[tuple[list[str], Path | None, str]], int]:
+    """([(overrides, job folder or None for the default, folder suffix)], 0), one per sweep
+    point (one without -m), or ([], exit code) after printing why the sweep is invalid."""
+    from pdtool.commands._common import EXIT_USAGE, console, print_findings
+    from pdtool.compose import ComposeError, expand_sweeps
+
+    if not getattr(args, "multirun", False):
+        return [(list(args.overrides), args.out, "")], 0
+    try:
+        combos = expand_sweeps(list(args.overrides))
+    except ComposeError as e:
+        print_findings(console(stderr=True), e.findings)
+        return [], EXIT_USAGE
+    if len(combos) == 1:
+        return [(combos[0], args.out, "")], 0
+    return [(c, args.out / str(i) if args.out else None, f"-{i}")
+            for i, c in enumerate(combos)], 0
+
+
+def default_out(cfg: Any, suffix: str = "") -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path(cfg.launcher.output_dir) / f"{cfg.launcher.job_name}-{stamp}"
+    return Path(cfg.launcher.output_dir) / f"{cfg.launcher.job_name}-{stamp}{suffix}"
 
 
-def render_or_explain(overrides: list[str], out: Path | None) -> tuple[Any, int]:
-    """(Rendered, 0) or (None, exit code) after printing the findings that refused it."""
+def render_or_explain(overrides: list[str], out: Path | None, suffix: str = "",
+                      write: bool = True) -> tuple[Any, int]:
+    """(Rendered, 0) or (None, exit code) after printing the findings that refused it.
+    `write=False` (a dry run) builds everything and writes nothing; then `Rendered.text` is
+    the script."""
     from pdtool.commands._common import EXIT_ERRORS, EXIT_USAGE, console, print_findings
     from pdtool.launch.spec import LaunchError
-    from pdtool.render import prepare, write_job_folder
+    from pdtool.render import build_job, prepare, write_job_folder
     from pdtool.rules.finding import error
 
     cfg, plan, findings = prepare(overrides)
@@ -51,7 +83,11 @@ def render_or_explain(overrides: list[str], out: Path | None) -> tuple[Any, int]
     if findings:
         print_findings(err, findings)  # warnings only
     try:
-        return write_job_folder(cfg, plan, out or default_out(cfg)), 0
+        if not write:
+            rendered, text, _ = build_job(cfg, plan, out or default_out(cfg, suffix))
+            rendered.text = text
+            return rendered, 0
+        return write_job_folder(cfg, plan, out or default_out(cfg, suffix)), 0
     except LaunchError as e:
         key, _, msg = str(e).partition(": ")
         err.print("[bold red]not rendered:[/]")
@@ -60,7 +96,17 @@ def render_or_explain(overrides: list[str], out: Path | None) -> tuple[Any, int]
 
 
 def run(args: argparse.Namespace) -> int:
-    rendered, code = render_or_explain(args.overrides, args.out)
+    combos, code = combinations(args)
+    worst = code
+    for overrides, out, suffix in combos:
+        if len(combos) > 1:
+            print(f"--- {' '.join(overrides)}")
+        worst = max(worst, _render_one(overrides, out, suffix))
+    return worst
+
+
+def _render_one(overrides: list[str], out: Path | None, suffix: str) -> int:
+    rendered, code = render_or_explain(overrides, out, suffix)
     if rendered is None:
         return code
     spec = rendered.spec

@@ -1,7 +1,9 @@
 """Wait until every endpoint answers its health check, while watching the processes behind them.
 
 Used by the rendered scripts (`python -m pdtool.launch.health --timeout T --watch NAME:PID:LOG
-NAME=URL ...`) and in-process by the local supervisor. A worker that exits before it is healthy
+NAME=URL ...`) and in-process by the local supervisor. With `--watchdog S` it stays on once
+everything is healthy and exits (4) naming the first endpoint that stops answering: a hung
+engine whose process still runs ends the deployment too. A worker that exits before it is healthy
 fails the wait at once with its name, status and the end of its log, instead of the job sitting
 until the timeout; a timeout names every endpoint that never answered. Progress is printed every
 few seconds so a user watching a slow model load sees what is still pending.
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 #: exit codes of the command line
-EXIT_DIED, EXIT_TIMEOUT = 2, 3
+EXIT_DIED, EXIT_TIMEOUT, EXIT_HUNG = 2, 3, 4
 
 
 def probe(url: str, timeout: float = 2.0) -> bool:
@@ -98,11 +100,37 @@ def wait_healthy(
     return time.monotonic() - start
 
 
+def watchdog(endpoints: Mapping[str, str], logs: Mapping[str, str], interval: float,
+             failures: int, out: TextIO = sys.stdout,
+             stop: Callable[[], bool] = lambda: False) -> HealthFailure | None:
+    """Poll every endpoint each `interval` seconds once the deployment is ready; an endpoint
+    that fails `failures` probes in a row (a hung engine answers nothing, although its process
+    lives) is returned as a HealthFailure naming it with its log tail. None when `stop()`."""
+    missed = dict.fromkeys(endpoints, 0)
+    while not stop():
+        for name, url in endpoints.items():
+            missed[name] = 0 if probe(url, timeout=min(5.0, interval)) else missed[name] + 1
+            if missed[name] >= failures:
+                log = logs.get(name, "")
+                tail = f"; last lines of {log}:\n{log_tail(log)}" if log else ""
+                return HealthFailure(
+                    f"{name} stopped answering {url} ({failures} health checks in a row, "
+                    f"{interval:g}s apart) although it still runs{tail}", EXIT_HUNG)
+        deadline = time.monotonic() + interval
+        while time.monotonic() < deadline and not stop():
+            time.sleep(min(0.5, interval))
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pdtool.launch.health", description=__doc__)
     ap.add_argument("--timeout", type=float, required=True)
     ap.add_argument("--every", type=float, default=10.0, help="seconds between progress lines")
     ap.add_argument("--watch", action="append", default=[], metavar="NAME:PID:LOG")
+    ap.add_argument("--watchdog", type=float, default=0, metavar="SECONDS",
+                    help="after the wait: keep probing every SECONDS; exit 4 naming the "
+                    "endpoint (and its log tail) that fails --failures probes in a row")
+    ap.add_argument("--failures", type=int, default=3)
     ap.add_argument("endpoints", nargs="+", metavar="NAME=URL")
     args = ap.parse_args(argv)
     watched = []
@@ -120,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdtool: ERROR: {e}", file=sys.stderr, flush=True)
         return e.code
     print(f"all {len(endpoints)} endpoint(s) healthy after {took:.1f}s", flush=True)
+    if args.watchdog > 0:
+        logs = {n: log for n, _, log in watched}
+        hung = watchdog(endpoints, logs, args.watchdog, args.failures)
+        if hung is not None:
+            print(f"pdtool: ERROR: {hung}", file=sys.stderr, flush=True)
+            return hung.code
     return 0
 
 

@@ -4,8 +4,9 @@ Each process starts in its own session (process group), so stopping it also stop
 spawned (SGLang's schedulers, the reference engine's TP ranks). The supervisor streams status
 (starts, health progress, exits), waits for every instance and then the router to be healthy,
 and stops everything — SIGTERM to each group, SIGKILL after a grace period — on Ctrl-C,
-SIGTERM, or as soon as any process exits on its own. It runs the same launch spec the rendered
-`run_local.sh` prints, so the two never disagree.
+SIGTERM, as soon as any process exits on its own, or when one stops answering its health
+check (launcher.watchdog_s); the router stops first, then decode, then prefill. It runs the
+same launch spec the rendered `run_local.sh` prints, so the two never disagree.
 """
 
 from __future__ import annotations
@@ -21,9 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from pdtool.launch.health import HealthFailure, log_tail, wait_healthy
+from pdtool.launch.health import HealthFailure, log_tail, wait_healthy, watchdog
 from pdtool.launch.shell import resolve
 from pdtool.launch.spec import LaunchSpec, Proc
+
+#: the stop order (pdtool's scripts use the same): no new requests first, prefill last
+STOP_ORDER = ("router", "decode", "prefill")
+#: health checks in a row a running process may miss before the watchdog ends the run
+WATCHDOG_MISSES = 3
 
 
 class Stop(Exception):
@@ -44,13 +50,14 @@ class Running:
 class Supervisor:
     def __init__(self, spec: LaunchSpec, run_dir: Path, out: TextIO = sys.stdout,
                  stop_grace: float = 10.0, health_timeout: float = 900.0,
-                 preflight: bool = False) -> None:
+                 preflight: bool = False, watchdog_s: float = 0.0) -> None:
         self.spec = spec
         self.run_dir = Path(run_dir).resolve()
         self.out = out
         self.stop_grace = stop_grace
         self.health_timeout = health_timeout
         self.preflight = preflight
+        self.watchdog_s = watchdog_s
         self.force = False
         self.running: list[Running] = []
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -94,11 +101,21 @@ class Supervisor:
         return out
 
     def stop_all(self) -> None:
+        """Stop the router first, then decode, then prefill (as the rendered scripts do)."""
         alive = [r for r in self.running if r.popen.poll() is None]
         if not alive:
             return
-        self.say(f"stopping {len(alive)} process(es)")
+        self.say(f"stopping {len(alive)} process(es): router, then decode, then prefill")
+        for group in STOP_ORDER:
+            self._stop_group([r for r in alive if r.proc.role == group])
+        for r in self.running:  # children that outlived their leader
+            _signal_group(r.popen, signal.SIGKILL)
+
+    def _stop_group(self, alive: list[Running]) -> None:
+        if not alive:
+            return
         for r in alive:
+            self.say(f"stopping {r.proc.name}")
             _signal_group(r.popen, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace
         # wait for whole process groups: what a worker spawned must be gone too
@@ -113,8 +130,6 @@ class Supervisor:
                 _signal_group(r.popen, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 r.popen.wait(timeout=5)
-        for r in self.running:  # children that outlived their leader
-            _signal_group(r.popen, signal.SIGKILL)
 
     # -- the run ---------------------------------------------------------------------------
     def _health(self, procs: list[Proc]) -> None:
@@ -180,7 +195,17 @@ class Supervisor:
                     signal.signal(s, h)
 
     def watch(self, poll: float = 0.5) -> int:
-        """Block until a process exits; report it (the others are stopped by `run`)."""
+        """Block until a process exits, or (launcher.watchdog_s) one stops answering its
+        health check although it runs; report it (the others are stopped by `run`)."""
+        if self.watchdog_s > 0:
+            endpoints = {r.proc.name: resolve([r.proc.health], self.vars)[0]
+                         for r in self.running if r.proc.health}
+            logs = {r.proc.name: str(r.log) for r in self.running}
+            hung = watchdog(endpoints, logs, self.watchdog_s, WATCHDOG_MISSES, out=self.out,
+                            stop=lambda: bool(self.dead()))
+            if hung is not None and not self.dead():
+                print(f"pdtool: ERROR: {hung}", file=sys.stderr, flush=True)
+                return 1
         while True:
             gone = self.dead()
             if gone:

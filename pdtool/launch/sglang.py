@@ -18,6 +18,12 @@ from pdtool.schema import Config
 SGLANG_KV_DTYPES = {"bf16": "bfloat16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
 
+def transfer_backend(cfg: Config, plan: Plan) -> str:
+    """SGLang's --disaggregation-transfer-backend: pdtool's plugin under its registered name, or
+    one of SGLang's own (transfer.backend)."""
+    return plan.transfer.backend_name if cfg.transfer.backend == "pdtool" else cfg.transfer.backend
+
+
 def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPlan],
                 node_host: Var, head_host: Var) -> list[str | Word]:
     """`python -m sglang.launch_server ...` for the ranks of `inst` on one node."""
@@ -28,7 +34,7 @@ def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPla
         "--model-path", model.path or model.name,
         "--served-model-name", model.name,
         "--disaggregation-mode", inst.role,
-        "--disaggregation-transfer-backend", plan.transfer.backend_name,
+        "--disaggregation-transfer-backend", transfer_backend(cfg, plan),
         "--host", node_host,
         "--port", str(inst.http_port),
         "--tp-size", str(inst.tp),
@@ -57,6 +63,8 @@ def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPla
         argv += ["--kv-cache-dtype", SGLANG_KV_DTYPES[inst.kv_dtype]]
     if rc.max_running_requests:
         argv += ["--max-running-requests", str(rc.max_running_requests)]
+    # one entry per GPU of this process, from the plan's GPU -> NIC choice (SGLang's
+    # get_ib_devices_for_gpu reads it for pdtool, mooncake and nixl's UCX alike)
     ib = {str(r.gpu): ",".join(r.nics) for r in ranks if r.nics}
     if ib:
         argv += ["--disaggregation-ib-device", json.dumps(ib, separators=(",", ":"))]

@@ -29,6 +29,12 @@ from pdtool.schema import Config
 #: engines whose one process drives all GPUs of its node
 PER_NODE_ENGINES = ("sglang",)
 
+#: seconds each stop group (router, decode, prefill) gets between SIGTERM and SIGKILL
+STOP_GRACE_S = 30
+#: Slurm signals the batch script this long before the time limit: the three groups' grace
+#: and a margin, so the ordered stop ends before Slurm's own kill at the limit
+STOP_SIGNAL_S = 3 * STOP_GRACE_S + 30
+
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RUN_DIR = Var("RUN_DIR")
 LOG_DIR = Var("LOG_DIR")
@@ -73,6 +79,10 @@ class JobSpec:
     sbatch_options: list[str]
     sbatch_extra: list[str]
     node_roles: list[str]  # one log line per node: what the plan put there
+    container_setup: list[str | Word] = field(default_factory=list)  # see container_setup()
+    # Slurm signals the batch script this long before the time limit (--signal=B:TERM@S), time
+    # for the ordered stop of its three groups (router, decode, prefill)
+    stop_signal_s: int = STOP_SIGNAL_S
 
 
 @dataclass
@@ -146,13 +156,38 @@ def _srun(cfg: Config, p: Proc, ranks: list[RankPlan]) -> list[str | Word]:
         "--kill-on-bad-exit=1", f"--job-name={p.name}", word("--output=", *p.log.parts),
         *step_options(cfg, ranks),
     ]
+    return argv + _container_options(cfg)
+
+
+#: the job's container on every node (pyxis --container-name), named after the job
+CONTAINER_NAME = word("pdtool-", Var("SLURM_JOB_ID"))
+
+
+def _container_options(cfg: Config, image: bool = False) -> list[str | Word]:
+    """pyxis options of a step: the job's named container (imported once per node by the
+    setup step, `image=True`), the job folder and launcher.container_mounts mounted, the
+    home directory not (a site's dotfiles and caches stay out of the engine's container)."""
     lc = cfg.launcher
-    if lc.container_image:
-        mounts = [*lc.container_mounts]
-        argv += [f"--container-image={lc.container_image}",
-                 word("--container-mounts=", RUN_DIR, ":", RUN_DIR,
-                      "".join("," + m for m in mounts))]
-    return argv
+    if not lc.container_image:
+        return []
+    out: list[str | Word] = [f"--container-image={lc.container_image}"] if image else []
+    return [*out, word("--container-name=", *CONTAINER_NAME.parts),
+            word("--container-mounts=", RUN_DIR, ":", RUN_DIR,
+                 "".join("," + m for m in lc.container_mounts)),
+            "--no-container-mount-home"]
+
+
+def container_setup(cfg: Config, plan: Plan) -> list[str | Word]:
+    """The step that imports launcher.container_image once on every node, naming it for the
+    job's steps, and runs launcher.setup inside it (e.g. installing pdtool there); empty
+    without a container image (launcher.setup then runs in the batch script)."""
+    lc = cfg.launcher
+    if not lc.container_image:
+        return []
+    script = "\n".join(["set -euo pipefail", *lc.setup]) if lc.setup else "true"
+    return ["srun", "--export=ALL", f"--nodes={plan.nodes}", "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1", "--job-name=container-setup",
+            *_container_options(cfg, image=True), "bash", "-c", script]
 
 
 def _wrap(cfg: Config, launcher: str, p: Proc, ranks: list[RankPlan], env: dict[str, str],
@@ -221,6 +256,10 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str,
             select = ["--rank", str(ranks[0].rank)]
             numa = _numactl(ranks)
             env = {**ranks[0].env, **env_user}
+        if len(inst.nodes) > 1 and cfg.cluster.socket_ifname:
+            # NCCL's and Gloo's bootstrap sockets between the instance's nodes
+            env = {"NCCL_SOCKET_IFNAME": cfg.cluster.socket_ifname,
+                   "GLOO_SOCKET_IFNAME": cfg.cluster.socket_ifname, **env}
         p.argv = _wrap(cfg, launcher, p, ranks, env, numa,
                        _worker_argv(cfg, launcher, inst, node, select, p.engine_argv),
                        secret_roles)
@@ -277,6 +316,7 @@ def _job(cfg: Config, plan: Plan, run_dir: str, procs: list[Proc]) -> JobSpec:
         batch_log=f"{run_dir}/logs/slurm-%j.out", sbatch_options=opts,
         sbatch_extra=list(lc.sbatch_extra),
         node_roles=[f"node {n}: {' '.join(roles.get(n, []))}" for n in range(plan.nodes)],
+        container_setup=container_setup(cfg, plan),
     )
 
 

@@ -14,7 +14,7 @@ import re
 
 from pdtool.launch.sglang import SGLANG_KV_DTYPES
 from pdtool.plan import placements
-from pdtool.rules.finding import Finding, error
+from pdtool.rules.finding import Finding, error, warning
 from pdtool.schema import Config
 
 _MEM = re.compile(r"^[0-9]+[KMGT]?$")
@@ -84,3 +84,107 @@ def check_sglang_kv_dtype(cfg: Config) -> list[Finding]:
 
 
 ALL = (check_slurm_gpus, check_slurm_memory, check_sglang_kv_dtype)
+
+
+def check_cross_node_loopback(cfg: Config) -> list[Finding]:
+    """A loopback NIC carries no traffic between two machines: refuse it for ranks on
+    different nodes (unless every node is this one machine, cluster.one_host)."""
+    if cfg.launcher.kind != "slurm" or cfg.cluster.one_host:
+        return []
+    places = placements(cfg)
+    nodes = {node for ranks in places.values() for node, _, _ in ranks}
+    if len(nodes) < 2:
+        return []
+    loop = sorted({n.name for n in cfg.cluster.nics
+                   if n.name == "lo" or n.name.startswith("lo:")}
+                  & set(_nics_used(cfg)))
+    if not loop:
+        return []
+    return [error(
+        "transfer.provider",
+        f"KV would travel over the loopback interface {loop[0]} between different nodes "
+        f"(FI_TCP_IFACE={loop[0]}): nothing leaves the machine, prefill and decode on "
+        f"{len(nodes)} nodes cannot reach each other",
+        "list the nodes' real network interface in cluster.nics (kind tcp), use a cluster "
+        "preset with RDMA NICs, or set cluster.one_host=true for a cluster emulated on one "
+        "machine",
+    )]
+
+
+def _nics_used(cfg: Config) -> list[str]:
+    from pdtool.plan import choose_nics
+
+    out = []
+    for ranks in placements(cfg).values():
+        for _, _, gpu in ranks:
+            out += list(choose_nics(cfg.cluster, cfg.transfer.provider, gpu)[0])
+    return out
+
+
+def check_shared_host_nic(cfg: Config) -> list[Finding]:
+    """Warn when every GPU of a node sends through one host NIC: show each GPU's share."""
+    from pdtool.plan import choose_nics
+
+    if cfg.launcher.kind != "slurm" or cfg.cluster.device != "cuda":
+        return []
+    picks = {choose_nics(cfg.cluster, cfg.transfer.provider, g)
+             for g in range(cfg.cluster.gpus_per_node)}
+    if len(picks) != 1 or cfg.cluster.gpus_per_node < 2:
+        return []
+    ((names, _, affinity),) = picks
+    if affinity != "host" or len(names) != 1:
+        return []
+    nic = next((n for n in cfg.cluster.nics if n.name == names[0]), None)
+    gbps = nic.gbps if nic else 0
+    share = (f"{gbps / cfg.cluster.gpus_per_node:g} Gb/s per GPU of {gbps} Gb/s"
+             if gbps else "an equal share each (cluster.nics gives no gbps)")
+    # keyed on the transport: cluster.nics is right as written (one host NIC is a valid node)
+    return [warning(
+        "transfer.provider",
+        f"all {cfg.cluster.gpus_per_node} GPUs of a node send KV through one host NIC "
+        f"{names[0]}: {share}",
+        "list the nodes' per-GPU RDMA NICs (with their gpus) in cluster.nics, or accept the "
+        "shared bandwidth",
+    )]
+
+
+ALL = (*ALL, check_cross_node_loopback, check_shared_host_nic)
+
+
+def check_container_model_path(cfg: Config) -> list[Finding]:
+    """A model folder on the host must be mounted into the container to be loaded there."""
+    lc = cfg.launcher
+    path = cfg.model.path
+    if lc.kind != "slurm" or not lc.container_image or not path.startswith("/"):
+        return []
+    dests = [m.split(":")[1] if m.count(":") >= 1 else m for m in lc.container_mounts]
+    if any(path == d or path.startswith(d.rstrip("/") + "/") for d in dests):
+        return []
+    return [error(
+        "model.path",
+        f"{path} is a host folder, but no launcher.container_mounts entry puts it in the "
+        "container, where the engine loads it",
+        f"add a mount such as '{path}:{path}:ro' to launcher.container_mounts",
+    )]
+
+
+ALL = (*ALL, check_container_model_path)
+
+
+def check_transfer_backend(cfg: Config) -> list[Finding]:
+    """transfer.backend is one SGLang 0.5.23 has (with pdtool's plugin), for engine=sglang."""
+    from pdtool.schema import TRANSFER_BACKENDS
+
+    be = cfg.transfer.backend
+    if be not in TRANSFER_BACKENDS:
+        return [error("transfer.backend", f"unknown transfer backend {be!r}",
+                      f"choose one of {', '.join(TRANSFER_BACKENDS)}")]
+    if be != "pdtool" and cfg.engine.kind != "sglang":
+        return [error("transfer.backend",
+                      f"transfer.backend={be} is SGLang's own backend; the reference engine "
+                      "moves KV with pdtool's messenger only",
+                      "set transfer.backend=pdtool, or engine=sglang")]
+    return []
+
+
+ALL = (*ALL, check_transfer_backend)
