@@ -173,11 +173,13 @@ def kv_in_gpu_memory(plan: Any) -> bool:
 
 def gpu_memory_choice(ctx: WorkerContext) -> Any:
     """The path KV in GPU memory takes on this node (`transfer.gpu_memory.GpuMemoryChoice`),
-    or None when the KV is in host memory. `auto`/`direct` ask the node's libfabric
+    or None when the KV is in host memory or SGLang's own backend (transfer.backend) moves it
+    and registers the GPU memory itself. `auto`/`direct` ask the node's libfabric
     (`transfer.fabric.gpu_direct_support`, on the rank's NIC: one endpoint, no GPU and no CUDA
     needed); a provider that never has FI_HMEM, or `staged`, needs no probe. `direct` on a node
     that cannot is a WorkerError with the probe's reason, before any engine starts."""
-    if ctx.instance is None or not kv_in_gpu_memory(ctx.plan):
+    if ctx.instance is None or not kv_in_gpu_memory(ctx.plan) \
+            or ctx.plan.transfer.backend != "pdtool":
         return None
     from transfer.gpu_memory import NO_HMEM_PROVIDERS, choose_gpu_memory
 
@@ -208,6 +210,16 @@ def _gpu_direct_probe(provider: str, nics: Any) -> tuple[bool, str]:
     return answer
 
 
+def _gpu_memory_field(plan: Any, choice: Any) -> str:
+    """The start line's `gpu_memory=`: direct | staged (pdtool's backend), the SGLang backend
+    that registers it itself (`sglang-mooncake`), or `host` (KV in host memory)."""
+    if choice is not None:
+        return choice.path
+    if kv_in_gpu_memory(plan):
+        return f"sglang-{plan.transfer.backend}"
+    return "host"
+
+
 def startup_line(ctx: WorkerContext, node: str, gpu_memory: Any = None) -> str:
     """One greppable line saying what this process resolved (tests read it from the logs).
     `gpu_memory`: `gpu_memory_choice(ctx)` (None: the KV is in host memory)."""
@@ -224,7 +236,7 @@ def startup_line(ctx: WorkerContext, node: str, gpu_memory: Any = None) -> str:
             f"numa={','.join(str(r.numa) for r in rs)}",
             f"cpus={rs[0].cpus or '-'}",
             f"FI_PROVIDER={os.environ.get('FI_PROVIDER', '-')}",
-            f"gpu_memory={gpu_memory.path if gpu_memory is not None else 'host'}",
+            f"gpu_memory={_gpu_memory_field(ctx.plan, gpu_memory)}",
         ]
     else:
         parts.append(f"plan_node={ctx.plan.router.node}")

@@ -466,3 +466,11 @@ def test_router_policy_the_reference_front_does_not_implement_is_refused():
         assert "router.policy=round_robin" in f.fix
         assert not [f for f in validate(recipe("deepseek-r1", f"router.policy={policy}"))
                     if f.key == "router.policy"]  # sglang-router implements them all
+
+
+def test_gpu_memory_is_pdtools_backend_only():
+    f = assert_error(recipe("deepseek-r1", "transfer.backend=nixl", "transfer.gpu_memory=staged"),
+                     "transfer.gpu_memory", "transfer.backend=nixl is SGLang's own backend")
+    assert "transfer.gpu_memory=auto" in f.fix
+    t = build_plan(recipe("deepseek-r1", "transfer.backend=mooncake")).transfer
+    assert (t.backend, t.gpu_memory_path.split(" ")[:2]) == ("mooncake", ["SGLang's", "mooncake"])

@@ -102,3 +102,9 @@ def test_the_installed_sglang_must_be_the_release_engine_version_names(tmp_path:
     assert res.returncode == 2 and "pdtool-worker: start" not in res.stdout
     assert "engine.version=0.5.23, but" in res.stderr and "has sglang==0.5.22" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_sglangs_own_backend_registers_gpu_memory_itself(tmp_path: Path) -> None:
+    res = _worker(_plan(tmp_path, *SGLANG_ON_GPUS, "transfer.backend=mooncake"))
+    assert _start_fields(res.stdout)["gpu_memory"] == "sglang-mooncake", res.stdout
+    assert "transfer.gpu_memory=" not in res.stdout  # no probe, no pdtool path

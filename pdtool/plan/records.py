@@ -150,6 +150,8 @@ class TransferPlan:
     layout_source: str = LAYOUT_FROM_CONFIG  # where `layout` comes from (routes.kv_pool)
     gpu_memory: str = "auto"  # transfer.gpu_memory: auto | direct | staged
     gpu_memory_path: str = ""  # what that means here (transfer.gpu_memory.choose_gpu_memory)
+    backend: str = "pdtool"  # transfer.backend: SGLang's own (mooncake, nixl) register GPU
+    # memory themselves, so transfer.gpu_memory is pdtool's backend's only
 
 
 @dataclass(frozen=True)
