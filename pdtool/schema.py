@@ -78,11 +78,8 @@ class ModelConfig:
     dtype: str = "bf16"  # weight dtype: fp32 | bf16 | fp16 | fp8
     num_params_b: float = MISSING  # total parameters, billions (for memory fit)
     num_experts: int = 0  # routed experts per MoE layer (0: dense model)
-    num_shared_experts: int = 0
-    experts_per_token: int = 0
-    moe_intermediate_size: int = 0
+    moe_intermediate_size: int = 0  # one expert's MLP width (FP8 block check, rules.moe)
     expert_params_b: float = 0.0  # billions of parameters in routed experts (all layers)
-    num_mtp_layers: int = 0  # multi-token-prediction / draft layers shipped with the model
     seed: int = 0  # reference engine: weights are generated from this seed
 
 
@@ -98,7 +95,7 @@ class NicConfig:
     kind: str = MISSING  # efa | connectx | tcp | shm
     numa: int = 0
     gpus: list[int] = field(default_factory=list)
-    gbps: int = 0
+    gbps: int = 0  # link speed: the shared-host-NIC warning shows each GPU's share (rules.launch)
 
 
 @dataclass
@@ -223,7 +220,9 @@ class EngineConfig:
     """The serving engine each worker runs."""
 
     kind: str = "reference"  # reference (CPU, torch) | sglang
-    version: str = ""  # pinned engine version (sglang)
+    # engine=sglang: the SGLang release the launch lines and transfer backend are written for
+    # (validate: transfer.sglang.SGLANG_VERSION; the worker checks the installed one at start)
+    version: str = ""
     python: str = "python3"
     extra_args: list[str] = field(default_factory=list)  # appended for both roles
 
@@ -233,7 +232,7 @@ class RouterConfig:
     """The request router in front of the instances (runs on the job's first node)."""
 
     port: int = 8000
-    policy: str = "round_robin"
+    policy: str = "round_robin"  # sglang-router --policy; the reference front: round_robin only
 
 
 @dataclass

@@ -145,8 +145,84 @@ def worker_env(ctx: WorkerContext) -> dict[str, str]:
         per_rank=ctx.plan.engine not in PER_NODE_ENGINES)
 
 
-def startup_line(ctx: WorkerContext, node: str) -> str:
-    """One greppable line saying what this process resolved (tests read it from the logs)."""
+def check_engine_version(ctx: WorkerContext) -> None:
+    """engine=sglang: the SGLang installed for this worker's python (which also runs the
+    engine) must be the release `engine.version` names, whose disaggregation interface pdtool's
+    backend is written for; read from the package metadata, without importing SGLang."""
+    if ctx.plan.engine != "sglang" or ctx.instance is None:
+        return
+    from importlib import metadata
+
+    want = ctx.plan.engine_version
+    try:
+        have = metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        raise WorkerError(f"engine.version={want}: SGLang is not installed for {sys.executable}; "
+                          f"install sglang=={want} (or point engine.python / launcher.venv / "
+                          "launcher.container_image at an environment that has it)") from None
+    if have != want:
+        raise WorkerError(f"engine.version={want}, but {sys.executable} has sglang=={have}; "
+                          f"install sglang=={want}, or use the environment that has it")
+
+
+def kv_in_gpu_memory(plan: Any) -> bool:
+    """The KV cache lives in GPU memory only with SGLang on a GPU cluster; the reference
+    engine keeps it in host memory (torch on CPU), where `transfer.gpu_memory` has no say."""
+    return plan.engine == "sglang" and plan.cluster.device == "cuda"
+
+
+def gpu_memory_choice(ctx: WorkerContext) -> Any:
+    """The path KV in GPU memory takes on this node (`transfer.gpu_memory.GpuMemoryChoice`),
+    or None when the KV is in host memory or SGLang's own backend (transfer.backend) moves it
+    and registers the GPU memory itself. `auto`/`direct` ask the node's libfabric
+    (`transfer.fabric.gpu_direct_support`, on the rank's NIC: one endpoint, no GPU and no CUDA
+    needed); a provider that never has FI_HMEM, or `staged`, needs no probe. `direct` on a node
+    that cannot is a WorkerError with the probe's reason, before any engine starts."""
+    if ctx.instance is None or not kv_in_gpu_memory(ctx.plan) \
+            or ctx.plan.transfer.backend != "pdtool":
+        return None
+    from transfer.gpu_memory import NO_HMEM_PROVIDERS, choose_gpu_memory
+
+    t = ctx.plan.transfer
+    probe = None
+    if t.gpu_memory != "staged" and t.provider not in NO_HMEM_PROVIDERS:
+        probe = _gpu_direct_probe(t.provider, ctx.ranks[0].nics)
+    try:
+        return choose_gpu_memory(t.gpu_memory, t.provider, probe)
+    except ValueError as e:
+        raise WorkerError(str(e)) from None
+
+
+def _gpu_direct_probe(provider: str, nics: Any) -> tuple[bool, str]:
+    """`gpu_direct_support` on the rank's first NIC (EFA's RDM domain carries `-rdm`), else on
+    the provider's default domain (shm has one per host)."""
+    try:
+        from transfer.fabric import gpu_direct_support
+    except ImportError as e:
+        raise WorkerError(f"transfer.gpu_memory: cannot load the libfabric binding to ask "
+                          f"whether {provider} registers GPU memory ({e})") from None
+    nic = nics[0] if nics and provider != "shm" else None
+    answer = (False, "no domain tried")
+    for domain in ([nic, f"{nic}-rdm"] if nic else []) + [None]:
+        answer = gpu_direct_support(provider, domain=domain)
+        if answer[0]:
+            return answer
+    return answer
+
+
+def _gpu_memory_field(plan: Any, choice: Any) -> str:
+    """The start line's `gpu_memory=`: direct | staged (pdtool's backend), the SGLang backend
+    that registers it itself (`sglang-mooncake`), or `host` (KV in host memory)."""
+    if choice is not None:
+        return choice.path
+    if kv_in_gpu_memory(plan):
+        return f"sglang-{plan.transfer.backend}"
+    return "host"
+
+
+def startup_line(ctx: WorkerContext, node: str, gpu_memory: Any = None) -> str:
+    """One greppable line saying what this process resolved (tests read it from the logs).
+    `gpu_memory`: `gpu_memory_choice(ctx)` (None: the KV is in host memory)."""
     parts = [f"role={ctx.role}", f"node={node}", f"host={ctx.host}", f"engine={ctx.plan.engine}"]
     if ctx.instance is not None:
         rs = ctx.ranks
@@ -160,6 +236,7 @@ def startup_line(ctx: WorkerContext, node: str) -> str:
             f"numa={','.join(str(r.numa) for r in rs)}",
             f"cpus={rs[0].cpus or '-'}",
             f"FI_PROVIDER={os.environ.get('FI_PROVIDER', '-')}",
+            f"gpu_memory={_gpu_memory_field(ctx.plan, gpu_memory)}",
         ]
     else:
         parts.append(f"plan_node={ctx.plan.router.node}")
@@ -293,7 +370,11 @@ def main(argv: list[str] | None = None) -> int:
         node = check_node(args.expect_node)
         ctx.env = worker_env(ctx)
         os.environ.update(ctx.env)
-        print(startup_line(ctx, node), flush=True)
+        check_engine_version(ctx)
+        choice = gpu_memory_choice(ctx)
+        print(startup_line(ctx, node, choice), flush=True)
+        if choice is not None:  # on host-memory KV the start line says gpu_memory=host
+            print(f"pdtool-worker: {choice.line()}", flush=True)
         if workerenv.flag(workerenv.PREFLIGHT):
             print("pdtool-worker: preflight: not starting the engine", flush=True)
             return run_preflight(ctx)

@@ -55,6 +55,36 @@ def test_validate_json_and_options_after_overrides():
     assert dec["role"] == "decode" and dec["kv_bytes_per_token"] == 61 * 576 * 2
 
 
+def test_validate_states_the_gpu_memory_path():
+    p = pdtool("validate", "+recipe=deepseek-r1")
+    assert p.returncode == 0, p.stdout
+    text = " ".join(p.stdout.split())  # rich wraps long lines
+    # efa may or may not register CUDA memory on the node: the worker's probe decides
+    assert ("GPU memory: transfer.gpu_memory=auto: undecided (direct if efa's libfabric on the "
+            "node registers CUDA memory (FI_HMEM), else staged)") in text
+    p = pdtool("validate", "+recipe=deepseek-r1", "transfer.gpu_memory=staged", "--json")
+    assert json.loads(p.stdout)["gpu_memory"].startswith("transfer.gpu_memory=staged: staged")
+    p = pdtool("validate", "+recipe=tiny-local", "--json")
+    assert json.loads(p.stdout)["gpu_memory"].startswith("host memory")
+    p = pdtool("validate", "+recipe=deepseek-r1", "transfer=tcp", "transfer.gpu_memory=direct",
+               "--json")
+    out = json.loads(p.stdout)
+    assert p.returncode == 1 and out["gpu_memory"] is None  # the finding says why instead
+    (f,) = [f for f in out["findings"] if f["key"] == "transfer.gpu_memory"]
+    assert "tcp;ofi_rxm cannot register GPU memory" in f["message"] and "staged" in f["fix"]
+
+
+def test_plan_shows_the_gpu_memory_path():
+    p = pdtool("plan", "+recipe=deepseek-r1", "transfer.gpu_memory=direct",
+               "--no-ranks")
+    assert p.returncode == 0, p.stdout
+    assert "GPU memory: transfer.gpu_memory=direct: direct" in " ".join(p.stdout.split())
+    p = pdtool("plan", "+recipe=deepseek-r1", "--json")
+    t = json.loads(p.stdout)["transfer"]
+    assert t["gpu_memory"] == "auto" and t["gpu_memory_path"].startswith(
+        "transfer.gpu_memory=auto: undecided")
+
+
 def test_validate_errors_exit_1_and_name_the_key():
     p = pdtool("validate", "+recipe=llama-3.1-70b", "decode.tp=3")
     assert p.returncode == 1
@@ -156,7 +186,7 @@ def test_validate_path_imports_no_heavy_modules():
         "import sys; from pdtool.cli import main; "
         "rc = main(['validate', '+recipe=deepseek-r1']); "
         "heavy = [m for m in sys.modules if m.split('.')[0] in "
-        "('torch', 'sglang', 'numpy', 'cffi', 'zmq')"
+        "('torch', 'sglang', 'numpy', 'cffi', 'zmq', 'cuda', 'pycuda', 'cupy')"
         " or m.startswith('transfer._fabric') or m == 'transfer.fabric']; "
         "print('HEAVY', heavy); sys.exit(rc)"
     )

@@ -139,6 +139,8 @@ def test_starts_waits_for_health_and_stops_on_signal(how: str, tmp_path: Path) -
         for log in logs:  # SIGTERM reached each worker, which stopped on its own
             assert "pdtool-worker: stopped" in log.read_text(), log
         assert "healthy: decode-1.r0" in out
+        if how == "supervisor":  # the reference engine's KV is host memory
+            assert "pdtool: preflight: GPU memory: host memory" in out
     finally:
         run.kill_everything()
 
@@ -232,6 +234,7 @@ def test_worker_sets_fabric_environment_and_serves_health(plan_file: Path) -> No
         assert fields["role"] == "decode" and fields["instance"] == "0"
         assert fields["ranks"] == "0" and fields["nics"] == "shm"
         assert fields["FI_PROVIDER"] == "shm" and fields["port"] == "27610"
+        assert fields["gpu_memory"] == "host"  # reference engine: KV in host memory
         assert "preflight" in p.stdout.readline()
         assert "healthy" in p.stdout.readline()
         assert health(27610)["role"] == "decode"
@@ -286,3 +289,6 @@ def test_worker_execs_the_sglang_line_with_messenger_environment(tmp_path: Path)
     assert e["PDTOOL_FI_PROVIDER"] == "tcp;ofi_rxm" and e["PDTOOL_FI_DOMAIN"] == "lo"
     assert json.loads(e["PDTOOL_NICS"]) == {"2": "lo"}
     assert "pdtool-worker: start role=decode" in out
+    # tcp;ofi_rxm never registers GPU memory: auto is staged, decided without a probe
+    assert " gpu_memory=staged " in out
+    assert "pdtool-worker: transfer.gpu_memory=auto: staged (tcp;ofi_rxm has no FI_HMEM)" in out

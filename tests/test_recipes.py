@@ -49,7 +49,7 @@ def test_deepseek_r1_production_shape():
     cfg = recipe("deepseek-r1")
     m = cfg.model
     assert (m.attention, m.num_layers, m.kv_lora_rank, m.qk_rope_head_dim) == ("mla", 61, 512, 64)
-    assert (m.num_experts, m.num_shared_experts, m.experts_per_token) == (256, 1, 8)
+    assert (m.num_experts, m.moe_intermediate_size, m.expert_params_b) == (256, 2048, 653.9)
     assert (m.dtype, m.num_params_b) == ("fp8", 671)
     assert (cfg.cluster.name, cfg.cluster.gpu_memory_gb) == ("p5en", 141)
     plan = build_plan(cfg)
@@ -75,7 +75,7 @@ def test_qwen3_coder_equal_tp_hnd():
     cfg = recipe("qwen3-coder-480b")
     m = cfg.model
     assert (m.num_layers, m.num_q_heads, m.num_kv_heads, m.head_dim) == (62, 96, 8, 128)
-    assert (m.num_experts, m.experts_per_token, m.dtype) == (160, 8, "fp8")
+    assert (m.num_experts, m.moe_intermediate_size, m.dtype) == (160, 2560, "fp8")
     plan = build_plan(cfg)
     assert plan.transfer.layout == "NHD"  # SGLang's pools: transfer.layout=HND does not apply
     assert [i.tp for i in plan.instances] == [8, 8, 8, 8]

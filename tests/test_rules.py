@@ -59,10 +59,6 @@ def test_expert_params_warning_for_moe_without_expert_count():
     assert_warning(cfg, "model.expert_params_b", "MoE")
 
 
-def test_experts_per_token_above_experts():
-    cfg = recipe("deepseek-r1")
-    cfg.model.experts_per_token = 300
-    assert_error(cfg, "model.experts_per_token", "300 active experts")
 
 
 def test_mla_needs_latent_dims_and_one_head():
@@ -447,3 +443,34 @@ def test_gpu_memory_does_not_apply_to_the_reference_engine():
     assert (plan.gpu_memory, plan.gpu_memory_path.split(" ")[0]) == ("auto", "host")
     sg = build_plan(recipe("llama-3.1-70b", "transfer=tcp", "transfer.gpu_memory=staged"))
     assert sg.transfer.gpu_memory_path.startswith("transfer.gpu_memory=staged: staged")
+
+
+# --- engine.version, router.policy -------------------------------------------------------
+
+
+def test_engine_version_is_the_sglang_release_pdtool_is_written_for():
+    assert not [f for f in validate(recipe("deepseek-r1")) if f.key == "engine.version"]
+    f = assert_error(recipe("deepseek-r1", "engine.version=0.5.22"), "engine.version",
+                     "'0.5.22'", "written for SGLang 0.5.23")
+    assert "engine.version=0.5.23" in f.fix
+    assert_error(recipe("deepseek-r1", "engine.version="), "engine.version", "''")
+    assert_error(compose("engine.version=2.0"), "engine.version", "reference engine")
+    assert build_plan(recipe("deepseek-r1")).engine_version == "0.5.23"
+
+
+def test_router_policy_the_reference_front_does_not_implement_is_refused():
+    assert not [f for f in validate(compose()) if f.key == "router.policy"]
+    for policy in ("random", "cache_aware", "power_of_two"):
+        f = assert_error(compose(f"router.policy={policy}"), "router.policy",
+                         "reference engine's front routes round_robin only")
+        assert "router.policy=round_robin" in f.fix
+        assert not [f for f in validate(recipe("deepseek-r1", f"router.policy={policy}"))
+                    if f.key == "router.policy"]  # sglang-router implements them all
+
+
+def test_gpu_memory_is_pdtools_backend_only():
+    f = assert_error(recipe("deepseek-r1", "transfer.backend=nixl", "transfer.gpu_memory=staged"),
+                     "transfer.gpu_memory", "transfer.backend=nixl is SGLang's own backend")
+    assert "transfer.gpu_memory=auto" in f.fix
+    t = build_plan(recipe("deepseek-r1", "transfer.backend=mooncake")).transfer
+    assert (t.backend, t.gpu_memory_path.split(" ")[:2]) == ("mooncake", ["SGLang's", "mooncake"])

@@ -131,6 +131,10 @@ def test_env_per_role_is_added_with_plus():
         (["+prefill.foo=1"], "prefill.foo", "not a pdtool setting"),
         (["+bar=1"], "bar", "not a pdtool setting"),
         (["+cluster.nics.0.speed=9"], "cluster.nics.0.speed", "not a pdtool setting"),
+        # keys no code read are gone: naming one is refused (issue 12)
+        (["model.experts_per_token=8"], "model.experts_per_token", "not in 'ModelConfig'"),
+        (["model.num_shared_experts=1"], "model.num_shared_experts", "not in 'ModelConfig'"),
+        (["model.num_mtp_layers=1"], "model.num_mtp_layers", "not in 'ModelConfig'"),
         (["+recipe=no-such-recipe"], "recipe", "no-such-recipe"),
         (["recipe=tiny-local"], "recipe", "No match in the defaults list"),
         (["+recipe="], "recipe", "empty recipe name"),

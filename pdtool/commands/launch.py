@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
         print("pdtool: ERROR: --smoke runs the deployment on this machine (launcher=local); "
               "for Slurm, launch it and send a request to the router")
         return 2
+    if args.preflight:  # each worker's start line has the path its node's libfabric allows
+        print(f"pdtool: preflight: GPU memory: {rendered.plan.transfer.gpu_memory_path}")
     if rendered.spec.launcher == "slurm":
         from pdtool.launch.slurm import SubmitError, submit
 

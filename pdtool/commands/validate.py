@@ -1,7 +1,8 @@
 """`pdtool validate`: compose a config and report every problem, with the key and the fix.
 
 Exit 0 when there are no errors (warnings allowed), 1 on errors, 2 when the command line or
-the config cannot be composed. Also prints per-role memory fit and KV bytes per token.
+the config cannot be composed. Also prints per-role memory fit, KV bytes per token and the
+path KV in GPU memory takes (`transfer.gpu_memory`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ def memory_rows(run: Run) -> list[Any] | None:
     return [role_memory(r, cfg.model, cfg.cluster, role(cfg, r)) for r in ROLES]
 
 
+def gpu_memory_path(run: Run) -> str | None:
+    """How KV reaches the fabric (`pdtool.plan.routes.gpu_memory_path`, what `pdtool plan`
+    shows), once the config has no errors (with errors the finding says what is wrong)."""
+    from pdtool.plan.routes import gpu_memory_path as path_of
+    from pdtool.rules import has_errors
+
+    if run.cfg is None or has_errors(run.all_findings):
+        return None
+    return path_of(run.cfg)
+
+
 def _result(run: Run) -> dict[str, Any]:
     from dataclasses import asdict
 
@@ -55,6 +67,7 @@ def _result(run: Run) -> dict[str, Any]:
         "warnings": len(run.all_findings) - errors,
         "findings": [f.to_dict() for f in run.all_findings],
         "memory": [asdict(m) for m in mem] if mem else None,
+        "gpu_memory": gpu_memory_path(run),
     }
 
 
@@ -76,6 +89,9 @@ def _print_run(con: Any, run: Run) -> None:
             f"KV {human_bytes(m.kv_bytes_per_token)}/token and "
             f"{human_bytes(m.kv_bytes_per_page)}/page per rank ({m.kv_dtype})"
         )
+    path = gpu_memory_path(run)
+    if path is not None:
+        con.print(f"  GPU memory: {path}")
     errors = sum(f.severity == "error" for f in run.findings)
     warnings = len(run.findings) - errors
     if errors:

@@ -122,6 +122,7 @@ def build_plan(cfg: Config, tokens: int = DEFAULT_TOKENS) -> Plan:
         description=cfg.description,
         launcher=cfg.launcher.kind,
         engine=cfg.engine.kind,
+        engine_version=cfg.engine.version,
         mode=cfg.mode,
         nodes=nodes,
         model=ModelSummary(

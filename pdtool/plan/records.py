@@ -150,6 +150,8 @@ class TransferPlan:
     layout_source: str = LAYOUT_FROM_CONFIG  # where `layout` comes from (routes.kv_pool)
     gpu_memory: str = "auto"  # transfer.gpu_memory: auto | direct | staged
     gpu_memory_path: str = ""  # what that means here (transfer.gpu_memory.choose_gpu_memory)
+    backend: str = "pdtool"  # transfer.backend: SGLang's own (mooncake, nixl) register GPU
+    # memory themselves, so transfer.gpu_memory is pdtool's backend's only
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,7 @@ class Plan:
     transfer: TransferPlan
     memory: tuple[RoleMemory, ...]
     mode: str = "disaggregated"  # config `mode`: aggregated instances run whole requests
+    engine_version: str = ""  # engine.version: the SGLang release the worker checks at start
 
     def role_instances(self, role_name: str) -> tuple[InstancePlan, ...]:
         return tuple(i for i in self.instances if i.role == role_name)

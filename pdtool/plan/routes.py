@@ -156,6 +156,9 @@ def gpu_memory_path(cfg: Config) -> str:
     from the node's probe); the reference engine's KV is in host memory."""
     if cfg.engine.kind == "reference":
         return "host memory (the reference engine's KV is not on a GPU)"
+    if cfg.transfer.backend != "pdtool":
+        return (f"SGLang's {cfg.transfer.backend} backend registers the GPU memory itself "
+                f"(transfer.gpu_memory is pdtool's backend's)")
     return choose_gpu_memory(cfg.transfer.gpu_memory, cfg.transfer.provider).line()
 
 
@@ -185,6 +188,7 @@ def transfer_plan(cfg: Config, tokens: int) -> TransferPlan:
         heartbeat_s=tr.heartbeat_s,
         lanes=tr.lanes,
         gpu_memory=tr.gpu_memory,
+        backend=tr.backend,
         gpu_memory_path=gpu_memory_path(cfg),
         aux_writes=len(aux_buffers(cfg)),
         page_size=cfg.decode.page_size,

@@ -20,6 +20,12 @@ def check_gpu_memory(cfg: Config) -> list[Finding]:
         return [error(KEY, f"{KEY}={mode}: the reference engine keeps its KV in host memory, "
                            "there is no GPU memory to register or stage",
                       f"leave {KEY}=auto (or use engine=sglang)")]
+    backend = cfg.transfer.backend
+    if backend != "pdtool" and mode != "auto":
+        return [error(KEY, f"{KEY}={mode}: transfer.backend={backend} is SGLang's own backend, "
+                           "which registers the GPU memory itself",
+                      f"leave {KEY}=auto with transfer.backend={backend}, or use "
+                      "transfer.backend=pdtool")]
     problem = gpu_memory_problem(mode, cfg.transfer.provider)
     if problem is None:
         return []

@@ -29,8 +29,13 @@ from pdtool.schema import (
     role,
 )
 from transfer.gpu_memory import GPU_MEMORY_MODES
+from transfer.sglang import SGLANG_VERSION
 
 ROUTER_POLICIES = ("round_robin", "random", "cache_aware", "power_of_two")
+# The reference engine's front (pdtool.engines.reference.front) sends each request to the live
+# decode instance with the fewest in flight, ties taken in round-robin order: that is its one
+# policy, so the others are refused there rather than accepted and ignored.
+REFERENCE_ROUTER_POLICIES = ("round_robin",)
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$|^(infinite|UNLIMITED)$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -68,10 +73,7 @@ def check_model(cfg: Config) -> list[Finding]:
         "kv_lora_rank",
         "qk_rope_head_dim",
         "num_experts",
-        "num_shared_experts",
-        "experts_per_token",
         "moe_intermediate_size",
-        "num_mtp_layers",
     ):
         out += _at_least(f"model.{name}", getattr(m, name), 0)
     if m.num_params_b <= 0:
@@ -89,14 +91,6 @@ def check_model(cfg: Config) -> list[Finding]:
                 f"routed-expert parameters {m.expert_params_b}B must lie in "
                 f"[0, model.num_params_b={m.num_params_b}B]",
                 "set model.expert_params_b to the billions of parameters in routed experts",
-            )
-        )
-    if m.num_experts and m.experts_per_token > m.num_experts:
-        out.append(
-            error(
-                "model.experts_per_token",
-                f"{m.experts_per_token} active experts > model.num_experts={m.num_experts}",
-                f"set model.experts_per_token <= {m.num_experts}",
             )
         )
     if m.num_experts > 0 and m.expert_params_b == 0:
@@ -341,12 +335,35 @@ def check_launcher(cfg: Config) -> list[Finding]:
 def check_engine_router(cfg: Config) -> list[Finding]:
     out = _choice("engine.kind", cfg.engine.kind, ENGINES)
     out += _choice("router.policy", cfg.router.policy, ROUTER_POLICIES)
+    if cfg.engine.kind == "reference" and cfg.router.policy in ROUTER_POLICIES \
+            and cfg.router.policy not in REFERENCE_ROUTER_POLICIES:
+        out.append(error("router.policy", f"{cfg.router.policy!r}: the reference engine's front "
+                         "routes round_robin only (to the live decode instance with the fewest "
+                         "requests in flight, ties in round-robin order)",
+                         "set router.policy=round_robin, or use engine=sglang (sglang-router)"))
+    out += check_engine_version(cfg)
     out += _choice("mode", cfg.mode, MODES)
     if cfg.mode == "aggregated" and cfg.engine.kind != "reference":
         out.append(error("mode", "mode=aggregated is implemented by the reference engine "
                          f"only, engine.kind={cfg.engine.kind}",
                          "use engine=reference, or mode=disaggregated"))
     return out
+
+
+def check_engine_version(cfg: Config) -> list[Finding]:
+    """`engine.version` pins the SGLang release: pdtool's launch lines and transfer backend are
+    written for `transfer.sglang.SGLANG_VERSION`, and the worker refuses to start another
+    installed release. The reference engine is part of pdtool and has no version of its own."""
+    v = cfg.engine.version
+    if cfg.engine.kind == "sglang" and v != SGLANG_VERSION:
+        return [error("engine.version", f"{v!r}: pdtool's SGLang launch lines and transfer "
+                      f"backend are written for SGLang {SGLANG_VERSION}",
+                      f"set engine.version={SGLANG_VERSION} (and install "
+                      f"sglang=={SGLANG_VERSION} where the workers run)")]
+    if cfg.engine.kind == "reference" and v:
+        return [error("engine.version", f"{v!r}: the reference engine is part of pdtool and has "
+                      "no version of its own", "leave engine.version empty with engine=reference")]
+    return []
 
 
 ALL = (check_model, check_cluster, check_roles, check_transfer, check_launcher, check_engine_router)

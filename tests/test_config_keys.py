@@ -1,0 +1,64 @@
+"""Every config key reaches the code it controls (issue 12): each field of every schema
+dataclass is read somewhere besides its declaration (pdtool/schema.py) and the value checks
+(pdtool/rules/values.py), or is listed below with the reason. A key added to the schema that no
+code reads fails here, so it is wired or removed before users set it and see nothing change."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from pdtool import schema
+
+ROOT = Path(__file__).resolve().parent.parent
+#: where a key is read: the packages and the job templates (tests, docs and yaml are not readers)
+READERS = ("pdtool", "transfer", "templates")
+NOT_READERS = {"pdtool/schema.py", "pdtool/rules/values.py"}
+#: words too common for a word search (`.name`, `.version` are attributes of many objects):
+#: these fields count as read only through their group, e.g. `engine.version`
+QUALIFIED = {("EngineConfig", "version"): r"engine\.version\b",
+             ("RouterConfig", "policy"): r"(router|rp|r)\.policy\b"}
+#: fields read by no code on purpose, with the reason
+ALLOWED: dict[tuple[str, str], str] = {}
+
+
+def _sources() -> str:
+    texts = []
+    for top in READERS:
+        for path in sorted((ROOT / top).rglob("*")):
+            rel = str(path.relative_to(ROOT))
+            if path.suffix in (".py", ".j2", ".sh") and rel not in NOT_READERS:
+                texts.append(path.read_text(errors="replace"))
+    return "\n".join(texts)
+
+
+def _schema_fields() -> list[tuple[str, str]]:
+    classes = [c for c in vars(schema).values()
+               if isinstance(c, type) and dataclasses.is_dataclass(c)
+               and c.__module__ == schema.__name__]
+    return [(c.__name__, f.name) for c in classes for f in dataclasses.fields(c)]
+
+
+def test_every_schema_field_is_read_by_the_code_or_listed_with_a_reason():
+    text = _sources()
+    fields = _schema_fields()
+    assert ("ModelConfig", "num_layers") in fields and ("NicConfig", "gpus") in fields
+    unread = []
+    for cls, name in fields:
+        if (cls, name) in ALLOWED:
+            continue
+        pattern = QUALIFIED.get((cls, name),
+                                rf"\.{name}\b|\[\s*[\"']{name}[\"']\s*\]|[\"']{name}[\"']\s*[,)]")
+        if not re.search(pattern, text):
+            unread.append(f"{cls}.{name}")
+    assert not unread, f"schema fields no code reads (wire them, or remove them): {unread}"
+    for key, why in ALLOWED.items():
+        assert key in fields and why, key  # the allow-list names real fields, with a reason
+
+
+def test_the_removed_keys_stay_removed():
+    fields = set(_schema_fields())
+    for gone in [("ModelConfig", "num_shared_experts"), ("ModelConfig", "experts_per_token"),
+                 ("ModelConfig", "num_mtp_layers")]:
+        assert gone not in fields, gone

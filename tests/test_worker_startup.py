@@ -1,0 +1,110 @@
+"""What the worker decides and checks at start-up, before any engine runs.
+
+`transfer.gpu_memory`: the path KV in GPU memory takes is decided from the node's libfabric
+(`transfer.fabric.gpu_direct_support`) and printed in the start line; `direct` on a node that
+cannot fails there with the reason. `engine.version`: the installed SGLang must be the release
+the plan names. The worker entry runs for real
+(`python -m pdtool.worker`); with engine=sglang and nothing after `--` it stops right after
+its start-up lines, so no engine and no port is needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pdtool_cfg import compose
+
+from pdtool.plan import build_plan, to_json
+from pdtool.worker import gpu_memory_choice, kv_in_gpu_memory, parse_args, resolve
+
+
+def _plan(tmp_path: Path, *overrides: str) -> Path:
+    path = tmp_path / "plan.json"
+    path.write_text(to_json(build_plan(compose(*overrides))))
+    return path
+
+
+def _worker(plan: Path, role: str = "decode", pythonpath: str = "") -> \
+        subprocess.CompletedProcess[str]:
+    args = ["--role", role] + (["--instance", "0", "--node-rank", "0"] if role != "router"
+                               else [])
+    env = {**os.environ, "PDTOOL_PREFLIGHT": ""}
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "pdtool.worker", "--plan", str(plan), *args],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def _start_fields(stdout: str) -> dict[str, str]:
+    line = next(x for x in stdout.splitlines() if x.startswith("pdtool-worker: start "))
+    return dict(kv.split("=", 1) for kv in line.split()[2:])
+
+
+SGLANG_ON_GPUS = ("engine=sglang", "cluster.device=cuda")
+
+
+def test_auto_asks_the_nodes_libfabric_and_prints_the_path(tmp_path: Path) -> None:
+    # Debian's libfabric 1.17: shm lists FI_HMEM but has no CUDA support (-FI_ENOSYS)
+    res = _worker(_plan(tmp_path, *SGLANG_ON_GPUS))
+    assert _start_fields(res.stdout)["gpu_memory"] == "staged", res.stdout
+    assert ("pdtool-worker: transfer.gpu_memory=auto: staged (shm cannot register CUDA memory "
+            "here:") in res.stdout
+    assert "needs its launch line" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_direct_on_a_node_that_cannot_fails_at_start_up_with_the_reason(tmp_path: Path) -> None:
+    res = _worker(_plan(tmp_path, *SGLANG_ON_GPUS, "transfer.gpu_memory=direct"))
+    assert res.returncode == 2
+    assert "pdtool-worker: start" not in res.stdout  # refused before anything starts
+    err = res.stderr
+    assert "pdtool-worker: ERROR: transfer.gpu_memory=direct: shm cannot register GPU memory " \
+           "here:" in err and "use transfer.gpu_memory=staged or auto" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("overrides", [("transfer.gpu_memory=staged",),
+                                       ("transfer=tcp",)])
+def test_staged_and_providers_without_fi_hmem_need_no_probe(tmp_path: Path, overrides) -> None:
+    plan = _plan(tmp_path, *SGLANG_ON_GPUS, *overrides)
+    ctx = resolve(parse_args(["--plan", str(plan), "--role", "prefill", "--instance", "0",
+                              "--node-rank", "0"]))
+    choice = gpu_memory_choice(ctx)
+    assert choice.path == "staged"
+    res = _worker(plan, "prefill")
+    assert _start_fields(res.stdout)["gpu_memory"] == "staged"
+    assert f"pdtool-worker: {choice.line()}" in res.stdout
+
+
+def test_host_memory_kv_and_the_router_print_no_probe(tmp_path: Path) -> None:
+    plan = _plan(tmp_path)  # the reference engine on this machine: KV in host memory
+    ctx = resolve(parse_args(["--plan", str(plan), "--role", "decode", "--instance", "0",
+                              "--rank", "0"]))
+    assert not kv_in_gpu_memory(ctx.plan) and gpu_memory_choice(ctx) is None
+    res = _worker(_plan(tmp_path, *SGLANG_ON_GPUS), "router")
+    assert "gpu_memory" not in res.stdout and "transfer.gpu_memory" not in res.stdout
+
+
+def test_the_installed_sglang_must_be_the_release_engine_version_names(tmp_path: Path) -> None:
+    plan = _plan(tmp_path, *SGLANG_ON_GPUS)
+    assert json.loads(plan.read_text())["engine_version"] == "0.5.23"
+    res = _worker(plan)  # this machine has SGLang 0.5.23: start-up goes on to the engine
+    assert "pdtool-worker: start" in res.stdout and "engine.version" not in res.stderr
+    # another release first on the path (package metadata as pip installs it)
+    other = tmp_path / "site"
+    (other / "sglang-0.5.22.dist-info").mkdir(parents=True)
+    (other / "sglang-0.5.22.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.22\n")
+    res = _worker(plan, pythonpath=str(other))
+    assert res.returncode == 2 and "pdtool-worker: start" not in res.stdout
+    assert "engine.version=0.5.23, but" in res.stderr and "has sglang==0.5.22" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_sglangs_own_backend_registers_gpu_memory_itself(tmp_path: Path) -> None:
+    res = _worker(_plan(tmp_path, *SGLANG_ON_GPUS, "transfer.backend=mooncake"))
+    assert _start_fields(res.stdout)["gpu_memory"] == "sglang-mooncake", res.stdout
+    assert "transfer.gpu_memory=" not in res.stdout  # no probe, no pdtool path
