@@ -127,6 +127,11 @@ class Front:
             self._push.send_pyobj(None)
         for t in self._threads:
             t.join(timeout=5)
+        if not any(t.is_alive() for t in self._threads):  # sockets are the threads' own
+            with self._lock:
+                self._push.close(0)
+            self._pull.close(0)
+            self._ctx.term()  # else a context left open blocks the interpreter's exit
 
     @property
     def ready(self) -> bool:
