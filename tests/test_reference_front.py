@@ -133,3 +133,25 @@ def test_a_dead_dispatcher_shows_in_health_and_fails_requests():
         thread.join(5)
         sock.close(0)
         assert time.monotonic() - t0 < 30
+
+
+def test_streamed_text_equals_the_whole_text_for_any_split(tmp_path):
+    """The incremental detokenizer gives decode(all ids) however the ids arrive (multi-byte
+    characters split across messages, BPE merges), for bytes and a checkpoint's tokenizer."""
+    import random
+
+    from hf_checkpoints import TEXT, tokenizer_files
+
+    from pdtool.engines.reference.tokenizer import ByteTokenizer, HFTokenizer, StreamText
+
+    tokenizer_files(tmp_path)
+    rng = random.Random(0)
+    for tok in (ByteTokenizer(), HFTokenizer(tmp_path)):
+        ids = tok.encode(TEXT + " ✓✓ ünï")
+        for _ in range(20):
+            stream, out, i = StreamText(tok), "", 0
+            while i < len(ids):
+                k = rng.randint(1, 4)
+                out += stream.push(ids[i : i + k], final=i + k >= len(ids))
+                i += k
+            assert out == tok.decode(ids)

@@ -92,20 +92,25 @@ def eos_ids(folder: Path) -> list[int]:
 
 
 class StreamText:
-    """Incremental detokenizer of one response (see the module docstring)."""
+    """Incremental detokenizer of one response (see the module docstring). Decodes a window
+    from the last point where the text was complete, never the whole output again, so a long
+    stream costs linear time: the new text is decode(window) minus decode(window's old part),
+    which also keeps the spaces SentencePiece-style decoders drop at a slice's start."""
 
     def __init__(self, tok: ByteTokenizer | HFTokenizer) -> None:
         self.tok = tok
         self.ids: list[int] = []
-        self.sent = 0  # characters of decode(ids) already returned
+        self.prefix = 0  # window start: text up to here was complete and sent
+        self.read = 0  # ids up to here are sent
 
     def push(self, ids: list[int], final: bool = False) -> str:
         self.ids += ids
-        text = self.tok.decode(self.ids)
-        if not final and text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")
-        new = text[self.sent:] if len(text) > self.sent else ""
-        self.sent = max(self.sent, len(text))
+        full = self.tok.decode(self.ids[self.prefix:])
+        if not final and full.endswith("\ufffd"):  # a character's bytes still to come
+            return ""
+        sent = self.tok.decode(self.ids[self.prefix:self.read])
+        new = full[len(sent):] if full.startswith(sent) else full
+        self.prefix, self.read = self.read, len(self.ids)
         return new
 
 
