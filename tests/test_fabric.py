@@ -626,5 +626,10 @@ def test_every_failed_write_is_reported_beyond_64():
         a.write_batch(peer, ma, region, one, one, one + 64, imm=0, tag=tag, timeout=5)
     assert a.wait_idle(timeout=30)
     errors = a.errors
-    assert sorted(t for t, _, _ in errors) == list(range(1, 101)), len(errors)
+    failed = sorted(t for t, _, _ in errors)
+    # each failed once; the first writes after the close may still have been accepted by the
+    # kernel's socket buffer and completed: every other tag is reported, far beyond 64
+    assert len(failed) == len(set(failed)) and set(failed) <= set(range(1, 101))
+    assert len(failed) > 64, len(failed)
+    assert all(a.wait_send(t, 1, timeout=1) for t in range(1, 101) if t not in failed)
     a.close()
