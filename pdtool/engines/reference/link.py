@@ -184,7 +184,7 @@ class PrefillSide(_Side):
         thread woke and took the GIL four times per pass; each handoff cost the engine thread a
         scheduler wake-up, which on a loaded 2-core box doubled a 2,000-token prefill (1.85 s
         against 0.97 s aggregated). On CPU the layers' pages are written right after the pass
-        instead, one pass later at most (docs/notes-bench.md)."""
+        instead, one pass later at most (docs/benchmark.md)."""
         if layer == self.num_layers - 1:
             self.m.layer_done(layer)
 
