@@ -375,11 +375,6 @@ def main(argv: list[str] | None = None) -> int:
         print(startup_line(ctx, node, choice), flush=True)
         if choice is not None:  # on host-memory KV the start line says gpu_memory=host
             print(f"pdtool-worker: {choice.line()}", flush=True)
-            if choice.path == "staged":  # this node's libfabric has no CUDA (FI_HMEM)
-                from pdtool.rules.gpu_memory import NO_STAGED_SGLANG
-
-                raise WorkerError(f"transfer.gpu_memory: staged on this node, but "
-                                  f"{NO_STAGED_SGLANG}")
         if workerenv.flag(workerenv.PREFLIGHT):
             print("pdtool-worker: preflight: not starting the engine", flush=True)
             return run_preflight(ctx)

@@ -369,7 +369,7 @@ def test_cross_node_loopback_is_refused_and_a_shared_host_nic_warned() -> None:
     one = recipe("tiny-local", "launcher=slurm", "cluster.nodes=2", "transfer=tcp",
                  "cluster.one_host=true")
     assert findings_for(one, "transfer.provider") == []
-    cfg = recipe("llama-3.1-70b", "transfer=tcp", "transfer.backend=mooncake",
+    cfg = recipe("llama-3.1-70b", "transfer=tcp",
                  "cluster.nics=[{name:eth0,kind:tcp,gbps:100}]")
     assert_warning(cfg, "transfer.provider", "all 8 GPUs", "12.5 Gb/s per GPU of 100 Gb/s")
 

@@ -53,9 +53,7 @@ def test_auto_asks_the_nodes_libfabric_and_prints_the_path(tmp_path: Path) -> No
     assert _start_fields(res.stdout)["gpu_memory"] == "staged", res.stdout
     assert ("pdtool-worker: transfer.gpu_memory=auto: staged (shm cannot register CUDA memory "
             "here:") in res.stdout
-    # pdtool's SGLang backend has no staged path: the rank refuses to start, saying why
-    assert res.returncode == 2 and "no staged path yet" in res.stderr, res.stderr
-    assert "Traceback" not in res.stderr
+    assert "needs its launch line" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_direct_on_a_node_that_cannot_fails_at_start_up_with_the_reason(tmp_path: Path) -> None:
@@ -79,7 +77,6 @@ def test_staged_and_providers_without_fi_hmem_need_no_probe(tmp_path: Path, over
     res = _worker(plan, "prefill")
     assert _start_fields(res.stdout)["gpu_memory"] == "staged"
     assert f"pdtool-worker: {choice.line()}" in res.stdout
-    assert res.returncode == 2 and "no staged path yet" in res.stderr
 
 
 def test_host_memory_kv_and_the_router_print_no_probe(tmp_path: Path) -> None:

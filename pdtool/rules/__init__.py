@@ -11,7 +11,6 @@ a value it cannot compute with (tp=0, an unknown provider, an impossible placeme
    GPU memory direct/staged/auto for the engine and provider   (rules.gpu_memory)
 3. placed     idle GPUs, provider/NIC kinds, NIC per rank, ports, memory fit, NHD write count,
               what a Slurm job asks for                       (rules.launch)
-              pdtool's SGLang backend has no staged path      (rules.gpu_memory.PLACED)
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ STAGES: tuple[tuple[Rule, ...], ...] = (
     values.ALL,
     shards.ALL + topology.ARITHMETIC + reference.ALL + moe.ALL + gpu_memory.ALL,
     topology.PLACED + ports.ALL + memfit.ALL + (shards.check_nhd_writes,) + sglang.ALL
-    + launch.ALL + gpu_memory.PLACED,
+    + launch.ALL,
 )
 
 

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 from pdtool.rules.finding import Finding, error
 from pdtool.schema import Config
-from transfer.gpu_memory import KEY, choose_gpu_memory, gpu_memory_problem
-
-#: why the SGLang backend refuses the staged path (transfer/staging.py is not wired into it)
-NO_STAGED_SGLANG = ("the SGLang backend registers SGLang's GPU pools directly and has no "
-                    "staged path yet (transfer/staging.py is not wired into it)")
+from transfer.gpu_memory import KEY, gpu_memory_problem
 
 
 def check_gpu_memory(cfg: Config) -> list[Finding]:
@@ -31,25 +27,9 @@ def check_gpu_memory(cfg: Config) -> list[Finding]:
                       f"leave {KEY}=auto with transfer.backend={backend}, or use "
                       "transfer.backend=pdtool")]
     problem = gpu_memory_problem(mode, cfg.transfer.provider)
-    if problem is not None:
-        return [error(KEY, problem, f"use {KEY}=staged (or auto)")]
-    return []
-
-
-def check_sglang_staged(cfg: Config) -> list[Finding]:
-    """Once the provider fits the NICs (stage 3): pdtool's SGLang backend on GPUs cannot take
-    the staged path, so a mode that resolves to it is refused before anything starts."""
-    if cfg.engine.kind != "sglang" or cfg.transfer.backend != "pdtool":
+    if problem is None:
         return []
-    mode = cfg.transfer.gpu_memory
-    if cfg.cluster.device == "cuda" and \
-            choose_gpu_memory(mode, cfg.transfer.provider).path == "staged":
-        return [error(KEY, f"{KEY}={mode} with {cfg.transfer.provider} means staged: "
-                           f"{NO_STAGED_SGLANG}",
-                      f"use a provider whose libfabric registers CUDA memory (efa, "
-                      f"verbs;ofi_rxm) with {KEY}=auto or direct, or transfer.backend=mooncake")]
-    return []
+    return [error(KEY, problem, f"use {KEY}=staged (or auto)")]
 
 
 ALL = (check_gpu_memory,)
-PLACED = (check_sglang_staged,)
