@@ -142,7 +142,7 @@ def test_a_frame_of_another_protocol_is_refused():
 def _reg(**over) -> dict:
     body = {"compat": b"c" * 16, "peer": "10.0.0.2:7000", "ip": "10.0.0.2", "port": 7000,
             "fabric_name": b"fi", "provider": "shm", "tp_size": 1, "tp_rank": 0,
-            "is_mla": False, "total_kv_heads": 8, "heads_local": 8, "page_size": 16,
+            "gpu": 0, "iov_limit": 4, "is_mla": False, "page_size": 16,
             "kv": [{"base": 1, "key": 2, "length": 3}], "kv_data_lens": [3], "kv_item_lens": [1],
             "aux": [], "aux_item_lens": []}
     return {**body, **over}
