@@ -366,23 +366,34 @@ class DecodeEngine:
             self.ran = True
         return events
 
-    def _admit(self) -> None:
+    def _take_waiting(self) -> _DReq | None:
+        """The first waiting request with its pages allocated, or None while none fits now.
+        A request the cache can never hold fails (reported and dropped by _decode)."""
         P = self.kv.page_size
-        while self.waiting and len(self.running) + len(self.transfer) < self.max_running:
+        while self.waiting:
             r = self.waiting[0]
             # prompt + every new token + the draft slot of the first step
             n = math.ceil((len(r.prompt) + r.max_tokens + 1) / P)
             if n > self.kv.pages.num_pages:
                 self.waiting.pop(0)
                 r.error = f"needs {n} pages, the cache has {self.kv.pages.num_pages}"
-                self.running.append(r)  # reported (and dropped) by _decode
+                self.running.append(r)
                 continue
             if n > self.kv.pages.num_free:
-                break
+                return None
             self.waiting.pop(0)
             r.pages = self.kv.pages.alloc(n)
             r.pos = len(r.prompt) - 1
             self.requests_started += 1
+            return r
+        return None
+
+    def _admit(self) -> None:
+        P = self.kv.page_size
+        while self.waiting and len(self.running) + len(self.transfer) < self.max_running:
+            r = self._take_waiting()
+            if r is None:
+                break
             if len(r.prompt) == 1:
                 self.running.append(r)  # nothing to prefill, no hidden state to draft from
             else:
@@ -545,21 +556,10 @@ class AggregatedEngine(DecodeEngine):
         return bool(self.prefilling) or super().busy
 
     def _admit(self) -> None:
-        P = self.kv.page_size
         while self.waiting and (len(self.running) + len(self.prefilling)) < self.max_running:
-            r = self.waiting[0]
-            n = math.ceil((len(r.prompt) + r.max_tokens + 1) / P)
-            if n > self.kv.pages.num_pages:
-                self.waiting.pop(0)
-                r.error = f"needs {n} pages, the cache has {self.kv.pages.num_pages}"
-                self.running.append(r)
-                continue
-            if n > self.kv.pages.num_free:
+            r = self._take_waiting()
+            if r is None:
                 break
-            self.waiting.pop(0)
-            r.pages = self.kv.pages.alloc(n)
-            r.pos = len(r.prompt) - 1
-            self.requests_started += 1
             if len(r.prompt) == 1:
                 self.running.append(r)
             else:
