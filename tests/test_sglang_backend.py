@@ -482,23 +482,25 @@ def test_mla_prefill_tp2_to_decode_tp1_over_tcp_rxm() -> None:
 
 @pytest.mark.timeout(400)
 def test_mha_prefill_tp1_to_decode_tp2_slices_heads() -> None:
-    """Each decode rank takes its two of four heads from the one prefill rank, token by token."""
+    """Each decode rank takes its two of four heads from the one prefill rank: the prefill packs
+    them per page into a bounce buffer, one write per (page, layer buffer), landing in place."""
     cfg = {"mla": False, "heads": 4, "prefill_tp": 1, "decode_tp": 2, "rooms": {12: ROOMS[12]}}
     res = run_pair(cfg)
     check_bytes(cfg, res)
     for _, out, _, _, remote_writes, _, _ in res["decode"]:
-        assert out[12]["count"] == remote_writes == ops(2 * PAGE) * 2 * LAYERS + N_AUX
+        assert out[12]["count"] == remote_writes == ops(2) * 2 * LAYERS + N_AUX
 
 
 @pytest.mark.timeout(400)
 def test_mha_prefill_tp2_to_decode_tp1_reassembles_heads() -> None:
-    """TP mismatch on NHD pools: each prefill rank writes its head slice token by token."""
+    """TP mismatch on NHD pools: each prefill rank writes its head slice of a page as one packed
+    write into the decoder's landing area, scattered into its pool before Success."""
     cfg = {"mla": False, "heads": 4, "prefill_tp": 2, "decode_tp": 1, "rooms": {11: ROOMS[11]}}
     res = run_pair(cfg)
     check_bytes(cfg, res)
     (_, out, _, _, remote_writes, _, _), = res["decode"]
     pages = len(ROOMS[11]["dst_pages"])
-    want = ops(pages * PAGE) * 2 * LAYERS * 2 + N_AUX  # per token, from both prefill ranks
+    want = ops(pages) * 2 * LAYERS * 2 + N_AUX  # per page, from both prefill ranks
     assert out[11]["count"] == want == remote_writes
     # only the rank holding the first head slice wrote the metadata rows
     writes = [p[2] for p in res["prefill"]]
