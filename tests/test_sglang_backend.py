@@ -335,12 +335,14 @@ def decode_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
 
 
 def run_pair(cfg: dict[str, Any], kill_prefill: bool = False,
-             kill_decode: bool = False) -> dict[str, Any]:
+             kill_decode: bool = False, targets: tuple[Any, Any] | None = None
+             ) -> dict[str, Any]:
     """Start every rank at once (decode waits for the bootstrap registry), collect what each
     saw; always reap the children. `cfg["waves"]`: rooms per decode run; each run is a fresh
     set of decode processes (a restarted decode instance), started once the previous exited.
     `kill_decode`: SIGKILL the decode ranks once they sent their metadata, then let the
-    prefill (`go_after`) write to them."""
+    prefill (`go_after`) write to them. `targets`: other (prefill, decode) rank functions
+    (picklable, wrapping these)."""
     ctx = mp.get_context("spawn")
     cfg = {"bootstrap_port": _free_port(), "http_port": _free_port(), **cfg}
     cfg.setdefault("waves", [list(cfg["rooms"])])
@@ -360,12 +362,13 @@ def run_pair(cfg: dict[str, Any], kill_prefill: bool = False,
         return p, a
 
     try:
+        pre_fn, dec_fn = targets or (prefill_rank, decode_rank)
         for r in range(cfg["prefill_tp"]):
-            pre.append(start(prefill_rank, cfg, r))
+            pre.append(start(pre_fn, cfg, r))
         dec_out, dec = [], []
         for wave in cfg["waves"]:
             run_cfg = {**cfg, "rooms": {room: cfg["rooms"][room] for room in wave}}
-            dec = [start(decode_rank, run_cfg, r) for r in range(cfg["decode_tp"])]
+            dec = [start(dec_fn, run_cfg, r) for r in range(cfg["decode_tp"])]
             if not dec_out:
                 for _, a in pre:
                     assert a.poll(180), "prefill rank did not start"

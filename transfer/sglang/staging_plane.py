@@ -64,6 +64,7 @@ LANDING_BYTES = 1 << 30
 LANDING_BLOCK_BYTES = 1 << 20
 LANDING_QUARANTINE_S = 60.0
 LANDING_IDLE_S = 0.2
+TRACE = False  # record the prefill's copy/post order in stats()["trace"] (tests)
 
 
 # --------------------------------------------------------------------------- path choice
@@ -139,7 +140,7 @@ class PrefillStaging:
         self._views: dict[int, Any] = {}
         self.owner: dict[int, tuple[Any, Piece]] = {}
         self.held: collections.Counter[str] = collections.Counter()
-        self.trace: list[tuple[str, int]] | None = None
+        self.trace: list[tuple[str, int]] | None = [] if TRACE else None
         self._pieces = 0
         self.gathers = 0
 
@@ -314,7 +315,8 @@ class PrefillStaging:
                 "bounce_bytes": 0 if pool is None else pool.allocated_bytes,
                 "bounce_in_use_peak": 0 if pool is None else pool.in_use_peak,
                 "bounce_leaked": 0 if pool is None else len(pool.leaked),
-                "gathers": self.gathers}
+                "gathers": self.gathers,
+                **({"trace": list(self.trace)} if self.trace is not None else {})}
 
     def close(self) -> None:
         if self._copier is not None:
