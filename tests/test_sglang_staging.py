@@ -52,8 +52,46 @@ class _Tap:
 
 
 def staged_prefill(cfg: dict[str, Any], rank: int, conn: Any) -> None:
+    """A prefill rank that, like SGLang's scheduler, sends each room's chunks as soon as that
+    room's destination is known (a room whose decode waits for landing space comes later)."""
     _tune(cfg)
-    B.prefill_rank(cfg, rank, conn)
+    import os
+    import time
+
+    import numpy as np
+
+    os.environ.update(cfg["env"])
+    from sglang.srt.disaggregation.base import KVPoll
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from transfer.sglang.conn import PdtoolKVBootstrapServer, PdtoolKVManager, PdtoolKVSender
+
+    server = PdtoolKVBootstrapServer("127.0.0.1", cfg["bootstrap_port"]) if rank == 0 else None
+    sa, args, _keep, _aux = B._setup("prefill", cfg, rank)
+    mgr = PdtoolKVManager(args, DisaggregationMode.PREFILL, sa, cfg["mla"])
+    conn.send("ready")
+    senders = {room: PdtoolKVSender(mgr, f"127.0.0.1:{cfg['bootstrap_port']}", room)
+               for room in cfg["rooms"]}
+    waiting, results = set(senders), {}
+    deadline = time.time() + cfg.get("wait", 120)
+    while time.time() < deadline and len(results) < len(senders):
+        for room, sender in senders.items():
+            st = int(sender.poll())
+            if room in waiting and st == KVPoll.WaitingForInput:
+                req = cfg["rooms"][room]
+                src = np.asarray(req["src_pages"], dtype=np.int32)
+                sender.init(len(src), req["aux_index"])
+                for lo in range(0, len(src), req["chunk"]):
+                    sender.send(src[lo: lo + req["chunk"]])
+                waiting.discard(room)
+            elif st in (KVPoll.Success, KVPoll.Failed) and room not in waiting:
+                results[room] = st if st == KVPoll.Success else B._reason(sender)
+        time.sleep(0.005)
+    conn.send(("done", results, mgr.ep.remote_writes, mgr.stats()))
+    conn.recv()
+    mgr.teardown()
+    del server
+    os._exit(0)
 
 
 def staged_decode(cfg: dict[str, Any], rank: int, conn: Any) -> None:
@@ -151,10 +189,11 @@ def test_gqa_tp2_to_tp1_reassembles_the_page_in_landing(provider: str) -> None:
 
 # --------------------------------------------------------------------------- staged path
 STAGED_ENV = {workerenv.GPU_MEMORY.name: "staged"}
-# bounce buffers of one operation each (4 pages x 128 B): many pieces through 4 buffers;
+# bounce buffers of one operation each (4 pages x 128 B): many pieces through 8 buffers (a
+# peer may hold 4);
 # a landing area of 42 units of 128 B: room 11 (7 pages x 6 buffers) fills it, so room 12
 # waits for its blocks instead of allocating more
-TINY = {"BOUNCE_BUFFERS": 4, "BOUNCE_BUFFER_BYTES": 1, "LANDING_BLOCK_BYTES": 1,
+TINY = {"BOUNCE_BUFFERS": 8, "BOUNCE_BUFFER_BYTES": 1, "LANDING_BLOCK_BYTES": 1,
         "LANDING_BYTES": 42 * 128, "TRACE": True}
 
 
@@ -174,8 +213,8 @@ def test_staged_path_bounces_lands_and_bounds_its_memory() -> None:
     # bounded: the landing area never grew, room 12 waited for room 11's blocks
     assert dec["landing_bytes"] == 42 * 128 and dec["landing_waited"] >= 1
     assert dec["landing_delivered"] == 2 and dec["landing_free_blocks"] == 42
-    # bounded: 4 bounce buffers of 512 B, reused for every piece, all free again
-    assert pre["bounce_buffers"] == 4 and pre["bounce_bytes"] == 4 * 512
+    # bounded: 8 bounce buffers of 512 B (4 per peer), reused for every piece
+    assert pre["bounce_buffers"] == 8 and pre["bounce_bytes"] == 8 * 512
     assert pre["bounce_in_use_peak"] <= 4 < pre["gathers"] and pre["bounce_leaked"] == 0
     # pipelined: a piece's writes are posted only after its copy, and the copy of the next
     # piece was issued before the previous piece's writes went out

@@ -267,8 +267,8 @@ class PrefillPlane:
                 break
             if getattr(b, "staged", False):  # reads bounce buffers: gathered, then posted
                 try:
-                    moved, finished = self.staging.step(b, PEER_BUDGET_BYTES - in_flight,
-                                                        SUBMIT_SLICE_S)
+                    moved, finished = self.staging.step(q.batches, PEER_BUDGET_BYTES
+                                                        - in_flight, SUBMIT_SLICE_S)
                 except (fabric.FabricError, ValueError, RuntimeError) as exc:
                     q.batches.popleft()
                     s.queued -= 1

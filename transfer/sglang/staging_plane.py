@@ -202,12 +202,11 @@ class PrefillStaging:
         return v
 
     # -- submission (writer thread) ---------------------------------------------------------
-    def step(self, sb: StagedBatch, budget: int, timeout: float) -> tuple[bool, bool]:
-        """Gather what free buffers allow, then post the pieces whose copy completed, in
-        order. Returns (something posted, batch finished). FabricError for a failed post."""
+    def _gather_ahead(self, sb: StagedBatch, pool: BouncePool) -> None:
+        """Issue the copies of `sb`'s next pieces while bounce buffers are free (at most half
+        of them per peer)."""
         import torch
 
-        pool = self._ensure_pool()
         s, n = sb.send, len(sb.lengths)
         unit = int(sb.lengths[0]) if n else 1
         per_piece = pool.buffer_bytes // unit // s.per_op * s.per_op
@@ -233,6 +232,23 @@ class PrefillStaging:
             if self.trace is not None:
                 self.trace.append(("copy", piece.number))
             sb.at += k
+
+    def step(self, batches: Any, budget: int, timeout: float) -> tuple[bool, bool]:
+        """For a peer's queue whose head is a StagedBatch: issue the copies of the next
+        pieces (this batch's and the staged batches queued behind it) while buffers are
+        free, then post the head's pieces whose copy completed, in order. Returns (something
+        posted, head batch finished). FabricError for a failed post."""
+        pool = self._ensure_pool()
+        for ahead in batches:
+            # copy ahead only within the head's room, never past a write from the pool
+            if not getattr(ahead, "staged", False) or ahead.send.room != batches[0].send.room:
+                break
+            self._gather_ahead(ahead, pool)
+            if self.held[ahead.send.peer] >= max(1, pool.buffers // 2):
+                break
+        sb = batches[0]
+        s, n = sb.send, len(sb.lengths)
+        unit = int(sb.lengths[0]) if n else 1
         posted = False
         while sb.pieces and budget > 0 and self._copier.done(sb.pieces[0].handle):
             p = sb.pieces[0]
