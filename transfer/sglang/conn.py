@@ -28,15 +28,17 @@ and V buffers, MLA `[slots, 1, kv_lora_rank + rope]` — and page p is slots [p*
   * equal attention TP, or MLA (replicated latent): a page of a layer buffer is contiguous on
     both sides: ONE write per (page, layer buffer), grouped per operation;
   * MHA/GQA with different prefill and decode TP: each decode rank receives, from each source
-    rank `transfer.routes.routes_for` names, only its head slice, which in NHD is one run per
-    token: `page_size` writes per (page, layer buffer, source). Correct and counted, but the
-    op count grows with the page size; `pdtool validate` warns and shows it
-    (`pdtool/rules/sglang.py`). Staging into HND is not implemented.
+    rank `transfer.routes.routes_for` names, only its head slice, which in NHD would be one run
+    per token; the prefill packs it into a registered bounce buffer and the decoder lands it in
+    a staging area it scatters from before Success (or in place where the slice is all of its
+    heads): one write per (page, layer buffer, source) — `staging_plane.py`;
+  * `transfer.gpu_memory=staged` (PDTOOL_GPU_MEMORY): every page goes through the host bounce
+    and landing buffers of `staging_plane.py` instead of registered pool memory;
   * the decoder counts writes for every page it allocated; a prefill that would send a
     different number of pages fails the room at its last chunk, with the reason.
 Not supported (clear error at start-up): hybrid/state pools (Mamba, SWA, DSA, ...), pipeline
 or context parallelism, DCP, KV sharding, draft-model KV, SGLang's staging buffer, host KV
-destinations, CUDA memory until `transfer.fabric` registers it (FI_HMEM).
+destinations.
 
 Configuration (environment of every SGLang worker; the pdtool launcher sets them):
   PDTOOL_FI_PROVIDER   libfabric provider (default `tcp;ofi_rxm`; `shm` on one host, `efa`,
@@ -48,6 +50,7 @@ Configuration (environment of every SGLang worker; the pdtool launcher sets them
                        never travels in the environment (other users' `ps e`/`/proc` cannot
                        read it there either way, but crash dumps and job printouts can).
   PDTOOL_SECRET        fallback only when no secret file is given (tests, hand-run workers)
+  PDTOOL_GPU_MEMORY    direct | staged, as the worker resolved transfer.gpu_memory
 """
 
 from __future__ import annotations
@@ -223,11 +226,14 @@ class PdtoolKVManager(CommonKVManager):
                                          "(SGLang's prefill scheduler sets them)")
             self.kv_layouts = sglang_buffer_layouts(args.kv_data_lens, args.kv_item_lens,
                                                     self.heads_local, args.page_size)
-        self.ep = self._open_endpoint()
-        # direct: SGLang's pools are registered; staged: KV goes through registered host
-        # bounce/landing buffers (transfer.gpu_memory, decided by the worker)
+        # direct: SGLang's pools are registered (CUDA memory: on an FI_HMEM endpoint); staged:
+        # KV goes through registered host bounce/landing buffers (transfer.gpu_memory, as the
+        # worker decided it)
         self.kv_device = self._kv_device()
-        self.kv_path = kv_path(self.kv_device.type, self.ep.provider, self._probe_hmem)
+        self.kv_path = kv_path(self.kv_device.type, workerenv.provider(DEFAULT_PROVIDER),
+                               self._probe_hmem)
+        self.ep = self._open_endpoint(
+            hmem=self.kv_path == "direct" and self.kv_device.type == "cuda")
         # one signed envelope per manager (its session); no secret: the manager refuses to start
         self.frames = Frames(_secret(), f"{disaggregation_mode.value}-{self.peer_key}")
         self.compat = compat_hash(wire_facts(
@@ -312,7 +318,7 @@ class PdtoolKVManager(CommonKVManager):
         except workerenv.WorkerEnvError as exc:
             raise PdtoolBackendError(str(exc)) from None
 
-    def _open_endpoint(self) -> fabric.Endpoint:
+    def _open_endpoint(self, hmem: bool = False) -> fabric.Endpoint:
         """Open the rank's endpoint on its NIC. libfabric names domains after the device, but
         EFA's RDM domain carries a `-rdm` suffix; if no domain matches, the provider's default
         NIC is used with a warning (it works, only slower when it is the wrong one)."""
@@ -323,7 +329,8 @@ class PdtoolKVManager(CommonKVManager):
             else [None]  # shm has one domain per host
         for domain in tried:
             try:
-                ep = fabric.Endpoint(provider, domain=domain, node=node, max_slots=MAX_SLOTS)
+                ep = fabric.Endpoint(provider, domain=domain, node=node, max_slots=MAX_SLOTS,
+                                     hmem=hmem)
             except fabric.FabricError as exc:
                 if domain is None:
                     raise PdtoolBackendError(
@@ -345,7 +352,8 @@ class PdtoolKVManager(CommonKVManager):
 
     def _probe_hmem(self) -> tuple[bool, str]:
         """`transfer.gpu_memory=auto` without the worker's answer: ask this libfabric."""
-        return fabric.gpu_direct_support(self.ep.provider, domain=self._nic())
+        return fabric.gpu_direct_support(workerenv.provider(DEFAULT_PROVIDER),
+                                         domain=self._nic())
 
     def _memory_iface(self) -> tuple[str, int]:
         if self.kv_device.type == "cuda":
