@@ -143,6 +143,8 @@ class PrefillStaging:
         self.trace: list[tuple[str, int]] | None = [] if TRACE else None
         self._pieces = 0
         self.gathers = 0
+        if self.staged:  # every page needs them: allocate and register at start-up
+            self._ensure_pool()
 
     # -- planning ---------------------------------------------------------------------------
     def writes(self, peer: Any, t: Any, src_pages: np.ndarray, positions: np.ndarray,
@@ -388,6 +390,8 @@ class DecodeLanding:
         self.delivered = 0
         self.waited = 0
         self._thread: threading.Thread | None = None
+        if self.staged:  # every request lands: allocate (and fault in) at start-up
+            self._ensure_pool()
 
     def needed(self, prefill_tp: int, decode_tp: int) -> bool:
         """Whether a request from a prefill of attention TP `prefill_tp` lands in staging: on
