@@ -88,6 +88,7 @@ from transfer.routes import RouteError, ShardSpec, Slice
 from transfer.sglang.decode_plane import DecodePlane
 from transfer.sglang.prefill_plane import PrefillPlane
 from transfer.sglang.rails import RailError, Rails, rail_specs
+from transfer.sglang.sources import dummy_flags
 from transfer.wire import WireError, check_secret, compat_hash, read_secret
 from transfer.wire.sglang import TAG, Frames
 from transfer.wire.sglang import facts as wire_facts
@@ -544,7 +545,8 @@ class PdtoolKVManager(CommonKVManager):
                                peer.tp_size, peer.tp_rank)
         my_rank = self.kv_args.engine_rank % self.attn_tp_size
         if self.is_mla:
-            # SGLang picks the real MLA source (META is_dummy); any replica holds the latent.
+            # the decode draws the real MLA source per request (META is_dummy, sources.py);
+            # any replica holds the latent.
             peer.slice = slices[0]
             peer.sends_aux = True
         else:
@@ -782,7 +784,10 @@ class PdtoolKVReceiver(CommonKVReceiver):
             raise NotImplementedError("pdtool: host KV destinations are not supported")
         if state_indices and any(s is not None and len(s) for s in state_indices):
             raise NotImplementedError("pdtool: state pools are not supported")
-        real = [i for i in self.bootstrap_infos if not i["is_dummy"]] or self.bootstrap_infos
+        # MLA: the sending replica is drawn per request (sources.py), not SGLang's fixed one
+        dummies = dummy_flags(self.bootstrap_infos, mgr.is_mla)
+        real = [i for i, d in zip(self.bootstrap_infos, dummies, strict=True) if not d] \
+            or self.bootstrap_infos
         try:
             self.slot, gen = mgr.arm(self.bootstrap_room,
                                      f"{real[0]['rank_ip']}:{real[0]['rank_port']}",
@@ -793,12 +798,12 @@ class PdtoolKVReceiver(CommonKVReceiver):
             mgr.update_status(self.bootstrap_room, KVPoll.Failed)
             self.conclude_state = KVPoll.Failed
             return
-        for info in self.bootstrap_infos:
+        for info, dummy in zip(self.bootstrap_infos, dummies, strict=True):
             frame = mgr.build_receiver_metadata_message(
                 bootstrap_room=self.bootstrap_room,
                 required_dst_info_num=self.required_dst_info_num,
                 kv_indices=kv_indices, aux_index=aux_index, state_indices=None,
-                decode_prefix_len=decode_prefix_len, is_dummy=info["is_dummy"],
+                decode_prefix_len=decode_prefix_len, is_dummy=dummy,
                 slot=self.slot, gen=gen,
             )
             if not self._send_bootstrap_message(bootstrap_info=info, message=frame,
