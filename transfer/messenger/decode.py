@@ -467,11 +467,11 @@ class DecodeMessenger(MessengerThread):
         per_rank = [0] * src.attn_tp
         for s in slices:
             per_rank[s.src_rank] += self.num_layers * cfg.buffers_per_layer * slice_ops(
-                s, src, dst, layout=lay.kind, page_size=lay.page_size, num_pages=n,
+                s, src, dst, layout=lay.pool, page_size=lay.page_size, num_pages=n,
                 writes_per_op=k)
         aux_rank = slices[0].src_rank
         per_rank[aux_rank] += len(self._aux)
-        x.expected = expected_writes(slices, src, dst, layout=lay.kind, page_size=lay.page_size,
+        x.expected = expected_writes(slices, src, dst, layout=lay.pool, page_size=lay.page_size,
                                      num_pages=n, num_layers=self.num_layers,
                                      buffers_per_layer=cfg.buffers_per_layer,
                                      aux_writes=len(self._aux), writes_per_op=k)
