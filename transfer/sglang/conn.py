@@ -312,7 +312,9 @@ class PdtoolKVManager(CommonKVManager):
         if envs.SGLANG_DISAGG_STAGING_BUFFER.get():
             bad.append("SGLANG_DISAGG_STAGING_BUFFER")
         if getattr(args, "num_draft_entries", 0):
-            bad.append("draft-model KV (speculative decoding)")
+            bad.append("draft-model KV (--speculative-algorithm with a draft KV pool: EAGLE/"
+                       "NEXTN, EAGLE3, STANDALONE, DFLASH, DSPARK; NGRAM, UNO and "
+                       "FROZEN_KV_MTP need none)")
         if bad:
             raise PdtoolBackendError(
                 "--disaggregation-transfer-backend pdtool does not support: " + "; ".join(bad)
