@@ -10,8 +10,9 @@ K and V, or MLA's latent), the axes of one page of one buffer, outermost first, 
 engine sends the KV of the last prompt token. From the axes follows how many contiguous runs a
 head slice of a page is (`PagePool.runs_per_page`): the product of the axes outside `heads`.
 
-  messenger HND   buffer per layer [pages, heads, parts, tokens, dim]  parts 2 (K,V) or 1 (MLA)
-  messenger NHD   buffer per layer [pages, tokens, heads, parts, dim]
+  messenger HND   buffer per layer [pages, parts, heads, tokens, dim]  parts 2 (K,V) or 1 (MLA);
+                  FlashInfer's HND paged cache, so a partial head slice is 2 runs (K, V)
+  messenger NHD   buffer per layer [pages, tokens, heads, parts, dim]  one run per token
   sglang MHA      K and V buffers per layer, [slots, heads, dim]; page p = slots [pP, (p+1)P)
   sglang MLA      one latent buffer per layer, [slots, 1, kv_lora_rank + rope]
 
@@ -79,19 +80,25 @@ class PagePool:
         return pages_for(num_tokens, page_size)
 
 
-#: The axes of one page of the messenger's fused buffers, per `transfer.layout`.
+#: The axes of one page of the messenger's buffers, per `transfer.layout`; `transfer.layout`
+#: computes its byte offsets from these. HND is FlashInfer's `[pages, 2, kv_heads, page_size,
+#: head_dim]` (K part then V part), so a head slice of a fused page is two contiguous runs.
 MESSENGER_AXES = {
-    "HND": ("heads", "parts", "tokens", "dim"),
+    "HND": ("parts", "heads", "tokens", "dim"),
     "NHD": ("tokens", "heads", "parts", "dim"),
 }
 
 
-def messenger_pool(layout: str, mla: bool = False) -> PagePool:
-    """pdtool's messenger (reference engine): one buffer per layer, K and V fused per head."""
+def messenger_pool(layout: str, mla: bool = False, kv_parts: int | None = None) -> PagePool:
+    """pdtool's messenger (reference engine): one buffer per layer, K and V fused (HND: K of
+    every local head, then V; NHD: K and V side by side per head and token). `kv_parts=1`
+    without `mla`: K and V in buffers of their own (FlashInfer's `(k_cache, v_cache)`)."""
     if layout not in MESSENGER_AXES:
         raise RouteError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    return PagePool(f"messenger {layout}", layout, MESSENGER_AXES[layout],
-                    ("latent",) if mla else ("KV",), 1 if mla else 2, whole_prompt=False)
+    parts = (1 if mla else 2) if kv_parts is None else kv_parts
+    buffers = ("latent",) if mla else (("KV",) if parts == 2 else ("K", "V"))
+    return PagePool(f"messenger {layout}", layout, MESSENGER_AXES[layout], buffers, parts,
+                    whole_prompt=False)
 
 
 def sglang_pool(mla: bool) -> PagePool:
@@ -191,7 +198,8 @@ def writes_per_page(sl: Slice, src: ShardSpec, dst: ShardSpec, layout: str | Pag
     """RMA writes one slice needs per page and per layer buffer.
 
     A slice covering every local head on both sides is one contiguous page; a partial head run
-    is `PagePool.runs_per_page` writes (HND: 1, heads outermost; NHD: one per token).
+    is `PagePool.runs_per_page` writes (HND: one per part, 2 for fused K/V, 1 for a latent;
+    NHD: one per token).
     """
     pool = _pool(layout)
     whole = sl.num_heads == src.heads_per_rank == dst.heads_per_rank
