@@ -362,7 +362,8 @@ class TinyModel:
         `begin_pass` resets the word from the host, which must come after this pass's last
         layer write. Not while a CUDA graph is being captured (its replay is waited for by
         whoever replays it)."""
-        if self.progress_writer is not None and not torch.cuda.is_current_stream_capturing():
+        if (self.progress_writer is not None and self.device.type == "cuda"
+                and not torch.cuda.is_current_stream_capturing()):
             torch.cuda.current_stream().synchronize()
 
     # -- forward ---------------------------------------------------------------------------
