@@ -139,10 +139,10 @@ def test_model_decode_through_flashinfers_layout_equals_its_torch_attention(layo
 def test_cuda_path_refuses_what_flashinfer_cannot_read():
     from pdtool.engines.reference.attention import FlashInferDecode
 
-    with pytest.raises(ValueError, match="model.kv_dtype"):
+    with pytest.raises(ValueError, match=r"set prefill\.kv_dtype=fp16"):
         FlashInferDecode(q_heads=4, kv_heads=2, head_dim=16, page_size=4,
                          kv_dtype=torch.float32, device="cpu")
-    with pytest.raises(ValueError, match="transfer.layout=HND"):
+    with pytest.raises(ValueError, match=r"transfer\.layout=HND"):
         PagedKV(TinyConfig(), 2, 8, 4, "NHD", device="cuda")
 
 

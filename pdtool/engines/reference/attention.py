@@ -70,8 +70,8 @@ class FlashInferDecode:
     def __init__(self, *, q_heads: int, kv_heads: int, head_dim: int, page_size: int,
                  kv_dtype: torch.dtype, device: Any, workspace_bytes: int = 128 << 20) -> None:
         if kv_dtype not in FLASHINFER_KV_DTYPES:
-            raise ValueError(f"model.kv_dtype: FlashInfer's decode reads float16 or bfloat16 "
-                             f"pages, got {kv_dtype}; set model.kv_dtype=float16")
+            raise ValueError(f"kv_dtype: FlashInfer's decode reads float16 or bfloat16 pages, "
+                             f"got {kv_dtype}; set prefill.kv_dtype=fp16 decode.kv_dtype=fp16")
         try:
             import flashinfer
         except ImportError as exc:
