@@ -132,6 +132,31 @@ def reference_aux(hidden_size: int) -> tuple[AuxBuffer, ...]:
 
 #: SGLang's default `--sampling-mask-max-tokens` (only sized rows, never the count).
 SGLANG_SAMPLING_MASK_TOKENS = 4096
+#: The hidden-state row without a draft that carries one: 16 fp32, SGLang's RDMA padding.
+SGLANG_HIDDEN_PAD = (16, 4)
+
+#: `--speculative-algorithm` names SGLang 0.5.23 knows (`SpeculativeAlgorithm`, upper-cased;
+#: NEXTN is its alias of EAGLE).
+SGLANG_SPEC_ALGORITHMS = frozenset({"EAGLE", "NEXTN", "EAGLE3", "FROZEN_KV_MTP", "STANDALONE",
+                                    "NGRAM", "DFLASH", "DSPARK", "UNO"})
+#: Those whose PD path carries the draft's hidden state and top-k in the metadata buffers
+#: (`SpeculativeAlgorithm.carries_draft_hidden_states`, the EAGLE family): the scheduler then
+#: sizes `output_hidden_states` at the draft's `spec_hidden_size` in the model's dtype.
+SGLANG_SPEC_HIDDEN_STATES = frozenset({"EAGLE", "NEXTN", "EAGLE3", "FROZEN_KV_MTP"})
+#: Those whose draft model keeps a KV pool of its own, which SGLang's prefill appends to the
+#: target's KV buffers (`BaseSpecWorker.primary_draft_kv_pool`, `KVArgs.num_draft_entries`).
+#: NGRAM and UNO have no draft model; FROZEN_KV_MTP's draft reads the target's KV.
+SGLANG_SPEC_DRAFT_KV = frozenset({"EAGLE", "NEXTN", "EAGLE3", "STANDALONE", "DFLASH", "DSPARK"})
+
+
+def sglang_hidden_row(speculative: str | None, hidden_size: int,
+                      itemsize: int) -> tuple[int, int]:
+    """(elements, bytes each) of one `output_hidden_states` row, as SGLang's scheduler sizes it:
+    the draft's hidden state (`hidden_size` x `itemsize`) for the algorithms that carry one,
+    else the 16 fp32 padding."""
+    if speculative and speculative.upper() in SGLANG_SPEC_HIDDEN_STATES:
+        return hidden_size, itemsize
+    return SGLANG_HIDDEN_PAD
 
 
 def sglang_metadata_buffers(*, sampling_mask: bool = False,
@@ -143,8 +168,9 @@ def sglang_metadata_buffers(*, sampling_mask: bool = False,
 
     Optional buffers follow SGLang's switches: `SGLANG_ENABLE_DISAGG_SAMPLING_MASK` (three
     sampling-mask buffers), a DSA model (`output_dsa_topk_indices`) and
-    `--disaggregation-enable-kv-checksum` (`kv_checksum`). Without speculative decoding the
-    scheduler sizes the hidden-state row at 16 fp32 (its RDMA padding).
+    `--disaggregation-enable-kv-checksum` (`kv_checksum`). The buffers are the same with and
+    without speculative decoding (top-k and hidden state are always registered): only the
+    hidden-state row changes, `sglang_hidden_row` (16 fp32 without a draft hidden state).
     """
     i32, f32, i64, u64 = 4, 4, 8, 8
     out = [AuxBuffer("output_ids", 16, i32), AuxBuffer("cached_tokens", 16, i32),

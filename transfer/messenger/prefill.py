@@ -189,7 +189,6 @@ class PrefillMessenger(MessengerThread):
     writes; pass `progress` to share one with other code, else one is allocated."""
 
     role = "prefill"
-    POLL_SLICE_S = 0.0002
     WAIT_SLICE_S = 0.001   # longest wait for the engine before control messages are read
 
     def __init__(self, config: PrefillConfig, kv_buffers: Sequence[Any], layout: str = "HND",
@@ -398,10 +397,13 @@ class PrefillMessenger(MessengerThread):
 
     def _step(self) -> bool:
         waiting = bool(self._reqs or self._passes) and not self.config.busy_sleep_s
-        if waiting and self._ep.inflight:
-            # writes in flight: poll in C for a short slice (GIL released, yields when idle);
-            # short enough that a bumped progress word is picked up at once
-            self._ep.wait_idle(timeout=self.POLL_SLICE_S)
+        if waiting and self._ep.inflight and not self._cmds:
+            # writes in flight: poll in C (GIL released, idling by poll_backoff_s) until they
+            # all completed, the progress word moved or a command came; before, 0.2 ms slices
+            # of wait_idle came back to Python (and the GIL) 5,000 times a second while the
+            # engine computed its next pass
+            self._ep.wait_idle_or_change(self.progress, self._word_seen, self._cmds.bell,
+                                         self._bell_seen, timeout=self.WAIT_SLICE_S)
         elif waiting and not self._cmds:
             # nothing in flight, the engine is computing (next layer, pass or finish): wait in
             # C for the progress word or a command, sleeping between polls. A Python loop of
