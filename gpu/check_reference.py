@@ -173,23 +173,31 @@ def step_fabric_flashinfer(args: argparse.Namespace) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- 2. graph progress
 def step_graph_progress(args: argparse.Namespace) -> dict[str, Any]:
-    if args.cpu:
-        return {"ok": True, "run": False, "why": "needs a GPU (CUDA graph, mapped word)"}
     import torch
 
     from pdtool.engines.reference.cache import PagedKV
     from pdtool.engines.reference.model import Batch, TinyConfig, TinyModel
     from transfer.fabric import Endpoint, encode_imm
-    from transfer.progress import LAYER_MASK, PASS_SHIFT
+    from transfer.progress import LAYER_MASK, PASS_SHIFT, GpuProgressWriter
 
-    layers, tokens = 8, 2048
-    cfg = TinyConfig(num_layers=layers, hidden=2048, num_q_heads=16, num_kv_heads=4,
-                     head_dim=128, intermediate=8192, dtype="float32", kv_dtype="float16")
-    kv = PagedKV(cfg, cfg.num_kv_heads, tokens // PAGE + 1, PAGE, "HND", device="cuda")
-    model = TinyModel(cfg).to_device("cuda", PAGE, kv.progress)
+    # --cpu: the same watcher and writes around a plain CPU forward whose progress word is
+    # written by the GPU writer's own code on a CPU view of the word (no graph, no mapping)
+    dev = "cpu" if args.cpu else "cuda"
+    layers, tokens, per_op = 8, (256 if args.cpu else 4096), 4  # ~10 ms a layer on an H200
+    width = 256 if args.cpu else 2048
+    cfg = TinyConfig(num_layers=layers, hidden=width, num_q_heads=16, num_kv_heads=4,
+                     head_dim=128, intermediate=4 * width, dtype="float32", kv_dtype="float16")
+    kv = PagedKV(cfg, cfg.num_kv_heads, tokens // PAGE + 1, PAGE, "HND", device=dev)
+    model = TinyModel(cfg)
+    if args.cpu:
+        model.progress_writer = GpuProgressWriter.__new__(GpuProgressWriter)
+        model.progress_writer.word = kv.progress
+        model.progress_writer.device_word = torch.from_numpy(kv.progress.array)
+    else:
+        model.to_device("cuda", PAGE, kv.progress)
     pages = list(range(tokens // PAGE))
     batch = Batch.build([(list(np.arange(tokens) % 256), 0, pages)], PAGE).to(
-        torch.device("cuda"))
+        torch.device(dev))
     # a decode endpoint the watcher writes layer 0's pages to, as the messenger would
     dec, pre = Endpoint(args.provider, max_slots=8), Endpoint(args.provider, max_slots=8)
     landing = torch.zeros_like(kv.buffers[0])
@@ -198,18 +206,33 @@ def step_graph_progress(args: argparse.Namespace) -> dict[str, Any]:
     n = len(pages) * kv.page_bytes()
     so = np.arange(len(pages), dtype=np.uint64) * np.uint64(kv.page_bytes())
     ln = np.full(len(pages), kv.page_bytes(), np.uint64)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture (allocator, cuBLAS)
-        for _ in range(2):
+    if args.cpu:
+        def replay() -> None:
             model.forward(batch, kv.layers, PAGE)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        model.forward(batch, kv.layers, PAGE)
+
+        def sync() -> None:
+            pass
+    else:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture (allocator, cuBLAS)
+            for _ in range(2):
+                model.forward(batch, kv.layers, PAGE)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model.forward(batch, kv.layers, PAGE)
+        replay, sync = graph.replay, torch.cuda.current_stream().synchronize
     results = []
+    want_ops = -(-len(pages) // per_op)
     for it in range(1, args.replays + 1):
         dec.arm(1, it)
+        got: dict[str, bool] = {}
+        # the decode endpoint polls (on shm the receiver does the copies) while the watcher
+        # writes: both endpoints live in this process
+        rx = threading.Thread(target=lambda got=got: got.update(
+            ok=dec.wait_recv(1, want_ops, WAIT_S)))
+        rx.start()
         kv.progress.array[0] = (100 + it) << PASS_SHIFT  # PrefillMessenger.begin_pass
         seen: list[tuple[int, int]] = []
         issued: dict[str, int] = {}
@@ -226,7 +249,7 @@ def step_graph_progress(args: argparse.Namespace) -> dict[str, Any]:
                     if (w & LAYER_MASK) >= 1 and "t" not in issued:
                         issued["ops"] = pre.write_batch(peer, s_mr, d_mr.descriptor(), so, so,
                                                         ln, encode_imm(1, it), tag=1,
-                                                        per_op=1, timeout=WAIT_S)
+                                                        per_op=per_op, timeout=WAIT_S)
                         issued["t"] = time.perf_counter_ns()
                     if (w & LAYER_MASK) == layers:
                         return
@@ -234,12 +257,13 @@ def step_graph_progress(args: argparse.Namespace) -> dict[str, Any]:
         th = threading.Thread(target=watch)
         th.start()
         t0 = time.perf_counter_ns()
-        graph.replay()
-        torch.cuda.current_stream().synchronize()
+        replay()
+        sync()
         t_end = time.perf_counter_ns()
         th.join(30)
         stop.set()
-        arrived = dec.wait_recv(1, issued.get("ops", 1 << 30), WAIT_S)
+        rx.join(WAIT_S + 5)
+        arrived = bool(got.get("ok")) and issued.get("ops") == want_ops
         pass_ids = {w >> PASS_SHIFT for _, w in seen}
         order = [w & LAYER_MASK for _, w in seen]
         t_last = next((t for t, w in seen if (w & LAYER_MASK) == layers), None)
@@ -259,8 +283,8 @@ def step_graph_progress(args: argparse.Namespace) -> dict[str, Any]:
     landing_ok = bool(torch.equal(landing, kv.buffers[0]))
     pre.close()
     dec.close()
-    return {"ok": bool(ok and landing_ok), "run": True, "replays": results,
-            "layer0_bytes_exact": landing_ok}
+    return {"ok": bool(ok and landing_ok), "run": "cpu emulation (no graph)" if args.cpu
+            else "cuda graph replay", "replays": results, "layer0_bytes_exact": landing_ok}
 
 
 # --------------------------------------------------------------------------- 3. deployment
