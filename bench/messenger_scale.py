@@ -96,7 +96,7 @@ def inflight_table(base: Setup, counts: list[int]) -> list[dict[str, Any]]:
             "latency_p99_ms": 1e3 * percentile(w["latency_s"], 99),
             "step_us": sum(v["step_us"] * v["steps"] for v in top) / max(1, nsteps),
             "check_us": sum(v["check_us"] * v["checks"] for v in top) / max(1, nchecks),
-            "steps": nsteps, "prefill_cpu_s": prefill["messenger_cpu_s"],
+            "steps": nsteps, "prefill_cpu_s": prefill["process_cpu_s"],
         })
     return rows
 
