@@ -95,6 +95,11 @@ def script_text(cfg: Any, plan: Any, spec: LaunchSpec, run_dir: Path) -> str:
         "health_timeout": lc.health_timeout_s,
         "watchdog_s": lc.watchdog_s,
         "benchmark": benchmark_argv(cfg, spec),
+        "groups": spec.groups(),
+        # --smoke and benchmarks run through the supervisor with restarts off
+        "restart": lc.restart,
+        "max_restarts": lc.max_restarts,
+        "restart_backoff_s": lc.restart_backoff_s,
         "local_hosts": ["127.0.0.1"] * plan.nodes,
     }
     name = "slurm.sbatch.j2" if spec.launcher == "slurm" else "local.sh.j2"

@@ -218,6 +218,13 @@ class LauncherConfig:
     # latency.png land in logs/<jobid>/bench/ and the job then ends with the benchmark's
     # status. Empty: no benchmark, the deployment serves until stopped.
     benchmark: list[str] = field(default_factory=list)
+    # a process that exits or hangs while the deployment serves: on-failure restarts its
+    # instance (all its processes, its srun steps on Slurm) up to max_restarts times per
+    # instance, waiting restart_backoff_s before the first restart and twice as long before
+    # each next one; never ends the deployment (benchmarks and --smoke always use never)
+    restart: str = "on-failure"  # on-failure | never
+    max_restarts: int = 3
+    restart_backoff_s: float = 5.0
 
 
 @dataclass

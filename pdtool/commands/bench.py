@@ -208,8 +208,8 @@ def measure(targets: dict[str, str], requests: list[Any], settings: dict, args: 
 def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
            con: Any) -> dict:
     from pdtool.bench.plot import plot
-    from pdtool.bench.report import advice_text, table, write_json
-    from pdtool.bench.stats import ratio_advice, stage_rates, summarize
+    from pdtool.bench.report import added_text, advice_text, table, write_json
+    from pdtool.bench.stats import ratio_advice, stage_rates, summarize, ttft_added
 
     for res in results:
         res["summary"] = summarize(res["records"], settings["slo"])
@@ -222,6 +222,10 @@ def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
     for pace, per in by_pace.items():
         con.print(table(f"{pace}, isl {settings['isl']}, osl {settings['osl']}",
                         {t: r["summary"] for t, r in per.items()}))
+        if len(per) == 2:  # the same prompts in the same order on both: pair them
+            (name_a, a), (name_b, b) = per.items()
+            a["summary"]["ttft_added_ms"] = ttft_added(a["records"], b["records"])
+            con.print(added_text([name_a, name_b], a["summary"]["ttft_added_ms"]))
         first = next(iter(per.values()))
         if first["advice"] is not None and first["target"] == "disaggregated":
             con.print(advice_text(first["rates"], first["advice"], cfg.decode.instances))

@@ -51,9 +51,13 @@ def log_tail(path: str | Path, lines: int = 20) -> str:
 
 
 class HealthFailure(RuntimeError):
-    def __init__(self, message: str, code: int) -> None:
+    """Why a wait or the watchdog ended; `name`: the endpoint that hung, or the first that
+    never answered (a timeout)."""
+
+    def __init__(self, message: str, code: int, name: str = "") -> None:
         super().__init__(message)
         self.code = code
+        self.name = name
 
 
 def wait_healthy(
@@ -91,7 +95,8 @@ def wait_healthy(
         if now - start > timeout:
             raise HealthFailure(
                 f"timed out after {timeout:.0f}s: never healthy: "
-                + ", ".join(f"{n} ({u})" for n, u in pending.items()), EXIT_TIMEOUT)
+                + ", ".join(f"{n} ({u})" for n, u in pending.items()), EXIT_TIMEOUT,
+                next(iter(pending)))
         if now - last >= every:
             last = now
             print(f"  still waiting ({now - start:.0f}s/{timeout:.0f}s) for: "
@@ -115,7 +120,7 @@ def watchdog(endpoints: Mapping[str, str], logs: Mapping[str, str], interval: fl
                 tail = f"; last lines of {log}:\n{log_tail(log)}" if log else ""
                 return HealthFailure(
                     f"{name} stopped answering {url} ({failures} health checks in a row, "
-                    f"{interval:g}s apart) although it still runs{tail}", EXIT_HUNG)
+                    f"{interval:g}s apart) although it still runs{tail}", EXIT_HUNG, name)
         deadline = time.monotonic() + interval
         while time.monotonic() < deadline and not stop():
             time.sleep(min(0.5, interval))
@@ -131,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="after the wait: keep probing every SECONDS; exit 4 naming the "
                     "endpoint (and its log tail) that fails --failures probes in a row")
     ap.add_argument("--failures", type=int, default=3)
+    ap.add_argument("--hung-file", default="", metavar="PATH",
+                    help="with --watchdog: write the name of the endpoint that hung here, so "
+                    "the script restarts that instance (launcher.restart=on-failure)")
     ap.add_argument("endpoints", nargs="+", metavar="NAME=URL")
     args = ap.parse_args(argv)
     watched = []
@@ -146,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         took = wait_healthy(endpoints, dead, args.timeout, every=args.every)
     except HealthFailure as e:
         print(f"pdtool: ERROR: {e}", file=sys.stderr, flush=True)
+        if args.watchdog > 0 and args.hung_file and e.code == EXIT_TIMEOUT:
+            Path(args.hung_file).write_text(e.name + "\n")  # it hung before the watch began
         return e.code
     print(f"all {len(endpoints)} endpoint(s) healthy after {took:.1f}s", flush=True)
     if args.watchdog > 0:
@@ -153,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         hung = watchdog(endpoints, logs, args.watchdog, args.failures)
         if hung is not None:
             print(f"pdtool: ERROR: {hung}", file=sys.stderr, flush=True)
+            if args.hung_file:
+                Path(args.hung_file).write_text(hung.name + "\n")
             return hung.code
     return 0
 

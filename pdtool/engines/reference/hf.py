@@ -231,10 +231,10 @@ class HFModel(TinyModel):
         if "q_norm" in lw:  # Qwen3: per-head RMSNorm of q and k before RoPE
             q, k = _rms32(q, lw["q_norm"], eps), _rms32(k, lw["k_norm"], eps)
         q, k = self._rope(q, batch.positions), self._rope(k, batch.positions)
-        buf[page, :, 0, off, :] = k.to(buf.dtype)
-        buf[page, :, 1, off, :] = v.to(buf.dtype)
-        kv = self._gather(buf, batch, page_size)  # [B, L, hkv, 2, d]
-        keys, vals = kv[:, :, self.kv_map, 0, :], kv[:, :, self.kv_map, 1, :]
+        buf[page, 0, :, off, :] = k.to(buf.dtype)
+        buf[page, 1, :, off, :] = v.to(buf.dtype)
+        kv = self._gather(buf, batch, page_size)  # [B, L, 2, hkv, d]
+        keys, vals = kv[:, :, 0][:, :, self.kv_map], kv[:, :, 1][:, :, self.kv_map]
         scores = torch.einsum("bqhd,blhd->bhql", self._pad_q(q, batch), keys) / math.sqrt(d)
         return self._softmax_av(scores, vals, batch)
 

@@ -7,7 +7,8 @@ bytes (256 values + EOS), blocks are RMSNorm → attention → RMSNorm → SwiGL
 Two attention variants:
   * ``gqa``: query heads grouped over KV heads; each TP rank holds its query heads and the KV
     heads they read (``transfer.routes.ShardSpec.heads_of``: split, or replicated in groups
-    when tp > KV heads). Cache per layer: ``[pages, kv_heads_local, 2, page_size, head_dim]``.
+    when tp > KV heads). Cache per layer: ``[pages, 2, kv_heads_local, page_size, head_dim]``
+    (FlashInfer's HND paged layout, K then V).
   * ``mla``: DeepSeek-style latent cache: one compressed vector (``kv_lora_rank``) plus a shared
     RoPE key, replicated on every rank (``[pages, 1, 1, page_size, rank + rope]``) and
     up-projected per local head inside attention.
@@ -331,7 +332,7 @@ class TinyModel:
     # -- attention ---------------------------------------------------------------------------
 
     def _gather(self, buf: torch.Tensor, batch: Batch, page_size: int) -> torch.Tensor:
-        """Cached entries of every sequence: [B, L, heads, parts, dim] (L = longest kv_len)."""
+        """Cached entries of every sequence: [B, L, parts, heads, dim] (L = longest kv_len)."""
         length = int(batch.kv_len.max())
         pos = torch.arange(length)
         pid = batch.page_table[:, pos // page_size]
@@ -365,11 +366,11 @@ class TinyModel:
         q = _rope((a @ lw["wq"]).view(t, -1, d), batch.positions, cfg.rope_theta)
         k = _rope((a @ lw["wk"]).view(t, -1, d), batch.positions, cfg.rope_theta)
         v = (a @ lw["wv"]).view(t, -1, d)
-        buf[page, :, 0, off, :] = k.to(buf.dtype)
-        buf[page, :, 1, off, :] = v.to(buf.dtype)
-        kv = self._gather(buf, batch, page_size)  # [B, L, hkv, 2, d]
-        keys = kv[:, :, self.kv_map, 0, :]  # [B, L, hq, d]
-        vals = kv[:, :, self.kv_map, 1, :]
+        buf[page, 0, :, off, :] = k.to(buf.dtype)
+        buf[page, 1, :, off, :] = v.to(buf.dtype)
+        kv = self._gather(buf, batch, page_size)  # [B, L, 2, hkv, d]
+        keys = kv[:, :, 0][:, :, self.kv_map]  # [B, L, hq, d]
+        vals = kv[:, :, 1][:, :, self.kv_map]
         scores = torch.einsum("bqhd,blhd->bhql", self._pad_q(q, batch), keys) / math.sqrt(d)
         return self._softmax_av(scores, vals, batch)
 
