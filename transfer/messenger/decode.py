@@ -104,7 +104,10 @@ class DecodeMessenger(MessengerThread):
     The caller keeps every buffer alive until `close()`."""
 
     role = "decode"
-    POLL_SLICE_S = 0.002
+    # longest C wait while writes are due: control messages and timers wait at most this
+    # (commands ring the bell, a completed transfer returns at once); each return costs a
+    # Python round and the GIL, so it is the timer period, not shorter
+    POLL_SLICE_S = 0.005
 
     def __init__(self, config: DecodeConfig, kv_buffers: Sequence[Any], layout: str = "HND",
                  aux_buffers: Sequence[Any] = ()) -> None:
@@ -276,10 +279,11 @@ class DecodeMessenger(MessengerThread):
         self._lanes: list[Any] = []
         self._lane_info: list[dict[str, Any]] = []
         for _ in range(cfg.receive_lanes - 1):
-            lane = self._ep.open_lane()
+            lane = self._ep.open_lane(**self.idle_options())
             self._lanes.append(lane)
             mrs = [lane.lane_region(m) for m in self._kv_mrs]
-            lane.start_progress()
+            lane.start_progress(**({"sleep_s": self.POLL_SLEEP_S}
+                                   if self.config.poll_backoff_s else {}))
             self._lane_info.append({"fabric_name": lane.name,
                                     "regions": [m.descriptor().to_dict() for m in mrs]})
         self._aux_mrs = [self._ep.register(*_addr_len(a)) for a in self._aux_objs]
@@ -467,11 +471,11 @@ class DecodeMessenger(MessengerThread):
         per_rank = [0] * src.attn_tp
         for s in slices:
             per_rank[s.src_rank] += self.num_layers * cfg.buffers_per_layer * slice_ops(
-                s, src, dst, layout=lay.kind, page_size=lay.page_size, num_pages=n,
+                s, src, dst, layout=lay.pool, page_size=lay.page_size, num_pages=n,
                 writes_per_op=k)
         aux_rank = slices[0].src_rank
         per_rank[aux_rank] += len(self._aux)
-        x.expected = expected_writes(slices, src, dst, layout=lay.kind, page_size=lay.page_size,
+        x.expected = expected_writes(slices, src, dst, layout=lay.pool, page_size=lay.page_size,
                                      num_pages=n, num_layers=self.num_layers,
                                      buffers_per_layer=cfg.buffers_per_layer,
                                      aux_writes=len(self._aux), writes_per_op=k)

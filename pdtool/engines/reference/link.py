@@ -196,7 +196,8 @@ class PrefillSide(_Side):
         self.aux = torch.zeros(AUX_ROWS, model.cfg.hidden, dtype=torch.float32)
         config = PrefillConfig(**_common(spec, model), bind_host=spec.host, port=0,
                                max_requests=AUX_ROWS)
-        self.m = PrefillMessenger(config, kv.buffers, kv.layout, [self.aux])
+        self.m = PrefillMessenger(config, kv.buffers, kv.layout, [self.aux],
+                                  progress=kv.progress.array)
         self.num_layers = self.m.num_layers
         addrs = [self.m.address]
         if spec.tp > 1:  # the lead publishes every rank's control address in /health
