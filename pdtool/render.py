@@ -24,6 +24,7 @@ from typing import Any
 
 from pdtool import __version__
 from pdtool.launch import secrets as secret_env_files
+from pdtool.launch.benchmark import benchmark_argv
 from pdtool.launch.shell import Var, Word, q, words
 from pdtool.launch.spec import STOP_GRACE_S, LaunchError, LaunchSpec, build_launch
 from pdtool.paths import templates_dir
@@ -93,6 +94,12 @@ def script_text(cfg: Any, plan: Any, spec: LaunchSpec, run_dir: Path) -> str:
         "router_url": spec.router_url,
         "health_timeout": lc.health_timeout_s,
         "watchdog_s": lc.watchdog_s,
+        "benchmark": benchmark_argv(cfg, spec),
+        "groups": spec.groups(),
+        # --smoke and benchmarks run through the supervisor with restarts off
+        "restart": lc.restart,
+        "max_restarts": lc.max_restarts,
+        "restart_backoff_s": lc.restart_backoff_s,
         "local_hosts": ["127.0.0.1"] * plan.nodes,
     }
     name = "slurm.sbatch.j2" if spec.launcher == "slurm" else "local.sh.j2"

@@ -103,12 +103,14 @@ def worker_pid(run_dir: Path, role: str, instance: int) -> int:
 
 def supervisor(base: int, run_dir: Path, *extra: str) -> Running:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return Running([sys.executable, "-m", "pdtool.cli", "launch", *overrides(base),
+    keys = [e for e in extra if not e.startswith("-")]
+    extra = tuple(e for e in extra if e.startswith("-"))
+    return Running([sys.executable, "-m", "pdtool.cli", "launch", *overrides(base), *keys,
                     "--out", str(run_dir), "--preflight", *extra], run_dir, env)
 
 
-def script(base: int, run_dir: Path) -> Running:
-    rendered, findings = render(overrides(base), run_dir)
+def script(base: int, run_dir: Path, *keys: str) -> Running:
+    rendered, findings = render([*overrides(base), *keys], run_dir)
     assert rendered is not None, findings
     # a stale PDTOOL_RUN_DIR in the calling shell must not move the job
     env = {**os.environ, "PDTOOL_PYTHON": sys.executable, "PDTOOL_RUN_DIR": "/nonexistent"}
@@ -147,8 +149,9 @@ def test_starts_waits_for_health_and_stops_on_signal(how: str, tmp_path: Path) -
 
 @pytest.mark.parametrize("how", list(STARTERS))
 def test_one_process_dying_stops_everything(how: str, tmp_path: Path) -> None:
+    """launcher.restart=never: one process exiting ends the deployment (benchmarks)."""
     base = 27200 if how == "supervisor" else 27300
-    run = STARTERS[how](base, tmp_path / "job")
+    run = STARTERS[how](base, tmp_path / "job", "launcher.restart=never")
     try:
         run.wait_for("deployment ready")
         os.kill(worker_pid(run.run_dir, "decode", 1), signal.SIGKILL)

@@ -204,8 +204,9 @@ def test_nhd_with_tp_mismatch_warns_with_op_count():
                  "model.vocab_size=256")
     f = assert_warning(cfg, "transfer.layout", "prefill attention TP 8 -> decode 4")
     # 64 tokens x 2 source slices per page; 4096 tokens = 64 pages x 80 layers, + 1 aux write
-    assert "128 writes per page and layer (HND: 2)" in f.message
-    assert f"costs {64 * 80 * 128 + 1} writes instead of {64 * 80 * 2 + 1}" in f.message
+    # HND: 2 source slices x (K run + V run) per page
+    assert "128 writes per page and layer (HND: 4)" in f.message
+    assert f"costs {64 * 80 * 128 + 1} writes instead of {64 * 80 * 4 + 1}" in f.message
     # equal TP: an NHD page of all local heads is still one write: no warning
     assert not validate(recipe("qwen3-coder-480b", "transfer.layout=NHD"))
 

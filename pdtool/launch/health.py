@@ -1,9 +1,10 @@
 """Wait until every endpoint answers its health check, while watching the processes behind them.
 
 Used by the rendered scripts (`python -m pdtool.launch.health --timeout T --watch NAME:PID:LOG
-NAME=URL ...`) and in-process by the local supervisor. With `--watchdog S` it stays on once
-everything is healthy and exits (4) naming the first endpoint that stops answering: a hung
-engine whose process still runs ends the deployment too. A worker that exits before it is healthy
+NAME=URL ...`) and in-process by the local supervisor. With `--watchdog S` (started once
+everything is healthy) it probes instead and exits (4) naming the first endpoint that stops
+answering: a hung engine whose process still runs is restarted (launcher.restart) or ends the
+deployment too. A worker that exits before it is healthy
 fails the wait at once with its name, status and the end of its log, instead of the job sitting
 until the timeout; a timeout names every endpoint that never answered. Progress is printed every
 few seconds so a user watching a slow model load sees what is still pending.
@@ -51,9 +52,13 @@ def log_tail(path: str | Path, lines: int = 20) -> str:
 
 
 class HealthFailure(RuntimeError):
-    def __init__(self, message: str, code: int) -> None:
+    """Why a wait or the watchdog ended; `name`: the endpoint that hung, or the first that
+    never answered (a timeout)."""
+
+    def __init__(self, message: str, code: int, name: str = "") -> None:
         super().__init__(message)
         self.code = code
+        self.name = name
 
 
 def wait_healthy(
@@ -91,7 +96,8 @@ def wait_healthy(
         if now - start > timeout:
             raise HealthFailure(
                 f"timed out after {timeout:.0f}s: never healthy: "
-                + ", ".join(f"{n} ({u})" for n, u in pending.items()), EXIT_TIMEOUT)
+                + ", ".join(f"{n} ({u})" for n, u in pending.items()), EXIT_TIMEOUT,
+                next(iter(pending)))
         if now - last >= every:
             last = now
             print(f"  still waiting ({now - start:.0f}s/{timeout:.0f}s) for: "
@@ -115,7 +121,7 @@ def watchdog(endpoints: Mapping[str, str], logs: Mapping[str, str], interval: fl
                 tail = f"; last lines of {log}:\n{log_tail(log)}" if log else ""
                 return HealthFailure(
                     f"{name} stopped answering {url} ({failures} health checks in a row, "
-                    f"{interval:g}s apart) although it still runs{tail}", EXIT_HUNG)
+                    f"{interval:g}s apart) although it still runs{tail}", EXIT_HUNG, name)
         deadline = time.monotonic() + interval
         while time.monotonic() < deadline and not stop():
             time.sleep(min(0.5, interval))
@@ -128,9 +134,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=float, default=10.0, help="seconds between progress lines")
     ap.add_argument("--watch", action="append", default=[], metavar="NAME:PID:LOG")
     ap.add_argument("--watchdog", type=float, default=0, metavar="SECONDS",
-                    help="after the wait: keep probing every SECONDS; exit 4 naming the "
-                    "endpoint (and its log tail) that fails --failures probes in a row")
+                    help="instead of the wait (the scripts start it once everything is "
+                    "healthy): probe every SECONDS; exit 4 naming the endpoint (and its log "
+                    "tail) that fails --failures probes in a row")
     ap.add_argument("--failures", type=int, default=3)
+    ap.add_argument("--hung-file", default="", metavar="PATH",
+                    help="with --watchdog: write the name of the endpoint that hung here, so "
+                    "the script restarts that instance (launcher.restart=on-failure)")
     ap.add_argument("endpoints", nargs="+", metavar="NAME=URL")
     args = ap.parse_args(argv)
     watched = []
@@ -142,17 +152,20 @@ def main(argv: list[str] | None = None) -> int:
     def dead() -> list[tuple[str, str, str]]:
         return [(n, f"pid {p}", log) for n, p, log in watched if not pid_alive(p)]
 
-    try:
-        took = wait_healthy(endpoints, dead, args.timeout, every=args.every)
-    except HealthFailure as e:
-        print(f"pdtool: ERROR: {e}", file=sys.stderr, flush=True)
-        return e.code
-    print(f"all {len(endpoints)} endpoint(s) healthy after {took:.1f}s", flush=True)
+    if args.watchdog <= 0:
+        try:
+            took = wait_healthy(endpoints, dead, args.timeout, every=args.every)
+        except HealthFailure as e:
+            print(f"pdtool: ERROR: {e}", file=sys.stderr, flush=True)
+            return e.code
+        print(f"all {len(endpoints)} endpoint(s) healthy after {took:.1f}s", flush=True)
     if args.watchdog > 0:
         logs = {n: log for n, _, log in watched}
         hung = watchdog(endpoints, logs, args.watchdog, args.failures)
         if hung is not None:
             print(f"pdtool: ERROR: {hung}", file=sys.stderr, flush=True)
+            if args.hung_file:
+                Path(args.hung_file).write_text(hung.name + "\n")
             return hung.code
     return 0
 

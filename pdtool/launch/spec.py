@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from pdtool.launch import secrets
 from pdtool.launch.resources import describe_cpus, job_options, step_options
+from pdtool.launch.restart import group_of
 from pdtool.launch.sglang import router_argv, server_argv
 from pdtool.launch.shell import Var, Word, word
 from pdtool.plan import InstancePlan, Plan, RankPlan
@@ -103,6 +104,27 @@ class LaunchSpec:
 
     def all(self) -> list[Proc]:
         return self.procs + self.router
+
+    def groups(self) -> list[ProcGroup]:
+        """The restart units (pdtool.launch.restart): each instance with all its processes,
+        and the router, in start order, with their health endpoints (NAME=URL)."""
+        out: dict[str, ProcGroup] = {}
+        for p in self.all():
+            g = out.setdefault(group_of(p.name), ProcGroup(group_of(p.name), p.role, [], []))
+            g.procs.append(p)
+            if p.health:
+                g.health.append(word(f"{p.name}=", *p.health.parts))
+        return list(out.values())
+
+
+@dataclass
+class ProcGroup:
+    """One instance's processes (or the router's): started, stopped and restarted together."""
+
+    name: str  # "prefill-0", "decode-1", "router"
+    role: str
+    procs: list[Proc]
+    health: list[Word]
 
 
 class LaunchError(ValueError):

@@ -604,7 +604,7 @@ class PrefillMessenger(MessengerThread):
         per = [0] * src.attn_tp
         for s in slices:
             per[s.src_rank] += self.num_layers * cfg.buffers_per_layer * slice_ops(
-                s, src, dst, layout=lay.kind, page_size=lay.page_size, num_pages=n,
+                s, src, dst, layout=lay.pool, page_size=lay.page_size, num_pages=n,
                 writes_per_op=b["writes_per_op"])
         per[b["aux_rank"]] += len(self._aux)
         if per != b["expected"]:
@@ -682,12 +682,12 @@ class PrefillMessenger(MessengerThread):
         src, dst, per_op = cfg.spec, cfg.peer_spec, p["writes_per_op"]
         for s in slices:
             so, do, ln = write_plan(self.layout, dlay, src_pages, dpages, s)
-            k = writes_per_page(s, src, dst, self.layout.kind, self.layout.page_size)
+            k = writes_per_page(s, src, dst, self.layout.pool, self.layout.page_size)
             if len(ln) != k * len(src_pages):
                 raise ValueError(f"write plan of {len(ln)} writes, routes say {k} per page")
             plans.append(_Plan(so, do, ln, k, np.zeros(self.num_layers, dtype=np.int64)))
             count += self.num_layers * cfg.buffers_per_layer * slice_ops(
-                s, src, dst, layout=self.layout.kind, page_size=self.layout.page_size,
+                s, src, dst, layout=self.layout.pool, page_size=self.layout.page_size,
                 num_pages=len(src_pages), writes_per_op=per_op)
         count += len(self._aux) if send_aux else 0
         if count != p["expected"][me]:
