@@ -212,6 +212,21 @@ def load_config(overrides: list[str]) -> tuple[Config | None, list[Finding]]:
         return None, e.findings
 
 
+def load_job_config(folder: Path) -> Config:
+    """The resolved config a job folder was rendered from (its `config.yaml`, secrets
+    redacted), typed again: what runs inside the job knows the deployment without the
+    overrides that made it. Raises ComposeError naming the file."""
+    from omegaconf import OmegaConf
+
+    path = Path(folder) / "config.yaml"
+    try:
+        raw = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+    except Exception as e:
+        raise ComposeError([error(str(path), f"cannot read the job's config: {_first_line(e)}",
+                                  "give the folder `pdtool render` wrote")]) from e
+    return to_typed(raw)
+
+
 def config_to_yaml(cfg: Config) -> str:
     """The resolved config as YAML (saved beside rendered scripts so a job is reproducible)."""
     from omegaconf import OmegaConf

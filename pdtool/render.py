@@ -24,6 +24,7 @@ from typing import Any
 
 from pdtool import __version__
 from pdtool.launch import secrets as secret_env_files
+from pdtool.launch.benchmark import benchmark_argv
 from pdtool.launch.shell import Var, Word, q, words
 from pdtool.launch.spec import STOP_GRACE_S, LaunchError, LaunchSpec, build_launch
 from pdtool.paths import templates_dir
@@ -90,9 +91,16 @@ def script_text(cfg: Any, plan: Any, spec: LaunchSpec, run_dir: Path) -> str:
         "router_procs": spec.router,
         "health": spec.health(),
         "router_health": spec.router_health(),
+        "router_ready": spec.router_ready(),
         "router_url": spec.router_url,
         "health_timeout": lc.health_timeout_s,
         "watchdog_s": lc.watchdog_s,
+        "benchmark": benchmark_argv(cfg, spec),
+        "groups": spec.groups(),
+        # --smoke and benchmarks run through the supervisor with restarts off
+        "restart": lc.restart,
+        "max_restarts": lc.max_restarts,
+        "restart_backoff_s": lc.restart_backoff_s,
         "local_hosts": ["127.0.0.1"] * plan.nodes,
     }
     name = "slurm.sbatch.j2" if spec.launcher == "slurm" else "local.sh.j2"
@@ -116,6 +124,7 @@ def spec_to_dict(spec: LaunchSpec) -> dict[str, Any]:
             "ranks": list(p.ranks), "argv": [_word_json(a) for a in p.argv],
             "engine_argv": [_word_json(a) for a in p.engine_argv],
             "health": _word_json(p.health) if p.health else None,
+            "ready": _word_json(p.ready) if p.ready else None,
         }
 
     return {"launcher": spec.launcher, "engine": spec.engine, "nodes": spec.job.nodes,

@@ -213,6 +213,18 @@ class LauncherConfig:
     # once ready, every instance and the router are probed this often; 3 misses in a row
     # (a hung engine) end the deployment naming it (0: off)
     watchdog_s: float = 10.0
+    # Slurm: `pdtool bench` arguments (e.g. [--concurrency, "1,4", --requests, "64"]) run
+    # inside the job once the deployment is healthy, against its router; results.json and
+    # latency.png land in logs/<jobid>/bench/ and the job then ends with the benchmark's
+    # status. Empty: no benchmark, the deployment serves until stopped.
+    benchmark: list[str] = field(default_factory=list)
+    # a process that exits or hangs while the deployment serves: on-failure restarts its
+    # instance (all its processes, its srun steps on Slurm) up to max_restarts times per
+    # instance, waiting restart_backoff_s before the first restart and twice as long before
+    # each next one; never ends the deployment (benchmarks and --smoke always use never)
+    restart: str = "on-failure"  # on-failure | never
+    max_restarts: int = 3
+    restart_backoff_s: float = 5.0
 
 
 @dataclass

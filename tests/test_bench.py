@@ -20,6 +20,7 @@ from pdtool.bench.stats import (
     ratio_advice,
     stage_rates,
     summarize,
+    ttft_added,
 )
 from pdtool.commands.bench import aggregated_overrides, interleave
 
@@ -64,6 +65,18 @@ def test_summary_of_fixed_records():
     assert s["itl_ms"]["p50"] == pytest.approx(150.0)
     assert s["e2e_ms"]["p90"] == pytest.approx(300 + 300 * 0.9)
     assert summarize([])["requests"] == 0
+
+
+def test_ttft_added_pairs_the_same_prompts():
+    base = [rec(0.0, [0.100]), rec(1.0, [1.200]), rec(2.0, [2.300]), rec(3.0, [3.9])]
+    other = [rec(0.0, [0.103]), rec(1.0, [1.210]), rec(2.0, [2.301]),
+             rec(3.0, [], error="HTTP 503: down")]
+    got = ttft_added(other, base)
+    assert got["pairs"] == 3  # the failed request's pair is left out
+    assert got["p50"] == pytest.approx(3.0)  # differences 3, 10, 1 ms
+    assert got["baseline_ttft_p50_ms"] == pytest.approx(200.0)
+    assert got["relative_p50"] == pytest.approx(3.0 / 200.0)
+    assert ttft_added([], base)["pairs"] == 0 and ttft_added([], base)["p50"] is None
 
 
 def test_goodput_counts_requests_within_every_slo():

@@ -66,7 +66,7 @@ def _target_counts(provider: str, arm: list[tuple[int, int, int]], total: int, c
     import torch
 
     ep = Endpoint(provider, remote_counter=True, **ep_kwargs(provider))
-    # HND page layout [pages, heads, kv, page_size, head_dim] in bf16 = 64 KiB per page
+    # HND page layout [pages, kv, heads, page_size, head_dim] in bf16 = 64 KiB per page
     kv = torch.zeros(N_DST_PAGES, 2, 2, 64, 128, dtype=torch.bfloat16)
     scratch = torch.zeros(SCRATCH, dtype=torch.uint8)
     mr = ep.register_buffer(kv)

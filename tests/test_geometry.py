@@ -205,14 +205,17 @@ def test_expected_writes_follow_the_routes(mla, heads, p_tp, d_tp, per_page) -> 
 
 
 def test_pool_axes_decide_the_runs_of_a_partial_head_slice() -> None:
-    """HND: heads outermost, one run; NHD: one per token; a pool with K and V outermost
-    (FlashInfer's [pages, 2, heads, tokens, dim]) would be two: a data change, no new code."""
-    assert G.messenger_pool("HND").runs_per_page(64) == 1
+    """HND is FlashInfer's [pages, 2, heads, tokens, dim]: K and V outermost, two runs (one for
+    MLA's latent); NHD: one per token; a pool with heads outermost would be one."""
+    assert G.messenger_pool("HND").axes == ("parts", "heads", "tokens", "dim")
+    assert G.messenger_pool("HND").runs_per_page(64) == 2
+    assert G.messenger_pool("HND", mla=True).runs_per_page(64) == 1
     assert G.messenger_pool("NHD").runs_per_page(64) == 64
     assert G.sglang_pool(False).runs_per_page(16) == 1  # the backend packs slices first
-    kv_outer = G.PagePool("kv outer", "HND", ("parts", "heads", "tokens", "dim"), ("KV",), 2,
-                          whole_prompt=False)
-    assert kv_outer.runs_per_page(64) == 2
+    heads_outer = G.PagePool("heads outer", "HND", ("heads", "parts", "tokens", "dim"), ("KV",),
+                             2, whole_prompt=False)
+    assert heads_outer.runs_per_page(64) == 1
+    kv_outer = G.messenger_pool("HND")
     src, dst = ShardSpec(8, 8), ShardSpec(8, 4)
     sl = routes_for(src, dst, 0)[0]
     assert G.writes_per_page(sl, src, dst, kv_outer, 64) == 2

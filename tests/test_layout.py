@@ -14,7 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from transfer.geometry import slice_ops, writes_per_page
+from transfer.geometry import messenger_pool, slice_ops, writes_per_page
 from transfer.hostmem import host_buffer
 from transfer.layout import KVLayout, LayoutError, as_buffer, aux_spec, write_plan
 from transfer.routes import ShardSpec, routes_for, sendable
@@ -23,7 +23,7 @@ PAGE, DIM, PAGES = 4, 8, 6
 
 
 def _tensor(kind: str, heads: int, parts: int = 2, pages: int = PAGES) -> torch.Tensor:
-    shape = ((pages, heads, parts, PAGE, DIM) if kind == "HND"
+    shape = ((pages, parts, heads, PAGE, DIM) if kind == "HND"
              else (pages, PAGE, heads, parts, DIM))
     return torch.arange(int(np.prod(shape)), dtype=torch.int32).to(torch.bfloat16).reshape(shape)
 
@@ -55,9 +55,9 @@ def test_slice_offsets_address_the_torch_slice(kind):
     pages = np.array([5, 0, 3])
     offs, lens = lay.slice_offsets(pages, head_off=1, num_heads=2, whole_pages=False)
     got = np.concatenate([raw[int(o):int(o + n)] for o, n in zip(offs, lens, strict=True)])
-    want = t[pages, 1:3] if kind == "HND" else t[pages][:, :, 1:3]
+    want = t[pages][:, :, 1:3]  # HND: K of heads 1-2, then V; NHD: per token
     assert np.array_equal(got, _bytes(want))
-    assert len(offs) == len(pages) * (1 if kind == "HND" else PAGE)
+    assert len(offs) == len(pages) * (2 if kind == "HND" else PAGE)
 
 
 @pytest.mark.parametrize(
@@ -68,12 +68,12 @@ def test_slice_offsets_address_the_torch_slice(kind):
 def test_write_plans_rebuild_decoder_pages(kind, heads, src_tp, dst_tp, parts):
     """Every decode rank ends up with exactly its heads of the request's pages."""
     src, dst = ShardSpec(heads, src_tp), ShardSpec(heads, dst_tp)
-    full = _tensor("HND", heads, parts)  # global [pages, heads, parts, page, dim]
+    full = _tensor("HND", heads, parts)  # global [pages, parts, heads, page, dim]
 
     def local(spec: ShardSpec, rank: int, pages: int = PAGES) -> torch.Tensor:
         hs = spec.heads_of(rank)
-        t = full[:pages, hs.start:hs.stop].contiguous()
-        return t if kind == "HND" else t.permute(0, 3, 1, 2, 4).contiguous()
+        t = full[:pages, :, hs.start:hs.stop].contiguous()
+        return t if kind == "HND" else t.permute(0, 3, 2, 1, 4).contiguous()
 
     src_pages = np.array([4, 1, 2])
     dst_pages = np.array([0, 5, 3])
@@ -88,18 +88,38 @@ def test_write_plans_rebuild_decoder_pages(kind, heads, src_tp, dst_tp, parts):
             _apply(local(src, sl.src_rank), got, plan)
         # dst page j must equal the source (global) page src_pages[j] for this rank's heads
         hs = dst.heads_of(d)
-        ref = full[src_pages][:, hs.start:hs.stop]
-        ref = ref if kind == "HND" else ref.permute(0, 3, 1, 2, 4)
+        ref = full[src_pages][:, :, hs.start:hs.stop]
+        ref = ref if kind == "HND" else ref.permute(0, 3, 2, 1, 4)
         assert torch.equal(got[dst_pages].view(torch.int16), ref.contiguous().view(torch.int16))
         untouched = np.setdiff1d(np.arange(PAGES), dst_pages)
         assert not got[untouched].view(torch.int16).any()
 
 
-def test_hnd_is_one_write_per_page_per_source_shard():
+def test_hnd_is_one_write_per_part_per_page_per_source_shard():
+    """FlashInfer's HND page [2, heads, page, dim]: a head slice is its K run and its V run."""
     src, dst = ShardSpec(8, 4), ShardSpec(8, 2)
     for sl in [s for d in range(dst.attn_tp) for s in routes_for(src, dst, d)]:
-        assert writes_per_page(sl, src, dst, "HND", PAGE) == 1
+        assert writes_per_page(sl, src, dst, "HND", PAGE) == 2
         assert writes_per_page(sl, src, dst, "NHD", PAGE) == PAGE
+        mla = messenger_pool("HND", mla=True)
+        assert writes_per_page(sl, src, dst, mla, PAGE) == 1
+    same = routes_for(dst, dst, 0)[0]
+    assert writes_per_page(same, dst, dst, "HND", PAGE) == 1  # every local head: whole page
+
+
+def test_hnd_layout_is_flashinfers_paged_kv_cache():
+    """[pages, 2, kv_heads, page_size, head_dim]: paged_kv_cache[:, 0] keys, [:, 1] values, so
+    the byte FlashInfer reads for (page, part, head, token, dim) is the one the offsets name."""
+    t = _tensor("HND", heads=2)
+    lay = KVLayout.from_tensor(t, "HND")
+    assert lay.shape == (PAGES, 2, 2, PAGE, DIM)
+    item = t.element_size()
+    page, part, head, tok, d = 3, 1, 1, 2, 5
+    off = (page * lay.page_bytes + part * lay.stride_bytes("parts")
+           + head * lay.stride_bytes("heads") + tok * lay.stride_bytes("tokens") + d * item)
+    assert off == item * (((page * 2 + part) * 2 + head) * PAGE + tok) * DIM + item * d
+    raw = _bytes(t)
+    assert np.array_equal(raw[off:off + item], _bytes(t[page, part, head, tok, d:d + 1]))
 
 
 def test_errors_name_the_field():

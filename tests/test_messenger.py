@@ -3,8 +3,10 @@ torch tensors, chunked prefill, several layers and two aux (metadata) buffers.
 
 Every decode rank checks its pages byte for byte against the prefill's deterministic cache, and
 the write counts are checked against arithmetic done here, independently of routes.py: with HND
-a decode rank receives exactly one write per (page, layer, source shard), plus one per aux
-buffer, and the prefill ranks together issue exactly that many. The prefill groups up to
+(FlashInfer's `[pages, 2, heads, page, dim]`) a decode rank receives one write per (page, layer,
+source shard) when the slice is the whole page, two (the K run and the V run) when it is part of
+the heads, one for an MLA latent or a K-only / V-only buffer, plus one per aux buffer, and the
+prefill ranks together issue exactly that many. The prefill groups up to
 `writes_per_op` consecutive page writes of a (slice, layer buffer) into one RMA operation (4 on
 shm and tcp;ofi_rxm), and the decoder counts one completion per operation:
 ceil(pages / writes_per_op) per (layer, source shard), whatever the chunking.
@@ -29,7 +31,10 @@ PROMPTS = (17, 33, 5, 2)  # 4, 8, 1 and 1 pages of 4 tokens; 33 tokens = 4 chunk
 AUX = (48, 20)
 
 
-def _check(s: Scenario, sources_per_rank: int, secret: bytes | None = None) -> list[dict]:
+def _check(s: Scenario, sources_per_rank: int, secret: bytes | None = None,
+           runs: int = 1) -> list[dict]:
+    """`runs`: contiguous writes per page of one source slice (2: a partial head slice of a
+    fused HND page, its K and its V run)."""
     before = set(shm_leftovers())
     out = run(s, secret)
     assert len(out.decode) == s.decode_tp and len(out.prefill) == s.prefill_tp
@@ -43,11 +48,11 @@ def _check(s: Scenario, sources_per_rank: int, secret: bytes | None = None) -> l
         for rid, r in rep["requests"].items():
             n = pages_for(len_of(s, rid), s.page_size)
             aux = len(s.aux_row_bytes)
-            ops = math.ceil(n / k) * s.num_layers * sources_per_rank + aux
+            ops = math.ceil(n * runs / k) * s.num_layers * sources_per_rank + aux
             assert r["status"] == "success", (rid, r)
             assert r["bad_layers"] == [] and r["aux_ok"], (rid, r)
             assert r["received"] == r["expected"] == ops, (rid, r)
-            want_writes += n * s.num_layers * sources_per_rank + aux
+            want_writes += n * runs * s.num_layers * sources_per_rank + aux
             want_ops += ops
     assert sum(p["writes_issued"] for p in out.prefill) == want_writes
     assert sum(p["ops_issued"] for p in out.prefill) == want_ops
@@ -97,7 +102,7 @@ def test_prefill_tp4_to_decode_tp2(provider):
     # the prefill ranks poll without pausing here: the production path (C polling slices)
     _check(Scenario(provider=provider, num_kv_heads=4, prefill_tp=4, decode_tp=2,
                     prompts=PROMPTS, aux_row_bytes=AUX, prefill_busy_sleep_s=0.0),
-           sources_per_rank=2)
+           sources_per_rank=2, runs=2)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -105,7 +110,8 @@ def test_prefill_tp2_to_decode_tp4(provider):
     """Each decode rank takes its one-head slice out of a prefill rank's two-head pages; one
     operation per page write (writes_per_op=1)."""
     _check(Scenario(provider=provider, num_kv_heads=4, prefill_tp=2, decode_tp=4,
-                    prompts=PROMPTS, aux_row_bytes=AUX, writes_per_op=1), sources_per_rank=1)
+                    prompts=PROMPTS, aux_row_bytes=AUX, writes_per_op=1), sources_per_rank=1,
+           runs=2)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -143,11 +149,12 @@ def test_many_requests_queue_for_few_slots(provider):
     prompts = tuple(int(n) for n in rng.integers(2, 60, 30))
     s = Scenario(provider=provider, num_kv_heads=4, prefill_tp=4, decode_tp=2, prompts=prompts,
                  max_inflight=4, chunk_pages=3, src_pages=512, dst_pages=512, aux_row_bytes=AUX)
-    _check(s, sources_per_rank=2)
+    _check(s, sources_per_rank=2, runs=2)
 
 
 def test_separate_k_and_v_buffers():
-    """buffers_per_layer=2: one write per (page, layer, K|V buffer, source shard)."""
+    """buffers_per_layer=2 (FlashInfer's separate `(k_cache, v_cache)`, each `[pages, heads,
+    page, dim]`): one write per (page, layer, K|V buffer, source shard)."""
     s = Scenario(num_kv_heads=4, prefill_tp=4, decode_tp=2, prompts=(17, 9), split_kv=True,
                  aux_row_bytes=AUX)
     _check(s, sources_per_rank=2 * 2)

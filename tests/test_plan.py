@@ -182,8 +182,10 @@ def test_routes_gqa_prefill_tp8_to_decode_tp4():
             (2 * d, 0, 0),
             (2 * d + 1, 1, 0),
         ]
-        assert route.writes_per_page == 2  # HND: one contiguous write per source slice
-        assert route.writes_per_request == _expected(1000, 64, 80, 2, 1)
+        # HND ([pages, 2, heads, page, dim]): a K run and a V run per source slice
+        assert [s.writes_per_page for s in route.slices] == [2, 2]
+        assert route.writes_per_page == 4
+        assert route.writes_per_request == _expected(1000, 64, 80, 4, 1)
     assert "reconstructs its pages from 2 prefill ranks" in t.summary
 
 

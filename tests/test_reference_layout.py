@@ -2,7 +2,8 @@
 kv_parts, head_dim]`) in both caches, written by the messenger with NHD's write count.
 
 A partial head run is one write per token in NHD (geometry.writes_per_page), so with prefill TP2
--> decode TP1 every page costs page_size writes per source rank where HND costs one: the count
+-> decode TP1 every page costs page_size writes per source rank where HND (FlashInfer's
+`[pages, 2, heads, page_size, head_dim]`) costs two, its K run and its V run: the count
 the decoder waited for equals the route math's NHD count, not the HND one, and the tokens
 equal the oracle's (the decoder attends over exactly what arrived: test_reference_serve's
 fault test).
@@ -31,7 +32,7 @@ def test_layout_reaches_the_caches_and_the_write_count(tmp_path, layout, prefill
         stats = get_json(f"{leaders[1]}/stats")[1]
         assert stats["kv_layout"] == layout
         heads, page = cfg.num_kv_heads, 4
-        assert stats["kv_shape"] == ([1024, heads, 2, page, cfg.head_dim] if layout == "HND"
+        assert stats["kv_shape"] == ([1024, 2, heads, page, cfg.head_dim] if layout == "HND"
                                      else [1024, page, heads, 2, cfg.head_dim])
         per_op = stats["kv_writes_per_op"]
         src, dst = ShardSpec(heads, prefill_tp), ShardSpec(heads, 1)

@@ -213,7 +213,8 @@ def test_live_prefill_survives_control_plane_fuzzing(launched):
     for reason in ("refused a message: mac: signature does not match",
                    "refused a message: seq: already seen (replayed message)",
                    "refused a message: frames: expected [payload, mac]",
-                   "refused a message: envelope.v: protocol version 99, expected 2",
+                   "refused a message: envelope.v: protocol version 99, expected "
+                   f"{PROTOCOL_VERSION}",
                    "refused a message: to: frame bound to another session"):
         assert _wait_log(launched, reason), reason
 

@@ -200,12 +200,14 @@ def test_nhd_with_tp_mismatch_warns_with_op_count():
     # transfer.layout is the page layout of engines pdtool controls (the reference engine);
     # SGLang keeps its own NHD pools and has its own rule (rules/sglang.py)
     # (a byte vocabulary makes the Llama shape one the reference engine could run)
+    # (on CPUs: the reference engine's GPU path reads HND only)
     cfg = recipe("llama-3.1-70b", "transfer.layout=NHD", "engine=reference",
-                 "model.vocab_size=256")
+                 "model.vocab_size=256", "cluster.device=cpu")
     f = assert_warning(cfg, "transfer.layout", "prefill attention TP 8 -> decode 4")
     # 64 tokens x 2 source slices per page; 4096 tokens = 64 pages x 80 layers, + 1 aux write
-    assert "128 writes per page and layer (HND: 2)" in f.message
-    assert f"costs {64 * 80 * 128 + 1} writes instead of {64 * 80 * 2 + 1}" in f.message
+    # HND: 2 source slices x (K run + V run) per page
+    assert "128 writes per page and layer (HND: 4)" in f.message
+    assert f"costs {64 * 80 * 128 + 1} writes instead of {64 * 80 * 4 + 1}" in f.message
     # equal TP: an NHD page of all local heads is still one write: no warning
     assert not validate(recipe("qwen3-coder-480b", "transfer.layout=NHD"))
 
@@ -275,8 +277,17 @@ def test_local_launcher_is_one_machine():
 def test_engine_must_suit_device():
     assert_error(compose("engine=sglang"), "engine.kind", "need GPUs")
     cfg = recipe("deepseek-r1", "engine=reference", "model=tiny", "model.num_q_heads=8",
-                 "model.num_kv_heads=8", "prefill.chunked_prefill_size=64")
-    assert_warning(cfg, "engine.kind", "runs on CPUs")
+                 "model.num_kv_heads=8", "prefill.chunked_prefill_size=64",
+                 "prefill.kv_dtype=fp16", "decode.kv_dtype=fp16")
+    assert_warning(cfg, "engine.kind", "FlashInfer decode attention")
+    # what the GPU path cannot read is refused, naming the key
+    assert_error(recipe("deepseek-r1", "engine=reference", "model=tiny", "model.num_q_heads=8",
+                        "model.num_kv_heads=8", "prefill.chunked_prefill_size=64",
+                        "transfer.layout=NHD", "decode.kv_dtype=fp32"),
+                 "decode.kv_layout", "HND pages")
+    assert_error(recipe("deepseek-r1", "engine=reference", "model=tiny", "model.num_q_heads=8",
+                        "model.num_kv_heads=8", "prefill.chunked_prefill_size=64",
+                        "decode.kv_dtype=fp32"), "decode.kv_dtype", "fp16 or bf16")
 
 
 @pytest.mark.parametrize(

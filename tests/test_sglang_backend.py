@@ -102,7 +102,10 @@ def _setup(role: str, cfg: dict[str, Any], rank: int) -> tuple[Any, Any, list, l
         pool = MHATokenToKVPool(head_num=local, head_dim=HEAD_DIM, enable_alt_stream=False,
                                 **common)
         bufs = list(pool.k_buffer) + list(pool.v_buffer)
-    meta = MetadataBuffers(AUX_ROWS, 32, torch.bfloat16, 16)
+    # cfg["metadata"]: MetadataBuffers' sizes as the scheduler picks them (speculative: the
+    # draft's hidden state); cfg["fill_metadata"](meta, row): the prefill's rows, set_buf-like
+    meta = MetadataBuffers(AUX_ROWS, **cfg.get("metadata", {
+        "hidden_size": 32, "hidden_states_dtype": torch.bfloat16, "max_sampling_mask_tokens": 16}))
 
     args = _kv_args(role, pool, meta, tp, rank, heads, mla)
     assert args.kv_data_ptrs == [b.data_ptr() for b in bufs]  # K of every layer, then V
@@ -114,6 +117,8 @@ def _setup(role: str, cfg: dict[str, Any], rank: int) -> tuple[Any, Any, list, l
                                             strict=True)):
             for row in range(AUX_ROWS):
                 ctypes.memmove(ptr + row * ilen, aux_row(j, ilen), ilen)
+        for row in range(AUX_ROWS) if cfg.get("fill_metadata") else ():
+            cfg["fill_metadata"](meta, row)
     else:
         for b in bufs:
             b.zero_()

@@ -52,7 +52,8 @@ def test_an_old_peer_gets_the_version_not_a_missing_field():
     v1 = {"v": 1, "type": "REQUEST", "from": "d0", "ts": time.time(), "nonce": b"n" * 16,
           "body": {"rid": "r"}}
     unversioned = {"k": "GEN", "b": {"rid": "r", "tokens": [1]}, "t": 1.0, "n": b"n" * 16}
-    for env, version in ((v1, 1), (unversioned, 0), ({"v": 3}, 3)):
+    newer = PROTOCOL_VERSION + 1
+    for env, version in ((v1, 1), (unversioned, 0), ({"v": newer}, newer)):
         data = msgpack.packb(env, use_bin_type=True)
         with pytest.raises(WireError, match=f"^envelope.v: protocol version {version}, "
                                             f"expected {PROTOCOL_VERSION} "):
@@ -144,7 +145,7 @@ def _reg(**over) -> dict:
             "fabric_name": b"fi", "provider": "shm", "tp_size": 1, "tp_rank": 0,
             "gpu": 0, "iov_limit": 4, "is_mla": False, "page_size": 16,
             "kv": [{"base": 1, "key": 2, "length": 3}], "kv_data_lens": [3], "kv_item_lens": [1],
-            "aux": [], "aux_item_lens": []}
+            "aux": [], "aux_item_lens": [], "rails": []}
     return {**body, **over}
 
 
@@ -165,7 +166,8 @@ def test_sglang_frames_are_the_same_envelope_behind_a_tag():
     restarted = Frames(SECRET, "prefill-0")
     with pytest.raises(WireError, match="to: frame bound to another session"):
         restarted.decode(decode.encode("META", meta, prefill.session))
-    with pytest.raises(WireError, match=r"envelope\.v: protocol version 1, expected 2"):
+    with pytest.raises(WireError,
+                       match=rf"envelope\.v: protocol version 1, expected {PROTOCOL_VERSION}"):
         prefill.decode([TAG, *_v1_meta(meta)])
     with pytest.raises(WireError, match="not a pdtool control frame"):
         prefill.decode([b"KV_STATUS", b"1", b"4", b"0"])

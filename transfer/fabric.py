@@ -324,6 +324,7 @@ class Endpoint:
         yield_when_idle: bool = True,
         idle_spins: int = 64,
         idle_sleep_s: float = 0.0,
+        idle_max_sleep_s: float = 0.0,
         cq_size: int = DEFAULT_CQ_SIZE,
         max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
         drain_sleep_s: float | None = None,
@@ -345,6 +346,9 @@ class Endpoint:
             raise ValueError(f"idle_spins must be an int >= 0, got {idle_spins!r}")
         if not 0 <= idle_sleep_s < 1:
             raise ValueError(f"idle_sleep_s must be in [0, 1) seconds, got {idle_sleep_s!r}")
+        if not 0 <= idle_max_sleep_s < 1:
+            raise ValueError(f"idle_max_sleep_s must be in [0, 1) seconds, got "
+                             f"{idle_max_sleep_s!r}")
         self._lock = threading.Lock()
         self._mrs: set[MemoryRegion] = set()
         self._h: Any = None
@@ -379,6 +383,9 @@ class Endpoint:
         # instead (a long wait then costs almost no CPU). Off by default: on tcp;ofi_rxm the
         # polling itself moves the bytes, and sleeping halved throughput in bench/transfer.py.
         _lib.pd_set_idle(self._h, int(yield_when_idle), idle_spins, int(idle_sleep_s * 1e9))
+        # `idle_max_sleep_s` > `idle_sleep_s`: that sleep doubles every 8 empty polls up to
+        # it (a progress thread's active sleep too), for waits that last a whole forward pass
+        _lib.pd_set_idle_backoff(self._h, int(idle_max_sleep_s * 1e9))
         _lib.pd_set_max_inflight_bytes(self._h, max_inflight_bytes)
         self.addr_format: int = int(info.addr_format)
         self.provider: str = _ffi.string(info.provider).decode()
@@ -774,6 +781,28 @@ class Endpoint:
         if ret < 0:
             _check(ret, "wait_change", self.provider)
         return ret == 1
+
+    def wait_idle_or_change(self, a: np.ndarray, a_seen: int, b: np.ndarray | None = None,
+                            b_seen: int = 0, *, timeout: float = 0.001) -> str:
+        """Drain the CQ (in C, GIL released) until no local write is outstanding ("idle"),
+        another thread stores a value other than `a_seen` in `a[0]` (or `b_seen` in `b[0]`)
+        ("changed"), or `timeout` passes ("timeout"). A sender's wait while its writes are in
+        flight and the engine computes: idles as the endpoint's `idle_*` settings say."""
+        for name, arr in (("a", a), ("b", b)):
+            if arr is not None and (type(arr) is not np.ndarray or arr.dtype != np.int64
+                                    or arr.size < 1 or not arr.flags.c_contiguous):
+                raise ValueError(f"wait_idle_or_change: {name} must be a contiguous int64 "
+                                 "numpy array")
+        pa = _ffi.cast("int64_t *", a.ctypes.data)
+        pb = _ffi.cast("int64_t *", b.ctypes.data) if b is not None else _ffi.NULL
+        with self._lock:
+            ret = _lib.pd_wait_idle_or_change(self._calls(), pa, a_seen, pb, b_seen,
+                                              int(timeout * 1e9))
+        if ret == -_lib.PD_ETIMEDOUT:
+            return "timeout"
+        if ret < 0:
+            _check(ret, "wait_idle_or_change", self.provider)
+        return "changed" if ret == 1 else "idle"
 
     def watch_targets(self, targets: np.ndarray) -> None:
         """Let `wait_complete` return when a slot's count reaches `targets[slot]` (a uint32

@@ -10,8 +10,9 @@ K and V, or MLA's latent), the axes of one page of one buffer, outermost first, 
 engine sends the KV of the last prompt token. From the axes follows how many contiguous runs a
 head slice of a page is (`PagePool.runs_per_page`): the product of the axes outside `heads`.
 
-  messenger HND   buffer per layer [pages, heads, parts, tokens, dim]  parts 2 (K,V) or 1 (MLA)
-  messenger NHD   buffer per layer [pages, tokens, heads, parts, dim]
+  messenger HND   buffer per layer [pages, parts, heads, tokens, dim]  parts 2 (K,V) or 1 (MLA);
+                  FlashInfer's HND paged cache, so a partial head slice is 2 runs (K, V)
+  messenger NHD   buffer per layer [pages, tokens, heads, parts, dim]  one run per token
   sglang MHA      K and V buffers per layer, [slots, heads, dim]; page p = slots [pP, (p+1)P)
   sglang MLA      one latent buffer per layer, [slots, 1, kv_lora_rank + rope]
 
@@ -90,19 +91,25 @@ class PagePool:
         return pages_for(num_tokens, page_size)
 
 
-#: The axes of one page of the messenger's fused buffers, per `transfer.layout`.
+#: The axes of one page of the messenger's buffers, per `transfer.layout`; `transfer.layout`
+#: computes its byte offsets from these. HND is FlashInfer's `[pages, 2, kv_heads, page_size,
+#: head_dim]` (K part then V part), so a head slice of a fused page is two contiguous runs.
 MESSENGER_AXES = {
-    "HND": ("heads", "parts", "tokens", "dim"),
+    "HND": ("parts", "heads", "tokens", "dim"),
     "NHD": ("tokens", "heads", "parts", "dim"),
 }
 
 
-def messenger_pool(layout: str, mla: bool = False) -> PagePool:
-    """pdtool's messenger (reference engine): one buffer per layer, K and V fused per head."""
+def messenger_pool(layout: str, mla: bool = False, kv_parts: int | None = None) -> PagePool:
+    """pdtool's messenger (reference engine): one buffer per layer, K and V fused (HND: K of
+    every local head, then V; NHD: K and V side by side per head and token). `kv_parts=1`
+    without `mla`: K and V in buffers of their own (FlashInfer's `(k_cache, v_cache)`)."""
     if layout not in MESSENGER_AXES:
         raise RouteError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    return PagePool(f"messenger {layout}", layout, MESSENGER_AXES[layout],
-                    ("latent",) if mla else ("KV",), 1 if mla else 2, whole_prompt=False)
+    parts = (1 if mla else 2) if kv_parts is None else kv_parts
+    buffers = ("latent",) if mla else (("KV",) if parts == 2 else ("K", "V"))
+    return PagePool(f"messenger {layout}", layout, MESSENGER_AXES[layout], buffers, parts,
+                    whole_prompt=False)
 
 
 def sglang_pool(mla: bool) -> PagePool:
@@ -139,6 +146,31 @@ def reference_aux(hidden_size: int) -> tuple[AuxBuffer, ...]:
 
 #: SGLang's default `--sampling-mask-max-tokens` (only sized rows, never the count).
 SGLANG_SAMPLING_MASK_TOKENS = 4096
+#: The hidden-state row without a draft that carries one: 16 fp32, SGLang's RDMA padding.
+SGLANG_HIDDEN_PAD = (16, 4)
+
+#: `--speculative-algorithm` names SGLang 0.5.23 knows (`SpeculativeAlgorithm`, upper-cased;
+#: NEXTN is its alias of EAGLE).
+SGLANG_SPEC_ALGORITHMS = frozenset({"EAGLE", "NEXTN", "EAGLE3", "FROZEN_KV_MTP", "STANDALONE",
+                                    "NGRAM", "DFLASH", "DSPARK", "UNO"})
+#: Those whose PD path carries the draft's hidden state and top-k in the metadata buffers
+#: (`SpeculativeAlgorithm.carries_draft_hidden_states`, the EAGLE family): the scheduler then
+#: sizes `output_hidden_states` at the draft's `spec_hidden_size` in the model's dtype.
+SGLANG_SPEC_HIDDEN_STATES = frozenset({"EAGLE", "NEXTN", "EAGLE3", "FROZEN_KV_MTP"})
+#: Those whose draft model keeps a KV pool of its own, which SGLang's prefill appends to the
+#: target's KV buffers (`BaseSpecWorker.primary_draft_kv_pool`, `KVArgs.num_draft_entries`).
+#: NGRAM and UNO have no draft model; FROZEN_KV_MTP's draft reads the target's KV.
+SGLANG_SPEC_DRAFT_KV = frozenset({"EAGLE", "NEXTN", "EAGLE3", "STANDALONE", "DFLASH", "DSPARK"})
+
+
+def sglang_hidden_row(speculative: str | None, hidden_size: int,
+                      itemsize: int) -> tuple[int, int]:
+    """(elements, bytes each) of one `output_hidden_states` row, as SGLang's scheduler sizes it:
+    the draft's hidden state (`hidden_size` x `itemsize`) for the algorithms that carry one,
+    else the 16 fp32 padding."""
+    if speculative and speculative.upper() in SGLANG_SPEC_HIDDEN_STATES:
+        return hidden_size, itemsize
+    return SGLANG_HIDDEN_PAD
 
 
 def sglang_metadata_buffers(*, sampling_mask: bool = False,
@@ -150,8 +182,9 @@ def sglang_metadata_buffers(*, sampling_mask: bool = False,
 
     Optional buffers follow SGLang's switches: `SGLANG_ENABLE_DISAGG_SAMPLING_MASK` (three
     sampling-mask buffers), a DSA model (`output_dsa_topk_indices`) and
-    `--disaggregation-enable-kv-checksum` (`kv_checksum`). Without speculative decoding the
-    scheduler sizes the hidden-state row at 16 fp32 (its RDMA padding).
+    `--disaggregation-enable-kv-checksum` (`kv_checksum`). The buffers are the same with and
+    without speculative decoding (top-k and hidden state are always registered): only the
+    hidden-state row changes, `sglang_hidden_row` (16 fp32 without a draft hidden state).
     """
     i32, f32, i64, u64 = 4, 4, 8, 8
     out = [AuxBuffer("output_ids", 16, i32), AuxBuffer("cached_tokens", 16, i32),
@@ -179,8 +212,8 @@ def writes_per_page(sl: Slice, src: ShardSpec, dst: ShardSpec, layout: str | Pag
     """RMA writes one slice needs per page and per layer buffer.
 
     A slice covering every local head on both sides is one contiguous page; a partial head run
-    is `PagePool.runs_per_page` writes (HND: 1, heads outermost; NHD: one per token; a pool
-    whose sender packs slices into staging: 1).
+    is `PagePool.runs_per_page` writes (HND: one per part, 2 for fused K/V, 1 for a latent;
+    NHD: one per token; a pool whose sender packs slices into staging: 1).
     """
     pool = _pool(layout)
     whole = sl.num_heads == src.heads_per_rank == dst.heads_per_rank

@@ -5,12 +5,16 @@ that decoder, heads [h, h+n)" into three uint64 arrays (source offsets, destinat
 lengths) that one C call submits as RMA writes. This module builds those arrays with numpy
 broadcasting, never a Python loop per page, so a batch of thousands of pages costs microseconds.
 
-One buffer per layer (docs/sharding.md), `kv_parts` = 2 for K and V fused per
-head, 1 for an MLA latent:
-  * HND: `[num_pages, heads_local, kv_parts, page_size, head_dim]` — the pages of one head run are
-    contiguous inside a page, so a head slice of a page is ONE write whatever the TP split.
-  * NHD: `[num_pages, page_size, heads_local, kv_parts, head_dim]` — heads interleave inside each
-    token, so a partial head run is one write per token (`geometry.writes_per_page` says the same).
+One buffer per layer (docs/sharding.md), `kv_parts` = 2 for K and V fused, 1 for an MLA latent
+or for K and V kept in buffers of their own. The axes of one page come from
+`transfer.geometry.MESSENGER_AXES` (the one owner of the write count):
+  * HND: `[num_pages, kv_parts, heads_local, page_size, head_dim]` — FlashInfer's HND paged
+    cache exactly (`paged_kv_cache[:, 0]` keys, `[:, 1]` values; with kv_parts=1 and K, V in
+    two buffers, its `(k_cache, v_cache)` form). A head slice of a page is one contiguous run
+    per part: 2 writes for fused K/V (K part, V part), 1 for a latent or a split buffer.
+  * NHD: `[num_pages, page_size, heads_local, kv_parts, head_dim]` — heads interleave inside
+    each token, so a partial head run is one write per token.
+A slice covering every local head on both sides is one write of the whole page in either.
 
 Both sides must agree on page size, head dim, kv_parts and element size; `heads_local` may differ
 (that is the TP mismatch the routes describe).
@@ -19,11 +23,13 @@ Both sides must agree on page size, head dim, kv_parts and element size; `heads_
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .geometry import MESSENGER_AXES, PagePool, messenger_pool
 from .routes import LAYOUTS, Slice
 
 _U64 = np.uint64
@@ -61,23 +67,22 @@ class KVLayout:
 
     # -- sizes -------------------------------------------------------------------------------
     @property
-    def head_entry_bytes(self) -> int:
-        """Bytes of one head of one token (K and V parts together)."""
-        return self.kv_parts * self.head_dim * self.itemsize
+    def axes(self) -> tuple[str, ...]:
+        """Axes of one page, outermost first (`geometry.MESSENGER_AXES`)."""
+        return MESSENGER_AXES[self.kind]
 
-    @property
-    def head_bytes(self) -> int:
-        """HND: bytes of one head over a whole page."""
-        return self.page_size * self.head_entry_bytes
+    def _size(self, axis: str) -> int:
+        return {"heads": self.heads_local, "tokens": self.page_size, "parts": self.kv_parts,
+                "dim": self.head_dim}[axis]
 
-    @property
-    def token_bytes(self) -> int:
-        """NHD: bytes of one token over every local head."""
-        return self.heads_local * self.head_entry_bytes
+    def stride_bytes(self, axis: str) -> int:
+        """Bytes between two neighbours along `axis` inside a page."""
+        inner = self.axes[self.axes.index(axis) + 1:]
+        return self.itemsize * math.prod(self._size(a) for a in inner)
 
     @property
     def page_bytes(self) -> int:
-        return self.heads_local * self.head_bytes
+        return self.itemsize * math.prod(self._size(a) for a in self.axes)
 
     @property
     def buffer_bytes(self) -> int:
@@ -85,26 +90,29 @@ class KVLayout:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        if self.kind == "HND":
-            return (self.num_pages, self.heads_local, self.kv_parts, self.page_size, self.head_dim)
-        return (self.num_pages, self.page_size, self.heads_local, self.kv_parts, self.head_dim)
+        return (self.num_pages, *(self._size(a) for a in self.axes))
+
+    @property
+    def pool(self) -> PagePool:
+        """The geometry pool these buffers are (what the write counts are computed with)."""
+        return messenger_pool(self.kind, kv_parts=self.kv_parts)
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
     def from_tensor(cls, tensor: Any, kind: str) -> KVLayout:
         """Read the layout off a torch tensor / numpy array of the documented 5-D shape."""
         shape = tuple(int(x) for x in tensor.shape)
-        if len(shape) != 5:
-            raise LayoutError(f"KV buffer: expected a 5-D {kind} tensor, got shape {shape}")
-        if kind == "HND":
-            pages, heads, parts, page_size, dim = shape
-        elif kind == "NHD":
-            pages, page_size, heads, parts, dim = shape
-        else:
+        if kind not in LAYOUTS:
             raise LayoutError(f"layout.kind: must be one of {LAYOUTS}, got {kind!r}")
+        if len(shape) != 5:
+            axes = ", ".join(("pages", *MESSENGER_AXES[kind]))
+            raise LayoutError(f"KV buffer: expected a 5-D {kind} tensor [{axes}], got shape "
+                              f"{shape}")
+        size = dict(zip(MESSENGER_AXES[kind], shape[1:], strict=True))
         itemsize = int(tensor.element_size() if hasattr(tensor, "element_size")
                        else tensor.itemsize)
-        return cls(kind, pages, heads, parts, page_size, dim, itemsize)
+        return cls(kind, shape[0], size["heads"], size["parts"], size["tokens"], size["dim"],
+                   itemsize)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -140,26 +148,28 @@ class KVLayout:
                       whole_pages: bool) -> tuple[np.ndarray, np.ndarray]:
         """Byte offsets and lengths of heads [head_off, head_off+num_heads) of `pages`.
 
-        HND: one range per page. NHD: one range per page when `whole_pages` (the slice covers
-        every local head on BOTH sides, so whole pages line up), else one per (page, token).
-        Returns (offsets, lengths) as uint64, page-major then token order.
+        One range per page when `whole_pages` (the slice covers every local head on BOTH
+        sides, so whole pages line up); else one per page and index of the axes outside
+        `heads` (HND: per part, K then V; NHD: per token). Returns (offsets, lengths) as
+        uint64, page-major, then those axes in row-major order.
         """
         if head_off < 0 or num_heads < 1 or head_off + num_heads > self.heads_local:
             raise LayoutError(f"head slice [{head_off}, {head_off + num_heads}) outside the "
                               f"{self.heads_local} local heads")
         p = self.check_pages(pages)
         base = p * _U64(self.page_bytes)
-        if self.kind == "HND":
-            offs = base + _U64(head_off * self.head_bytes)
-            return offs, np.full(offs.shape, num_heads * self.head_bytes, dtype=_U64)
         if whole_pages:
             if head_off != 0 or num_heads != self.heads_local:
-                raise LayoutError("NHD whole-page write needs every local head")
+                raise LayoutError("whole-page write needs every local head")
             return base, np.full(base.shape, self.page_bytes, dtype=_U64)
-        tok = np.arange(self.page_size, dtype=_U64) * _U64(self.token_bytes)
-        offs = (base[:, None] + tok[None, :] + _U64(head_off * self.head_entry_bytes)).ravel()
-        return offs, np.full(offs.shape, num_heads * self.head_entry_bytes, dtype=_U64)
-
+        outer = self.axes[: self.axes.index("heads")]
+        runs = np.zeros(1, dtype=_U64)
+        for a in outer:  # offsets of every index combination of the outer axes, row-major
+            step = np.arange(self._size(a), dtype=_U64) * _U64(self.stride_bytes(a))
+            runs = (runs[:, None] + step[None, :]).ravel()
+        head = self.stride_bytes("heads")
+        offs = (base[:, None] + runs[None, :] + _U64(head_off * head)).ravel()
+        return offs, np.full(offs.shape, num_heads * head, dtype=_U64)
 
 def write_plan(src: KVLayout, dst: KVLayout, src_pages: np.ndarray, dst_pages: np.ndarray,
                sl: Slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -29,6 +29,7 @@ This module is in `transfer/` because the SGLang backend and the messenger read 
     PDTOOL_FI_PROVIDER        libfabric provider string (`shm`, `tcp;ofi_rxm`, `efa`, ...)
     PDTOOL_FI_DOMAIN          the libfabric domain (NIC) of all of this process's ranks
     PDTOOL_NICS               JSON {gpu id: "nic,nic"}: each rank's NICs, by its local GPU
+                              (the SGLang backend opens every one, the reference engine the first)
     PDTOOL_GPU_MEMORY         direct | staged: the path transfer.gpu_memory resolved to here
   fallback and test hooks:
     PDTOOL_SECRET             the secret itself, only when no secret file is given (tests,
@@ -112,8 +113,9 @@ FI_DOMAIN = Var("PDTOOL_FI_DOMAIN", "pdtool.worker", "SGLang backend, reference 
                 "the libfabric domain (NIC) of this process's ranks, set when they all share "
                 "their NICs")
 NICS = Var("PDTOOL_NICS", "pdtool.worker", "SGLang backend, reference engine",
-           'JSON {"<local gpu id>": "nic,nic"}: each rank\'s NICs by its GPU; a rank opens the '
-           "first (used when the ranks of one process have different NICs)")
+           'JSON {"<local gpu id>": "nic,nic"}: each rank\'s NICs by its GPU (the plan\'s '
+           "GPU->NIC map: the NICs on its PCIe switch); the SGLang backend opens an endpoint on "
+           "every one of them, the reference engine on the first")
 
 GPU_MEMORY = Var("PDTOOL_GPU_MEMORY", "pdtool.worker (its transfer.gpu_memory decision)",
                  "SGLang backend", "direct | staged: how KV in GPU memory reaches the fabric on "
@@ -215,6 +217,20 @@ def gpu_memory(environ: Mapping[str, str] | None = None) -> str | None:
     if value is not None and value not in ("direct", "staged"):
         raise WorkerEnvError(f"{GPU_MEMORY.name}={value!r}: expected direct or staged")
     return value
+
+
+def nics_for(gpu: int | None, environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """Every NIC a rank on local GPU `gpu` may open an endpoint on, the one `domain_for` names
+    first: its GPU's PDTOOL_NICS entry (the plan lists every NIC on the GPU's PCIe switch),
+    else PDTOOL_FI_DOMAIN alone; () when neither says. A PDTOOL_FI_DOMAIN that the GPU's
+    entry does not list wins alone (a hand-set override)."""
+    first = domain_for(gpu, environ)
+    own = nics(environ).get(int(gpu or 0), ())
+    if first is None:
+        return ()
+    if first not in own:
+        return (first,)
+    return (first, *(n for n in own if n != first))
 
 
 def hosts(environ: Mapping[str, str] | None = None) -> list[str]:

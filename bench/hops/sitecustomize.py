@@ -43,9 +43,9 @@ if os.environ.get("PDTOOL_HOPS"):
         serve._send_events = send_events
         submit = front.Front.submit
 
-        def front_submit(self, tokens, max_tokens):
+        def front_submit(self, tokens, max_tokens, *a, **k):
             t = time.perf_counter()
-            rid, p = submit(self, tokens, max_tokens)
+            rid, p = submit(self, tokens, max_tokens, *a, **k)
             _log("front.submit", rid, t)
             return rid, p
 

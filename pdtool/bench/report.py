@@ -61,6 +61,16 @@ def table(title: str, columns: dict[str, dict]) -> Any:
     return t
 
 
+def added_text(names: list[str], added: dict) -> str:
+    """One line: the median per-prompt TTFT difference of the first target over the second."""
+    if not added["pairs"]:
+        return f"TTFT {names[0]} - {names[1]}: no request completed on both"
+    return (f"TTFT {names[0]} - {names[1]}, same prompts ({added['pairs']} pairs): median "
+            f"{added['p50']:+,.2f} ms ({100 * added['relative_p50']:+.1f} % of "
+            f"{names[1]}'s p50 {added['baseline_ttft_p50_ms']:,.2f} ms), p90 "
+            f"{added['p90']:+,.2f} ms")
+
+
 def advice_text(rates: Rates, advice: RatioAdvice, current: int) -> str:
     return (f"measured per instance: prefill {rates.prefill_tokens_s:,.0f} input tokens/s, "
             f"decode {rates.decode_tokens_s:,.0f} output tokens/s at mean lengths "

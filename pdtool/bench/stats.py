@@ -166,6 +166,22 @@ def summarize(records: Sequence[Record], slo: dict[str, float] | None = None) ->
     }
 
 
+def ttft_added(records: Sequence[Record], baseline: Sequence[Record]) -> dict:
+    """TTFT of `records` minus `baseline`'s, request by request: both ran the same prompts in
+    the same order (a comparison), so each pair differs only by the deployment and the moment.
+    The median of those differences is what one deployment adds over the other; it is steadier
+    on a shared machine than the difference of the two medians. Milliseconds, and the median
+    difference relative to the baseline's median TTFT; pairs where either failed are left out."""
+    pairs = [(a.ttft, b.ttft) for a, b in zip(records, baseline, strict=False)
+             if a.ok and b.ok]
+    diffs = [a - b for a, b in pairs]
+    base = percentile([b for _, b in pairs], 50)
+    mid = percentile(diffs, 50)
+    return {"pairs": len(pairs), **distribution(diffs),
+            "baseline_ttft_p50_ms": None if base is None else 1000 * base,
+            "relative_p50": None if mid is None or not base else mid / base}
+
+
 @dataclass(frozen=True)
 class Rates:
     """Per-instance rates measured while the stage had work, for the measured lengths."""

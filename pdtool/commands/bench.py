@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "deployment's URL")
     p.add_argument("--rounds", type=int, default=4,
                    help="with --compare: rounds each load point is split into (4)")
+    p.add_argument("--job", type=Path, metavar="DIR",
+                   help="bench the deployment of this job folder (its config.yaml, no "
+                   "overrides); results into DIR/bench unless --out (launcher.benchmark)")
     p.add_argument("--out", type=Path, help="folder for results.json and latency.png")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds one request may take before it counts as failed (300)")
@@ -100,6 +103,9 @@ def check_args(args: argparse.Namespace) -> dict[str, Any]:
         raise BenchError(f"--timeout: expected positive seconds, got {args.timeout}")
     if args.url and args.launch:
         raise BenchError("--url and --launch: give one (--launch benchmarks what it starts)")
+    if getattr(args, "job", None) and (args.launch or args.overrides):
+        raise BenchError("--job: the job folder's config.yaml is the deployment; give no "
+                         "overrides and no --launch with it")
     if args.compare_url and not args.compare:
         raise BenchError("--compare-url: only with --compare aggregated")
     if args.compare and not args.launch and not args.compare_url:
@@ -202,8 +208,8 @@ def measure(targets: dict[str, str], requests: list[Any], settings: dict, args: 
 def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
            con: Any) -> dict:
     from pdtool.bench.plot import plot
-    from pdtool.bench.report import advice_text, table, write_json
-    from pdtool.bench.stats import ratio_advice, stage_rates, summarize
+    from pdtool.bench.report import added_text, advice_text, table, write_json
+    from pdtool.bench.stats import ratio_advice, stage_rates, summarize, ttft_added
 
     for res in results:
         res["summary"] = summarize(res["records"], settings["slo"])
@@ -216,6 +222,10 @@ def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
     for pace, per in by_pace.items():
         con.print(table(f"{pace}, isl {settings['isl']}, osl {settings['osl']}",
                         {t: r["summary"] for t, r in per.items()}))
+        if len(per) == 2:  # the same prompts in the same order on both: pair them
+            (name_a, a), (name_b, b) = per.items()
+            a["summary"]["ttft_added_ms"] = ttft_added(a["records"], b["records"])
+            con.print(added_text([name_a, name_b], a["summary"]["ttft_added_ms"]))
         first = next(iter(per.values()))
         if first["advice"] is not None and first["target"] == "disaggregated":
             con.print(advice_text(first["rates"], first["advice"], cfg.decode.instances))
@@ -251,9 +261,16 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"[bold red]pdtool bench:[/] {exc}")
         return EXIT_USAGE
     from pdtool.bench.load import LoadError
-    from pdtool.compose import load_config
+    from pdtool.compose import ComposeError, load_config, load_job_config
 
-    cfg, problems = load_config(list(args.overrides))
+    if args.job:
+        try:
+            cfg, problems = load_job_config(args.job), []
+        except ComposeError as exc:
+            cfg, problems = None, exc.findings
+        args.out = args.out or args.job / "bench"
+    else:
+        cfg, problems = load_config(list(args.overrides))
     if cfg is None:
         err.print("[bold red]pdtool bench:[/] the config does not compose")
         print_findings(err, problems)

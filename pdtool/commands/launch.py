@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  process logs: {sub.log_dir}/<process>.log")
         return 0
     from pdtool.launch.local import Supervisor
+    from pdtool.launch.restart import RestartPolicy
 
     sup = Supervisor(
         rendered.spec,
@@ -105,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         health_timeout=rendered.cfg.launcher.health_timeout_s,
         preflight=args.preflight,
         watchdog_s=rendered.cfg.launcher.watchdog_s,
+        # --smoke checks one start: a restart would hide the failure it is there to show
+        restart=None if args.smoke else RestartPolicy.of(rendered.cfg.launcher),
     )
     smoke = None
     if args.smoke:

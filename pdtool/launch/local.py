@@ -4,9 +4,11 @@ Each process starts in its own session (process group), so stopping it also stop
 spawned (SGLang's schedulers, the reference engine's TP ranks). The supervisor streams status
 (starts, health progress, exits), waits for every instance and then the router to be healthy,
 and stops everything — SIGTERM to each group, SIGKILL after a grace period — on Ctrl-C,
-SIGTERM, as soon as any process exits on its own, or when one stops answering its health
-check (launcher.watchdog_s); the router stops first, then decode, then prefill. It runs the
-same launch spec the rendered `run_local.sh` prints, so the two never disagree.
+SIGTERM, or when a process exits on its own or stops answering its health check
+(launcher.watchdog_s) and launcher.restart does not restart its instance (pdtool.launch.restart:
+`on-failure` stops that instance, waits, starts it again and waits for its health, at most
+launcher.max_restarts times per instance); the router stops first, then decode, then prefill.
+It runs the same launch spec the rendered `run_local.sh` prints, so the two never disagree.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from pdtool.launch.health import HealthFailure, log_tail, wait_healthy, watchdog
+from pdtool.launch.health import EXIT_DIED, HealthFailure, log_tail, wait_healthy, watchdog
+from pdtool.launch.restart import RestartPolicy, group_of
 from pdtool.launch.shell import resolve
 from pdtool.launch.spec import LaunchSpec, Proc
 from transfer.workerenv import launch_env
@@ -51,7 +54,8 @@ class Running:
 class Supervisor:
     def __init__(self, spec: LaunchSpec, run_dir: Path, out: TextIO = sys.stdout,
                  stop_grace: float = 10.0, health_timeout: float = 900.0,
-                 preflight: bool = False, watchdog_s: float = 0.0) -> None:
+                 preflight: bool = False, watchdog_s: float = 0.0,
+                 restart: RestartPolicy | None = None) -> None:
         self.spec = spec
         self.run_dir = Path(run_dir).resolve()
         self.out = out
@@ -59,6 +63,8 @@ class Supervisor:
         self.health_timeout = health_timeout
         self.preflight = preflight
         self.watchdog_s = watchdog_s
+        self.restart = restart or RestartPolicy()
+        self.restarts: dict[str, int] = {}  # restarts so far, per instance (group_of)
         self.force = False
         self.running: list[Running] = []
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -131,7 +137,9 @@ class Supervisor:
 
     # -- the run ---------------------------------------------------------------------------
     def _health(self, procs: list[Proc]) -> None:
-        endpoints = {p.name: resolve([p.health], self.vars)[0] for p in procs if p.health}
+        # preflight workers run no router: its worker list does not exist then
+        urls = {p.name: (p.health if self.preflight else p.ready) or p.health for p in procs}
+        endpoints = {n: resolve([u], self.vars)[0] for n, u in urls.items() if u}
         wait_healthy(endpoints, self.dead, self.health_timeout, out=self.out)
 
     def run(self, exit_when_healthy: bool = False,
@@ -194,7 +202,24 @@ class Supervisor:
 
     def watch(self, poll: float = 0.5) -> int:
         """Block until a process exits, or (launcher.watchdog_s) one stops answering its
-        health check although it runs; report it (the others are stopped by `run`)."""
+        health check although it runs; restart its instance when launcher.restart allows,
+        else report it (the others are stopped by `run`)."""
+        while True:
+            group, why = self._next_failure(poll)
+            n = self.restarts.get(group, 0)
+            if not self.restart.enabled:
+                print(f"pdtool: ERROR: {why}", file=sys.stderr, flush=True)
+                return 1
+            if n >= self.restart.max_restarts:
+                print(f"pdtool: ERROR: {why}\n{group} was restarted {n} times already "
+                      f"(launcher.max_restarts={self.restart.max_restarts}): stopping",
+                      file=sys.stderr, flush=True)
+                return 1
+            print(f"pdtool: WARNING: {why}", file=sys.stderr, flush=True)
+            self.restart_group(group, n + 1)
+
+    def _next_failure(self, poll: float) -> tuple[str, str]:
+        """(restart unit, what happened with the log tail) of the next failed process."""
         if self.watchdog_s > 0:
             endpoints = {r.proc.name: resolve([r.proc.health], self.vars)[0]
                          for r in self.running if r.proc.health}
@@ -202,16 +227,43 @@ class Supervisor:
             hung = watchdog(endpoints, logs, self.watchdog_s, WATCHDOG_MISSES, out=self.out,
                             stop=lambda: bool(self.dead()))
             if hung is not None and not self.dead():
-                print(f"pdtool: ERROR: {hung}", file=sys.stderr, flush=True)
-                return 1
+                return group_of(hung.name), str(hung)
         while True:
             gone = self.dead()
             if gone:
-                for name, status, log in gone:
-                    print(f"pdtool: ERROR: {name} exited ({status}); last lines of {log}:\n"
-                          f"{log_tail(log)}", file=sys.stderr, flush=True)
-                return 1
+                name, status, log = gone[0]
+                return group_of(name), (f"{name} exited ({status}); last lines of {log}:\n"
+                                        f"{log_tail(log)}")
             time.sleep(poll)
+
+    def restart_group(self, group: str, n: int) -> None:
+        """Stop every process of `group` (an instance's ranks, or the router), wait the
+        back-off, start them again with the same command lines and wait for their health.
+        One that dies again is left to `watch` (the next restart); a timeout ends the run."""
+        self.restarts[group] = n
+        victims = [r for r in self.running if group_of(r.proc.name) == group]
+        self._stop_group([r for r in victims if _group_alive(r.popen)])
+        for r in victims:  # what the dead leader spawned
+            _signal_group(r.popen, signal.SIGKILL)
+        self.running = [r for r in self.running if r not in victims]
+        delay = self.restart.delay(n)
+        self.say(f"restarting {group} in {delay:g}s (restart {n} of "
+                 f"{self.restart.max_restarts})")
+        time.sleep(delay)
+        procs = [r.proc for r in victims]
+        for p in procs:
+            log = Path(resolve([p.log], self.vars)[0])
+            with open(log, "a") as fh:
+                fh.write(f"\n[pdtool {time.strftime('%H:%M:%S')}] restart {n} of {p.name}\n")
+            self.start(p)
+        try:
+            self._health(procs)
+        except HealthFailure as e:
+            if e.code != EXIT_DIED:
+                raise
+            self.say(f"{group} did not come back: a process exited (see below)")
+            return
+        self.say(f"{group} is serving again (restart {n})")
 
 
 def _status(rc: int) -> str:

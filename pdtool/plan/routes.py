@@ -20,7 +20,7 @@ from pdtool.plan.records import (
     SlicePlan,
     TransferPlan,
 )
-from pdtool.schema import Config, kv_dtype, kv_head_width, role, role_dims
+from pdtool.schema import DTYPE_BYTES, Config, kv_dtype, kv_head_width, role, role_dims
 from transfer import geometry as G
 from transfer import routes as R
 from transfer.gpu_memory import choose_gpu_memory
@@ -28,6 +28,8 @@ from transfer.gpu_memory import choose_gpu_memory
 #: SGLang switches that add metadata buffers (`geometry.sglang_metadata_buffers`).
 SGLANG_SAMPLING_MASK_ENV = "SGLANG_ENABLE_DISAGG_SAMPLING_MASK"
 SGLANG_KV_CHECKSUM_FLAG = "--disaggregation-enable-kv-checksum"
+#: SGLang's speculative decoding switch (it sizes the hidden-state metadata row).
+SGLANG_SPECULATIVE_FLAG = "--speculative-algorithm"
 
 
 def shard_spec(cfg: Config, rname: str) -> R.ShardSpec:
@@ -55,12 +57,41 @@ def _sglang_flag(cfg: Config, flag: str) -> bool:
                for a in (*cfg.engine.extra_args, *cfg.decode.extra_args))
 
 
+def sglang_flag_value(argv: list[str] | tuple[str, ...], flag: str) -> str | None:
+    """The value argparse would give `flag` in `argv` (`--flag V` or `--flag=V`, the last one
+    wins); None when absent, "" when it has no value."""
+    out = None
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name == flag:
+            nxt = argv[i + 1] if i + 1 < len(argv) else ""
+            out = value if eq else ("" if nxt.startswith("--") else nxt)
+    return out
+
+
+def sglang_speculative(cfg: Config, rname: str) -> str | None:
+    """`--speculative-algorithm` of a role's SGLang workers, upper-cased (engine.extra_args,
+    then the role's own extra_args, as they follow each other on its launch line)."""
+    value = sglang_flag_value([*cfg.engine.extra_args, *role(cfg, rname).extra_args],
+                              SGLANG_SPECULATIVE_FLAG)
+    return value.upper() if value else None
+
+
+def sglang_hidden_itemsize(cfg: Config) -> int:
+    """Bytes per element of the draft hidden state: SGLang's model dtype (fp8 weights run
+    bf16 activations)."""
+    return 2 if cfg.model.dtype.startswith("fp8") else DTYPE_BYTES[cfg.model.dtype]
+
+
 def aux_buffers(cfg: Config) -> tuple[G.AuxBuffer, ...]:
     """The metadata buffers a request writes once, after its last chunk (one write each)."""
     if cfg.engine.kind == "sglang":
+        hidden, itemsize = G.sglang_hidden_row(sglang_speculative(cfg, "decode"),
+                                               cfg.model.hidden_size, sglang_hidden_itemsize(cfg))
         return G.sglang_metadata_buffers(
             sampling_mask=_sglang_env_true(cfg, SGLANG_SAMPLING_MASK_ENV),
             kv_checksum=_sglang_flag(cfg, SGLANG_KV_CHECKSUM_FLAG),
+            hidden_size=hidden, hidden_itemsize=itemsize,
         )
     return G.reference_aux(cfg.model.hidden_size)
 

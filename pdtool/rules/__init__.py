@@ -4,6 +4,7 @@
 a value it cannot compute with (tp=0, an unknown provider, an impossible placement):
 
 1. values     single settings: ranges and choices             (rules.values)
+              launcher.benchmark's `pdtool bench` arguments      (rules.benchmark)
 2. shards     head split, prefill/decode TP, pages, chunking  (rules.shards)
    arithmetic GPUs per instance vs nodes, launcher, engine     (rules.topology.ARITHMETIC)
    engine     what the reference CPU engine can run           (rules.reference)
@@ -18,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from pdtool.rules import (
+    benchmark,
     gpu_memory,
     launch,
     memfit,
@@ -35,7 +37,7 @@ from pdtool.schema import Config
 Rule = Callable[[Config], list[Finding]]
 
 STAGES: tuple[tuple[Rule, ...], ...] = (
-    values.ALL,
+    values.ALL + benchmark.ALL,
     shards.ALL + topology.ARITHMETIC + reference.ALL + moe.ALL + gpu_memory.ALL,
     topology.PLACED + ports.ALL + memfit.ALL + (shards.check_nhd_writes,) + sglang.ALL
     + launch.ALL,

@@ -6,8 +6,9 @@
 * Page size, KV dtype and page layout must match on both sides (pages are copied byte for byte).
 * Chunked prefill must cut on page boundaries (`chunked_prefill_size % page_size == 0`), so the
   messenger can ship whole pages per chunk.
-* NHD pages with unequal head sharding need one write per token instead of one per page: warn
-  with the count (the route arithmetic is transfer.routes', the messenger's own).
+* NHD pages with unequal head sharding need one write per token instead of two per page (HND's
+  K and V runs): warn with the count (the route arithmetic is transfer.routes', the
+  messenger's own).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pdtool.plan import DEFAULT_TOKENS, request_writes, route_plans, shard_spec
 from pdtool.rules.finding import Finding, error, warning
 from pdtool.schema import ROLES, Config, kv_dtype, role_dims
 from transfer import routes as R
-from transfer.geometry import messenger_pool
+from transfer.geometry import messenger_pool, writes_per_page
 
 
 def check_head_split(cfg: Config) -> list[Finding]:
@@ -105,10 +106,11 @@ def check_nhd_writes(cfg: Config, tokens: int = DEFAULT_TOKENS) -> list[Finding]
     if all(r.writes_per_page == len(r.slices) for r in routes):
         return []
     worst = max(routes, key=lambda r: r.writes_per_request)
-    hnd = len(worst.slices)
     src, dst = shard_spec(cfg, "prefill"), shard_spec(cfg, "decode")
-    hnd_total = request_writes(cfg, tokens, R.routes_for(src, dst, worst.dst_rank), src, dst,
-                               messenger_pool("HND", cfg.model.attention == "mla"))
+    hnd_pool = messenger_pool("HND", cfg.model.attention == "mla")
+    slices = R.routes_for(src, dst, worst.dst_rank)
+    hnd = sum(writes_per_page(s, src, dst, hnd_pool, cfg.decode.page_size) for s in slices)
+    hnd_total = request_writes(cfg, tokens, slices, src, dst, hnd_pool)
     return [
         warning(
             "transfer.layout",
@@ -116,7 +118,8 @@ def check_nhd_writes(cfg: Config, tokens: int = DEFAULT_TOKENS) -> list[Finding]
             f"slice is not contiguous, so decode rank {worst.dst_rank} needs "
             f"{worst.writes_per_page} writes per page and layer (HND: {hnd}); a {tokens}-token "
             f"request costs {worst.writes_per_request} writes instead of {hnd_total}",
-            "set transfer.layout=HND (one contiguous write per head slice of a page)",
+            "set transfer.layout=HND (a head slice of a page is two contiguous writes, its K "
+            "and its V run)",
         )
     ]
 

@@ -40,6 +40,10 @@ _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$|^(infinite|UNLI
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+#: launcher.restart: restart a failed instance (bounded, with back-off), or end the deployment
+RESTART_POLICIES = ("on-failure", "never")
+
+
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> list[Finding]:
     if value in choices:
         return []
@@ -329,6 +333,9 @@ def check_launcher(cfg: Config) -> list[Finding]:
                     )
                 )
     out += _at_least("launcher.health_timeout_s", lc.health_timeout_s, 1)
+    out += _choice("launcher.restart", lc.restart, RESTART_POLICIES)
+    out += _at_least("launcher.max_restarts", lc.max_restarts, 0)
+    out += _at_least("launcher.restart_backoff_s", lc.restart_backoff_s, 0)
     return out
 
 

@@ -158,6 +158,26 @@ int pd_wait_idle(pd_ep *ep, int64_t timeout_ns) {
     PD_WAIT(ep->inflight == 0);
 }
 
+/* A sender's wait while its writes are in flight: until none is (0), *a or *b changed (1,
+   another thread's progress word or command doorbell), or the timeout (-FI_ETIMEDOUT). One wait
+   instead of a loop of short pd_wait_idle slices, each of which came back to Python and took
+   the GIL from the engine computing the next pass; idles by pd_idle (its backoff included). */
+int pd_wait_idle_or_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const int64_t *b,
+                           int64_t b_seen, int64_t timeout_ns) {
+    const volatile int64_t *va = a, *vb = b;
+    int64_t deadline = pd_now_ns() + timeout_ns;
+    unsigned spins = 0, empty = 0;
+    for (;;) {
+        int p = pd_poll(ep, PD_CQ_BATCH);
+        if (p < 0) return p;
+        if (ep->inflight == 0) return 0;
+        if ((va && *va != a_seen) || (vb && *vb != b_seen)) return 1;
+        if (p == 0) pd_idle(ep, &empty);
+        else empty = 0;
+        if ((p > 0 || (++spins & 63) == 0) && pd_now_ns() > deadline) return -FI_ETIMEDOUT;
+    }
+}
+
 /* Wait for another thread to write a new value into *a or *b (an engine's per-layer progress
    word, a command doorbell), draining the CQ meanwhile: 1 = changed, 0 = timeout. Meant for
    waits on COMPUTE (a prefill forward pass): after a few empty polls it sleeps `sleep_ns` per
@@ -174,8 +194,9 @@ int pd_wait_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const int64_t *b
         if ((va && *va != a_seen) || (vb && *vb != b_seen)) return 1;
         if (pd_now_ns() > deadline) return 0;
         if (p > 0) { spins = 0; continue; }
-        if (++spins > 16 && sleep_ns > 0) {
-            struct timespec ts = { 0, (long)pd_clamp_ns(sleep_ns) };
+        if (++spins > 16 && sleep_ns > 0) {  /* growing by the endpoint's backoff, if any */
+            int64_t ns = pd_backoff_ns(pd_clamp_ns(sleep_ns), ep->idle_max_sleep_ns, spins - 16);
+            struct timespec ts = { 0, (long)ns };
             nanosleep(&ts, NULL);
         } else {
             sched_yield();

@@ -126,6 +126,11 @@ void pd_set_idle(pd_ep *ep, int yield_idle, uint32_t spins_before_sleep, int64_t
     ep->idle_sleep_ns = pd_clamp_ns(sleep_ns);
 }
 
+/* Let the idle sleep grow (see pd_backoff_ns) up to `max_sleep_ns`; <= the sleep: fixed. */
+void pd_set_idle_backoff(pd_ep *ep, int64_t max_sleep_ns) {
+    ep->idle_max_sleep_ns = pd_clamp_ns(max_sleep_ns);
+}
+
 void pd_set_max_inflight_bytes(pd_ep *ep, uint64_t max_bytes) {
     ep->max_inflight_bytes = max_bytes;
 }

@@ -77,6 +77,7 @@ int pd_has_remote_cntr(pd_ep *ep);
 int pd_av_insert(pd_ep *ep, const void *name, uint64_t *fi_addr);
 int pd_av_remove(pd_ep *ep, uint64_t fi_addr);
 void pd_set_idle(pd_ep *ep, int yield_idle, uint32_t spins_before_sleep, int64_t sleep_ns);
+void pd_set_idle_backoff(pd_ep *ep, int64_t max_sleep_ns);
 void pd_set_max_inflight_bytes(pd_ep *ep, uint64_t max_bytes);
 void pd_set_drain(pd_ep *ep, int64_t sleep_ns);
 uint64_t pd_remote_cntr(pd_ep *ep);
@@ -108,6 +109,8 @@ int pd_wait_send(pd_ep *ep, uint32_t tag, uint32_t target, int64_t timeout_ns);
 int pd_wait_idle(pd_ep *ep, int64_t timeout_ns);
 int pd_wait_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const int64_t *b, int64_t b_seen,
                    int64_t sleep_ns, int64_t timeout_ns);
+int pd_wait_idle_or_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const int64_t *b,
+                           int64_t b_seen, int64_t timeout_ns);
 
 /* write.c: batched writes, spread over a peer's receive lanes */
 size_t pd_iov_limit(pd_ep *ep);

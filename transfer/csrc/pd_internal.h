@@ -83,7 +83,8 @@ struct pd_ep {
     int draining;
     int yield_idle;         /* sched_yield() when a wait/retry loop found nothing to do */
     uint32_t idle_spins;    /* ... and after this many empty polls in a row, */
-    int64_t idle_sleep_ns;  /* sleep this long per empty poll (0: never sleep) */
+    int64_t idle_sleep_ns;  /* sleep this long per empty poll (0: never sleep), */
+    int64_t idle_max_sleep_ns; /* ... doubling every 8 empty polls up to this (<= sleep: fixed) */
     /* context pool */
     struct pd_ctx *ctx;
     uint32_t ctx_n;
@@ -107,6 +108,7 @@ struct pd_mr {
 /* util.c */
 int64_t pd_now_ns(void);
 void pd_idle(pd_ep *ep, unsigned *empty);
+int64_t pd_backoff_ns(int64_t base_ns, int64_t max_ns, unsigned sleeps);
 void pd_seterr(char *buf, size_t len, const char *call, int ret);
 void pd_record_err(pd_ep *ep, uint64_t tag, int err, int prov_errno, const char *msg);
 int64_t pd_clamp_ns(int64_t ns);

@@ -10,7 +10,9 @@ void pd_share_counts(pd_ep *lane, pd_ep *owner) { lane->owner = owner; }
 
 /* Owner: whether transfers are being counted. Its lanes' threads poll eagerly while on, and
    sleep `thread_sleep_ns` x 50 per empty poll while off (1 ms by default: an idle decoder
-   costs no core, and a new transfer waits at most that long for its first copy). */
+   costs no core, and a new transfer waits at most that long for its first copy). While on, a
+   lane with a backoff (`idle_max_sleep_ns`, pd_set_idle_backoff) lets that sleep grow as its
+   polls stay empty, as pd_idle does. */
 void pd_set_active(pd_ep *ep, int on) { __atomic_store_n(&ep->active, on, __ATOMIC_RELEASE); }
 
 static void *pd_progress_main(void *arg) {
@@ -32,7 +34,9 @@ static void *pd_progress_main(void *arg) {
             sched_yield();
             continue;
         }
-        int64_t ns = ep->thread_sleep_ns * (__atomic_load_n(&o->active, __ATOMIC_ACQUIRE) ? 1 : 50);
+        int64_t ns = __atomic_load_n(&o->active, __ATOMIC_ACQUIRE)
+            ? pd_backoff_ns(ep->thread_sleep_ns, ep->idle_max_sleep_ns, empty - ep->idle_spins)
+            : ep->thread_sleep_ns * 50;
         struct timespec ts = { ns / 1000000000LL, (long)(ns % 1000000000LL) };
         nanosleep(&ts, NULL);
     }

@@ -18,14 +18,30 @@ int64_t pd_clamp_ns(int64_t ns) { return ns < 0 ? 0 : (ns > 999999999 ? 99999999
    with fewer cores than spinning threads the spinner steals the core from the thread that does
    the work (on shm the TARGET performs the copy, process_vm_readv, inside its poll, while the
    initiator with a full queue only waits): yield at once, and after `idle_spins` empty polls in
-   a row sleep `idle_sleep_ns` per poll, so a long wait costs almost no CPU. */
+   a row sleep `idle_sleep_ns` per poll, so a long wait costs almost no CPU. With a backoff
+   (`idle_max_sleep_ns`) the sleep doubles while polls stay empty: a wait that lasts a whole
+   prefill (a decoder counting writes that come only after each forward pass) then wakes a few
+   thousand times a second instead of tens of thousands, each wake-up a slice of the core the
+   compute needs. Any poll that finds work starts over at the short sleep. */
 void pd_idle(pd_ep *ep, unsigned *empty) {
     if (ep->idle_sleep_ns > 0 && ++*empty > ep->idle_spins) {
-        struct timespec ts = { 0, (long)ep->idle_sleep_ns };
+        int64_t ns = pd_backoff_ns(ep->idle_sleep_ns, ep->idle_max_sleep_ns,
+                                   *empty - ep->idle_spins);
+        struct timespec ts = { 0, (long)ns };
         nanosleep(&ts, NULL);
     } else if (ep->yield_idle) {
         sched_yield();
     }
+}
+
+/* The `sleeps`-th sleep (1-based) of an idle stretch: `base_ns`, doubled every 8 sleeps, at
+   most `max_ns` (no growth when `max_ns` <= `base_ns`). */
+int64_t pd_backoff_ns(int64_t base_ns, int64_t max_ns, unsigned sleeps) {
+    if (max_ns <= base_ns || sleeps == 0) return base_ns;
+    unsigned shift = (sleeps - 1) / 8;
+    if (shift > 20) return max_ns;
+    int64_t ns = base_ns << shift;
+    return ns > max_ns ? max_ns : ns;
 }
 
 void pd_seterr(char *buf, size_t len, const char *call, int ret) {

@@ -33,14 +33,12 @@ import numpy as np
 import zmq
 
 from ..layout import KVLayout, LayoutError
+from ..progress import LAYER_MASK, PASS_SHIFT  # noqa: F401  the progress word's one home
 from ..routes import RouteError, ShardSpec
 from ..wire.channel import check_bind_host
 from ..wire.secret import check_secret
 
 log = logging.getLogger("transfer.messenger")
-
-PASS_SHIFT = 16          # progress word = (pass_id << 16) | layers_done
-LAYER_MASK = (1 << PASS_SHIFT) - 1
 
 
 class MessengerError(RuntimeError):
@@ -68,6 +66,11 @@ class CommonConfig:
     in C slices while writes are due, yielding the core when idle; a positive value polls once
     per loop and sleeps that long instead (gentler on heavily oversubscribed cores, but on
     `tcp;ofi_rxm`/`verbs` the receiver's polling is what moves the bytes, so it is slower).
+    `poll_backoff_s`: while writes are due but polls keep finding nothing (a decoder counting
+    writes that come only after each prefill forward pass, a sender whose peer has not copied
+    yet), the C waits sleep between polls, from `POLL_SLEEP_S` doubling to this; any poll that
+    finds work starts over. Measured on a 2-core box, the decoder's yield-only wait took more
+    CPU than the prefill compute it waited for (docs/benchmark.md). 0: yield only (no sleep).
     """
 
     secret: bytes
@@ -82,6 +85,7 @@ class CommonConfig:
     peer_timeout_s: float = 5.0
     busy_sleep_s: float = 0.0
     idle_sleep_s: float = 0.005  # = MessengerThread.TIMER_S: messages and commands wake it anyway
+    poll_backoff_s: float = 0.0005
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -107,8 +111,11 @@ class CommonConfig:
                              f"{self.buffers_per_layer!r}")
         for name in ("timeout_s", "heartbeat_s", "peer_timeout_s"):
             _positive(name, getattr(self, name))
-        for name in ("busy_sleep_s", "idle_sleep_s"):
+        for name in ("busy_sleep_s", "idle_sleep_s", "poll_backoff_s"):
             _positive(name, getattr(self, name), allow_zero=True)
+        if self.poll_backoff_s >= 0.05:
+            raise ValueError(f"poll_backoff_s: expected less than 0.05 s, got "
+                             f"{self.poll_backoff_s!r}")
         if self.peer_timeout_s <= self.heartbeat_s:
             raise ValueError(f"peer_timeout_s ({self.peer_timeout_s}) must exceed heartbeat_s "
                              f"({self.heartbeat_s})")
@@ -319,6 +326,7 @@ class MessengerThread:
 
     role = "worker"
     TIMER_S = 0.005
+    POLL_SLEEP_S = 20e-6  # first sleep of an empty stretch of polls (see poll_backoff_s)
 
     def __init__(self, config: CommonConfig) -> None:
         self.config = config
@@ -357,6 +365,7 @@ class MessengerThread:
         from ..fabric import Endpoint, FabricError  # validate/plan never need libfabric
 
         cfg = self.config
+        options = {**self.idle_options(), **options}
         if cfg.domain is None:
             return Endpoint(cfg.provider, **options)
         first: FabricError | None = None
@@ -367,6 +376,13 @@ class MessengerThread:
                 first = first or exc
         raise MessengerError(f"domain: cannot open provider {cfg.provider!r} on domain "
                              f"{cfg.domain!r} (nor {cfg.domain + '-rdm'!r}): {first}") from None
+
+    def idle_options(self) -> dict[str, Any]:
+        """Endpoint options for how this messenger's C waits idle (`poll_backoff_s`)."""
+        backoff = self.config.poll_backoff_s
+        if not backoff:
+            return {}
+        return {"idle_sleep_s": min(self.POLL_SLEEP_S, backoff), "idle_max_sleep_s": backoff}
 
     @property
     def fabric_domain(self) -> str:

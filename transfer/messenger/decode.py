@@ -34,7 +34,10 @@ REQUEST is sent, no slot taken) until it answers a heartbeat again. A failed tra
 ABORTING: an ABORT goes to every prefill rank of the instance
 (re-sent until answered), and the destination pages plus the slot's aux row stay quarantined —
 see transfer.slots for when they are released. Only then is the request FAILED and in `failed()`:
-the engine must not free or reuse the pages before that.
+the engine must not free or reuse the pages before that. A prefill instance that was restarted
+listens on new control addresses: `reconnect` moves its channels there, and the new process
+gets this rank's HELLO (with the memory keys it writes with) like any new peer;
+`silent_groups` says which instances to look for (the caller knows where they publish).
 
 Thread contract: `submit`, `cancel`, `release`, `status`, `ready`, `failed`, `aux` are called by
 the engine's thread; they never block on the network. Everything else runs on the messenger
@@ -101,7 +104,11 @@ class DecodeMessenger(MessengerThread):
     The caller keeps every buffer alive until `close()`."""
 
     role = "decode"
-    POLL_SLICE_S = 0.002
+    # longest C wait while writes are due: control messages and timers wait at most this
+    # (commands ring the bell, a completed transfer returns at once). Each return costs a
+    # Python round (~0.2 ms of a loaded core) while a prefill computes for the same request
+    # on the same cores: at 2 ms that was a tenth of a core per decoder
+    POLL_SLICE_S = 0.02
 
     def __init__(self, config: DecodeConfig, kv_buffers: Sequence[Any], layout: str = "HND",
                  aux_buffers: Sequence[Any] = ()) -> None:
@@ -122,6 +129,7 @@ class DecodeMessenger(MessengerThread):
         self._rng = random.Random(config.seed)
         self._states: dict[str, TransferState] = {}
         self._counts: np.ndarray | None = None
+        self._silent: frozenset[int] = frozenset()  # rebuilt by the messenger thread
         self.identity = config.identity("decode")
         self._start()
 
@@ -155,6 +163,26 @@ class DecodeMessenger(MessengerThread):
             self._states[rid] = TransferState(rid, TransferStatus.PENDING)
         self._cmds.append(("submit", _Xfer(rid, tokens.astype(_U32), pages.astype(_U32), peer,
                                            time.monotonic())))
+
+    def reconnect(self, group: int, endpoints: Sequence[str]) -> None:
+        """Prefill instance `group` (a restarted process) listens on `endpoints` now, one per
+        rank as in `DecodeConfig.prefill_endpoints`: its channels move there and every rank of
+        it gets a new HELLO. Transfers to the old process failed when it went silent."""
+        self._check_alive()
+        old = self.config.prefill_endpoints
+        if not 0 <= group < len(old):
+            raise ValueError(f"group: expected 0..{len(old) - 1}, got {group!r}")
+        endpoints = tuple(endpoints)
+        if len(endpoints) != len(old[group]) or not all(
+                isinstance(a, str) and a.startswith("tcp://") for a in endpoints):
+            raise ValueError(f"endpoints: expected {len(old[group])} tcp://host:port "
+                             f"addresses, got {endpoints!r}")
+        self._cmds.append(("reconnect", group, endpoints))
+
+    def silent_groups(self) -> frozenset[int]:
+        """Prefill instances with a rank silent for more than peer_timeout_s (dead, or
+        restarted on new addresses): safe to read from any thread."""
+        return self._silent
 
     def status(self, rid: str) -> TransferState:
         """Any thread: the latest state; `received` is read live from the counters."""
@@ -252,10 +280,11 @@ class DecodeMessenger(MessengerThread):
         self._lanes: list[Any] = []
         self._lane_info: list[dict[str, Any]] = []
         for _ in range(cfg.receive_lanes - 1):
-            lane = self._ep.open_lane()
+            lane = self._ep.open_lane(**self.idle_options())
             self._lanes.append(lane)
             mrs = [lane.lane_region(m) for m in self._kv_mrs]
-            lane.start_progress()
+            lane.start_progress(**({"sleep_s": self.POLL_SLEEP_S}
+                                   if self.config.poll_backoff_s else {}))
             self._lane_info.append({"fabric_name": lane.name,
                                     "regions": [m.descriptor().to_dict() for m in mrs]})
         self._aux_mrs = [self._ep.register(*_addr_len(a)) for a in self._aux_objs]
@@ -267,7 +296,7 @@ class DecodeMessenger(MessengerThread):
         self._ep.watch_targets(self._slots.expected)
         self._counts = self._ep.recv_counts
         self._stale = 0
-        codec = Envelope(cfg.secret, self.identity, MESSENGER)
+        codec = self._codec = Envelope(cfg.secret, self.identity, MESSENGER)
         lay = self.layout
         self._facts = facts(prefill=_spec_dict(cfg.peer_spec), decode=_spec_dict(cfg.spec),
                             layout=lay.to_dict(), num_layers=self.num_layers,
@@ -387,6 +416,18 @@ class DecodeMessenger(MessengerThread):
                 self._waiting.remove(w)
                 self._set(w, TransferStatus.FAILED, reason)
 
+    def _cmd_reconnect(self, g: int, endpoints: tuple[str, ...]) -> None:
+        assert self._ctx is not None
+        for ch in self._chans[g]:
+            self._poller.unregister(ch.sock)
+            ch.close()
+        self._chans[g] = [Channel.connect(self._ctx, self._codec, a) for a in endpoints]
+        for r, ch in enumerate(self._chans[g]):
+            self._poller.register(ch.sock, zmq.POLLIN)
+            self._peer_ok[(g, r)] = None  # the new process answers a new HELLO only
+            ch.send("HELLO", self._hello, session=b"")
+        log.info("prefill %d: reconnecting to %s", g, ", ".join(endpoints))
+
     def _cmd_release(self, rid: str, slot: int) -> None:
         x = self._xfers.pop(rid, None)
         if x is not None and slot >= 0 and self._by_slot.get(slot) is x:
@@ -431,11 +472,11 @@ class DecodeMessenger(MessengerThread):
         per_rank = [0] * src.attn_tp
         for s in slices:
             per_rank[s.src_rank] += self.num_layers * cfg.buffers_per_layer * slice_ops(
-                s, src, dst, layout=lay.kind, page_size=lay.page_size, num_pages=n,
+                s, src, dst, layout=lay.pool, page_size=lay.page_size, num_pages=n,
                 writes_per_op=k)
         aux_rank = slices[0].src_rank
         per_rank[aux_rank] += len(self._aux)
-        x.expected = expected_writes(slices, src, dst, layout=lay.kind, page_size=lay.page_size,
+        x.expected = expected_writes(slices, src, dst, layout=lay.pool, page_size=lay.page_size,
                                      num_pages=n, num_layers=self.num_layers,
                                      buffers_per_layer=cfg.buffers_per_layer,
                                      aux_writes=len(self._aux), writes_per_op=k)
@@ -469,6 +510,7 @@ class DecodeMessenger(MessengerThread):
         now = time.monotonic()
         if self._clock.heard((g, r), now):
             log.info("prefill %d rank %d is answering again", g, r)
+            self._silent = frozenset(g for g, _ in self._clock.dead)
         if msg.type == "HELLO":
             self._on_hello(g, r, msg.body)
             return
@@ -542,6 +584,7 @@ class DecodeMessenger(MessengerThread):
                         ch.send("PING", {})
         for peer in self._clock.newly_dead(now):
             g, r = peer
+            self._silent = frozenset(g for g, _ in self._clock.dead)
             self._peer_ok[peer] = None  # a restarted prefill rank only answers a new HELLO
             # the peer's lease (it stops writing when it misses our pings) ends one more
             # peer_timeout after it last answered; after that its writes can no longer land

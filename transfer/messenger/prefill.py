@@ -189,8 +189,12 @@ class PrefillMessenger(MessengerThread):
     writes; pass `progress` to share one with other code, else one is allocated."""
 
     role = "prefill"
-    POLL_SLICE_S = 0.0002
-    WAIT_SLICE_S = 0.001   # longest wait for the engine before control messages are read
+    # longest C wait for the engine (or for writes in flight) before control messages are
+    # read: the timer period. Each return is a Python round that takes the GIL from the engine
+    # thread between two of its torch ops; at 1 ms that was a thousand rounds a second of
+    # prefill compute. A REQUEST arriving meanwhile waits at most this, about one forward pass
+    # of the engine that would take it.
+    WAIT_SLICE_S = MessengerThread.TIMER_S
 
     def __init__(self, config: PrefillConfig, kv_buffers: Sequence[Any], layout: str = "HND",
                  aux_buffers: Sequence[Any] = (), progress: np.ndarray | None = None) -> None:
@@ -398,10 +402,13 @@ class PrefillMessenger(MessengerThread):
 
     def _step(self) -> bool:
         waiting = bool(self._reqs or self._passes) and not self.config.busy_sleep_s
-        if waiting and self._ep.inflight:
-            # writes in flight: poll in C for a short slice (GIL released, yields when idle);
-            # short enough that a bumped progress word is picked up at once
-            self._ep.wait_idle(timeout=self.POLL_SLICE_S)
+        if waiting and self._ep.inflight and not self._cmds:
+            # writes in flight: poll in C (GIL released, idling by poll_backoff_s) until they
+            # all completed, the progress word moved or a command came; before, 0.2 ms slices
+            # of wait_idle came back to Python (and the GIL) 5,000 times a second while the
+            # engine computed its next pass
+            self._ep.wait_idle_or_change(self.progress, self._word_seen, self._cmds.bell,
+                                         self._bell_seen, timeout=self.WAIT_SLICE_S)
         elif waiting and not self._cmds:
             # nothing in flight, the engine is computing (next layer, pass or finish): wait in
             # C for the progress word or a command, sleeping between polls. A Python loop of
@@ -597,7 +604,7 @@ class PrefillMessenger(MessengerThread):
         per = [0] * src.attn_tp
         for s in slices:
             per[s.src_rank] += self.num_layers * cfg.buffers_per_layer * slice_ops(
-                s, src, dst, layout=lay.kind, page_size=lay.page_size, num_pages=n,
+                s, src, dst, layout=lay.pool, page_size=lay.page_size, num_pages=n,
                 writes_per_op=b["writes_per_op"])
         per[b["aux_rank"]] += len(self._aux)
         if per != b["expected"]:
@@ -675,12 +682,12 @@ class PrefillMessenger(MessengerThread):
         src, dst, per_op = cfg.spec, cfg.peer_spec, p["writes_per_op"]
         for s in slices:
             so, do, ln = write_plan(self.layout, dlay, src_pages, dpages, s)
-            k = writes_per_page(s, src, dst, self.layout.kind, self.layout.page_size)
+            k = writes_per_page(s, src, dst, self.layout.pool, self.layout.page_size)
             if len(ln) != k * len(src_pages):
                 raise ValueError(f"write plan of {len(ln)} writes, routes say {k} per page")
             plans.append(_Plan(so, do, ln, k, np.zeros(self.num_layers, dtype=np.int64)))
             count += self.num_layers * cfg.buffers_per_layer * slice_ops(
-                s, src, dst, layout=self.layout.kind, page_size=self.layout.page_size,
+                s, src, dst, layout=self.layout.pool, page_size=self.layout.page_size,
                 num_pages=len(src_pages), writes_per_op=per_op)
         count += len(self._aux) if send_aux else 0
         if count != p["expected"][me]:

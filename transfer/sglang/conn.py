@@ -6,7 +6,10 @@ its mooncake and nixl backends do, so bootstrap (HTTP registry), rank mapping ac
 heartbeats, timeouts and failure bookkeeping stay SGLang's own code.
 
 Data plane (pdtool's messenger rules, docs/messenger.md; `prefill_plane.py`, `decode_plane.py`):
-  * every KV/aux buffer of a rank is registered once with one libfabric `Endpoint`;
+  * a rank opens one libfabric `Endpoint` per NIC beside its GPU (`rails.py`, the plan's
+    GPU->NIC map in PDTOOL_NICS) and registers every KV/aux buffer on each; the decode's
+    further endpoints count into its first one's slots, the prefill stripes its operations
+    over its endpoints by bytes in flight (each operation counted once, whichever NIC);
   * registration: each decode rank sends REG to the prefill ranks it reads from; each answers
     PEER with the KV head count (SGLang's decode never gets it) and how many consecutive page
     writes it groups into one RMA operation (the smaller iov limit of the two endpoints);
@@ -44,7 +47,8 @@ Configuration (environment of every SGLang worker; the pdtool launcher sets them
   PDTOOL_FI_PROVIDER   libfabric provider (default `tcp;ofi_rxm`; `shm` on one host, `efa`,
                        `verbs;ofi_rxm` on clusters)
   PDTOOL_FI_DOMAIN     libfabric domain (NIC) of this process's ranks, or
-  PDTOOL_NICS          JSON {gpu id: "nic,..."}: each rank takes its GPU's first NIC
+  PDTOOL_NICS          JSON {gpu id: "nic,..."}: each rank opens an endpoint on every NIC of
+                       its GPU (`transfer.sglang.rails`; with tcp an entry may be an address)
   PDTOOL_SECRET_FILE   path of the per-deployment secret (hex, mode 0600, written at render
                        time); control frames are HMAC-SHA256 signed with it. The secret itself
                        never travels in the environment (other users' `ps e`/`/proc` cannot
@@ -61,7 +65,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -86,6 +90,8 @@ from transfer.layout import KVLayout, LayoutError
 from transfer.routes import RouteError, ShardSpec, Slice
 from transfer.sglang.decode_plane import DecodePlane
 from transfer.sglang.prefill_plane import PrefillPlane
+from transfer.sglang.rails import RailError, Rails, rail_specs
+from transfer.sglang.sources import dummy_flags
 from transfer.sglang.staging_plane import (
     BOUNCE_BUFFERS,
     DecodeLanding,
@@ -141,11 +147,38 @@ class DecodePeer:
     aux_regions: list[fabric.RemoteRegion]
     aux_item_lens: list[int]
     identity: tuple[Any, ...] = ()  # (ip, GPU, TP size, TP rank): kept by a restarted rank
+    # every endpoint (NIC) of the decode rank, the one above first: (name, kv, aux regions)
+    rails: list[RemoteRail] = field(default_factory=list)
     per_op: int = 1  # page writes grouped into one operation (smaller iov limit of both)
     slice: Slice | None = None  # what this prefill rank sends it (None: another rank does)
     sends_aux: bool = False
     error: str | None = None  # why requests from this peer cannot be served
-    fi_addr: int | None = None
+    # (local rail, remote rail) -> fi_addr on that local rail's endpoint (inserted lazily)
+    addrs: dict[tuple[int, int], int] = field(default_factory=dict)
+    _twin_index: dict[Any, tuple[str, int]] = field(default_factory=dict)
+
+    def remote_twin(self, region: fabric.RemoteRegion, rail: int) -> fabric.RemoteRegion | None:
+        """`region` (as registered on the decode's first endpoint) on its endpoint `rail`;
+        None for memory it advertised on its first endpoint only."""
+        if rail == 0:
+            return region
+        if not self._twin_index:
+            self._twin_index = {r: ("kv", i) for i, r in enumerate(self.kv_regions)}
+            self._twin_index.update({r: ("aux", i) for i, r in enumerate(self.aux_regions)})
+        where = self._twin_index.get(region)
+        if where is None or rail >= len(self.rails):
+            return None
+        kind, i = where
+        return (self.rails[rail].kv if kind == "kv" else self.rails[rail].aux)[i]
+
+
+@dataclass(frozen=True)
+class RemoteRail:
+    """One endpoint (NIC) of a decode rank: its fabric name and its keys for the same memory."""
+
+    fabric_name: bytes
+    kv: list[fabric.RemoteRegion]
+    aux: list[fabric.RemoteRegion]
 
 
 @dataclass
@@ -226,14 +259,16 @@ class PdtoolKVManager(CommonKVManager):
                                          "(SGLang's prefill scheduler sets them)")
             self.kv_layouts = sglang_buffer_layouts(args.kv_data_lens, args.kv_item_lens,
                                                     self.heads_local, args.page_size)
-        # direct: SGLang's pools are registered (CUDA memory: on an FI_HMEM endpoint); staged:
-        # KV goes through registered host bounce/landing buffers (transfer.gpu_memory, as the
-        # worker decided it)
+        # direct: SGLang's pools are registered (CUDA memory: on FI_HMEM endpoints); staged:
+        # KV goes through registered host bounce/landing buffers on the primary endpoint
+        # (transfer.gpu_memory, as the worker decided it)
         self.kv_device = self._kv_device()
         self.kv_path = kv_path(self.kv_device.type, workerenv.provider(DEFAULT_PROVIDER),
                                self._probe_hmem)
-        self.ep = self._open_endpoint(
+        self.rails = self._open_rails(
+            disaggregation_mode == DisaggregationMode.DECODE,
             hmem=self.kv_path == "direct" and self.kv_device.type == "cuda")
+        self.ep = self.rails.primary  # the decode's slot table lives here
         # one signed envelope per manager (its session); no secret: the manager refuses to start
         self.frames = Frames(_secret(), f"{disaggregation_mode.value}-{self.peer_key}")
         self.compat = compat_hash(wire_facts(
@@ -242,10 +277,10 @@ class PdtoolKVManager(CommonKVManager):
         iface, device = self._memory_iface()
         try:
             self.kv_mrs = [] if self.kv_path == "staged" else \
-                [self.ep.register(p, n, iface=iface, device=device)
+                [self.rails.register(p, n, iface=iface, device=device)
                  for p, n in zip(args.kv_data_ptrs, args.kv_data_lens, strict=True)]
             # SGLang keeps metadata (aux) buffers in host memory (MetadataBuffers, device "cpu")
-            self.aux_mrs = [self.ep.register(p, n)
+            self.aux_mrs = [self.rails.register(p, n)
                             for p, n in zip(args.aux_data_ptrs, args.aux_data_lens, strict=True)]
         except NotImplementedError as exc:
             raise PdtoolBackendError(
@@ -262,7 +297,7 @@ class PdtoolKVManager(CommonKVManager):
             self.staging = PrefillStaging(self, self.ep, tags, path=self.kv_path,
                                           device=self.kv_device)
             self.plane = PrefillPlane(self, self.ep, tags, timeout, stuck_s=timeout,
-                                      staging=self.staging)
+                                      staging=self.staging, rails=self.rails)
             # frames to decode ranks go out from their own thread: SGLang's PUSH sockets wait
             # up to 30 s for a dead peer, which must stall neither writes nor control frames
             self._outbox: queue.SimpleQueue[tuple[str, int, list[bytes]] | None] = \
@@ -282,7 +317,9 @@ class PdtoolKVManager(CommonKVManager):
             self._geo_lock = threading.Lock()
             self.landing = DecodeLanding(self, path=self.kv_path, device=self.kv_device,
                                          slices=self._landed_slices, done=self._on_landed)
-            self.plane = DecodePlane(self.ep, self._on_counted, self._die)
+            self.rails.start_lanes()  # further NICs: their own C threads, counting into ep
+            self.plane = DecodePlane(self.ep, self._on_counted, self._die,
+                                     lanes=len(self.rails) > 1)
             self._threads = [threading.Thread(target=self._guard(self._decode_control_loop),
                                               name="pdtool-decode-control", daemon=True)]
             self._start_heartbeat_checker_thread()
@@ -304,44 +341,32 @@ class PdtoolKVManager(CommonKVManager):
         if envs.SGLANG_DISAGG_STAGING_BUFFER.get():
             bad.append("SGLANG_DISAGG_STAGING_BUFFER")
         if getattr(args, "num_draft_entries", 0):
-            bad.append("draft-model KV (speculative decoding)")
+            bad.append("draft-model KV (--speculative-algorithm with a draft KV pool: EAGLE/"
+                       "NEXTN, EAGLE3, STANDALONE, DFLASH, DSPARK; NGRAM, UNO and "
+                       "FROZEN_KV_MTP need none)")
         if bad:
             raise PdtoolBackendError(
                 "--disaggregation-transfer-backend pdtool does not support: " + "; ".join(bad)
                 + ". Use mooncake or nixl for these deployments."
             )
 
-    def _nic(self) -> str | None:
-        """This rank's NIC: PDTOOL_FI_DOMAIN, else its GPU's first entry of PDTOOL_NICS."""
+    def _open_rails(self, receive: bool, hmem: bool = False) -> Rails:
+        """One endpoint per NIC of this rank's GPU (PDTOOL_NICS, else PDTOOL_FI_DOMAIN, else
+        the provider's default). libfabric names domains after the device, EFA's RDM domain
+        with a `-rdm` suffix; a first NIC that matches no domain falls back to the provider's
+        default with a warning (it works, only slower when it is the wrong one), a further
+        one is left out with a warning. `receive`: the decode's further endpoints count into
+        the first one's slots (`Rails`)."""
+        provider = workerenv.provider(DEFAULT_PROVIDER)
         try:
-            return workerenv.domain_for(self.kv_args.gpu_id)
+            nics = workerenv.nics_for(self.kv_args.gpu_id)
         except workerenv.WorkerEnvError as exc:
             raise PdtoolBackendError(str(exc)) from None
-
-    def _open_endpoint(self, hmem: bool = False) -> fabric.Endpoint:
-        """Open the rank's endpoint on its NIC. libfabric names domains after the device, but
-        EFA's RDM domain carries a `-rdm` suffix; if no domain matches, the provider's default
-        NIC is used with a warning (it works, only slower when it is the wrong one)."""
-        provider = workerenv.provider(DEFAULT_PROVIDER)
-        node = self.local_ip if provider.startswith(("tcp", "sockets")) else None
-        nic = self._nic()
-        tried: list[str | None] = [nic, f"{nic}-rdm", None] if nic and provider != "shm" \
-            else [None]  # shm has one domain per host
-        for domain in tried:
-            try:
-                ep = fabric.Endpoint(provider, domain=domain, node=node, max_slots=MAX_SLOTS,
-                                     hmem=hmem)
-            except fabric.FabricError as exc:
-                if domain is None:
-                    raise PdtoolBackendError(
-                        f"cannot open a libfabric {provider!r} endpoint (PDTOOL_FI_PROVIDER): "
-                        f"{exc}") from exc
-                continue
-            if nic and provider != "shm" and domain is None:
-                logger.warning("pdtool: no libfabric domain %r (or %r) for provider %s; using "
-                               "%s", nic, f"{nic}-rdm", provider, ep.domain)
-            return ep
-        raise AssertionError("unreachable")  # pragma: no cover
+        try:
+            return Rails.open(provider, rail_specs(provider, nics, self.local_ip), MAX_SLOTS,
+                              receive=receive, hmem=hmem)
+        except RailError as exc:
+            raise PdtoolBackendError(str(exc)) from exc
 
     def _kv_device(self) -> Any:
         import torch
@@ -352,8 +377,9 @@ class PdtoolKVManager(CommonKVManager):
 
     def _probe_hmem(self) -> tuple[bool, str]:
         """`transfer.gpu_memory=auto` without the worker's answer: ask this libfabric."""
+        nics = workerenv.nics_for(self.kv_args.gpu_id)
         return fabric.gpu_direct_support(workerenv.provider(DEFAULT_PROVIDER),
-                                         domain=self._nic())
+                                         domain=nics[0] if nics else None)
 
     def _memory_iface(self) -> tuple[str, int]:
         if self.kv_device.type == "cuda":
@@ -391,9 +417,10 @@ class PdtoolKVManager(CommonKVManager):
                                **self.plane.stats()}
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
             out["peers"] = len(self.peers)
-            out["av_entries"] = len(self.ep._peers)
+            out["av_entries"] = sum(len(ep._peers) for ep in self.rails.eps)
         else:
             out.update(self.landing.stats())
+        out["rail_writes"] = self.rails.remote_writes()
         return out
 
     # -- decode -> prefill frames (called by CommonKVReceiver) ------------------------------
@@ -407,13 +434,19 @@ class PdtoolKVManager(CommonKVManager):
             "port": self.rank_port,
             "fabric_name": self.ep.name, "provider": self.ep.provider,
             "tp_size": self.attn_tp_size, "tp_rank": self.kv_args.engine_rank % self.attn_tp_size,
-            "gpu": int(self.kv_args.gpu_id or 0), "iov_limit": self.ep.iov_limit,
+            "gpu": int(self.kv_args.gpu_id or 0), "iov_limit": self.rails.iov_limit,
             "is_mla": self.is_mla, "page_size": self.kv_args.page_size,
             "kv": [mr.descriptor().to_dict() for mr in self.kv_mrs],
             "kv_data_lens": list(self.kv_args.kv_data_lens),
             "kv_item_lens": list(self.kv_args.kv_item_lens),
             "aux": [mr.descriptor().to_dict() for mr in self.aux_mrs],
             "aux_item_lens": list(self.kv_args.aux_item_lens),
+            "rails": [{"fabric_name": ep.name,
+                       "kv": [self.rails.twin(mr, i).descriptor().to_dict()
+                              for mr in self.kv_mrs],
+                       "aux": [self.rails.twin(mr, i).descriptor().to_dict()
+                               for mr in self.aux_mrs]}
+                      for i, ep in enumerate(self.rails.eps) if i],
         })
 
     def build_receiver_metadata_message(self, *, bootstrap_room: int, required_dst_info_num: int,
@@ -470,6 +503,10 @@ class PdtoolKVManager(CommonKVManager):
             aux_item_lens=list(b["aux_item_lens"]),
             identity=(b["ip"], int(b["gpu"]), int(b["tp_size"]), int(b["tp_rank"])),
         )
+        peer.rails = [RemoteRail(peer.fabric_name, peer.kv_regions, peer.aux_regions)] + [
+            RemoteRail(r["fabric_name"], [fabric.RemoteRegion.from_dict(d) for d in r["kv"]],
+                       [fabric.RemoteRegion.from_dict(d) for d in r["aux"]])
+            for r in b["rails"]]
         try:
             self._match_peer(peer, b)
         except (PdtoolBackendError, LayoutError, RouteError) as exc:
@@ -477,8 +514,9 @@ class PdtoolKVManager(CommonKVManager):
             logger.error("pdtool: %s", peer.error)
         with self.room_lock:
             old = self.peers.get(peer.key)
-            if old is not None and old.fabric_name == peer.fabric_name:
-                peer.fi_addr = old.fi_addr
+            if old is not None and [r.fabric_name for r in old.rails] == \
+                    [r.fabric_name for r in peer.rails]:
+                peer.addrs = old.addrs
             elif old is not None:
                 self._retired.append(old)
             # a decode rank that restarted registers from a new port with the same GPU and TP
@@ -551,12 +589,19 @@ class PdtoolKVManager(CommonKVManager):
         peer.kv_layouts = sglang_buffer_layouts(b["kv_data_lens"], b["kv_item_lens"], heads, page)
         for mine, theirs in zip(self.kv_layouts, peer.kv_layouts, strict=True):
             mine.check_peer(theirs)
-        peer.per_op = max(1, min(self.ep.iov_limit, int(b["iov_limit"])))
+        for i, r in enumerate(peer.rails):
+            if len(r.kv) != len(peer.kv_regions) or len(r.aux) != len(peer.aux_regions) or \
+                    [x.length for x in r.kv + r.aux] != \
+                    [x.length for x in peer.kv_regions + peer.aux_regions]:
+                raise PdtoolBackendError(f"HELLO.rails[{i - 1}]: its regions are not the same "
+                                         f"memory as the first endpoint's")
+        peer.per_op = max(1, min(self.rails.iov_limit, int(b["iov_limit"])))
         slices = sglang_slices(self.is_mla, self.total_kv_heads, self.attn_tp_size,
                                peer.tp_size, peer.tp_rank)
         my_rank = self.kv_args.engine_rank % self.attn_tp_size
         if self.is_mla:
-            # SGLang picks the real MLA source (META is_dummy); any replica holds the latent.
+            # the decode draws the real MLA source per request (META is_dummy, sources.py);
+            # any replica holds the latent.
             peer.slice = slices[0]
             peer.sends_aux = True
         else:
@@ -663,13 +708,15 @@ class PdtoolKVManager(CommonKVManager):
             return
         with self.room_lock:  # the control thread adds peers under it
             retired, self._retired = self._retired, []
-            live = {p.fi_addr for p in self.peers.values()}
+            live = {(i, a) for p in self.peers.values() for (i, _), a in p.addrs.items()}
         for peer in retired:
             if self.plane.peer_busy(peer.key):
                 with self.room_lock:
                     self._retired.append(peer)
-            elif peer.fi_addr is not None and peer.fi_addr not in live:
-                self.ep.remove_peer(peer.fi_addr)
+                continue
+            for (i, _), addr in peer.addrs.items():
+                if (i, addr) not in live:
+                    self.rails.eps[i].remove_peer(addr)
 
     # -- decode: slots and completion counting ----------------------------------------------
     def arm(self, room: int, prefill_key: str, prefill_tp: int, num_pages: int,
@@ -792,7 +839,7 @@ class PdtoolKVManager(CommonKVManager):
                 if t.name == "pdtool-prefill-writer":
                     t.join(timeout=5)
             self.staging.close()
-        self.ep.close()
+        self.rails.close()
 
 
 class PdtoolKVSender(CommonKVSender):
@@ -859,7 +906,10 @@ class PdtoolKVReceiver(CommonKVReceiver):
     def _arm_and_send(self, kv_indices: npt.NDArray[np.int32], aux_index: int | None,
                       decode_prefix_len: int | None, blocks: tuple[int, ...] | None) -> None:
         mgr: PdtoolKVManager = self.kv_mgr  # type: ignore[assignment]
-        real = [i for i in self.bootstrap_infos if not i["is_dummy"]] or self.bootstrap_infos
+        # MLA: the sending replica is drawn per request (sources.py), not SGLang's fixed one
+        dummies = dummy_flags(self.bootstrap_infos, mgr.is_mla)
+        real = [i for i, d in zip(self.bootstrap_infos, dummies, strict=True) if not d] \
+            or self.bootstrap_infos
         prefill_key = f"{real[0]['rank_ip']}:{real[0]['rank_port']}"
         try:
             self.slot, gen = mgr.arm(self.bootstrap_room, prefill_key,
@@ -874,12 +924,12 @@ class PdtoolKVReceiver(CommonKVReceiver):
             mgr.landing.hold(Landing(self.bootstrap_room, blocks,
                                      np.asarray(kv_indices, dtype=np.int64), prefill_key,
                                      self.prefill_info.attn_tp_size, self.slot))
-        for info in self.bootstrap_infos:
+        for info, dummy in zip(self.bootstrap_infos, dummies, strict=True):
             frame = mgr.build_receiver_metadata_message(
                 bootstrap_room=self.bootstrap_room,
                 required_dst_info_num=self.required_dst_info_num,
                 kv_indices=kv_indices, aux_index=aux_index, state_indices=None,
-                decode_prefix_len=decode_prefix_len, is_dummy=info["is_dummy"],
+                decode_prefix_len=decode_prefix_len, is_dummy=dummy,
                 slot=self.slot, gen=gen, landing_blocks=blocks,
             )
             if not self._send_bootstrap_message(bootstrap_info=info, message=frame,

@@ -12,6 +12,12 @@ touch the endpoint, whose lock the progress thread holds while it polls. Handing
 without the endpoint lock is safe because a released slot already carries the generation its
 next owner gets (`SlotTable.release`): nothing can count into it before its META is sent.
 
+Several NICs (`rails.py`): the rank's further endpoints are receive lanes of `ep`
+(`Endpoint.share_counts`), each drained by its own C thread and counting into the same slots,
+so a slot completes (and wakes this thread's C wait) whichever NIC carried its operations.
+This thread tells them when transfers are being counted (`set_active`): they poll eagerly
+then and sleep between polls otherwise.
+
 A slot may be armed before its count is known (the prefill instance has not answered the
 registration yet, see conn.py `KIND_PEER`): it counts from the start and completes once
 `set_expected` gives the number.
@@ -39,8 +45,10 @@ class DecodePlane:
     called from the progress thread: reason None = every expected write landed."""
 
     def __init__(self, ep, on_done: Callable[[int, str | None], None],
-                 on_death: Callable[[str], None]) -> None:
+                 on_death: Callable[[str], None], lanes: bool = False) -> None:
         self.ep = ep
+        self._lanes = lanes
+        self._active = False
         self.slots = SlotTable(ep.max_slots, ep.recv_counts, ep.recv_gen)
         ep.watch_targets(self.slots.expected)
         self._on_done = on_done
@@ -98,7 +106,11 @@ class DecodePlane:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                if self.slots.first_active() >= 0:
+                active = self.slots.first_active() >= 0
+                if self._lanes and active != self._active:
+                    self.ep.set_active(active)
+                    self._active = active
+                if active:
                     self.ep.wait_complete(self._bell.bell, int(self._bell.bell[0]), POLL_SLICE_S)
                 else:
                     self.ep.poll()  # late writes of finished slots still need progress

@@ -16,6 +16,14 @@ them on that rank's `PeerQueue`. Then, round-robin over the peers with work:
   a group holds those writes back until the next chunk: the decoder's count never depends on
   how the prompt was chunked.
 
+Several NICs (`rails.py`): a rank may have one endpoint per NIC and the decode rank too. Each
+submission (a slice of one batch, at most `STRIPE_BYTES` when there are several paths) goes to
+the (local rail, remote endpoint) path whose local endpoint has the fewest bytes in flight,
+ties in turn; its writes use that rail's registration of the same memory and the decode
+endpoint's keys for it. The decoder's endpoints count into one slot table, so an operation is
+counted once whichever NIC carried it and the expected count is unchanged. A tag's local
+completions are the sum of its `send_done` over the rails.
+
 Accounting: every (room, decode rank) has one fabric tag. An operation is settled when its
 local completion counts `send_done[tag]` or its completion error arrives (`Endpoint.errors`,
 one entry per failed operation). Before, a failed operation was never counted, so its room,
@@ -46,6 +54,7 @@ logger = logging.getLogger(__name__)
 PEER_BUDGET_BYTES = fabric.DEFAULT_MAX_INFLIGHT_BYTES // 4
 SUBMIT_SLICE_S = 0.002
 IDLE_WAIT_S = 0.05
+STRIPE_BYTES = 1 << 20  # largest slice one path takes at a time when a peer has several
 
 
 @dataclass
@@ -55,7 +64,7 @@ class Send:
     room: int
     peer: str
     tag: int
-    base: int                 # send_done[tag] when the tag was taken
+    base: int                 # send_done[tag] (summed over the rails) when the tag was taken
     imm: int
     per_op: int
     issued: int = 0           # operations submitted (what the decoder counts)
@@ -110,10 +119,15 @@ class PrefillPlane:
     `put`, `stats` and the room lock callers). `mgr` is the PdtoolKVManager."""
 
     def __init__(self, mgr: Any, ep: fabric.Endpoint, max_tags: int, send_timeout_s: float,
-                 stuck_s: float, staging: Any) -> None:
+                 stuck_s: float, staging: Any, rails: Any = None) -> None:
+        from transfer.sglang.rails import Rails
+
         self.mgr = mgr
         self.ep = ep
         self.staging = staging  # staging_plane.PrefillStaging: packed slices, bounce buffers
+        self.rails: Rails = rails if rails is not None else Rails([ep], ["default"])
+        self.rail_ops = [0] * len(self.rails)  # operations each local rail carried
+        self.sends_written = 0  # (room, decode rank) sends that issued an operation
         self.chunks: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.free_tags = deque(range(max_tags))
         self.max_tags = max_tags
@@ -124,6 +138,7 @@ class PrefillPlane:
         self.stuck_s = stuck_s
         self.leaked_tags = 0
         self._rr = 0
+        self._path_rr = 0
 
     # -- writer thread: intake ----------------------------------------------------------------
     def take(self, chunk: Any) -> None:
@@ -166,7 +181,7 @@ class PrefillPlane:
             if not self.free_tags:
                 raise RuntimeError(f"more than {self.max_tags} transfers in flight")
             tag = self.free_tags.popleft()
-            s = Send(rs.room, peer.key, tag, int(self.ep.send_done[tag]),
+            s = Send(rs.room, peer.key, tag, self.rails.send_done(tag),
                      fabric.encode_imm(target.slot, target.gen), peer.per_op)
             rs.sends[peer.key] = s
             self.sends[tag] = s
@@ -183,8 +198,7 @@ class PrefillPlane:
             # the decoder counts writes for every page it allocated: fail now, not at timeout
             raise ValueError(f"prefill sends {sent} pages but decode {t.peer} allocated "
                              f"{len(t.kv_indices)}; it would never complete")
-        if peer.fi_addr is None:
-            peer.fi_addr = self.ep.insert_peer(peer.fabric_name)
+        fi_addr = self._addr(peer, (0, 0))
         s = self._send_of(rs, peer, t)
         q = self.queues[peer.key]
         if peer.slice is not None and (len(kv) or chunk.is_last):
@@ -199,20 +213,54 @@ class PrefillPlane:
                 n = len(ln) if chunk.is_last else sendable(0, len(ln), len(ln) + 1, s.per_op)
                 if n < len(ln):
                     s.tails[i] = (so[n:], do[n:], ln[n:])
-                if n and gather:
-                    self._queue(q, self.staging.batch(s, peer.fi_addr, i, region, peer,
+                if n and gather:  # bounce buffers are registered on the primary rail only
+                    self._queue(q, self.staging.batch(s, fi_addr, i, region, peer,
                                                       (so[:n], do[:n], ln[:n])))
                 elif n:
-                    self._queue(q, Batch(s, peer.fi_addr, mgr.kv_mrs[i], region, so[:n],
-                                         do[:n], ln[:n]))
+                    self._queue(q, Batch(s, fi_addr, mgr.kv_mrs[i], region, so[:n], do[:n],
+                                         ln[:n]))
         if chunk.is_last and peer.sends_aux and chunk.aux_index is not None \
                 and t.aux_index is not None:
             one = np.ones(1, dtype=np.uint64)
             for mr, region, ilen in zip(mgr.aux_mrs, peer.aux_regions, peer.aux_item_lens,
                                         strict=True):
-                b = Batch(s, peer.fi_addr, mr, region, one * (chunk.aux_index * ilen),
+                b = Batch(s, fi_addr, mr, region, one * (chunk.aux_index * ilen),
                           one * (t.aux_index * ilen), one * ilen)
                 self._queue(q, b)
+
+    def _addr(self, peer: Any, path: tuple[int, int]) -> int:
+        """fi_addr of the decode's endpoint path[1] on local rail path[0] (inserted once)."""
+        addr = peer.addrs.get(path)
+        if addr is None:
+            i, j = path
+            addr = peer.addrs[path] = self.rails.eps[i].insert_peer(peer.rails[j].fabric_name)
+        return addr
+
+    def _paths(self, peer: Any) -> list[tuple[int, int]]:
+        m, n = len(self.rails), max(1, len(peer.rails))
+        return [(k % m, k % n) for k in range(max(m, n))]
+
+    def _route(self, b: Batch) -> tuple[int, fabric.Endpoint, int, Any, fabric.RemoteRegion]:
+        """The path for the next slice of `b`: the fewest bytes in flight on its local rail,
+        ties in turn; only paths where both sides registered the batch's memory."""
+        peer = self.mgr.peers.get(b.send.peer)
+        if peer is None or (len(self.rails) == 1 and len(peer.rails) <= 1):
+            return 0, self.ep, b.fi_addr, b.mr, b.region
+        paths = self._paths(peer)
+        best = None
+        for turn in range(len(paths)):
+            i, j = paths[(self._path_rr + turn) % len(paths)]
+            mr, region = self.rails.twin(b.mr, i), peer.remote_twin(b.region, j)
+            if mr is None or region is None:
+                continue
+            load = self.rails.eps[i].inflight_bytes
+            if best is None or load < best[0]:
+                best = (load, i, j, mr, region)
+        if best is None:
+            return 0, self.ep, b.fi_addr, b.mr, b.region
+        _, i, j, mr, region = best
+        self._path_rr += 1
+        return i, self.rails.eps[i], self._addr(peer, (i, j)), mr, region
 
     @staticmethod
     def _with_tail(s: Send, key: Any, plan: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
@@ -236,7 +284,7 @@ class PrefillPlane:
         return total
 
     def completed(self, s: Send) -> int:
-        return int(self.ep.send_done[s.tag]) - s.base + s.errored + s.staged_done
+        return self.rails.send_done(s.tag) - s.base + s.errored + s.staged_done
 
     def submit(self) -> bool:
         """Round-robin over the peers with queued writes; True when something was posted."""
@@ -288,20 +336,28 @@ class PrefillPlane:
             csum = np.cumsum(b.lengths[b.at:], dtype=np.uint64)
             fit = int(np.searchsorted(csum, PEER_BUDGET_BYTES - in_flight, side="right"))
             n = min(n_left, max(k, fit // k * k))
-            a = b.at
+            a, rail = b.at, 0
             try:
-                nops = self.ep.write_batch(b.fi_addr, b.mr, b.region, b.src[a:a + n],
-                                           b.dst[a:a + n], b.lengths[a:a + n], imm=s.imm,
-                                           tag=s.tag, per_op=min(k, n), timeout=SUBMIT_SLICE_S)
+                rail, ep, fi_addr, mr, region = self._route(b)
+                if rail or len(self.rails) > 1:  # a stripe: leave the rest to the next path
+                    stripe = int(np.searchsorted(csum, STRIPE_BYTES, side="right"))
+                    n = min(n, max(k, stripe // k * k))
+                nops = ep.write_batch(fi_addr, mr, region, b.src[a:a + n], b.dst[a:a + n],
+                                      b.lengths[a:a + n], imm=s.imm, tag=s.tag,
+                                      per_op=min(k, n), timeout=SUBMIT_SLICE_S)
                 done, err = n, None
+                self.rail_ops[rail] += nops
             except fabric.FabricError as exc:
                 done = int(getattr(exc, "submitted", 0))
                 nops, err = _ops(done, k), exc
+                self.rail_ops[rail] += nops
             except ValueError as exc:  # a region the decode announced does not fit the write
                 q.batches.popleft()
                 s.queued -= 1
                 self.fail(s.room, f"pdtool write to decode {s.peer} refused: {exc}")
                 continue
+            if nops and not s.issued:
+                self.sends_written += 1
             s.issued += nops
             s.issued_bytes += int(b.lengths[a:a + done].sum())
             b.at += done
@@ -320,7 +376,7 @@ class PrefillPlane:
     # -- writer thread: settling --------------------------------------------------------------
     def settle(self) -> None:
         mgr = self.mgr
-        for tag, errno, message in self.ep.errors:
+        for tag, errno, message in self.rails.errors():
             s = self.staging.failed_write(tag) if self.staging.owns_tag(tag) \
                 else self.sends.get(tag)
             if s is None:
@@ -387,9 +443,10 @@ class PrefillPlane:
     def peer_busy(self, key: str) -> bool:
         return key in self.queues
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         return {"rooms": len(self.rooms), "tags_free": len(self.free_tags),
-                "leaked_tags": self.leaked_tags,
+                "leaked_tags": self.leaked_tags, "rail_ops": list(self.rail_ops),
+                "sends_written": self.sends_written,
                 "queued_batches": sum(len(q.batches) for q in self.queues.values()),
                 **self.staging.stats()}
 
@@ -413,7 +470,7 @@ class PrefillPlane:
             posted = self.submit()
             n = 0
             if self.rooms:
-                n = self.ep.poll()
+                n = self.rails.poll()
                 self.settle()
             if between is not None:
                 between()

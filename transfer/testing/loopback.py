@@ -113,10 +113,10 @@ def _torch_dtype(name: str) -> Any:
 
 
 def _global_layer(s: Scenario, layer: int) -> Any:
-    """[src_pages, heads, parts, page, dim] for one layer buffer (HND, all heads)."""
+    """[src_pages, parts, heads, page, dim] for one layer buffer (HND, all heads)."""
     import torch
     g = torch.Generator().manual_seed(1000 + layer)
-    shape = (s.src_pages, s.num_kv_heads, s.kv_parts, s.page_size, s.head_dim)
+    shape = (s.src_pages, s.kv_parts, s.num_kv_heads, s.page_size, s.head_dim)
     if _torch_dtype(s.dtype).is_floating_point:
         return torch.randn(shape, generator=g).to(_torch_dtype(s.dtype))
     return torch.randint(0, 255, shape, generator=g, dtype=torch.uint8).to(_torch_dtype(s.dtype))
@@ -124,15 +124,15 @@ def _global_layer(s: Scenario, layer: int) -> Any:
 
 def _local(s: Scenario, full: Any, spec: ShardSpec, rank: int) -> Any:
     hs = spec.heads_of(rank)
-    t = full[:, hs.start:hs.stop].contiguous()
-    return t if s.layout == "HND" else t.permute(0, 3, 1, 2, 4).contiguous()
+    t = full[:, :, hs.start:hs.stop].contiguous()
+    return t if s.layout == "HND" else t.permute(0, 3, 2, 1, 4).contiguous()
 
 
 def _split(s: Scenario, t: Any) -> list[Any]:
     """The layer's buffers as views: the fused tensor, or its K and V parts."""
     if not s.split_kv:
         return [t]
-    dim = 2 if s.layout == "HND" else 3
+    dim = 1 if s.layout == "HND" else 3
     return [t.narrow(dim, j, 1) for j in range(t.shape[dim])]
 
 
@@ -338,7 +338,7 @@ def _decode_main(s: Scenario, secret: bytes, rank: int, endpoints: tuple[tuple[s
     src, dst = ShardSpec(s.num_kv_heads, s.prefill_tp), ShardSpec(s.num_kv_heads, s.decode_tp)
     parts = 1 if s.split_kv else s.kv_parts
     heads = dst.heads_per_rank
-    shape = ((s.dst_pages, heads, parts, s.page_size, s.head_dim) if s.layout == "HND"
+    shape = ((s.dst_pages, parts, heads, s.page_size, s.head_dim) if s.layout == "HND"
              else (s.dst_pages, s.page_size, heads, parts, s.head_dim))
     kv = [host_buffer(shape, _torch_dtype(s.dtype))
           for _ in range(s.num_layers * (2 if s.split_kv else 1))]

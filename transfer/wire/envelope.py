@@ -51,7 +51,7 @@ import msgpack
 from .fields import Check, WireError, bytes_field, int_field, map_field, str_field
 from .secret import check_secret
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 HISTORY: dict[int, str] = {
     0: "(no version field) the reference front's {k, b, t, n} frames",
     1: "three codecs with their own version 1: the messenger's {v, type, from, ts, nonce, body} "
@@ -62,6 +62,8 @@ HISTORY: dict[int, str] = {
        "by session ids and sequence numbers (no clock agreement); a HELLO per peer carries the "
        "static fields and a compatibility hash, checked once; REQUEST keeps only per-request "
        "fields",
+    3: "SGLang's HELLO carries `rails`: the decode rank's further endpoints (one per NIC beside "
+       "its GPU), each its fabric name and its keys for the same KV and aux memory",
 }
 DEFAULT_MAX_BYTES = 8 << 20
 SESSION_BYTES = 16

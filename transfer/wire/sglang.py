@@ -6,8 +6,10 @@ prefill's control loop tell pdtool frames from SGLang's ABORT notifications on t
 — and `Frames` seals and opens them (the envelope's `[payload, mac]` behind the tag).
 
   * HELLO (was REG; decode rank -> each prefill rank, once): the decode rank's static data —
-    its endpoint, provider, TP layout, pool geometry, registered KV and aux regions — and the
-    compatibility hash of the facts both sides must share (`facts`).
+    its endpoint, provider, TP layout, pool geometry, registered KV and aux regions, and
+    (`rails`, since version 3) each further endpoint it opened on another NIC with its keys
+    for the same memory — and the compatibility hash of the facts both sides must share
+    (`facts`).
   * PEER (prefill rank -> decode rank, answering HELLO, bound to the decode rank's session):
     the total KV heads and writes per operation the decode rank's counts need, or the reason
     it cannot be served.
@@ -59,6 +61,10 @@ SCHEMAS: dict[str, Check] = {
         "kv": list_field(_REGION, 1 << 14), "kv_data_lens": list_field(int_field(), 1 << 14),
         "kv_item_lens": list_field(int_field(), 1 << 14),
         "aux": list_field(_REGION, 64), "aux_item_lens": list_field(int_field(), 64),
+        # the decode rank's further endpoints, one per NIC: the same memory, its own keys
+        "rails": list_field(map_field({
+            "fabric_name": bytes_field(1024, min_len=1),
+            "kv": list_field(_REGION, 1 << 14), "aux": list_field(_REGION, 64)}), 64),
     }),
     # prefill rank -> decode rank, answering its HELLO (bound to its session): the KV heads
     # and writes per operation its counts need, or why it cannot be served

@@ -1,17 +1,25 @@
 """Paged KV cache in the messenger's page layout (`transfer.layout`), and its page allocator.
 
-One buffer per layer (kv_parts=2: K and V fused per head; 1: MLA latent, one head):
-  * HND ``[num_pages, heads_local, kv_parts, page_size, head_dim]``: the head slice of a page is
-    one contiguous range, one RMA write per (page, layer, source shard);
+One buffer per layer (kv_parts=2: K and V fused; 1: MLA latent, one head):
+  * HND ``[num_pages, kv_parts, heads_local, page_size, head_dim]``: FlashInfer's HND paged
+    cache exactly (``[:, 0]`` keys, ``[:, 1]`` values), what its decode wrapper reads with
+    ``kv_layout="HND"`` on a GPU; a head slice of a page is two runs (K part, V part);
   * NHD ``[num_pages, page_size, heads_local, kv_parts, head_dim]``: heads interleave per token,
-    so a partial head slice is one write per token (transfer.layout, transfer.routes).
+    so a partial head slice is one write per token (transfer.layout, transfer.geometry).
 `buffers` are those tensors (what the messenger registers and writes); `layers` are views of
-the same memory in HND order, which the model indexes whatever the layout.
+the same memory in HND order ``[pages, parts, heads, page_size, dim]``, which the model indexes
+whatever the layout. With ``device="cuda"`` the buffers stay in host memory, page-locked and
+mapped into the GPU, and `layers` are CUDA tensors over the same bytes (`transfer.cudahost`).
+`progress` is the prefill's per-layer progress word (`transfer.progress.ProgressWord`).
 """
 
 from __future__ import annotations
 
+import torch
+
 from transfer.hostmem import host_buffer
+from transfer.layout import KVLayout
+from transfer.progress import ProgressWord
 from transfer.routes import LAYOUTS
 
 from .model import TinyConfig
@@ -53,19 +61,35 @@ class PagedKV:
 
     def __init__(
         self, cfg: TinyConfig, heads_local: int, num_pages: int, page_size: int,
-        layout: str = "HND",
+        layout: str = "HND", device: str = "cpu",
     ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"transfer.layout: expected one of {LAYOUTS}, got {layout!r}")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"cluster.device: expected cpu or cuda, got {device!r}")
+        if device == "cuda" and layout != "HND":
+            raise ValueError("transfer.layout: the GPU path reads FlashInfer's HND pages; "
+                             "set transfer.layout=HND")
+        self.device = device
         self.page_size = page_size
         self.layout = layout
-        hnd = (num_pages, heads_local, cfg.kv_parts, page_size, cfg.cache_dim)
-        self.shape = hnd if layout == "HND" else (hnd[0], hnd[3], hnd[1], hnd[2], hnd[4])
+        itemsize = torch.empty((), dtype=cfg.torch_kv_dtype).element_size()
+        self.shape = KVLayout(layout, num_pages, heads_local, cfg.kv_parts, page_size,
+                              cfg.cache_dim, itemsize).shape
         self.buffers = [
             host_buffer(self.shape, cfg.torch_kv_dtype) for _ in range(cfg.num_layers)
         ]
+        # NHD [pages, tokens, heads, parts, dim] seen as [pages, parts, heads, tokens, dim]
         self.layers = self.buffers if layout == "HND" else [
-            b.permute(0, 2, 3, 1, 4) for b in self.buffers]
+            b.permute(0, 3, 2, 1, 4) for b in self.buffers]
+        # the prefill's per-layer progress word (transfer.progress), polled by its messenger
+        self.progress = ProgressWord()
+        if device == "cuda":
+            # the GPU reads and writes the very pages the messenger registers (mapped pinned
+            # host memory, transfer.cudahost): no staged copy, FlashInfer reads what arrived
+            from transfer.cudahost import device_alias
+
+            self.layers = [device_alias(b) for b in self.buffers]
         self.pages = PageAllocator(num_pages)
 
     def page_bytes(self) -> int:

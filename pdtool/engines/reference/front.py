@@ -24,7 +24,10 @@ and notes when each last answered (any message counts). One silent for `dead_aft
 (default `DECODE_DEAD_S`) is marked down: its requests in flight fail at once with an error
 naming it (HTTP 503, or an SSE error chunk when streaming) instead of waiting for
 `REQUEST_TIMEOUT_S`, and new requests go to the instances still up (503 when none is). It is
-used again as soon as it answers.
+used again as soon as it answers. A restarted instance (launcher.restart) listens on a new
+address: given the instances' /health URLs, the front reads each down instance's /health every
+`REDISCOVER_S` and, when it publishes a new request socket, connects there instead (and
+HELLOs it: a new process is a new session).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ DECODE_DEAD_S = 5.0        # a decode instance silent this long is down
 PING_S = 0.25
 MAX_BODY = 1 << 20
 CLIENT_TIMEOUT_S = 30.0    # socket timeout while reading a request
+REDISCOVER_S = 1.0         # a down instance's /health is read this often (a new address?)
 
 
 class Unavailable(RuntimeError):
@@ -86,10 +90,14 @@ class Front:
         dead_after_s: float = DECODE_DEAD_S,
         context: int = MAX_PROMPT,
         tokenizer: ByteTokenizer | HFTokenizer | None = None,
+        health_urls: list[str] | None = None,
     ) -> None:
         if not decoders:
             raise ValueError("front: needs at least one decode instance address")
-        self.decoders = decoders
+        if health_urls is not None and len(health_urls) != len(decoders):
+            raise ValueError("front: one /health URL per decode instance")
+        self.decoders = list(decoders)
+        self.health_urls = health_urls
         self.wire = Wire(secret, role="front")
         self._names = [""] * len(decoders)  # each instance's name, from its HELLO
         self.model_name = model_name
@@ -120,7 +128,10 @@ class Front:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        for target in (self._dispatch, lambda: self.httpd.serve_forever(poll_interval=0.05)):
+        targets = [self._dispatch, lambda: self.httpd.serve_forever(poll_interval=0.05)]
+        if self.health_urls:
+            targets.append(self._rediscover)
+        for target in targets:
             t = threading.Thread(target=target, daemon=True)
             t.start()
             self._threads.append(t)
@@ -139,6 +150,21 @@ class Front:
     @property
     def ready(self) -> bool:
         return all(self.up)
+
+    def _rediscover(self) -> None:
+        """Read each down instance's /health; a new request socket address (the instance was
+        restarted) goes to the dispatcher, which reconnects its dealer there."""
+        from .serve import engine_address
+
+        while not self._stop.wait(REDISCOVER_S):
+            for i, url in enumerate(self.health_urls or ()):
+                if self.up[i]:
+                    continue
+                address = engine_address(url)
+                if address and address != self.decoders[i]:
+                    log.info("front: decode instance %d listens on %s now", i, address)
+                    with self._lock:
+                        self._push.send_pyobj((i, "", address, "RECONNECT"))
 
     # -- dispatcher thread (owns the dealers) ---------------------------------------------
     def _dispatch(self) -> None:
@@ -192,6 +218,13 @@ class Front:
                         if item is None:
                             return
                         idx, rid, body, kind = item
+                        if kind == "RECONNECT":  # a restarted instance: a new socket
+                            poller.unregister(socks[idx])
+                            socks[idx].close(0)
+                            socks[idx] = dealer(self._ctx, body, self.wire)
+                            poller.register(socks[idx], zmq.POLLIN)
+                            self.decoders[idx], self._names[idx] = body, ""
+                            continue
                         try:
                             frames = self.wire.pack(kind, body, peer=self._names[idx])
                             socks[idx].send_multipart(frames, zmq.NOBLOCK)

@@ -14,12 +14,17 @@ module maps them onto `PrefillMessenger` / `DecodeMessenger`:
 
 Control addresses: every prefill rank's messenger listens on a random port of its host; the
 prefill lead gathers them over gloo and publishes them in its `/health`, where decode ranks read
-them (`prefill_endpoints`), so no port has to be planned per rank.
+them (`prefill_endpoints`), so no port has to be planned per rank. A restarted prefill instance
+(launcher.restart) listens on new ports: while the messenger finds an instance silent, each
+decode rank re-reads its /health every `REDISCOVER_S` and moves its channels to the new
+addresses (`DecodeMessenger.reconnect`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -31,7 +36,14 @@ import torch
 from .cache import PagedKV
 from .model import TinyModel
 
+log = logging.getLogger("pdtool.reference.link")
 AUX_ROWS = 256  # hidden-state rows: transfer slots on decode, requests in flight on prefill
+# How long an idle messenger thread sleeps on its sockets and command doorbell (either wakes it
+# at once): only its timers (heartbeats every 0.5 s, timeouts) wait for it. At the messenger's
+# default 5 ms, each idle decoder's thread took the GIL 200 times a second, ~4 % of a loaded core
+# (docs/benchmark.md).
+IDLE_WAIT_S = 0.02
+REDISCOVER_S = 1.0  # a silent prefill instance's /health is read this often (new addresses?)
 
 
 def _endpoints(health_url: str, timeout_s: float) -> tuple[tuple[str, ...], int]:
@@ -65,6 +77,7 @@ def _common(spec: Any, model: TinyModel) -> dict[str, Any]:
         "peer_timeout_s": float(m.get("peer_timeout_s", 5.0)),
         "heartbeat_s": float(m.get("heartbeat_s", 0.5)),
         "busy_sleep_s": float(m.get("busy_sleep_s", 0.0)),
+        "idle_sleep_s": IDLE_WAIT_S,
         "name": f"{spec.role}{spec.instance}-r{spec.rank}",
     }
 
@@ -112,6 +125,34 @@ class DecodeSide(_Side):
         config = DecodeConfig(**_common(spec, model), prefill_endpoints=groups,
                               max_inflight=AUX_ROWS, lanes=int(m.get("lanes", 0)))
         self.m = DecodeMessenger(config, kv.buffers, kv.layout, [self.aux])
+        self._control = list(groups)
+        self._health_urls = [p["health"] for p in m["prefill"]]
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._rediscover, daemon=True,
+                                         name="prefill-rediscovery")
+        self._watcher.start()
+
+    def _rediscover(self) -> None:
+        """A silent prefill instance publishing new control addresses was restarted: move
+        the messenger's channels there (its old process is gone: the launcher stopped it)."""
+        while not self._stop.wait(REDISCOVER_S):
+            for g in self.m.silent_groups():
+                try:
+                    control, _ = _endpoints(self._health_urls[g], 0)
+                except TimeoutError:
+                    continue  # not up yet
+                if control != self._control[g] and len(control) == len(self._control[g]):
+                    try:
+                        self.m.reconnect(g, control)
+                    except Exception as exc:  # the messenger died: /health says why
+                        log.warning("prefill %d: cannot reconnect: %s", g, exc)
+                        return
+                    self._control[g] = control
+
+    def close(self) -> None:
+        self._stop.set()
+        self._watcher.join(timeout=5)
+        self.m.close()
 
     def submit(self, rid: str, tokens: list[int], pages: list[int], peer: int) -> None:
         self.m.submit(rid, tokens, pages, peer)
@@ -161,7 +202,8 @@ class PrefillSide(_Side):
         self.aux = torch.zeros(AUX_ROWS, model.cfg.hidden, dtype=torch.float32)
         config = PrefillConfig(**_common(spec, model), bind_host=spec.host, port=0,
                                max_requests=AUX_ROWS)
-        self.m = PrefillMessenger(config, kv.buffers, kv.layout, [self.aux])
+        self.m = PrefillMessenger(config, kv.buffers, kv.layout, [self.aux],
+                                  progress=kv.progress.array)
         self.num_layers = self.m.num_layers
         addrs = [self.m.address]
         if spec.tp > 1:  # the lead publishes every rank's control address in /health

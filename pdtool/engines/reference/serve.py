@@ -98,7 +98,11 @@ def _start_rank(spec: RankSpec, stop: threading.Event, link: Any) -> tuple[Any, 
 
     coord, tp = _init(spec)
     model = build_model(spec.cfg, tp)
-    kv = PagedKV(spec.cfg, len(model.kv_heads), spec.num_pages, spec.page_size, spec.layout)
+    kv = PagedKV(spec.cfg, len(model.kv_heads), spec.num_pages, spec.page_size, spec.layout,
+                 spec.device)
+    if spec.device != "cpu":  # the prefill's GPU stream writes its progress word
+        model.to_device(spec.device, spec.page_size,
+                        kv.progress if spec.role == "prefill" else None)
     _warm_up(model, kv)
     log.info("%s %d rank %d: model and cache ready", spec.role, spec.instance, spec.rank)
     if spec.role == "aggregated":  # whole requests here: no KV messenger
@@ -346,6 +350,19 @@ def discover(health_urls: list[str], timeout_s: float = 300.0) -> list[dict[str,
     return out
 
 
+def engine_address(health_url: str) -> str:
+    """The request socket a decode leader publishes in its /health ('' while it answers
+    nothing): the front reconnects there after the instance restarted."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(health_url, timeout=2) as r:
+            return str(json.loads(r.read())["engine"])
+    except (urllib.error.URLError, OSError, KeyError, ValueError):
+        return ""
+
+
 def serve_front(spec: RankSpec, stop: threading.Event) -> int:
     """Serve until `stop`; returns 1 if the front broke (its dispatcher died) so the process
     exits with an error and the launcher stops the deployment."""
@@ -357,7 +374,7 @@ def serve_front(spec: RankSpec, stop: threading.Event) -> int:
     context = min((d["context"] for d in found if d["context"] > 0), default=MAX_PROMPT)
     front = Front([d["engine"] for d in found], spec.secret, spec.host, spec.http_port,
                   model_name=spec.model_name, context=context,
-                  tokenizer=load_tokenizer(spec.tokenizer))
+                  tokenizer=load_tokenizer(spec.tokenizer), health_urls=list(spec.decoders))
     front.start()
     log.info("front on http://%s:%d over %d decode instances, context %d tokens", spec.host,
              front.port, len(found), context)
