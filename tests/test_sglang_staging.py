@@ -12,6 +12,7 @@ per rank, SGLang's `MHATokenToKVPool` / `MLATokenToKVPool` / `MetadataBuffers`, 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -51,6 +52,19 @@ class _Tap:
         return self.conn.poll(*a)
 
 
+def _wait_for_port(port: int, seconds: float = 300) -> None:
+    """Until rank 0's bootstrap server listens (on a loaded machine the ranks start far apart)."""
+    import socket
+    import time
+
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.connect(("127.0.0.1", port))
+            return
+        time.sleep(0.2)
+
+
 def staged_prefill(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     """A prefill rank that, like SGLang's scheduler, sends each room's chunks as soon as that
     room's destination is known (a room whose decode waits for landing space comes later)."""
@@ -67,6 +81,7 @@ def staged_prefill(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     from transfer.sglang.conn import PdtoolKVBootstrapServer, PdtoolKVManager, PdtoolKVSender
 
     server = PdtoolKVBootstrapServer("127.0.0.1", cfg["bootstrap_port"]) if rank == 0 else None
+    _wait_for_port(cfg["bootstrap_port"])  # SGLang's registration gives up after 5 tries
     sa, args, _keep, _aux = B._setup("prefill", cfg, rank)
     mgr = PdtoolKVManager(args, DisaggregationMode.PREFILL, sa, cfg["mla"])
     conn.send("ready")
