@@ -261,9 +261,10 @@ def _step_worker_pid(job: str, role: str, instance: int) -> int:
 
 def test_hung_engine_ends_the_job(slurm, tmp_path: Path) -> None:
     """decode-1 stops answering although its process lives (SIGSTOP): the watchdog ends the
-    job, naming it with the end of its log."""
+    job (launcher.restart=never), naming it with the end of its log."""
     out = tmp_path / "job"
-    job = submit_running(slurm, out, "launcher.job_name=pdtool-hang", "launcher.watchdog_s=1")
+    job = submit_running(slurm, out, "launcher.job_name=pdtool-hang", "launcher.watchdog_s=1",
+                         "launcher.restart=never")
     pid = _step_worker_pid(job, "decode", 1)
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -275,6 +276,47 @@ def test_hung_engine_ends_the_job(slurm, tmp_path: Path) -> None:
     assert state == "FAILED", batch
     assert "decode-1.r0 stopped answering" in batch
     assert "pdtool-worker: start" in batch  # its log tail
+
+
+def _wait_batch(batch: Path, text: str, after: int = 0, timeout: float = 180) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = batch.read_text()
+        if text in got[after:]:
+            return got
+        time.sleep(0.5)
+    raise AssertionError(f"never saw {text!r}:\n{batch.read_text()}")
+
+
+def test_a_dead_step_is_restarted_inside_the_job(slurm, tmp_path: Path) -> None:
+    """launcher.restart=on-failure: decode-1's worker is killed, its srun step ends, the batch
+    script starts the step again (same name, same node) and waits for its health; prefill-0's
+    rank 1 is killed next: the whole TP2 instance (both steps) is restarted. The job keeps
+    running; a TERM then stops it in order as usual."""
+    out = tmp_path / "job"
+    job = submit_running(slurm, out, "launcher.job_name=pdtool-restart",
+                         "launcher.restart=on-failure", "launcher.restart_backoff_s=0.5")
+    batch = out / "logs" / f"slurm-{job}.out"
+    try:
+        old = _step_worker_pid(job, "decode", 1)
+        os.kill(old, signal.SIGKILL)
+        text = _wait_batch(batch, "decode-1 is serving again (restart 1)")
+        assert "decode-1.r0 exited" in text and "restarting decode-1 in 0.5s" in text
+        assert _step_worker_pid(job, "decode", 1) != old
+        steps = slurm.run("squeue", "-h", "-s", "-j", job, "-o", "%j %N", check=False)
+        assert "decode-1.r0" in steps, steps
+        mark = len(text)
+        os.kill(_step_worker_pid(job, "prefill", 0), signal.SIGKILL)  # one of its two ranks
+        text = _wait_batch(batch, "prefill-0 is serving again (restart 1)", after=mark)
+        restarted = [m.group(1) for m in re.finditer(r"\] starting (\S+) ", text[mark:])]
+        assert restarted == ["prefill-0.r0", "prefill-0.r1"], text[mark:]
+        assert slurm.job_state(job)[0] == "RUNNING"
+        logs = (out / "logs" / job / "decode-1.r0.log").read_text()
+        assert logs.count("pdtool-worker: start ") == 2  # one log, both runs
+    finally:
+        slurm.run("scancel", "--batch", "--signal=TERM", job, check=False)
+        slurm.wait_job(job, timeout=180)
+    assert "received SIGTERM" in batch.read_text()
 
 
 def test_launch_multirun_submits_one_job_per_combination(slurm, tmp_path: Path) -> None:

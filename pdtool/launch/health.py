@@ -1,17 +1,28 @@
 """Wait until every endpoint answers its health check, while watching the processes behind them.
 
 Used by the rendered scripts (`python -m pdtool.launch.health --timeout T --watch NAME:PID:LOG
-NAME=URL ...`) and in-process by the local supervisor. With `--watchdog S` it stays on once
-everything is healthy and exits (4) naming the first endpoint that stops answering: a hung
-engine whose process still runs ends the deployment too. A worker that exits before it is healthy
+NAME=URL ...`) and in-process by the local supervisor. With `--watchdog S` (started once
+everything is healthy) it probes instead and exits (4) naming the first endpoint that stops
+answering: a hung engine whose process still runs is restarted (launcher.restart) or ends the
+deployment too. A worker that exits before it is healthy
 fails the wait at once with its name, status and the end of its log, instead of the job sitting
 until the timeout; a timeout names every endpoint that never answered. Progress is printed every
 few seconds so a user watching a slow model load sees what is still pending.
+
+Readiness can be more than a 2xx: an URL whose fragment names worker counts
+(`http://host:8000/workers#prefill=1,decode=2`, SGLang's router with engine=sglang) is ready
+once the router's worker list holds that many healthy workers of each type. The router answers
+`/health` 200 as soon as it listens, while it registers its workers in the background (seen
+with sglang-router 0.3.2: "Workers initialized: 0 total, 0 healthy", then /model_info and
+/server_info of each worker); a deployment called ready then would refuse its first requests.
+srt-slurm waits on the same list (`stats.prefill_count`/`decode_count` of `/workers`).
+(Preflight workers start no router: the scripts and the supervisor wait on /health then.)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import urllib.error
@@ -25,12 +36,37 @@ EXIT_DIED, EXIT_TIMEOUT, EXIT_HUNG = 2, 3, 4
 
 
 def probe(url: str, timeout: float = 2.0) -> bool:
-    """True when `url` answers 2xx."""
+    """True when `url` answers 2xx (and, with a worker-count fragment, lists them)."""
+    return not check(url, timeout)
+
+
+def check(url: str, timeout: float = 2.0) -> str:
+    """'' when `url` is ready, else why not (no answer, a status, the workers missing)."""
+    url, _, fragment = url.partition("#")
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
-            return 200 <= r.status < 300
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+            if not 200 <= r.status < 300:
+                return f"HTTP {r.status}"
+            body = r.read() if fragment else b""
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}"
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return f"no answer ({getattr(e, 'reason', e)})"
+    return missing_workers(body, fragment) if fragment else ""
+
+
+def missing_workers(body: bytes, fragment: str) -> str:
+    """'' when a router's /workers list (`body`) holds the healthy workers `fragment` asks
+    for ("prefill=1,decode=2"), else which are missing."""
+    want = {k: int(v) for k, v in (kv.split("=", 1) for kv in fragment.split(",") if kv)}
+    try:
+        workers = json.loads(body)["workers"]
+        have = {k: sum(1 for w in workers if w.get("worker_type") == k and w.get("is_healthy"))
+                for k in want}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "the router's worker list is not JSON with a 'workers' list"
+    short = [f"{have[k]} of {n} {k}" for k, n in want.items() if have[k] < n]
+    return f"registered healthy: {', '.join(short)}" if short else ""
 
 
 def pid_alive(pid: int) -> bool:
@@ -78,9 +114,11 @@ def wait_healthy(
     last = start
     print(f"waiting for {len(pending)} endpoint(s) to become healthy "
           f"(timeout {timeout:.0f}s): {', '.join(pending)}", file=out, flush=True)
+    why: dict[str, str] = {}
     while pending:
         for name, url in list(pending.items()):
-            if probe(url):
+            why[name] = check(url)
+            if not why[name]:
                 del pending[name]
                 print(f"  healthy: {name} ({url}) after {time.monotonic() - start:.1f}s",
                       file=out, flush=True)
@@ -95,12 +133,14 @@ def wait_healthy(
         if now - start > timeout:
             raise HealthFailure(
                 f"timed out after {timeout:.0f}s: never healthy: "
-                + ", ".join(f"{n} ({u})" for n, u in pending.items()), EXIT_TIMEOUT,
+                + ", ".join(f"{n} ({u}: {why.get(n) or 'no answer'})"
+                            for n, u in pending.items()), EXIT_TIMEOUT,
                 next(iter(pending)))
         if now - last >= every:
             last = now
             print(f"  still waiting ({now - start:.0f}s/{timeout:.0f}s) for: "
-                  f"{', '.join(pending)}", file=out, flush=True)
+                  + ", ".join(f"{n} ({why[n]})" if why.get(n, "").startswith("registered")
+                              else n for n in pending), file=out, flush=True)
         time.sleep(poll)
     return time.monotonic() - start
 
@@ -133,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=float, default=10.0, help="seconds between progress lines")
     ap.add_argument("--watch", action="append", default=[], metavar="NAME:PID:LOG")
     ap.add_argument("--watchdog", type=float, default=0, metavar="SECONDS",
-                    help="after the wait: keep probing every SECONDS; exit 4 naming the "
-                    "endpoint (and its log tail) that fails --failures probes in a row")
+                    help="instead of the wait (the scripts start it once everything is "
+                    "healthy): probe every SECONDS; exit 4 naming the endpoint (and its log "
+                    "tail) that fails --failures probes in a row")
     ap.add_argument("--failures", type=int, default=3)
     ap.add_argument("--hung-file", default="", metavar="PATH",
                     help="with --watchdog: write the name of the endpoint that hung here, so "
@@ -150,14 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     def dead() -> list[tuple[str, str, str]]:
         return [(n, f"pid {p}", log) for n, p, log in watched if not pid_alive(p)]
 
-    try:
-        took = wait_healthy(endpoints, dead, args.timeout, every=args.every)
-    except HealthFailure as e:
-        print(f"pdtool: ERROR: {e}", file=sys.stderr, flush=True)
-        if args.watchdog > 0 and args.hung_file and e.code == EXIT_TIMEOUT:
-            Path(args.hung_file).write_text(e.name + "\n")  # it hung before the watch began
-        return e.code
-    print(f"all {len(endpoints)} endpoint(s) healthy after {took:.1f}s", flush=True)
+    if args.watchdog <= 0:
+        try:
+            took = wait_healthy(endpoints, dead, args.timeout, every=args.every)
+        except HealthFailure as e:
+            print(f"pdtool: ERROR: {e}", file=sys.stderr, flush=True)
+            return e.code
+        print(f"all {len(endpoints)} endpoint(s) healthy after {took:.1f}s", flush=True)
     if args.watchdog > 0:
         logs = {n: log for n, _, log in watched}
         hung = watchdog(endpoints, logs, args.watchdog, args.failures)

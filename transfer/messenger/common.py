@@ -33,14 +33,12 @@ import numpy as np
 import zmq
 
 from ..layout import KVLayout, LayoutError
+from ..progress import LAYER_MASK, PASS_SHIFT  # noqa: F401  the progress word's one home
 from ..routes import RouteError, ShardSpec
 from ..wire.channel import check_bind_host
 from ..wire.secret import check_secret
 
 log = logging.getLogger("transfer.messenger")
-
-PASS_SHIFT = 16          # progress word = (pass_id << 16) | layers_done
-LAYER_MASK = (1 << PASS_SHIFT) - 1
 
 
 class MessengerError(RuntimeError):

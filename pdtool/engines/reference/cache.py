@@ -8,7 +8,9 @@ One buffer per layer (kv_parts=2: K and V fused; 1: MLA latent, one head):
     so a partial head slice is one write per token (transfer.layout, transfer.geometry).
 `buffers` are those tensors (what the messenger registers and writes); `layers` are views of
 the same memory in HND order ``[pages, parts, heads, page_size, dim]``, which the model indexes
-whatever the layout.
+whatever the layout. With ``device="cuda"`` the buffers stay in host memory, page-locked and
+mapped into the GPU, and `layers` are CUDA tensors over the same bytes (`transfer.cudahost`).
+`progress` is the prefill's per-layer progress word (`transfer.progress.ProgressWord`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from transfer.hostmem import host_buffer
 from transfer.layout import KVLayout
+from transfer.progress import ProgressWord
 from transfer.routes import LAYOUTS
 
 from .model import TinyConfig
@@ -58,10 +61,16 @@ class PagedKV:
 
     def __init__(
         self, cfg: TinyConfig, heads_local: int, num_pages: int, page_size: int,
-        layout: str = "HND",
+        layout: str = "HND", device: str = "cpu",
     ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"transfer.layout: expected one of {LAYOUTS}, got {layout!r}")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"cluster.device: expected cpu or cuda, got {device!r}")
+        if device == "cuda" and layout != "HND":
+            raise ValueError("transfer.layout: the GPU path reads FlashInfer's HND pages; "
+                             "set transfer.layout=HND")
+        self.device = device
         self.page_size = page_size
         self.layout = layout
         itemsize = torch.empty((), dtype=cfg.torch_kv_dtype).element_size()
@@ -73,6 +82,14 @@ class PagedKV:
         # NHD [pages, tokens, heads, parts, dim] seen as [pages, parts, heads, tokens, dim]
         self.layers = self.buffers if layout == "HND" else [
             b.permute(0, 3, 2, 1, 4) for b in self.buffers]
+        # the prefill's per-layer progress word (transfer.progress), polled by its messenger
+        self.progress = ProgressWord()
+        if device == "cuda":
+            # the GPU reads and writes the very pages the messenger registers (mapped pinned
+            # host memory, transfer.cudahost): no staged copy, FlashInfer reads what arrived
+            from transfer.cudahost import device_alias
+
+            self.layers = [device_alias(b) for b in self.buffers]
         self.pages = PageAllocator(num_pages)
 
     def page_bytes(self) -> int:

@@ -122,6 +122,7 @@ def spec_from_context(ctx: Any) -> RankSpec:
         rank=rank.rank, host=ctx.host,
         leader_host=_host_of(inst.nodes[0], ctx.host), dist_port=inst.dist_init_port,
         http_port=inst.http_port, page_size=inst.page_size, layout=inst.kv_layout,
+        device=plan.cluster.device,
         num_pages=pages,
         chunk=inst.chunked_prefill_size,
         model=fields, secret_hex=_secret_hex(),

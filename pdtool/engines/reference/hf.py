@@ -203,6 +203,7 @@ class HFModel(TinyModel):
     def forward(self, batch: Batch, cache: list[torch.Tensor], page_size: int,
                 on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         self.tokens_seen += int(batch.tokens.numel())
+        batch = self._begin(batch)
         eps = self.arch.rms_eps
         x = self.embed[batch.tokens]
         page = batch.page_table[batch.seq, batch.positions // page_size]
@@ -210,16 +211,16 @@ class HFModel(TinyModel):
         for i, lw in enumerate(self.layers):
             att = self._attention(_rms32(x, lw["attn_norm"], eps), lw, batch, cache[i], page,
                                   off, page_size)
-            if on_layer is not None:
-                on_layer(i)
             out = self.tp.all_reduce(att @ lw["wo"])
             x = x + (out + lw["bo"] if "bo" in lw else out)
+            self._layer_done(i, on_layer)
             m = _rms32(x, lw["mlp_norm"], eps)
             gate, up = m @ lw["w_gate"], m @ lw["w_up"]
             if "b_gate" in lw:
                 gate, up = gate + lw["b_gate"], up + lw["b_up"]
             down = self.tp.all_reduce((torch.nn.functional.silu(gate) * up) @ lw["w_down"])
             x = x + (down + lw["b_down"] if "b_down" in lw else down)
+        self._end_pass()
         return x
 
     def _attention(self, a, lw, batch, buf, page, off, page_size):
@@ -233,13 +234,10 @@ class HFModel(TinyModel):
         q, k = self._rope(q, batch.positions), self._rope(k, batch.positions)
         buf[page, 0, :, off, :] = k.to(buf.dtype)
         buf[page, 1, :, off, :] = v.to(buf.dtype)
-        kv = self._gather(buf, batch, page_size)  # [B, L, 2, hkv, d]
-        keys, vals = kv[:, :, 0][:, :, self.kv_map], kv[:, :, 1][:, :, self.kv_map]
-        scores = torch.einsum("bqhd,blhd->bhql", self._pad_q(q, batch), keys) / math.sqrt(d)
-        return self._softmax_av(scores, vals, batch)
+        return self._attend(q, buf, batch, page_size)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _rms32(hidden, self.final_norm, self.arch.rms_eps) @ self.lm_head
+        return (_rms32(hidden, self.final_norm, self.arch.rms_eps) @ self.lm_head).cpu()
 
     def draft(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """No draft head in these checkpoints."""

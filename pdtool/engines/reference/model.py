@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -133,6 +134,15 @@ class Batch:
     page_table: torch.Tensor
     kv_len: torch.Tensor
     q_max: int
+    kv_max: int = 0  # longest kv_len, kept on the host (no device sync inside a forward)
+
+    def to(self, device: torch.device) -> Batch:
+        """The same batch with its tensors on `device` (itself where they already are)."""
+        if self.tokens.device == device:
+            return self
+        return Batch(*(t.to(device) for t in (self.tokens, self.positions, self.seq, self.slot,
+                                              self.page_table, self.kv_len)),
+                     q_max=self.q_max, kv_max=self.kv_max)
 
     @staticmethod
     def build(
@@ -162,6 +172,7 @@ class Batch:
             page_table=table,
             kv_len=torch.tensor(kv_len, dtype=torch.long),
             q_max=max(len(t) for t, _, _ in runs),
+            kv_max=max(kv_len),
         )
 
 
@@ -186,7 +197,7 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate-half RoPE on the last dim of x [T, ..., d] at `positions` [T]."""
     d = x.shape[-1]
-    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
     ang = positions.to(torch.float64)[:, None] * inv[None, :]
     shape = [x.shape[0]] + [1] * (x.dim() - 2) + [d // 2]
     cos = ang.cos().to(x.dtype).view(shape)
@@ -246,7 +257,17 @@ class _Weights:
 
 
 class TinyModel:
-    """One TP rank's shard of the model. Stateless apart from weights: the cache is passed in."""
+    """One TP rank's shard of the model. Stateless apart from weights: the cache is passed in.
+
+    On the CPU (the default) attention is torch over the gathered pages and the progress word
+    is the caller's `on_layer`. `to_device("cuda", ...)` moves the weights to the GPU, runs
+    decode attention (one new token per request) through FlashInfer's paged decode wrapper
+    over the same HND pages, and makes the GPU stream write the progress word itself.
+    """
+
+    device = torch.device("cpu")
+    decode_attention: Any = None  # attention.FlashInferDecode on the cuda path
+    progress_writer: Any = None  # transfer.progress.GpuProgressWriter on the cuda path
 
     def __init__(self, cfg: TinyConfig, tp: TP | None = None) -> None:
         self.cfg = cfg
@@ -290,6 +311,61 @@ class TinyModel:
             )
         self.tokens_seen = 0  # every token any forward pass of this model has processed
 
+    # -- device ----------------------------------------------------------------------------
+
+    def to_device(self, device: str, page_size: int, progress: Any = None) -> TinyModel:
+        """Move every weight to `device`. On cuda: GQA decode attention through FlashInfer
+        (`attention.FlashInferDecode`, HND pages of `page_size`), and, given the prefill's
+        `transfer.progress.ProgressWord`, its per-layer writes enqueued on the GPU stream."""
+        dev = torch.device(device)
+        for name, value in list(vars(self).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(dev))
+            elif isinstance(value, tuple) and value and all(
+                    isinstance(v, torch.Tensor) for v in value):
+                setattr(self, name, tuple(v.to(dev) for v in value))
+        self.layers = [{k: v.to(dev) for k, v in lw.items()} for lw in self.layers]
+        self.device = dev
+        if dev.type == "cuda":
+            from .attention import FlashInferDecode
+
+            if self.cfg.attention == "gqa":
+                self.decode_attention = FlashInferDecode(
+                    q_heads=len(self.q_heads), kv_heads=len(self.kv_heads),
+                    head_dim=self.cfg.cache_dim, page_size=page_size,
+                    kv_dtype=self.cfg.torch_kv_dtype, device=dev)
+            if progress is not None:
+                from transfer.progress import GpuProgressWriter
+
+                self.progress_writer = GpuProgressWriter(progress)
+        return self
+
+    def _begin(self, batch: Batch) -> Batch:
+        """The batch on this model's device; plans FlashInfer when every request of the pass
+        has one new token (decode), which every layer's `_attend` then runs."""
+        batch = batch.to(self.device)
+        if self.decode_attention is not None and batch.q_max == 1:
+            self.decode_attention.plan(batch.page_table, batch.kv_len)
+        return batch
+
+    def _layer_done(self, i: int, on_layer: Callable[[int], None] | None) -> None:
+        """After layer i's attention output projection (and its all-reduce, so every TP
+        rank's KV of the layer is in its cache): the progress word's layer field. One word,
+        two writers: the GPU stream on cuda, else the caller's host callback."""
+        if self.progress_writer is not None:
+            self.progress_writer.layer_done(i)
+        elif on_layer is not None:
+            on_layer(i)
+
+    def _end_pass(self) -> None:
+        """Wait for the GPU stream when it writes the progress word: the next pass's
+        `begin_pass` resets the word from the host, which must come after this pass's last
+        layer write. Not while a CUDA graph is being captured (its replay is waited for by
+        whoever replays it)."""
+        if (self.progress_writer is not None and self.device.type == "cuda"
+                and not torch.cuda.is_current_stream_capturing()):
+            torch.cuda.current_stream().synchronize()
+
     # -- forward ---------------------------------------------------------------------------
 
     def forward(
@@ -300,8 +376,10 @@ class TinyModel:
         on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run `batch`, append its K/V to `cache`, return final hidden states [T, hidden]
-        (before the final norm). `on_layer(i)` runs once layer i's cache entries are written."""
+        (before the final norm). `on_layer(i)` runs once layer i's cache entries are written
+        and its attention output projected (`_layer_done`)."""
         self.tokens_seen += int(batch.tokens.numel())
+        batch = self._begin(batch)
         x = self.embed[batch.tokens]
         page = batch.page_table[batch.seq, batch.positions // page_size]
         off = batch.positions % page_size
@@ -311,21 +389,23 @@ class TinyModel:
                 att = self._gqa(a, lw, batch, cache[i], page, off, page_size)
             else:
                 att = self._mla(a, lw, batch, cache[i], page, off, page_size)
-            if on_layer is not None:
-                on_layer(i)
             x = x + self.tp.all_reduce(att @ lw["wo"])
+            self._layer_done(i, on_layer)
             m = _rms(x, lw["mlp_norm"])
             ff = torch.nn.functional.silu(m @ lw["w_gate"]) * (m @ lw["w_up"])
             x = x + self.tp.all_reduce(ff @ lw["w_down"])
+        self._end_pass()
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _rms(hidden, self.final_norm) @ self.lm_head + self.logit_bias
+        """[T, vocab] on the host (the schedulers pick and sample there)."""
+        return (_rms(hidden, self.final_norm) @ self.lm_head + self.logit_bias).cpu()
 
     def draft(self, hidden: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """MTP-style draft: from the hidden state at position i and the token at i+1, propose
         the token at i+2 (greedy). hidden [B, hidden], next_tokens [B] → [B]."""
         nh, ne, proj = self.mtp
+        hidden, next_tokens = hidden.to(self.device), next_tokens.to(self.device)
         z = torch.cat([_rms(hidden, nh), _rms(self.embed[next_tokens], ne)], dim=-1) @ proj
         return self.logits(z).argmax(-1)
 
@@ -333,8 +413,8 @@ class TinyModel:
 
     def _gather(self, buf: torch.Tensor, batch: Batch, page_size: int) -> torch.Tensor:
         """Cached entries of every sequence: [B, L, parts, heads, dim] (L = longest kv_len)."""
-        length = int(batch.kv_len.max())
-        pos = torch.arange(length)
+        length = batch.kv_max or int(batch.kv_len.max())
+        pos = torch.arange(length, device=batch.page_table.device)
         pid = batch.page_table[:, pos // page_size]
         off = (pos % page_size).expand_as(pid)
         return buf[pid, :, :, off, :].to(self.cfg.torch_dtype)
@@ -347,9 +427,11 @@ class TinyModel:
 
     def _mask(self, batch: Batch, length: int) -> torch.Tensor:
         """[B, 1, q_max, L]: key position <= query position (causal, within kv_len)."""
-        qpos = torch.full((batch.page_table.shape[0], batch.q_max), -1, dtype=torch.long)
+        dev = batch.positions.device
+        qpos = torch.full((batch.page_table.shape[0], batch.q_max), -1, dtype=torch.long,
+                          device=dev)
         qpos[batch.seq, batch.slot] = batch.positions
-        return (torch.arange(length)[None, None, :] <= qpos[:, :, None])[:, None]
+        return (torch.arange(length, device=dev)[None, None, :] <= qpos[:, :, None])[:, None]
 
     def _softmax_av(
         self, scores: torch.Tensor, v: torch.Tensor, batch: Batch
@@ -368,6 +450,16 @@ class TinyModel:
         v = (a @ lw["wv"]).view(t, -1, d)
         buf[page, 0, :, off, :] = k.to(buf.dtype)
         buf[page, 1, :, off, :] = v.to(buf.dtype)
+        return self._attend(q, buf, batch, page_size)
+
+    def _attend(self, q: torch.Tensor, buf: torch.Tensor, batch: Batch,
+                page_size: int) -> torch.Tensor:
+        """GQA attention of q [T, hq, d] over the pages of `buf` ([pages, 2, hkv, P, d], this
+        pass's K/V already written) → [T, hq*d]: FlashInfer for a decode pass on cuda
+        (`_begin` planned it), else torch over the gathered pages."""
+        d = q.shape[-1]
+        if self.decode_attention is not None and batch.q_max == 1:
+            return self.decode_attention.run(q, buf).reshape(q.shape[0], -1)
         kv = self._gather(buf, batch, page_size)  # [B, L, 2, hkv, d]
         keys = kv[:, :, 0][:, :, self.kv_map]  # [B, L, hq, d]
         vals = kv[:, :, 1][:, :, self.kv_map]

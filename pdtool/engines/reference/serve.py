@@ -98,7 +98,11 @@ def _start_rank(spec: RankSpec, stop: threading.Event, link: Any) -> tuple[Any, 
 
     coord, tp = _init(spec)
     model = build_model(spec.cfg, tp)
-    kv = PagedKV(spec.cfg, len(model.kv_heads), spec.num_pages, spec.page_size, spec.layout)
+    kv = PagedKV(spec.cfg, len(model.kv_heads), spec.num_pages, spec.page_size, spec.layout,
+                 spec.device)
+    if spec.device != "cpu":  # the prefill's GPU stream writes its progress word
+        model.to_device(spec.device, spec.page_size,
+                        kv.progress if spec.role == "prefill" else None)
     _warm_up(model, kv)
     log.info("%s %d rank %d: model and cache ready", spec.role, spec.instance, spec.rank)
     if spec.role == "aggregated":  # whole requests here: no KV messenger

@@ -29,6 +29,7 @@ class RankSpec:
     http_port: int = 0
     page_size: int = 4
     layout: str = "HND"  # the KV pages' layout (the role's kv_layout = transfer.layout)
+    device: str = "cpu"  # cluster.device: cpu, or cuda (weights on the GPU, FlashInfer decode)
     num_pages: int = DEFAULT_PAGES
     chunk: int = 16
     max_running: int = 64
