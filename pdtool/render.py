@@ -91,6 +91,7 @@ def script_text(cfg: Any, plan: Any, spec: LaunchSpec, run_dir: Path) -> str:
         "router_procs": spec.router,
         "health": spec.health(),
         "router_health": spec.router_health(),
+        "router_ready": spec.router_ready(),
         "router_url": spec.router_url,
         "health_timeout": lc.health_timeout_s,
         "watchdog_s": lc.watchdog_s,
@@ -123,6 +124,7 @@ def spec_to_dict(spec: LaunchSpec) -> dict[str, Any]:
             "ranks": list(p.ranks), "argv": [_word_json(a) for a in p.argv],
             "engine_argv": [_word_json(a) for a in p.engine_argv],
             "health": _word_json(p.health) if p.health else None,
+            "ready": _word_json(p.ready) if p.ready else None,
         }
 
     return {"launcher": spec.launcher, "engine": spec.engine, "nodes": spec.job.nodes,

@@ -295,3 +295,76 @@ def test_worker_execs_the_sglang_line_with_messenger_environment(tmp_path: Path)
     # tcp;ofi_rxm never registers GPU memory: auto is staged, decided without a probe
     assert " gpu_memory=staged " in out
     assert "pdtool-worker: transfer.gpu_memory=auto: staged (tcp;ofi_rxm has no FI_HMEM)" in out
+
+
+class _StandInWorker:
+    """An HTTP server answering what sglang-router 0.3.2 asks a worker while registering it
+    (/health, /model_info, /server_info): SGLang's own servers need a GPU."""
+
+    def __init__(self, port: int) -> None:
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = json.dumps({"model_path": "tiny", "tokenizer_path": "tiny",
+                                   "is_generation": True}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.sglang
+def test_sglang_router_is_ready_once_every_instance_is_registered(tmp_path: Path) -> None:
+    """engine=sglang: the real sglang-router, started with the rendered line, answers /health
+    while decode-1 is not registered; the readiness the scripts and the supervisor wait on
+    (its /workers list) holds until every prefill and decode instance is, then passes."""
+    from pdtool.engines.reference.local import free_port_run
+    from pdtool.launch.health import check, wait_healthy
+    from pdtool.launch.shell import resolve
+
+    base = free_port_run(60)
+    rendered, findings = render([*overrides(base), "engine=sglang", "transfer=tcp",
+                                 "cluster.device=cuda"], tmp_path / "job")
+    assert rendered is not None, findings
+    (router,) = rendered.spec.router
+    variables = {"RUN_DIR": str(rendered.out), "LOG_DIR": str(tmp_path), "HOSTS[0]": "127.0.0.1"}
+    argv = resolve(router.engine_argv, variables)
+    ready = resolve([router.ready], variables)[0]
+    health = resolve([router.health], variables)[0]
+    assert ready == f"http://127.0.0.1:{base + 50}/workers#prefill=1,decode=2"
+    script = rendered.script.read_text()  # the wait; the watchdog probes /health
+    assert f"router=http://\"${{HOSTS[0]}}\"':{base + 50}/workers#prefill=1,decode=2'" in script
+    workers = [_StandInWorker(base), _StandInWorker(base + 10)]  # decode-1 (base + 11) is not up
+    log = open(tmp_path / "router.log", "w")  # noqa: SIM115
+    p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while check(health) or check(ready) != "registered healthy: 1 of 2 decode":
+            assert p.poll() is None, (tmp_path / "router.log").read_text()
+            assert time.monotonic() < deadline, (check(health), check(ready))
+            time.sleep(0.5)
+        assert not check(health)  # /health alone would call it ready
+        workers.append(_StandInWorker(base + 11))
+        wait_healthy({"router": ready}, lambda: [], timeout=120)
+        with urllib.request.urlopen(ready.split("#")[0], timeout=5) as r:
+            stats = json.loads(r.read())["stats"]
+        assert (stats["prefill_count"], stats["decode_count"]) == (1, 2)
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(timeout=30)
+        log.close()
+        for w in workers:
+            w.close()

@@ -8,11 +8,21 @@ deployment too. A worker that exits before it is healthy
 fails the wait at once with its name, status and the end of its log, instead of the job sitting
 until the timeout; a timeout names every endpoint that never answered. Progress is printed every
 few seconds so a user watching a slow model load sees what is still pending.
+
+Readiness can be more than a 2xx: an URL whose fragment names worker counts
+(`http://host:8000/workers#prefill=1,decode=2`, SGLang's router with engine=sglang) is ready
+once the router's worker list holds that many healthy workers of each type. The router answers
+`/health` 200 as soon as it listens, while it registers its workers in the background (seen
+with sglang-router 0.3.2: "Workers initialized: 0 total, 0 healthy", then /model_info and
+/server_info of each worker); a deployment called ready then would refuse its first requests.
+srt-slurm waits on the same list (`stats.prefill_count`/`decode_count` of `/workers`).
+(Preflight workers start no router: the scripts and the supervisor wait on /health then.)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import urllib.error
@@ -26,12 +36,37 @@ EXIT_DIED, EXIT_TIMEOUT, EXIT_HUNG = 2, 3, 4
 
 
 def probe(url: str, timeout: float = 2.0) -> bool:
-    """True when `url` answers 2xx."""
+    """True when `url` answers 2xx (and, with a worker-count fragment, lists them)."""
+    return not check(url, timeout)
+
+
+def check(url: str, timeout: float = 2.0) -> str:
+    """'' when `url` is ready, else why not (no answer, a status, the workers missing)."""
+    url, _, fragment = url.partition("#")
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
-            return 200 <= r.status < 300
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+            if not 200 <= r.status < 300:
+                return f"HTTP {r.status}"
+            body = r.read() if fragment else b""
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}"
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return f"no answer ({getattr(e, 'reason', e)})"
+    return missing_workers(body, fragment) if fragment else ""
+
+
+def missing_workers(body: bytes, fragment: str) -> str:
+    """'' when a router's /workers list (`body`) holds the healthy workers `fragment` asks
+    for ("prefill=1,decode=2"), else which are missing."""
+    want = {k: int(v) for k, v in (kv.split("=", 1) for kv in fragment.split(",") if kv)}
+    try:
+        workers = json.loads(body)["workers"]
+        have = {k: sum(1 for w in workers if w.get("worker_type") == k and w.get("is_healthy"))
+                for k in want}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "the router's worker list is not JSON with a 'workers' list"
+    short = [f"{have[k]} of {n} {k}" for k, n in want.items() if have[k] < n]
+    return f"registered healthy: {', '.join(short)}" if short else ""
 
 
 def pid_alive(pid: int) -> bool:
@@ -79,9 +114,11 @@ def wait_healthy(
     last = start
     print(f"waiting for {len(pending)} endpoint(s) to become healthy "
           f"(timeout {timeout:.0f}s): {', '.join(pending)}", file=out, flush=True)
+    why: dict[str, str] = {}
     while pending:
         for name, url in list(pending.items()):
-            if probe(url):
+            why[name] = check(url)
+            if not why[name]:
                 del pending[name]
                 print(f"  healthy: {name} ({url}) after {time.monotonic() - start:.1f}s",
                       file=out, flush=True)
@@ -96,12 +133,14 @@ def wait_healthy(
         if now - start > timeout:
             raise HealthFailure(
                 f"timed out after {timeout:.0f}s: never healthy: "
-                + ", ".join(f"{n} ({u})" for n, u in pending.items()), EXIT_TIMEOUT,
+                + ", ".join(f"{n} ({u}: {why.get(n) or 'no answer'})"
+                            for n, u in pending.items()), EXIT_TIMEOUT,
                 next(iter(pending)))
         if now - last >= every:
             last = now
             print(f"  still waiting ({now - start:.0f}s/{timeout:.0f}s) for: "
-                  f"{', '.join(pending)}", file=out, flush=True)
+                  + ", ".join(f"{n} ({why[n]})" if why.get(n, "").startswith("registered")
+                              else n for n in pending), file=out, flush=True)
         time.sleep(poll)
     return time.monotonic() - start
 

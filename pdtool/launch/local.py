@@ -137,7 +137,9 @@ class Supervisor:
 
     # -- the run ---------------------------------------------------------------------------
     def _health(self, procs: list[Proc]) -> None:
-        endpoints = {p.name: resolve([p.health], self.vars)[0] for p in procs if p.health}
+        # preflight workers run no router: its worker list does not exist then
+        urls = {p.name: (p.health if self.preflight else p.ready) or p.health for p in procs}
+        endpoints = {n: resolve([u], self.vars)[0] for n, u in urls.items() if u}
         wait_healthy(endpoints, self.dead, self.health_timeout, out=self.out)
 
     def run(self, exit_when_healthy: bool = False,

@@ -61,7 +61,10 @@ class Proc:
     comment: str  # one line for the script, built from numbers and config names only
     argv: list[str | Word] = field(default_factory=list)  # full command, launcher wrapping incl.
     engine_argv: list[str | Word] = field(default_factory=list)  # the engine's own line
-    health: Word | None = None  # URL polled by the health wait
+    health: Word | None = None  # URL polled by the watchdog (and the wait, unless `ready`)
+    # URL the wait polls when readiness is more than health (pdtool.launch.health.check): the
+    # SGLang router is ready once its worker list holds every instance
+    ready: Word | None = None
 
     @property
     def log(self) -> Word:
@@ -102,6 +105,11 @@ class LaunchSpec:
     def router_health(self) -> list[Word]:
         return [word(f"{p.name}=", *p.health.parts) for p in self.router if p.health]
 
+    def router_ready(self) -> list[Word]:
+        """What the wait polls for the router: its readiness URL, else its health."""
+        return [word(f"{p.name}=", *(p.ready or p.health).parts)
+                for p in self.router if p.ready or p.health]
+
     def all(self) -> list[Proc]:
         return self.procs + self.router
 
@@ -110,10 +118,11 @@ class LaunchSpec:
         and the router, in start order, with their health endpoints (NAME=URL)."""
         out: dict[str, ProcGroup] = {}
         for p in self.all():
-            g = out.setdefault(group_of(p.name), ProcGroup(group_of(p.name), p.role, [], []))
+            g = out.setdefault(group_of(p.name), ProcGroup(group_of(p.name), p.role, [], [], []))
             g.procs.append(p)
             if p.health:
                 g.health.append(word(f"{p.name}=", *p.health.parts))
+                g.ready.append(word(f"{p.name}=", *(p.ready or p.health).parts))
         return list(out.values())
 
 
@@ -124,7 +133,8 @@ class ProcGroup:
     name: str  # "prefill-0", "decode-1", "router"
     role: str
     procs: list[Proc]
-    health: list[Word]
+    health: list[Word]  # NAME=URL health endpoints
+    ready: list[Word]  # NAME=URL readiness (what a restart waits for; preflight: health)
 
 
 class LaunchError(ValueError):
@@ -299,6 +309,10 @@ def _router_proc(cfg: Config, plan: Plan, launcher: str, secret_roles: frozenset
     # the router starts through the worker entry too (SGLang's router line after `--`), so
     # placement checks and --preflight cover it like every other process
     p.engine_argv = router_argv(cfg, plan, host) if cfg.engine.kind == "sglang" else []
+    if cfg.engine.kind == "sglang":
+        # sglang-router answers /health before it registered its workers (in the background)
+        p.ready = _url(rp.node, rp.port, f"/workers#prefill={len(rp.prefill)},"
+                                         f"decode={len(rp.decode)}")
     inner: list[str | Word] = [cfg.engine.python, "-m", "pdtool.worker",
                                "--plan", word(RUN_DIR, "/plan.json"),
                                "--role", "router", "--host", host(rp.node)]
