@@ -4,8 +4,15 @@
 #   - moves KV pages in CUDA memory between two processes over shm on the staged path,
 #     byte-exact and counted, with GB/s next to device->device and device->host->device copies,
 #   - confirms transfer.gpu_memory=direct is refused with its clear message (no CUDA in
-#     Debian's libfabric).
-# Finishes in well under 8 minutes (about 1 GiB moved per run, 3 runs).
+#     Debian's libfabric),
+#   - the reference engine's GPU path (gpu/check_reference.py): FlashInfer's paged decode
+#     (kv_layout=HND) on pages transferred over shm against the torch reference, the progress
+#     word written by the GPU stream under CUDA-graph replay (layer 0's writes issued before the
+#     last layer ends), and a one-GPU disaggregated deployment of a tiny checkpoint token for
+#     token against transformers.
+# Meant to finish under 8 minutes on one H200: the staged check moves about 1 GiB per run (3
+# runs); FlashInfer compiles its decode kernel once with the node's nvcc (a minute or two, then
+# cached in ~/.cache/flashinfer). Nothing of it has run on a GPU yet.
 #
 # Prepare once, on a Debian 12 (bookworm) machine with network, from the repository root:
 #   mkdir -p gpu/debs && (cd gpu/debs && apt-get download libfabric1 libfabric-dev \
@@ -13,12 +20,20 @@
 #       libnl-3-200 libnl-route-3-200 libatomic1)
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d gpu/wheels \
 #       cffi pycparser setuptools numpy
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d gpu/wheels/reference \
+#       transformers tokenizers safetensors huggingface-hub regex pyyaml tqdm filelock \
+#       packaging requests
 # (gpu/debs and gpu/wheels are git-ignored; carry them to the node with the checkout.) The
 # wheels are installed (into a scratch directory, never the node's Python) only where the
-# node's python3 lacks cffi/setuptools/numpy.
+# node's python3 lacks cffi/setuptools/numpy, or (gpu/wheels/reference) transformers,
+# tokenizers and safetensors. FlashInfer must already be importable on the node (with its
+# dependencies and nvcc): flashinfer-python 0.7.4's wheel alone is 101 MB, over the 64 MiB that
+# travels with a checkout, so it is not carried; without it the FlashInfer and deployment
+# steps fail naming it.
 #
 # Usage: gpu/check.sh [--cpu] [staged_check.py options]
-#   --cpu  the same build and driver on CPU tensors (checks everything but the GPU copies).
+#   --cpu  the same build and drivers on CPU tensors (checks everything but the GPU parts:
+#          the staged copies, FlashInfer, the graph, the mapped word).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -76,8 +91,26 @@ from transfer.fabric import available_providers
 print("providers:", available_providers())
 PY
 
+cpu=()
+for a in "$@"; do [[ $a == --cpu ]] && cpu=(--cpu); done
+if ! "$PY" -c 'import transformers, tokenizers, safetensors' 2>/dev/null; then
+    ref_wheels=(gpu/wheels/reference/*.whl)
+    if ((${#ref_wheels[@]})); then
+        step "installing ${#ref_wheels[@]} reference-check wheels into a scratch dir"
+        "$PY" -m pip install -q --no-index --no-deps --target "$WORK/pyref" "${ref_wheels[@]}"
+        export PYTHONPATH=$PYTHONPATH:$WORK/pyref
+    fi
+fi
+
 step "staged transfer check"
 rc=0
 "$PY" gpu/staged_check.py --json "$WORK/summary.json" "$@" || rc=$?
+step "staged transfer check done (exit $rc)"
+
+step "reference engine GPU check"
+ref=0
+"$PY" gpu/check_reference.py --json "$WORK/reference.json" "${cpu[@]}" || ref=$?
+step "reference engine GPU check done (exit $ref)"
+((rc == 0)) && rc=$ref
 step "done (exit $rc)"
 exit $rc

@@ -76,6 +76,36 @@ def _nics(*addrs: str) -> dict[str, str]:
     return {"PDTOOL_NICS": json.dumps({"0": ",".join(addrs)})}
 
 
+def test_a_rank_opens_every_nic_of_its_gpu() -> None:
+    """The NICs a rank opens (the worker's PDTOOL_NICS, the plan's GPU->NIC map) and where
+    each endpoint binds; the plan no longer narrows tcp/verbs to one NIC when there are more."""
+    from pdtool.plan.placement import nic_env
+    from transfer.sglang.rails import RailSpec, rail_specs
+    from transfer.workerenv import nics_for
+
+    env = {"PDTOOL_NICS": json.dumps({"0": "rdmap79s0,rdmap80s0", "1": "rdmap81s0"})}
+    assert nics_for(0, env) == ("rdmap79s0", "rdmap80s0")
+    assert nics_for(1, {**env, "PDTOOL_FI_DOMAIN": "rdmap81s0"}) == ("rdmap81s0",)
+    assert nics_for(0, {**env, "PDTOOL_FI_DOMAIN": "rdmap80s0"}) == ("rdmap80s0", "rdmap79s0")
+    assert nics_for(0, {**env, "PDTOOL_FI_DOMAIN": "eth9"}) == ("eth9",)  # a hand override
+    assert nics_for(0, {}) == ()
+    assert rail_specs("efa", ("rdmap79s0", "rdmap80s0"), "10.0.0.1") == [
+        RailSpec("rdmap79s0", "rdmap79s0", None), RailSpec("rdmap80s0", "rdmap80s0", None)]
+    assert rail_specs("tcp;ofi_rxm", ("127.0.0.2", "127.0.0.3"), "127.0.0.1") == [
+        RailSpec("127.0.0.2", None, "127.0.0.2"), RailSpec("127.0.0.3", None, "127.0.0.3")]
+    # one tcp NIC keeps SGLang's host address as node hint; several take their own
+    assert rail_specs("tcp;ofi_rxm", ("eth0",), "10.0.0.1") == [RailSpec("eth0", "eth0",
+                                                                           "10.0.0.1")]
+    assert [r.node for r in rail_specs("tcp;ofi_rxm", ("eth0", "eth1"), "10.0.0.1")] == \
+        [None, None]
+    assert rail_specs("shm", ("shm",), None) == [RailSpec("shm", None, None)]
+    assert rail_specs("tcp;ofi_rxm", (), "10.0.0.1") == [RailSpec("default", None, "10.0.0.1")]
+    assert "FI_TCP_IFACE" not in nic_env("tcp;ofi_rxm", ("eth0", "eth1"), "tcp")
+    assert nic_env("tcp;ofi_rxm", ("eth0",), "tcp")["FI_TCP_IFACE"] == "eth0"
+    assert "FI_VERBS_DEVICE_NAME" not in nic_env("verbs;ofi_rxm", ("mlx5_0", "mlx5_1"), "x")
+    assert nic_env("efa", ("a", "b"), "efa")["FI_EFA_IFACE"] == "a,b"
+
+
 def _scattered_rooms(n: int, first: int) -> dict[int, dict[str, Any]]:
     """`n` rooms of 3 scattered, non-monotonic pages, chunked 2 at a time, all into the same
     decode pool: destination page d always receives source page (7d + 3) mod 16, so rooms may

@@ -127,9 +127,12 @@ def nic_env(provider: str, nics: tuple[str, ...], kind: str) -> dict[str, str]:
         env["FI_EFA_IFACE"] = ",".join(nics)
     elif provider == "shm":
         env["FI_PROVIDER"] = "shm"
-    elif provider == "tcp;ofi_rxm" and kind == "tcp":
+    # tcp and verbs take ONE interface/device: set only for a single NIC, since with several
+    # it would hide the others from pdtool's SGLang backend, which opens an endpoint on each
+    # (transfer/sglang/rails.py; the reference engine opens the first by its domain name)
+    elif provider == "tcp;ofi_rxm" and kind == "tcp" and len(nics) <= 1:
         env["FI_TCP_IFACE"] = nics[0] if nics else ""
-    elif provider == "verbs;ofi_rxm" and nics:
+    elif provider == "verbs;ofi_rxm" and len(nics) == 1:
         env["FI_VERBS_DEVICE_NAME"] = nics[0]  # libfabric takes one device (name or prefix)
     return env
 

@@ -4,7 +4,8 @@
   multi-node instance uses whole nodes; a single-node instance fits in one node. GPUs left idle
   by packing are reported (never dropped silently).
 * Slurm: the node groups of both roles must fit `cluster.nodes`. Local: one machine.
-* The engine must suit the device (SGLang needs GPUs; the reference engine runs on CPUs).
+* The engine must suit the device (SGLang needs GPUs; the reference engine runs on CPUs, and
+  on cuda only as a check, with HND pages in fp16/bf16 that FlashInfer reads).
 * Every GPU rank needs a NIC its provider can drive, preferably on its PCIe switch, at least on
   its NUMA node; `shm` only works when prefill and decode share a node.
 """
@@ -15,7 +16,7 @@ import math
 
 from pdtool.plan import PROVIDER_NIC_KINDS, choose_nics, placements
 from pdtool.rules.finding import Finding, error, warning
-from pdtool.schema import ROLES, Config, role, role_dims
+from pdtool.schema import ROLES, Config, kv_dtype, role, role_dims
 
 
 def check_instance_fit(cfg: Config) -> list[Finding]:
@@ -120,14 +121,26 @@ def check_engine_device(cfg: Config) -> list[Finding]:
             )
         ]
     if e == "reference" and dev != "cpu":
-        return [
+        out = [
             warning(
                 "engine.kind",
-                f"the reference engine runs on CPUs; the GPUs of cluster={cfg.cluster.name} "
-                "stay idle",
-                "use engine=sglang on GPU clusters",
+                f"the reference engine on cluster={cfg.cluster.name} (device={dev}) puts its "
+                "weights on one GPU per rank with FlashInfer decode attention over host-mapped "
+                "KV pages: a check of the KV path (not yet run on a GPU), not a serving engine",
+                "use engine=sglang to serve on GPU clusters",
             )
         ]
+        for r in ROLES:
+            rc = role(cfg, r)
+            if rc.kv_layout != "HND":
+                out.append(error(f"{r}.kv_layout", f"the reference engine's GPU path reads "
+                                 f"FlashInfer's HND pages, got {rc.kv_layout}",
+                                 "set transfer.layout=HND"))
+            if cfg.model.attention != "mla" and kv_dtype(cfg.model, rc) not in ("bf16", "fp16"):
+                out.append(error(f"{r}.kv_dtype", f"FlashInfer's decode reads fp16 or bf16 "
+                                 f"pages, got {kv_dtype(cfg.model, rc)}",
+                                 f"set {r}.kv_dtype=fp16"))
+        return out
     return []
 
 

@@ -189,7 +189,12 @@ class PrefillMessenger(MessengerThread):
     writes; pass `progress` to share one with other code, else one is allocated."""
 
     role = "prefill"
-    WAIT_SLICE_S = 0.001   # longest wait for the engine before control messages are read
+    # longest C wait for the engine (or for writes in flight) before control messages are
+    # read: the timer period. Each return is a Python round that takes the GIL from the engine
+    # thread between two of its torch ops; at 1 ms that was a thousand rounds a second of
+    # prefill compute. A REQUEST arriving meanwhile waits at most this, about one forward pass
+    # of the engine that would take it.
+    WAIT_SLICE_S = MessengerThread.TIMER_S
 
     def __init__(self, config: PrefillConfig, kv_buffers: Sequence[Any], layout: str = "HND",
                  aux_buffers: Sequence[Any] = (), progress: np.ndarray | None = None) -> None:

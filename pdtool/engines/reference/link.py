@@ -38,6 +38,11 @@ from .model import TinyModel
 
 log = logging.getLogger("pdtool.reference.link")
 AUX_ROWS = 256  # hidden-state rows: transfer slots on decode, requests in flight on prefill
+# How long an idle messenger thread sleeps on its sockets and command doorbell (either wakes it
+# at once): only its timers (heartbeats every 0.5 s, timeouts) wait for it. At the messenger's
+# default 5 ms, each idle decoder's thread took the GIL 200 times a second, ~4 % of a loaded core
+# (docs/benchmark.md).
+IDLE_WAIT_S = 0.02
 REDISCOVER_S = 1.0  # a silent prefill instance's /health is read this often (new addresses?)
 
 
@@ -72,6 +77,7 @@ def _common(spec: Any, model: TinyModel) -> dict[str, Any]:
         "peer_timeout_s": float(m.get("peer_timeout_s", 5.0)),
         "heartbeat_s": float(m.get("heartbeat_s", 0.5)),
         "busy_sleep_s": float(m.get("busy_sleep_s", 0.0)),
+        "idle_sleep_s": IDLE_WAIT_S,
         "name": f"{spec.role}{spec.instance}-r{spec.rank}",
     }
 
