@@ -377,6 +377,12 @@ class Child:
     """A forked child process running `fn(conn, *args)`; `get` raises the child's traceback."""
 
     def __init__(self, fn: Callable[..., None], *args: Any) -> None:
+        # imported once in the parent (nothing opened), so every forked child starts with them
+        import torch  # noqa: F401
+
+        import transfer.messenger.decode
+        import transfer.messenger.prefill  # noqa: F401
+
         ctx = mp.get_context("fork")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_quiet, args=(fn, child, *args), daemon=True)

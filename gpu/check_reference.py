@@ -194,7 +194,7 @@ def step_graph_progress(args: argparse.Namespace) -> dict[str, Any]:
         model.progress_writer.word = kv.progress
         model.progress_writer.device_word = torch.from_numpy(kv.progress.array)
     else:
-        model.to_device("cuda", PAGE, kv.progress)
+        model.to_device("cuda", PAGE, kv.progress, flashinfer=False)  # prefill: torch's
     pages = list(range(tokens // PAGE))
     batch = Batch.build([(list(np.arange(tokens) % 256), 0, pages)], PAGE).to(
         torch.device(dev))

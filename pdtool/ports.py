@@ -19,6 +19,8 @@ The reference engine binds its HTTP port, prefill's bootstrap port and its dist-
 
 from __future__ import annotations
 
+import functools
+
 from pdtool.schema import Config, RoleConfig, gpus_per_instance, role
 
 #: SGLang 0.5.23 server_args.ZMQ_TCP_PORT_DELTA, DP_ATTENTION_HANDSHAKE_PORT_DELTA, and the
@@ -57,22 +59,19 @@ def dist_offsets(cfg: Config, rc: RoleConfig) -> tuple[tuple[int, str], ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=256)
 def stride(offsets: tuple[tuple[int, str], ...], instances: int) -> int:
-    """Smallest spacing of `instances` port bases whose derived ports never meet."""
-    offs = {o for o, _ in offsets}
+    """Smallest spacing of `instances` port bases whose derived ports never meet.
+
+    Instances i < j collide when two offsets differ by (j - i) * s, so a spacing is good when
+    no offset difference is a multiple k * s with 0 < k < instances. Cached: the planner and
+    the port rule ask it once per instance."""
+    offs = sorted({o for o, _ in offsets})
+    diffs = {b - a for a in offs for b in offs if b > a}
     s = 1
-    while True:
-        taken: set[int] = set()
-        ok = True
-        for i in range(instances):
-            mine = {s * i + o for o in offs}
-            if taken & mine:
-                ok = False
-                break
-            taken |= mine
-        if ok:
-            return s
+    while any(d % s == 0 and d // s < instances for d in diffs):
         s += 1
+    return s
 
 
 def http_stride(cfg: Config, rname: str) -> int:

@@ -375,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         print(startup_line(ctx, node, choice), flush=True)
         if choice is not None:  # on host-memory KV the start line says gpu_memory=host
             print(f"pdtool-worker: {choice.line()}", flush=True)
+            # the SGLang backend moves KV the way this line says (transfer/sglang)
+            ctx.env[workerenv.GPU_MEMORY.name] = choice.path
+            os.environ[workerenv.GPU_MEMORY.name] = choice.path
         if workerenv.flag(workerenv.PREFLIGHT):
             print("pdtool-worker: preflight: not starting the engine", flush=True)
             return run_preflight(ctx)

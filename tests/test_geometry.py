@@ -189,8 +189,9 @@ def test_buffer_layouts_read_sglang_item_lengths() -> None:
 
 @pytest.mark.parametrize(("mla", "heads", "p_tp", "d_tp", "per_page"), [
     (False, 8, 8, 8, 1),        # equal TP: one write per (page, buffer)
-    (False, 8, 8, 4, 2 * 64),   # each decode rank rebuilds from 2 prefill ranks, per token
-    (False, 8, 4, 8, 64),       # each decode rank takes half of one prefill rank's heads
+    (False, 8, 8, 4, 2),        # each decode rank rebuilds from 2 prefill ranks: a packed
+                                # head slice per page and source (not one write per token)
+    (False, 8, 4, 8, 1),        # each decode rank takes half of one prefill rank's heads
     (True, 1, 8, 2, 1),         # MLA: latent replicated, one source
 ])
 def test_expected_writes_follow_the_routes(mla, heads, p_tp, d_tp, per_page) -> None:
@@ -210,7 +211,7 @@ def test_pool_axes_decide_the_runs_of_a_partial_head_slice() -> None:
     assert G.messenger_pool("HND").runs_per_page(64) == 2
     assert G.messenger_pool("HND", mla=True).runs_per_page(64) == 1
     assert G.messenger_pool("NHD").runs_per_page(64) == 64
-    assert G.sglang_pool(False).runs_per_page(16) == 16
+    assert G.sglang_pool(False).runs_per_page(16) == 1  # the backend packs slices first
     heads_outer = G.PagePool("heads outer", "HND", ("heads", "parts", "tokens", "dim"), ("KV",),
                              2, whole_prompt=False)
     assert heads_outer.runs_per_page(64) == 1

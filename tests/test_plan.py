@@ -22,7 +22,7 @@ from pdtool.plan import (
     rank_cpus,
     to_json,
 )
-from pdtool.rules.sglang import sglang_writes_per_request
+from pdtool.rules import validate
 from pdtool.schema import Config
 from transfer import geometry as G
 from transfer import routes as R
@@ -209,24 +209,23 @@ def test_sglang_routes_count_its_own_pools(layout):
         1,
     )
     assert {i.kv_layout for i in build_plan(cfg).instances} == {"NHD"}
-    for route in t.routes:
-        assert [s.writes_per_page for s in route.slices] == [64, 64]  # a head run per token
-        assert route.writes_per_request == _expected(1000, 64, 80, 128, SGLANG_AUX,
+    for route in t.routes:  # each head slice packed into staging: one write per page shard
+        assert [s.writes_per_page for s in route.slices] == [1, 1]
+        assert route.writes_per_request == _expected(1000, 64, 80, 2, SGLANG_AUX,
                                                      buffers=2)
 
 
 def test_sglang_plan_and_rule_count_the_same_writes():
     cfg = recipe("llama-3.1-70b")  # engine=sglang, GQA 8 KV heads, prefill TP8 -> decode TP4
     t = build_plan(cfg, tokens=4096).transfer
-    worst, equal = sglang_writes_per_request(cfg, 4096)
-    # 64 pages x 80 layers x 2 buffers (K, V) x 2 slices x 64 tokens + 10 metadata buffers
-    assert {r.writes_per_request for r in t.routes} == {worst} == {1_310_730}
-    assert equal == 64 * 80 * 2 + SGLANG_AUX  # the warning's figures (tests/test_rules.py)
+    # 64 pages x 80 layers x 2 buffers (K, V) x 2 source shards + 10 metadata buffers: the
+    # backend packs each page's head slice into staging (before: x 64 tokens, 1,310,730)
+    assert {r.writes_per_request for r in t.routes} == {64 * 80 * 2 * 2 + SGLANG_AUX}
+    assert not [f for f in validate(cfg) if f.key == "decode.tp"]  # nothing to warn of
     mla = recipe("deepseek-r1")  # one latent buffer per layer, every rank holds it
     t = build_plan(mla, tokens=4096).transfer
     assert (t.layout, t.buffers_per_layer, t.kv_parts) == ("NHD", 1, 1)
-    assert {r.writes_per_request for r in t.routes} == {sglang_writes_per_request(mla)[0]}
-    assert sglang_writes_per_request(mla) == (_expected(4096, 64, 61, 1, SGLANG_AUX),) * 2
+    assert {r.writes_per_request for r in t.routes} == {_expected(4096, 64, 61, 1, SGLANG_AUX)}
 
 
 def test_plan_output_shows_the_layout_written():
@@ -238,7 +237,7 @@ def test_plan_output_shows_the_layout_written():
     out = shown(recipe("llama-3.1-70b", "transfer.layout=HND"))
     assert "layout NHD (sglang pools, K and V buffers per layer; transfer.layout does not" in out
     assert "(64 pages x 80 layers x 2 buffers (K, V) + 10 aux)" in out
-    assert "1,310,730" in out
+    assert "20,490" in out  # 64 x 80 x 2 x 2 source shards + 10 (head slices packed)
     out = shown(recipe("deepseek-r1"))
     assert "layout NHD (sglang pools, one buffer per layer;" in out
     out = shown(recipe("llama-3.1-70b", *REFERENCE))
@@ -259,9 +258,11 @@ def test_routes_gqa_decode_has_more_shards():
         (s,) = route.slices
         assert s.src_candidates == (d // 2,)
         assert (s.head_lo, s.num_heads, s.src_head_off, s.dst_head_off) == (d, 1, d % 2, 0)
+    assert {r.writes_per_page for r in routes} == {1}  # engine=sglang packs the slice
     nhd = build_plan(
         recipe(
             "llama-3.1-70b",
+            *REFERENCE,
             "prefill.tp=4",
             "decode.tp=8",
             "decode.instances=1",
@@ -297,7 +298,8 @@ def test_routes_dp_attention_pairs_groups():
     [
         (REFERENCE, "HND", 1, 1),  # the messenger's pages: K and V fused, one buffer per layer
         ((*REFERENCE, "transfer.layout=NHD"), "NHD", 1, 1),
-        ((), "NHD", 2, SGLANG_AUX),  # engine=sglang: its NHD pools, separate K and V buffers
+        # engine=sglang: its NHD pools, separate K and V buffers, head slices packed
+        ((), G.sglang_pool(False), 2, SGLANG_AUX),
     ],
 )
 def test_routes_match_transfer_routes_module(overrides, layout, buffers, aux):

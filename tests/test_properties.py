@@ -201,3 +201,16 @@ def test_validate_cli_never_crashes_on_hostile_overrides(overrides, multirun):
     assert "Traceback" not in out.getvalue() + err.getvalue()
     if code == 1:
         assert (out.getvalue() + err.getvalue()).strip()  # says why
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=12), st.integers(1, 9))
+def test_port_stride_is_the_smallest_spacing_whose_instances_never_share_a_port(offs, n):
+    from pdtool.ports import stride
+
+    s = stride(tuple((o, "port") for o in offs), n)
+    ports = [{s * i + o for o in offs} for i in range(n)]
+    assert sum(map(len, ports)) == len(set().union(*ports))  # no two instances meet
+    if s > 1:  # and one less would make two of them meet
+        tighter = [{(s - 1) * i + o for o in offs} for i in range(n)]
+        assert sum(map(len, tighter)) > len(set().union(*tighter))

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
-from pdtool_cfg import assert_error, assert_warning, compose, recipe
+from pdtool_cfg import assert_error, compose, recipe
 
 from pdtool.rules import validate
 
@@ -66,15 +66,8 @@ def test_entry_point_registers_backend_in_a_fresh_sglang_process() -> None:
     assert "backend pdtool" in out
 
 
-def test_validate_warns_about_token_writes_for_sglang_tp_mismatch() -> None:
-    cfg = recipe("llama-3.1-70b")  # engine=sglang, GQA 8 heads, prefill TP8 -> decode TP4
-    # 64 pages x 80 layers x K, V (x 128 per page, or 1) + SGLang's 10 metadata buffers
-    f = assert_warning(cfg, "decode.tp", "engine=sglang keeps NHD", "64 per page",
-                       "1310730 writes instead of 10250")
-    assert "same attention TP" in f.fix
-
-
 @pytest.mark.parametrize("overrides", [
+    (),                                                      # TP8 -> TP4: slices packed
     ("engine=sglang", "prefill.tp=4", "decode.tp=4"),        # equal TP: one write per page
     ("engine=reference",),                                   # HND pools, no SGLang
 ])

@@ -16,6 +16,11 @@ head slice of a page is (`PagePool.runs_per_page`): the product of the axes outs
   sglang MHA      K and V buffers per layer, [slots, heads, dim]; page p = slots [pP, (p+1)P)
   sglang MLA      one latent buffer per layer, [slots, 1, kv_lora_rank + rope]
 
+SGLang's pools are NHD, yet pdtool's SGLang backend never writes a head slice token by token:
+where a slice of a page is not contiguous it gathers the slice into a registered staging buffer
+first (`transfer/sglang/staging_plane.py`), so each (page, layer buffer, source shard) is one
+write (`PagePool.packed_slices`).
+
 The messenger stops one token short (decode recomputes the last prompt token: its first decode
 step); SGLang's decoder allocates, and its prefill sends, every prompt token's KV
 (`kv_to_page_indices` of the whole prompt).
@@ -56,6 +61,9 @@ class PagePool:
     buffers: tuple[str, ...]
     parts: int
     whole_prompt: bool
+    # the sender packs a page's head slice into one contiguous run before writing it (a
+    # staging gather), whatever the pool's axes: one write per (page, buffer, slice)
+    packed_slices: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -68,7 +76,10 @@ class PagePool:
         return len(self.buffers)
 
     def runs_per_page(self, page_size: int) -> int:
-        """Contiguous runs a partial head slice of one page is: the axes outside `heads`."""
+        """Contiguous runs a partial head slice of one page is: the axes outside `heads`
+        (1 when the sender packs slices into staging first)."""
+        if self.packed_slices:
+            return 1
         sizes = {"tokens": page_size, "parts": self.parts}
         outer = self.axes[: self.axes.index("heads")]
         return math.prod(sizes.get(a, 1) for a in outer)
@@ -102,9 +113,12 @@ def messenger_pool(layout: str, mla: bool = False, kv_parts: int | None = None) 
 
 
 def sglang_pool(mla: bool) -> PagePool:
-    """SGLang 0.5.23's device pools: NHD slot rows, K and V apart (MLA: one latent buffer)."""
+    """SGLang 0.5.23's device pools: NHD slot rows, K and V apart (MLA: one latent buffer).
+    pdtool's backend packs a partial head slice of a page into staging before writing it
+    (`packed_slices`), so a TP mismatch costs one write per page and source shard, not one per
+    token."""
     return PagePool("sglang MLA" if mla else "sglang MHA", "NHD", ("tokens", "heads", "dim"),
-                    ("latent",) if mla else ("K", "V"), 1, whole_prompt=True)
+                    ("latent",) if mla else ("K", "V"), 1, whole_prompt=True, packed_slices=True)
 
 
 def _pool(layout: str | PagePool) -> PagePool:
@@ -199,7 +213,7 @@ def writes_per_page(sl: Slice, src: ShardSpec, dst: ShardSpec, layout: str | Pag
 
     A slice covering every local head on both sides is one contiguous page; a partial head run
     is `PagePool.runs_per_page` writes (HND: one per part, 2 for fused K/V, 1 for a latent;
-    NHD: one per token).
+    NHD: one per token; a pool whose sender packs slices into staging: 1).
     """
     pool = _pool(layout)
     whole = sl.num_heads == src.heads_per_rank == dst.heads_per_rank

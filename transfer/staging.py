@@ -36,6 +36,14 @@ Receiver (decode)::
 Both sides work on flat uint8 views of the KV buffers (torch tensors, CUDA or CPU). CUDA is
 imported only when a tensor is a CUDA tensor: on CPU the "device copy" is a host copy through
 the same code, which is what the CPU tests exercise.
+
+Head slices (SGLang's backend, `transfer/sglang/staging_plane.py`): the same pools serve a TP
+mismatch on NHD pools. `_Copier.gather_slice` packs heads [h, h+n) of a page's token rows into
+one contiguous run `[tokens, n, head]` of a bounce buffer (one index_select; on a device on the
+side stream, with an event), so the run is one write; `_Copier.scatter_slice` puts landed runs
+back into the NHD rows once the count is reached. `BouncePool.try_take` / `LandingPool.
+reserve_blocks` never block: the caller keeps the request waiting for space instead.
+`tensor_at` views memory SGLang allocated (its pools' data pointers) as such a tensor.
 """
 
 from __future__ import annotations
@@ -52,7 +60,8 @@ import numpy as np
 
 from .fabric import DEFAULT_TIMEOUT_S, Endpoint, FabricError, MemoryRegion, RemoteRegion
 
-__all__ = ["BouncePool", "Chunk", "LandingGrant", "LandingPool", "StagedSender"]
+__all__ = ["BouncePool", "Chunk", "LandingGrant", "LandingPool", "StagedSender", "landing_offsets",
+           "tensor_at"]
 
 
 @dataclass
@@ -89,6 +98,46 @@ def _nbytes(t: Any) -> int:
 
 def _is_cuda(t: Any) -> bool:
     return getattr(getattr(t, "device", None), "type", "cpu") == "cuda"
+
+
+class _DeviceMemory:
+    """A raw CUDA range as `__cuda_array_interface__`, so torch can view it without a copy."""
+
+    def __init__(self, addr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (addr, False), "version": 3}
+
+
+def tensor_at(addr: int, nbytes: int, device: Any = "cpu") -> Any:
+    """A flat uint8 torch tensor over memory someone else owns (SGLang's pool buffers, given as
+    `KVArgs.kv_data_ptrs/lens`); the owner keeps it alive. CPU: through numpy; CUDA: through
+    `__cuda_array_interface__` (no CUDA import for CPU memory)."""
+    import ctypes
+
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.as_tensor(_DeviceMemory(addr, nbytes), device=dev)
+    raw = (ctypes.c_uint8 * nbytes).from_address(addr)
+    return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8))
+
+
+def landing_offsets(blocks: Sequence[int] | np.ndarray, block_bytes: int, unit: int,
+                    index: np.ndarray) -> np.ndarray:
+    """Byte offsets in a LandingPool's memory of landing units `index` of a transfer granted
+    `blocks` (`reserve_blocks`): units of `unit` bytes, `block_bytes // unit` per block, in
+    order. The one packing rule both sides use (the sender computes where its writes go from
+    the block ids alone, so they travel instead of one offset per write)."""
+    per = block_bytes // unit
+    if per < 1:
+        raise ValueError(f"landing: a {unit}-byte unit does not fit a {block_bytes}-byte block")
+    index = np.asarray(index, dtype=np.int64)
+    b = np.asarray(blocks, dtype=np.int64)
+    if len(index) and int(index.max()) >= len(b) * per:
+        raise ValueError(f"landing: unit {int(index.max())} is past the {len(b)} granted "
+                         f"block(s) of {per} unit(s)")
+    return (b[index // per] * block_bytes + (index % per) * unit).astype(np.uint64)
 
 
 def _uniform(offsets: np.ndarray, lengths: np.ndarray, *buffers: Any) -> int:
@@ -142,6 +191,39 @@ class _Copier:
             event.record(self.stream)
         return event, keep  # keep the packed temporary alive until the event
 
+    def gather_slice(self, src: Any, rows: Any, head_lo: int, heads: int, out: Any) -> Any:
+        """Pack heads [head_lo, head_lo + heads) of token rows `rows` (int64) of an NHD buffer
+        `src` ([slots, heads_local, head_bytes] uint8) into `out` as [rows, heads, head_bytes],
+        one contiguous run; returns a handle (`wait`/`done`)."""
+        n = len(rows) * heads * src.shape[2]
+        if not self.cuda:
+            view = out[:n].view(len(rows), heads, src.shape[2])
+            return self._thread.submit(torch_index_select, src[:, head_lo:head_lo + heads],
+                                       rows, view)
+        torch = self._torch
+        self.stream.wait_stream(torch.cuda.current_stream(src.device))  # the pages are ready
+        with torch.cuda.stream(self.stream):
+            idx = rows.to(src.device, non_blocking=True)
+            keep = src[:, head_lo:head_lo + heads].index_select(0, idx)  # packed on the GPU
+            out[:n].view_as(keep).copy_(keep, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event, keep
+
+    def scatter_slice(self, landed: Any, dst: Any, rows: Any, head_lo: int, heads: int) -> None:
+        """The reverse of `gather_slice`, after the count: `landed` ([rows, heads, head_bytes],
+        landing memory) into heads [head_lo, +heads) of token rows `rows` of `dst`; returns
+        once the data is there."""
+        if not self.cuda:
+            dst[rows, head_lo:head_lo + heads] = landed
+            return
+        torch = self._torch
+        self.stream.wait_stream(torch.cuda.current_stream(dst.device))  # earlier uses of dst
+        with torch.cuda.stream(self.stream):
+            idx = rows.to(dst.device, non_blocking=True)
+            dst[idx, head_lo:head_lo + heads] = landed.to(dst.device, non_blocking=True)
+        self.stream.synchronize()
+
     # ------------------------------------------------------------------ receiver: scatter
     def scatter(self, host: Any, host_offsets: np.ndarray, dst: Any, offsets: np.ndarray,
                 lengths: np.ndarray) -> None:
@@ -192,6 +274,13 @@ def _runs(offsets: np.ndarray, size: int) -> list[tuple[int, int]]:
     breaks = np.flatnonzero(np.diff(offsets.astype(np.int64)) != size) + 1
     edges = [0, *breaks.tolist(), len(offsets)]
     return list(itertools.pairwise(edges))
+
+
+def torch_index_select(src: Any, rows: Any, out: Any) -> None:
+    """index_select into `out` (a view of bounce memory), on the copier's worker thread."""
+    import torch
+
+    torch.index_select(src, 0, rows, out=out)
 
 
 def _gather_into(src: Any, offsets: np.ndarray, lengths: np.ndarray, out: Any) -> None:
@@ -257,7 +346,8 @@ class BouncePool:
     send_done[tag_base + i]; it is free again once they all completed."""
 
     def __init__(self, ep: Endpoint, *, buffers: int = 4, buffer_bytes: int = 8 << 20,
-                 device: Any = "cpu", tag_base: int | None = None) -> None:
+                 device: Any = "cpu", tag_base: int | None = None,
+                 on_device: bool = False) -> None:
         if buffers < 2:
             raise ValueError(f"BouncePool: buffers must be >= 2 to overlap copies and writes, "
                              f"got {buffers}")
@@ -274,12 +364,17 @@ class BouncePool:
         self.buffers = buffers
         self.buffer_bytes = buffer_bytes
         self.tag_base = tag_base
-        self.memory = _host_memory(buffers * buffer_bytes, pinned=self.device.type == "cuda")
-        self.mr: MemoryRegion = ep.register_buffer(self.memory, remote_write=False)
+        # on_device (transfer.gpu_memory=direct with a TP mismatch: the gather only packs head
+        # slices, the memory stays where the provider reads it); else pinned host memory
+        self.on_device = on_device and self.device.type == "cuda"
+        self.memory, self.mr = _registered(ep, buffers * buffer_bytes, self.device,
+                                           self.on_device, remote_write=False)
         self._ep = ep
         self.posted = np.zeros(buffers, dtype=np.int64)  # operations posted per buffer, ever
+        self.errored = np.zeros(buffers, dtype=np.int64)  # of those, completed with an error
         self._free = collections.deque(range(buffers))
         self._inflight: list[int] = []  # posted, writes not yet all completed (oldest first)
+        self.leaked: set[int] = set()  # writes never completed: never reused
         self.in_use_peak = 0
 
     @property
@@ -297,6 +392,30 @@ class BouncePool:
     def _target(self, i: int) -> int:
         return int(self.posted[i] & 0xFFFFFFFF)  # send_done is uint32
 
+    def in_use(self) -> int:
+        return self.buffers - len(self._free) - len(self.leaked)
+
+    def try_take(self) -> int | None:
+        """A free buffer, or None while all are in use (the caller waits, never allocates)."""
+        if not self._free:
+            self.reclaim(block=False, timeout=0)
+            if not self._free:
+                return None
+        i = self._free.popleft()
+        self.in_use_peak = max(self.in_use_peak, self.buffers - len(self._free))
+        return i
+
+    def give_back(self, i: int) -> None:
+        """A taken buffer none of whose writes was posted (its room failed first)."""
+        self._free.append(i)
+
+    def leak(self, i: int) -> None:
+        """Buffer i's writes will never be known complete (a peer that never drained): it
+        leaves the pool for good rather than be overwritten under a posted write."""
+        if i in self._inflight:
+            self._inflight.remove(i)
+        self.leaked.add(i)
+
     def take(self, timeout: float) -> int:
         """A free buffer; waits (driving the endpoint's writes) while all are in use."""
         if not self._free:
@@ -310,18 +429,33 @@ class BouncePool:
         self.posted[i] += ops
         self._inflight.append(i)
 
-    def reclaim(self, *, block: bool, timeout: float) -> None:
-        """Free the buffers whose writes all completed; with `block`, wait for the oldest one
-        when none has (FabricError on timeout or when one of its writes failed)."""
+    def owns_tag(self, tag: int) -> bool:
+        return self.tag_base <= tag < self.tag_base + self.buffers
+
+    def failed_write(self, tag: int) -> int:
+        """A completion error on buffer `tag - tag_base`'s tag: that write is settled too (so
+        the buffer comes free); returns the buffer."""
+        i = tag - self.tag_base
+        self.errored[i] += 1
+        return i
+
+    def _complete(self, i: int) -> bool:
+        done = int(self._ep.send_done[self.tag_base + i]) + int(self.errored[i] & 0xFFFFFFFF)
+        return done & 0xFFFFFFFF >= self._target(i)
+
+    def reclaim(self, *, block: bool, timeout: float) -> list[int]:
+        """Free the buffers whose writes all completed (or failed), returning them; with
+        `block`, wait for the oldest one when none has (FabricError on timeout)."""
         deadline = time.monotonic() + timeout
+        freed: list[int] = []
         while True:
-            done = [i for i in self._inflight
-                    if int(self._ep.send_done[self.tag_base + i]) >= self._target(i)]
+            done = [i for i in self._inflight if self._complete(i)]
             for i in done:
                 self._inflight.remove(i)
                 self._free.append(i)
+            freed += done
             if self._free or not block or not self._inflight:
-                return
+                return freed
             oldest = self._inflight[0]
             left = deadline - time.monotonic()
             if left <= 0 or not self._ep.wait_send(self.tag_base + oldest, self._target(oldest),
@@ -343,7 +477,22 @@ class BouncePool:
 
     def close(self) -> None:
         self.mr.close()
-        _release_host_memory(self.memory, self.device.type == "cuda")
+        if not self.on_device:
+            _release_host_memory(self.memory, self.device.type == "cuda")
+
+
+def _registered(ep: Endpoint, nbytes: int, device: Any, on_device: bool,
+                **kw: Any) -> tuple[Any, MemoryRegion]:
+    """Staging memory and its registration: device memory registered as CUDA memory (direct
+    path) or pinned host memory (`_host_memory`)."""
+    if on_device:
+        import torch
+
+        mem = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        return mem, ep.register(mem.data_ptr(), nbytes, iface="cuda",
+                                device=device.index or 0, **kw)
+    mem = _host_memory(nbytes, pinned=device.type == "cuda")
+    return mem, ep.register_buffer(mem, **kw)
 
 
 @dataclass
@@ -454,7 +603,7 @@ class LandingPool:
     and a request that does not fit waits for an earlier one's release."""
 
     def __init__(self, ep: Endpoint, *, capacity_bytes: int, block_bytes: int = 1 << 20,
-                 device: Any = "cpu") -> None:
+                 device: Any = "cpu", on_device: bool = False) -> None:
         if block_bytes < 1 or capacity_bytes < block_bytes:
             raise ValueError(f"LandingPool: need 1 <= block_bytes <= capacity_bytes, got "
                              f"{block_bytes}, {capacity_bytes}")
@@ -463,9 +612,10 @@ class LandingPool:
         self.device = torch.device(device)
         self.block_bytes = block_bytes
         self.nblocks = capacity_bytes // block_bytes
-        self.memory = _host_memory(self.nblocks * block_bytes,
-                                   pinned=self.device.type == "cuda")
-        self.mr = ep.register_buffer(self.memory)
+        # on_device: a registered device landing area (direct path, TP mismatch); else host
+        self.on_device = on_device and self.device.type == "cuda"
+        self.memory, self.mr = _registered(ep, self.nblocks * block_bytes, self.device,
+                                           self.on_device)
         self._free = collections.deque(range(self.nblocks))
         self._copier = _Copier(self.device)
 
@@ -476,6 +626,23 @@ class LandingPool:
     @property
     def free_blocks(self) -> int:
         return len(self._free)
+
+    def reserve_blocks(self, count: int) -> tuple[int, ...] | None:
+        """`count` free blocks (any order), or None while fewer are free (ValueError when the
+        pool could never hold them): the caller keeps the transfer waiting."""
+        if count > self.nblocks:
+            raise ValueError(f"LandingPool: the transfer needs {count} blocks of "
+                             f"{self.block_bytes} B, the pool has {self.nblocks}")
+        if count > len(self._free):
+            return None
+        return tuple(self._free.popleft() for _ in range(count))
+
+    def release_blocks(self, blocks: Sequence[int]) -> None:
+        self._free.extend(blocks)
+
+    @property
+    def copier(self) -> _Copier:
+        return self._copier
 
     def reserve(self, lengths: np.ndarray) -> LandingGrant | None:
         """Landing offsets for writes of these lengths, or None while not enough blocks are
@@ -520,4 +687,5 @@ class LandingPool:
     def close(self) -> None:
         self._copier.close()
         self.mr.close()
-        _release_host_memory(self.memory, self.device.type == "cuda")
+        if not self.on_device:
+            _release_host_memory(self.memory, self.device.type == "cuda")

@@ -30,6 +30,7 @@ This module is in `transfer/` because the SGLang backend and the messenger read 
     PDTOOL_FI_DOMAIN          the libfabric domain (NIC) of all of this process's ranks
     PDTOOL_NICS               JSON {gpu id: "nic,nic"}: each rank's NICs, by its local GPU
                               (the SGLang backend opens every one, the reference engine the first)
+    PDTOOL_GPU_MEMORY         direct | staged: the path transfer.gpu_memory resolved to here
   fallback and test hooks:
     PDTOOL_SECRET             the secret itself, only when no secret file is given (tests,
                               hand-run SGLang workers); never set by pdtool
@@ -116,6 +117,13 @@ NICS = Var("PDTOOL_NICS", "pdtool.worker", "SGLang backend, reference engine",
            "GPU->NIC map: the NICs on its PCIe switch); the SGLang backend opens an endpoint on "
            "every one of them, the reference engine on the first")
 
+GPU_MEMORY = Var("PDTOOL_GPU_MEMORY", "pdtool.worker (its transfer.gpu_memory decision)",
+                 "SGLang backend", "direct | staged: how KV in GPU memory reaches the fabric on "
+                 "this node (transfer.gpu_memory, as the worker resolved it and printed in its "
+                 "start line): `direct` registers SGLang's pools, `staged` moves KV through "
+                 "registered host bounce and landing buffers; unset: the backend decides as "
+                 "`auto` does")
+
 # -- fallback and test hooks ------------------------------------------------------------------
 SECRET = Var("PDTOOL_SECRET", "tests, hand-run SGLang workers (never pdtool)", "SGLang backend",
              "the secret itself, read only when PDTOOL_SECRET_FILE is not set")
@@ -133,7 +141,7 @@ HOPS = Var("PDTOOL_HOPS", "bench/ttft_hops.py", "bench/hops/sitecustomize.py",
 VARIABLES: tuple[Var, ...] = (
     RUN_DIR, PYTHON, SECRET_FILE, HOSTS, PREFLIGHT, EXIT_WHEN_HEALTHY,
     PLAN, ROLE, INSTANCE, RANK, NODE_RANK,
-    FI_PROVIDER, FI_DOMAIN, NICS,
+    FI_PROVIDER, FI_DOMAIN, NICS, GPU_MEMORY,
     SECRET, CONTROL_FAULTS, REFERENCE_ALLOW_FAULTS, HOPS,
 )
 BY_NAME: dict[str, Var] = {v.name: v for v in VARIABLES}
@@ -200,6 +208,15 @@ def domain_for(gpu: int | None, environ: Mapping[str, str] | None = None) -> str
         return shared
     own = nics(environ).get(int(gpu or 0), ())
     return own[0] if own else None
+
+
+def gpu_memory(environ: Mapping[str, str] | None = None) -> str | None:
+    """PDTOOL_GPU_MEMORY (`direct` or `staged`), or None when unset; WorkerEnvError naming it
+    for anything else."""
+    value = GPU_MEMORY.get(environ)
+    if value is not None and value not in ("direct", "staged"):
+        raise WorkerEnvError(f"{GPU_MEMORY.name}={value!r}: expected direct or staged")
+    return value
 
 
 def nics_for(gpu: int | None, environ: Mapping[str, str] | None = None) -> tuple[str, ...]:

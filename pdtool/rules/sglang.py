@@ -2,15 +2,12 @@
 
 Only for `engine.kind=sglang`. SGLang 0.5.23 keeps its own KV pools, NHD per layer buffer with
 separate K and V buffers (MLA: one latent buffer), whatever `transfer.layout` says. The backend
-therefore writes:
-  * one contiguous write per (page, layer buffer) when prefill and decode shard heads alike
-    (equal attention TP, or MLA whose latent every rank holds);
-  * one write per token per (page, layer buffer, source rank) for MHA/GQA with different
-    attention TP: a head slice of an NHD page is not contiguous. It works, but costs
-    `page_size` times the ops; the warning shows the count so the user can pick equal TP.
-The counts are the plan's (`pdtool.plan.route_plans`, in SGLang's pools and metadata buffers as
-`transfer.geometry` describes them), so the warning and `pdtool plan` always show the same number.
-SGLang flags for state the backend does not carry (draft KV, PP, CP, KV sharding) are errors.
+writes one write per (page, layer buffer, source shard) in every case: with equal attention TP
+(or MLA's replicated latent) a page is contiguous, and with different MHA/GQA attention TP it
+gathers each page's head slice into a registered staging buffer first
+(`transfer/sglang/staging_plane.py`), so there is no per-token write count to warn about; the
+plan shows the count (`transfer.geometry`). SGLang flags for state the backend does not carry
+(draft KV, PP, CP, KV sharding) are errors.
 Speculative decoding runs when the algorithm needs nothing but the metadata buffers (its draft
 hidden state and top-k travel in them): NGRAM, UNO and FROZEN_KV_MTP; those whose draft model
 keeps its own KV pool (EAGLE/NEXTN/MTP, EAGLE3, STANDALONE, DFLASH, DSPARK) are refused.
@@ -19,52 +16,17 @@ keeps its own KV pool (EAGLE/NEXTN/MTP, EAGLE3, STANDALONE, DFLASH, DSPARK) are 
 from __future__ import annotations
 
 from pdtool.plan import (
-    DEFAULT_TOKENS,
     SGLANG_SPECULATIVE_FLAG,
-    equal_sharding_writes,
-    route_plans,
     sglang_flag_value,
     sglang_speculative,
-    shard_spec,
 )
-from pdtool.rules.finding import Finding, error, warning
+from pdtool.rules.finding import Finding, error
 from pdtool.schema import Config
 from transfer.geometry import (
     SGLANG_SPEC_ALGORITHMS,
     SGLANG_SPEC_DRAFT_KV,
     SGLANG_SPEC_HIDDEN_STATES,
 )
-
-
-def sglang_writes_per_request(cfg: Config, tokens: int = DEFAULT_TOKENS) -> tuple[int, int]:
-    """(worst decode rank's writes for a `tokens` request, same with equal sharding).
-
-    Both are `transfer.geometry.expected_writes` in SGLang's pools, as the plan counts them.
-    """
-    worst = max(r.writes_per_request for r in route_plans(cfg, tokens))
-    return worst, equal_sharding_writes(cfg, tokens)
-
-
-def check_sglang_nhd_tp_mismatch(cfg: Config) -> list[Finding]:
-    """Warn when SGLang's NHD pools make the backend write token by token."""
-    if cfg.engine.kind != "sglang":
-        return []
-    if all(r.writes_per_page == len(r.slices) for r in route_plans(cfg, DEFAULT_TOKENS)):
-        return []  # whole pages (equal sharding, MLA's latent): one write per page and buffer
-    src, dst = shard_spec(cfg, "prefill"), shard_spec(cfg, "decode")
-    worst, equal = sglang_writes_per_request(cfg)
-    return [
-        warning(
-            "decode.tp",
-            f"engine=sglang keeps NHD KV pools (transfer.layout does not apply): with prefill "
-            f"attention TP {src.attn_tp} -> decode {dst.attn_tp} each {cfg.model.attention} "
-            f"head slice is one write per token, {cfg.decode.page_size} per page and layer "
-            f"buffer; a {DEFAULT_TOKENS}-token request costs {worst} writes instead of {equal}",
-            "give prefill and decode the same attention TP (prefill.tp / decode.tp), "
-            "or use engine=reference with transfer.layout=HND",
-        )
-    ]
-
 
 #: SGLang flags whose extra KV state the backend does not carry (its start-up error says the
 #: same); flag -> what it enables. Size flags count only when set above 1.
@@ -158,4 +120,4 @@ def check_sglang_speculative(cfg: Config) -> list[Finding]:
     return out
 
 
-ALL = (check_sglang_nhd_tp_mismatch, check_sglang_unsupported_args, check_sglang_speculative)
+ALL = (check_sglang_unsupported_args, check_sglang_speculative)

@@ -31,15 +31,17 @@ and V buffers, MLA `[slots, 1, kv_lora_rank + rope]` — and page p is slots [p*
   * equal attention TP, or MLA (replicated latent): a page of a layer buffer is contiguous on
     both sides: ONE write per (page, layer buffer), grouped per operation;
   * MHA/GQA with different prefill and decode TP: each decode rank receives, from each source
-    rank `transfer.routes.routes_for` names, only its head slice, which in NHD is one run per
-    token: `page_size` writes per (page, layer buffer, source). Correct and counted, but the
-    op count grows with the page size; `pdtool validate` warns and shows it
-    (`pdtool/rules/sglang.py`). Staging into HND is not implemented.
+    rank `transfer.routes.routes_for` names, only its head slice, which in NHD would be one run
+    per token; the prefill packs it into a registered bounce buffer and the decoder lands it in
+    a staging area it scatters from before Success (or in place where the slice is all of its
+    heads): one write per (page, layer buffer, source) — `staging_plane.py`;
+  * `transfer.gpu_memory=staged` (PDTOOL_GPU_MEMORY): every page goes through the host bounce
+    and landing buffers of `staging_plane.py` instead of registered pool memory;
   * the decoder counts writes for every page it allocated; a prefill that would send a
     different number of pages fails the room at its last chunk, with the reason.
 Not supported (clear error at start-up): hybrid/state pools (Mamba, SWA, DSA, ...), pipeline
 or context parallelism, DCP, KV sharding, draft-model KV, SGLang's staging buffer, host KV
-destinations, CUDA memory until `transfer.fabric` registers it (FI_HMEM).
+destinations.
 
 Configuration (environment of every SGLang worker; the pdtool launcher sets them):
   PDTOOL_FI_PROVIDER   libfabric provider (default `tcp;ofi_rxm`; `shm` on one host, `efa`,
@@ -52,6 +54,7 @@ Configuration (environment of every SGLang worker; the pdtool launcher sets them
                        never travels in the environment (other users' `ps e`/`/proc` cannot
                        read it there either way, but crash dumps and job printouts can).
   PDTOOL_SECRET        fallback only when no secret file is given (tests, hand-run workers)
+  PDTOOL_GPU_MEMORY    direct | staged, as the worker resolved transfer.gpu_memory
 """
 
 from __future__ import annotations
@@ -89,6 +92,13 @@ from transfer.sglang.decode_plane import DecodePlane
 from transfer.sglang.prefill_plane import PrefillPlane
 from transfer.sglang.rails import RailError, Rails, rail_specs
 from transfer.sglang.sources import dummy_flags
+from transfer.sglang.staging_plane import (
+    BOUNCE_BUFFERS,
+    DecodeLanding,
+    Landing,
+    PrefillStaging,
+    kv_path,
+)
 from transfer.wire import WireError, check_secret, compat_hash, read_secret
 from transfer.wire.sglang import TAG, Frames
 from transfer.wire.sglang import facts as wire_facts
@@ -183,6 +193,11 @@ class RoomTarget:
     required_dst_info_num: int
     is_dummy: bool
     decode_prefix_len: int
+    # the decode rank's landing area for this request (staging_plane), or None: in place
+    landing: fabric.RemoteRegion | None = None
+    landing_blocks: npt.NDArray[np.int32] | None = None
+    landing_block: int = 0
+    landing_unit: int = 0
 
 
 @dataclass
@@ -244,7 +259,15 @@ class PdtoolKVManager(CommonKVManager):
                                          "(SGLang's prefill scheduler sets them)")
             self.kv_layouts = sglang_buffer_layouts(args.kv_data_lens, args.kv_item_lens,
                                                     self.heads_local, args.page_size)
-        self.rails = self._open_rails(disaggregation_mode == DisaggregationMode.DECODE)
+        # direct: SGLang's pools are registered (CUDA memory: on FI_HMEM endpoints); staged:
+        # KV goes through registered host bounce/landing buffers on the primary endpoint
+        # (transfer.gpu_memory, as the worker decided it)
+        self.kv_device = self._kv_device()
+        self.kv_path = kv_path(self.kv_device.type, workerenv.provider(DEFAULT_PROVIDER),
+                               self._probe_hmem)
+        self.rails = self._open_rails(
+            disaggregation_mode == DisaggregationMode.DECODE,
+            hmem=self.kv_path == "direct" and self.kv_device.type == "cuda")
         self.ep = self.rails.primary  # the decode's slot table lives here
         # one signed envelope per manager (its session); no secret: the manager refuses to start
         self.frames = Frames(_secret(), f"{disaggregation_mode.value}-{self.peer_key}")
@@ -253,8 +276,9 @@ class PdtoolKVManager(CommonKVManager):
             num_kv_buffers=len(args.kv_data_lens), aux_item_lens=list(args.aux_item_lens)))
         iface, device = self._memory_iface()
         try:
-            self.kv_mrs = [self.rails.register(p, n, iface=iface, device=device)
-                           for p, n in zip(args.kv_data_ptrs, args.kv_data_lens, strict=True)]
+            self.kv_mrs = [] if self.kv_path == "staged" else \
+                [self.rails.register(p, n, iface=iface, device=device)
+                 for p, n in zip(args.kv_data_ptrs, args.kv_data_lens, strict=True)]
             # SGLang keeps metadata (aux) buffers in host memory (MetadataBuffers, device "cpu")
             self.aux_mrs = [self.rails.register(p, n)
                             for p, n in zip(args.aux_data_ptrs, args.aux_data_lens, strict=True)]
@@ -269,8 +293,11 @@ class PdtoolKVManager(CommonKVManager):
             self._by_identity: dict[tuple[Any, ...], str] = {}
             self._retired: list[DecodePeer] = []  # replaced peers whose AV entry goes
             timeout = float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
-            self.plane = PrefillPlane(self, self.ep, MAX_SLOTS, timeout, stuck_s=timeout,
-                                      rails=self.rails)
+            tags = MAX_SLOTS - BOUNCE_BUFFERS  # the last tags count the bounce buffers' writes
+            self.staging = PrefillStaging(self, self.ep, tags, path=self.kv_path,
+                                          device=self.kv_device)
+            self.plane = PrefillPlane(self, self.ep, tags, timeout, stuck_s=timeout,
+                                      staging=self.staging, rails=self.rails)
             # frames to decode ranks go out from their own thread: SGLang's PUSH sockets wait
             # up to 30 s for a dead peer, which must stall neither writes nor control frames
             self._outbox: queue.SimpleQueue[tuple[str, int, list[bytes]] | None] = \
@@ -288,6 +315,8 @@ class PdtoolKVManager(CommonKVManager):
             self.prefill_geometry: dict[str, PrefillGeometry] = {}
             self._awaiting: dict[str, list[tuple[int, int, int, int, bool]]] = {}
             self._geo_lock = threading.Lock()
+            self.landing = DecodeLanding(self, path=self.kv_path, device=self.kv_device,
+                                         slices=self._landed_slices, done=self._on_landed)
             self.rails.start_lanes()  # further NICs: their own C threads, counting into ep
             self.plane = DecodePlane(self.ep, self._on_counted, self._die,
                                      lanes=len(self.rails) > 1)
@@ -321,7 +350,7 @@ class PdtoolKVManager(CommonKVManager):
                 + ". Use mooncake or nixl for these deployments."
             )
 
-    def _open_rails(self, receive: bool) -> Rails:
+    def _open_rails(self, receive: bool, hmem: bool = False) -> Rails:
         """One endpoint per NIC of this rank's GPU (PDTOOL_NICS, else PDTOOL_FI_DOMAIN, else
         the provider's default). libfabric names domains after the device, EFA's RDM domain
         with a `-rdm` suffix; a first NIC that matches no domain falls back to the provider's
@@ -335,14 +364,26 @@ class PdtoolKVManager(CommonKVManager):
             raise PdtoolBackendError(str(exc)) from None
         try:
             return Rails.open(provider, rail_specs(provider, nics, self.local_ip), MAX_SLOTS,
-                              receive=receive)
+                              receive=receive, hmem=hmem)
         except RailError as exc:
             raise PdtoolBackendError(str(exc)) from exc
 
+    def _kv_device(self) -> Any:
+        import torch
+
+        if getattr(get_device(), "device", "cpu") == "cuda":
+            return torch.device("cuda", int(self.kv_args.gpu_id or 0))
+        return torch.device("cpu")
+
+    def _probe_hmem(self) -> tuple[bool, str]:
+        """`transfer.gpu_memory=auto` without the worker's answer: ask this libfabric."""
+        nics = workerenv.nics_for(self.kv_args.gpu_id)
+        return fabric.gpu_direct_support(workerenv.provider(DEFAULT_PROVIDER),
+                                         domain=nics[0] if nics else None)
+
     def _memory_iface(self) -> tuple[str, int]:
-        dev = getattr(get_device(), "device", "cpu")
-        if dev == "cuda":
-            return "cuda", int(self.kv_args.gpu_id or 0)
+        if self.kv_device.type == "cuda":
+            return "cuda", int(self.kv_device.index or 0)
         return "system", 0
 
     def _guard(self, fn):
@@ -372,10 +413,13 @@ class PdtoolKVManager(CommonKVManager):
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for health checks and tests (`problem` empty while healthy)."""
-        out: dict[str, Any] = {"problem": self.problem, **self.plane.stats()}
+        out: dict[str, Any] = {"problem": self.problem, "kv_path": self.kv_path,
+                               **self.plane.stats()}
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
             out["peers"] = len(self.peers)
             out["av_entries"] = sum(len(ep._peers) for ep in self.rails.eps)
+        else:
+            out.update(self.landing.stats())
         out["rail_writes"] = self.rails.remote_writes()
         return out
 
@@ -409,14 +453,21 @@ class PdtoolKVManager(CommonKVManager):
                                         kv_indices: npt.NDArray[np.int32], aux_index: int | None,
                                         state_indices: list | None, decode_prefix_len: int | None,
                                         is_dummy: bool, device_kv_indices=None,
-                                        slot: int = 0, gen: int = 0) -> list[bytes]:
-        return self.frames.encode("META", {
+                                        slot: int = 0, gen: int = 0,
+                                        landing_blocks: tuple[int, ...] | None = None
+                                        ) -> list[bytes]:
+        body = {
             "peer": self.peer_key, "room": bootstrap_room,
             "kv_indices": b"" if is_dummy else np.asarray(kv_indices, np.int32).tobytes(),
             "aux_index": aux_index, "slot": slot, "gen": gen,
             "required_dst_info_num": required_dst_info_num, "is_dummy": bool(is_dummy),
             "decode_prefix_len": int(decode_prefix_len or 0),
-        })
+        }
+        if landing_blocks is not None and not is_dummy:
+            body.update(landing=self.landing.region().to_dict(),
+                        landing_block=self.landing.block_bytes, landing_unit=self.landing.unit,
+                        landing_blocks=np.asarray(landing_blocks, np.int32).tobytes())
+        return self.frames.encode("META", body)
 
     # -- prefill: control thread -------------------------------------------------------------
     def _prefill_control_loop(self) -> None:
@@ -522,9 +573,11 @@ class PdtoolKVManager(CommonKVManager):
         page = self.kv_args.page_size
         if int(b["page_size"]) != page:
             raise PdtoolBackendError(f"--page-size: prefill {page}, decode {b['page_size']}")
-        if len(b["kv"]) != len(self.kv_mrs):
-            raise PdtoolBackendError(f"KV buffers: prefill has {len(self.kv_mrs)}, decode "
-                                     f"{len(b['kv'])} (same model and speculative settings?)")
+        mine = len(self.kv_args.kv_data_lens)
+        if len(b["kv_data_lens"]) != mine or len(b["kv"]) not in (0, mine):
+            raise PdtoolBackendError(f"KV buffers: prefill has {mine}, decode "
+                                     f"{len(b['kv_data_lens'])} (same model and speculative "
+                                     f"settings?)")
         if list(peer.aux_item_lens) != list(self.kv_args.aux_item_lens):
             raise PdtoolBackendError(
                 f"metadata buffers differ: prefill item lengths {list(self.kv_args.aux_item_lens)}"
@@ -578,9 +631,19 @@ class PdtoolKVManager(CommonKVManager):
             required_dst_info_num=int(b["required_dst_info_num"]), is_dummy=bool(b["is_dummy"]),
             decode_prefix_len=int(b["decode_prefix_len"]),
         )
+        if b.get("landing") is not None:
+            target.landing = fabric.RemoteRegion.from_dict(b["landing"])
+            target.landing_blocks = np.frombuffer(b["landing_blocks"], dtype=np.int32)
+            target.landing_block, target.landing_unit = int(b["landing_block"]), \
+                int(b["landing_unit"])
+        peer = self.peers.get(target.peer)
+        if target.landing is not None and peer is not None and not peer.error and (
+                target.landing_unit < max(lay.page_bytes for lay in peer.kv_layouts)
+                or target.landing_block % target.landing_unit):
+            raise ValueError(f"META.landing_unit {target.landing_unit} B is smaller than the "
+                             f"decode's page or does not divide its block")
         infos = self.transfer_infos.setdefault(room, {})
         infos[target.peer] = target
-        peer = self.peers.get(target.peer)
         if peer is None or peer.error:
             self.record_failure(room, peer.error if peer else f"unregistered decode {target.peer}")
             self.update_status(room, KVPoll.Failed)
@@ -683,7 +746,8 @@ class PdtoolKVManager(CommonKVManager):
             is_mla=self.is_mla, total_heads=1 if self.is_mla else geo.total_kv_heads,
             prefill_tp=prefill_tp, decode_tp=self.attn_tp_size,
             decode_rank=self.kv_args.engine_rank % self.attn_tp_size,
-            page_size=self.kv_args.page_size, num_pages=num_pages, num_buffers=len(self.kv_mrs),
+            page_size=self.kv_args.page_size, num_pages=num_pages,
+            num_buffers=len(self.kv_args.kv_data_ptrs),
             num_aux=len(self.aux_mrs) if with_aux else 0, writes_per_op=geo.writes_per_op)
 
     def _on_peer(self, b: dict[str, Any]) -> None:
@@ -708,12 +772,27 @@ class PdtoolKVManager(CommonKVManager):
                 self.update_status(room, KVPoll.Failed)
 
     def _on_counted(self, room: int, reason: str | None) -> None:
-        """Progress thread: every expected write of `room` landed (or too many did)."""
+        """Progress thread: every expected write of `room` landed (or too many did). A room
+        that landed in staging is scattered into the pool first (landing thread)."""
+        if reason is None and self.landing.holds(room):
+            self.landing.counted(room)
+        else:
+            self._on_landed(room, reason)
+
+    def _on_landed(self, room: int, reason: str | None) -> None:
         if reason is None:
-            self.update_status(room, KVPoll.Success)
+            if self.request_status.get(room) not in (None, KVPoll.Failed):
+                self.update_status(room, KVPoll.Success)
         else:
             self.record_failure(room, reason)
             self.update_status(room, KVPoll.Failed)
+
+    def _landed_slices(self, landing: Landing) -> list[Slice]:
+        """The head slices a landed room holds, in this rank's pool (the routes)."""
+        geo = self.prefill_geometry[landing.prefill_key]
+        return sglang_slices(self.is_mla, 1 if self.is_mla else geo.total_kv_heads,
+                             landing.prefill_tp, self.attn_tp_size,
+                             self.kv_args.engine_rank % self.attn_tp_size)
 
     def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
         """SGLang's heartbeat lost a prefill instance: forget what its ranks answered too."""
@@ -753,11 +832,13 @@ class PdtoolKVManager(CommonKVManager):
         self._stop.set()
         if self.disaggregation_mode == DisaggregationMode.DECODE:
             self.plane.close()
+            self.landing.close()
         else:
             self._outbox.put(None)
             for t in self._threads:
                 if t.name == "pdtool-prefill-writer":
                     t.join(timeout=5)
+            self.staging.close()
         self.rails.close()
 
 
@@ -773,6 +854,7 @@ class PdtoolKVReceiver(CommonKVReceiver):
     """Counts this request's writes instead of waiting for a prefill status message."""
 
     slot: int | None = None
+    _cleared = False
 
     def send_metadata(self, kv_indices: npt.NDArray[np.int32], aux_index: int | None = None,
                       state_indices: list | None = None, decode_prefix_len: int | None = None,
@@ -786,27 +868,69 @@ class PdtoolKVReceiver(CommonKVReceiver):
             raise NotImplementedError("pdtool: host KV destinations are not supported")
         if state_indices and any(s is not None and len(s) for s in state_indices):
             raise NotImplementedError("pdtool: state pools are not supported")
+        room, prefill_tp = self.bootstrap_room, self.prefill_info.attn_tp_size
+        blocks = None
+        if mgr.landing.needed(prefill_tp, mgr.attn_tp_size):
+            try:
+                blocks = mgr.landing.reserve(room, len(kv_indices))
+            except ValueError as exc:
+                self._fail(f"pdtool: {exc}")
+                return
+            if blocks is None:  # the landing area is full: wait for space, never allocate
+                self.init_time = time.time()  # SGLang's waiting timeout covers the wait
+                mgr.landing.wait(room, len(kv_indices),
+                                 functools.partial(self._send_waited, kv_indices, aux_index,
+                                                   decode_prefix_len),
+                                 alive=self._still_wanted)
+                return
+        self._arm_and_send(kv_indices, aux_index, decode_prefix_len, blocks)
+
+    def _fail(self, reason: str) -> None:
+        self.kv_mgr.record_failure(self.bootstrap_room, reason)
+        self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+        self.conclude_state = KVPoll.Failed
+
+    def _still_wanted(self) -> bool:
+        return not self._cleared and self.kv_mgr.request_status.get(self.bootstrap_room) \
+            not in (None, KVPoll.Failed)
+
+    def _send_waited(self, kv_indices: npt.NDArray[np.int32], aux_index: int | None,
+                     decode_prefix_len: int | None, blocks: tuple[int, ...]) -> None:
+        """Landing thread: the blocks a waiting request needed came free."""
+        with self._lifecycle_lock:  # against SGLang's clear() in between
+            if not self._still_wanted():
+                self.kv_mgr.landing.give_back(blocks)  # never announced
+                return
+            self._arm_and_send(kv_indices, aux_index, decode_prefix_len, blocks)
+
+    def _arm_and_send(self, kv_indices: npt.NDArray[np.int32], aux_index: int | None,
+                      decode_prefix_len: int | None, blocks: tuple[int, ...] | None) -> None:
+        mgr: PdtoolKVManager = self.kv_mgr  # type: ignore[assignment]
         # MLA: the sending replica is drawn per request (sources.py), not SGLang's fixed one
         dummies = dummy_flags(self.bootstrap_infos, mgr.is_mla)
         real = [i for i, d in zip(self.bootstrap_infos, dummies, strict=True) if not d] \
             or self.bootstrap_infos
+        prefill_key = f"{real[0]['rank_ip']}:{real[0]['rank_port']}"
         try:
-            self.slot, gen = mgr.arm(self.bootstrap_room,
-                                     f"{real[0]['rank_ip']}:{real[0]['rank_port']}",
+            self.slot, gen = mgr.arm(self.bootstrap_room, prefill_key,
                                      self.prefill_info.attn_tp_size, len(kv_indices),
                                      aux_index is not None)
         except (RouteError, PdtoolBackendError) as exc:
-            mgr.record_failure(self.bootstrap_room, f"pdtool: {exc}")
-            mgr.update_status(self.bootstrap_room, KVPoll.Failed)
-            self.conclude_state = KVPoll.Failed
+            if blocks is not None:
+                mgr.landing.give_back(blocks)  # never announced
+            self._fail(f"pdtool: {exc}")
             return
+        if blocks is not None:
+            mgr.landing.hold(Landing(self.bootstrap_room, blocks,
+                                     np.asarray(kv_indices, dtype=np.int64), prefill_key,
+                                     self.prefill_info.attn_tp_size, self.slot))
         for info, dummy in zip(self.bootstrap_infos, dummies, strict=True):
             frame = mgr.build_receiver_metadata_message(
                 bootstrap_room=self.bootstrap_room,
                 required_dst_info_num=self.required_dst_info_num,
                 kv_indices=kv_indices, aux_index=aux_index, state_indices=None,
                 decode_prefix_len=decode_prefix_len, is_dummy=dummy,
-                slot=self.slot, gen=gen,
+                slot=self.slot, gen=gen, landing_blocks=blocks,
             )
             if not self._send_bootstrap_message(bootstrap_info=info, message=frame,
                                                 operation="send_metadata"):
@@ -816,6 +940,9 @@ class PdtoolKVReceiver(CommonKVReceiver):
 
     def _clear(self) -> None:
         super()._clear()
+        self._cleared = True
+        if getattr(self, "_owns_bootstrap_room", True):  # a failed room's blocks: quarantined
+            self.kv_mgr.landing.forget(self.bootstrap_room)
         if self.slot is not None:
             self.kv_mgr.plane.release(self.slot)  # type: ignore[attr-defined]
             self.slot = None

@@ -71,6 +71,7 @@ class Send:
     issued_bytes: int = 0
     errored: int = 0          # operations that completed with an error
     queued: int = 0           # batches waiting in the peer's queue
+    staged_done: int = 0      # operations from bounce buffers known complete (staging_plane)
     # writes held back per layer-buffer group: (src, dst, len) not yet a whole operation
     tails: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
 
@@ -118,11 +119,12 @@ class PrefillPlane:
     `put`, `stats` and the room lock callers). `mgr` is the PdtoolKVManager."""
 
     def __init__(self, mgr: Any, ep: fabric.Endpoint, max_tags: int, send_timeout_s: float,
-                 stuck_s: float, rails: Any = None) -> None:
+                 stuck_s: float, staging: Any, rails: Any = None) -> None:
         from transfer.sglang.rails import Rails
 
         self.mgr = mgr
         self.ep = ep
+        self.staging = staging  # staging_plane.PrefillStaging: packed slices, bounce buffers
         self.rails: Rails = rails if rails is not None else Rails([ep], ["default"])
         self.rail_ops = [0] * len(self.rails)  # operations each local rail carried
         self.sends_written = 0  # (room, decode rank) sends that issued an operation
@@ -187,8 +189,6 @@ class PrefillPlane:
         return s
 
     def _plan(self, rs: RoomSends, chunk: Any, kv: np.ndarray, t: Any) -> None:
-        from transfer.layout import write_plan
-
         mgr = self.mgr
         peer = mgr.peers.get(t.peer)
         if peer is None:  # replaced by a restarted rank since its META arrived
@@ -202,22 +202,23 @@ class PrefillPlane:
         s = self._send_of(rs, peer, t)
         q = self.queues[peer.key]
         if peer.slice is not None and (len(kv) or chunk.is_last):
-            dst_pages = t.kv_indices[chunk.index_slice]
-            src_pages = kv[: len(dst_pages)]
-            plans: dict[Any, tuple[np.ndarray, ...]] = {}
-            for i, (mr, region) in enumerate(zip(mgr.kv_mrs, peer.kv_regions, strict=True)):
-                key = (mgr.kv_layouts[i], peer.kv_layouts[i], i)
-                lay = key[:2]
-                plan = plans.get(lay)
-                if plan is None:
-                    plan = plans[lay] = write_plan(lay[0], lay[1], src_pages, dst_pages,
-                                                   peer.slice)
-                so, do, ln = self._with_tail(s, key, plan)
+            positions = np.arange(len(t.kv_indices))[chunk.index_slice]
+            src_pages = kv[: len(positions)]
+            positions = positions[: len(src_pages)]
+            # one write per (page, layer buffer): from the pool, or packed into a bounce
+            # buffer first where the slice is not a whole page of it (staging_plane)
+            for i in range(len(mgr.kv_layouts)):
+                gather, region, plan = self.staging.writes(peer, t, src_pages, positions, i)
+                so, do, ln = self._with_tail(s, i, plan)
                 n = len(ln) if chunk.is_last else sendable(0, len(ln), len(ln) + 1, s.per_op)
                 if n < len(ln):
-                    s.tails[key] = (so[n:], do[n:], ln[n:])
-                if n:
-                    self._queue(q, Batch(s, fi_addr, mr, region, so[:n], do[:n], ln[:n]))
+                    s.tails[i] = (so[n:], do[n:], ln[n:])
+                if n and gather:  # bounce buffers are registered on the primary rail only
+                    self._queue(q, self.staging.batch(s, fi_addr, i, region, peer,
+                                                      (so[:n], do[:n], ln[:n])))
+                elif n:
+                    self._queue(q, Batch(s, fi_addr, mgr.kv_mrs[i], region, so[:n], do[:n],
+                                         ln[:n]))
         if chunk.is_last and peer.sends_aux and chunk.aux_index is not None \
                 and t.aux_index is not None:
             one = np.ones(1, dtype=np.uint64)
@@ -283,7 +284,7 @@ class PrefillPlane:
         return total
 
     def completed(self, s: Send) -> int:
-        return self.rails.send_done(s.tag) - s.base + s.errored
+        return self.rails.send_done(s.tag) - s.base + s.errored + s.staged_done
 
     def submit(self) -> bool:
         """Round-robin over the peers with queued writes; True when something was posted."""
@@ -306,10 +307,30 @@ class PrefillPlane:
                     or mgr.request_status.get(s.room) in (None, KVPoll.Failed):
                 q.batches.popleft()  # failed or cleared: issue nothing more for it
                 s.queued -= 1
+                if getattr(b, "staged", False):
+                    self.staging.drop(b)
                 continue
             in_flight = self._inflight_bytes(q)
             if in_flight >= PEER_BUDGET_BYTES:
                 break
+            if getattr(b, "staged", False):  # reads bounce buffers: gathered, then posted
+                try:
+                    moved, finished = self.staging.step(q.batches, PEER_BUDGET_BYTES
+                                                        - in_flight, SUBMIT_SLICE_S)
+                except (fabric.FabricError, ValueError, RuntimeError) as exc:
+                    q.batches.popleft()
+                    s.queued -= 1
+                    self.staging.drop(b)
+                    self.fail(s.room, f"pdtool staged write to decode {s.peer} failed: {exc}")
+                    continue
+                if moved:
+                    posted = True
+                    rs.progress_at = time.monotonic()
+                if not finished:
+                    break  # waiting for a copy, a bounce buffer or the provider
+                q.batches.popleft()
+                s.queued -= 1
+                continue
             k, n_left = s.per_op, len(b.lengths) - b.at
             # as many whole operations as the budget takes (at least one)
             csum = np.cumsum(b.lengths[b.at:], dtype=np.uint64)
@@ -356,11 +377,13 @@ class PrefillPlane:
     def settle(self) -> None:
         mgr = self.mgr
         for tag, errno, message in self.rails.errors():
-            s = self.sends.get(tag)
+            s = self.staging.failed_write(tag) if self.staging.owns_tag(tag) \
+                else self.sends.get(tag)
             if s is None:
                 continue
             s.errored += 1
             self.fail(s.room, f"pdtool write to decode {s.peer} failed: {message} ({errno})")
+        self.staging.reclaim()  # bounce buffers whose writes completed credit their Send
         now = time.monotonic()
         for room, rs in list(self.rooms.items()):
             done = sum(self.completed(s) for s in rs.sends.values())
@@ -401,6 +424,7 @@ class PrefillPlane:
                     del self.queues[s.peer]
             if leak:
                 self.leaked_tags += 1
+                self.staging.leak(s)
             else:
                 self.free_tags.append(s.tag)
         with mgr.room_lock:
@@ -423,7 +447,8 @@ class PrefillPlane:
         return {"rooms": len(self.rooms), "tags_free": len(self.free_tags),
                 "leaked_tags": self.leaked_tags, "rail_ops": list(self.rail_ops),
                 "sends_written": self.sends_written,
-                "queued_batches": sum(len(q.batches) for q in self.queues.values())}
+                "queued_batches": sum(len(q.batches) for q in self.queues.values()),
+                **self.staging.stats()}
 
     # -- writer thread: main loop -------------------------------------------------------------
     def run(self, stop: threading.Event, between: Any = None) -> None:

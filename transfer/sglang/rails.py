@@ -122,14 +122,15 @@ class Rails:
 
     @classmethod
     def open(cls, provider: str, specs: list[RailSpec], max_slots: int, *,
-             receive: bool) -> Rails:
+             receive: bool, hmem: bool = False) -> Rails:
         """Open every rail; `receive` (decode) makes the others lanes of the first. A NIC
-        after the first that does not open is left out with a warning."""
+        after the first that does not open is left out with a warning. `hmem`: FI_HMEM
+        endpoints (CUDA pools registered directly, transfer.gpu_memory=direct)."""
         eps: list[fabric.Endpoint] = []
         labels: list[str] = []
         try:
             for i, spec in enumerate(specs):
-                ep = _open_one(provider, spec, max_slots, fallback=i == 0)
+                ep = _open_one(provider, spec, max_slots, fallback=i == 0, hmem=hmem)
                 if ep is None:
                     continue
                 if eps and receive:

@@ -14,7 +14,8 @@ prefill's control loop tell pdtool frames from SGLang's ABORT notifications on t
     the total KV heads and writes per operation the decode rank's counts need, or the reason
     it cannot be served.
   * META (decode rank -> prefill rank, per request): the room, the decoder's page ids, the
-    aux row, the transfer slot and generation, SGLang's destination count and prefix length.
+    aux row, the transfer slot and generation, SGLang's destination count and prefix length,
+    and, for a request that lands in staging, the landing region and its blocks.
 
 Binding: the sockets are one way and SGLang 0.5.23's bootstrap registry keeps only each
 prefill rank's address (`PrefillRankInfo`), so a decode rank may not know the prefill rank's
@@ -69,12 +70,17 @@ SCHEMAS: dict[str, Check] = {
     # and writes per operation its counts need, or why it cannot be served
     "PEER": map_field({"peer": _PEER, "total_kv_heads": _POS, "writes_per_op": _POS,
                        "error": optional(str_field(2048))}),
+    # the landing fields come only with a request that lands in the decode rank's staging
+    # area (transfer/sglang/staging_plane.py): its registered region, block and unit sizes,
+    # and the int32 ids of the blocks granted to this request
     "META": map_field({
         "peer": _PEER, "room": int_field(0, (1 << 64) - 1),
         "kv_indices": bytes_field(64 << 20, 4),    # int32 page ids, native order
         "aux_index": optional(_NAT), "slot": int_field(0, 0xFFFF), "gen": int_field(0, 0xFFFF),
         "required_dst_info_num": _POS, "is_dummy": bool_field(), "decode_prefix_len": _NAT,
-    }),
+        "landing": _REGION, "landing_block": _POS, "landing_unit": _POS,
+        "landing_blocks": bytes_field(64 << 20, 4),
+    }, optional_keys=frozenset({"landing", "landing_block", "landing_unit", "landing_blocks"})),
 }
 
 SGLANG = Protocol("sglang", SCHEMAS, unbound=frozenset({"HELLO", "META"}))

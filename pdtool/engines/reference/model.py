@@ -313,11 +313,15 @@ class TinyModel:
 
     # -- device ----------------------------------------------------------------------------
 
-    def to_device(self, device: str, page_size: int, progress: Any = None) -> TinyModel:
+    def to_device(self, device: str, page_size: int, progress: Any = None,
+                  flashinfer: bool = True) -> TinyModel:
         """Move every weight to `device`. On cuda: GQA decode attention through FlashInfer
-        (`attention.FlashInferDecode`, HND pages of `page_size`), and, given the prefill's
-        `transfer.progress.ProgressWord`, its per-layer writes enqueued on the GPU stream."""
+        (`attention.FlashInferDecode`, HND pages of `page_size`; `flashinfer=False` keeps
+        torch's), and, given the prefill's `transfer.progress.ProgressWord`, its per-layer
+        writes enqueued on the GPU stream."""
         dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
         for name, value in list(vars(self).items()):
             if isinstance(value, torch.Tensor):
                 setattr(self, name, value.to(dev))
@@ -329,7 +333,7 @@ class TinyModel:
         if dev.type == "cuda":
             from .attention import FlashInferDecode
 
-            if self.cfg.attention == "gqa":
+            if self.cfg.attention == "gqa" and flashinfer:
                 self.decode_attention = FlashInferDecode(
                     q_heads=len(self.q_heads), kv_heads=len(self.kv_heads),
                     head_dim=self.cfg.cache_dim, page_size=page_size,
