@@ -211,7 +211,7 @@ class LauncherConfig:
     # they reach the processes through 0600 files, from launcher.env or the submitting shell
     secret_env: list[str] = field(default_factory=list)
     # once ready, every instance and the router are probed this often; 3 misses in a row
-    # (a hung engine) end the deployment naming it (0: off)
+    # (a hung engine) are a failure of its instance, naming it: see `restart` (0: off)
     watchdog_s: float = 10.0
     # Slurm: `pdtool bench` arguments (e.g. [--concurrency, "1,4", --requests, "64"]) run
     # inside the job once the deployment is healthy, against its router; results.json and

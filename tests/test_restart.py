@@ -90,8 +90,8 @@ class Launched:
             os.kill(pid, signal.SIGKILL)
 
 
-def _load(url: str, stop: threading.Event, results: list, clients: int = 6,
-          max_tokens: int = 96) -> list[threading.Thread]:
+def _load(url: str, stop: threading.Event, results: list, clients: int = 4,
+          max_tokens: int = 64) -> list[threading.Thread]:
     """Clients sending requests back to back until `stop`."""
 
     def client(k: int) -> None:
@@ -115,7 +115,7 @@ def _kill_under_load(dep: Launched, role: str, instance: int) -> list:
     threads = _load(dep.url, stop, results)
     try:
         deadline = time.monotonic() + 60
-        while len(results) < 6:  # the clients are running and answered
+        while len(results) < 4:  # the clients are running and answered
             assert time.monotonic() < deadline, results
             time.sleep(0.05)
         os.kill(dep.worker(role, instance), signal.SIGKILL)

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, field
 
 from pdtool.launch import secrets
+from pdtool.launch.backends import backend_env
 from pdtool.launch.resources import describe_cpus, job_options, step_options
 from pdtool.launch.restart import group_of
 from pdtool.launch.sglang import router_argv, server_argv
@@ -282,7 +283,7 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str,
                                         host(inst.head_node))
             select = ["--node-rank", str(ranks[0].node_rank)]
             numa: list[str] = []
-            env = {**_common_env(ranks), **env_user}
+            env = {**_common_env(ranks), **backend_env(cfg), **env_user}
         else:
             p.engine_argv = []
             select = ["--rank", str(ranks[0].rank)]

@@ -188,3 +188,46 @@ def check_transfer_backend(cfg: Config) -> list[Finding]:
 
 
 ALL = (*ALL, check_transfer_backend)
+
+
+#: SGLang 0.5.23's staging buffer for heterogeneous TP (mooncake and nixl), and its pool size
+STAGING_ENV, STAGING_POOL_ENV = "SGLANG_DISAGG_STAGING_BUFFER", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB"
+
+
+def check_backend_limits(cfg: Config) -> list[Finding]:
+    """What SGLang 0.5.23's mooncake and nixl backends do with a prefill/decode attention TP
+    mismatch (read in disaggregation/mooncake/conn.py and nixl/conn.py): MLA keeps one latent
+    head replicated on every rank, so each decode rank takes whole pages from one prefill rank
+    (`send_kvcache`); other attention sends each page's KV heads as slices, one write per token
+    and head run (`send_kvcache_slice`), unless the staging buffer is on (`SGLANG_DISAGG_
+    STAGING_BUFFER=1`, a GPU pool of `SGLANG_DISAGG_STAGING_POOL_SIZE_MB`, 4096 by default),
+    where pages are gathered into it and sent whole. Neither path is pdtool's (no HND gather,
+    no transfer.gpu_memory)."""
+    from pdtool.schema import attn_tp
+
+    be = cfg.transfer.backend
+    if cfg.engine.kind != "sglang" or be not in ("mooncake", "nixl"):
+        return []
+    p, d = attn_tp(cfg.prefill), attn_tp(cfg.decode)
+    if p == d or cfg.model.attention == "mla":
+        return []
+    env = {**cfg.launcher.env.all, **cfg.launcher.env.prefill}
+    if str(env.get(STAGING_ENV, "")).lower() in ("1", "true"):
+        pool = env.get(STAGING_POOL_ENV, "4096")
+        return [warning("transfer.backend",
+                        f"transfer.backend={be}: prefill attention TP {p} != decode attention "
+                        f"TP {d}: SGLang 0.5.23 stages the KV heads through a {pool} MB GPU "
+                        f"buffer per transfer queue ({STAGING_ENV}=1; {STAGING_POOL_ENV} sizes it)"
+                        ", which the memory plan does not count",
+                        f"lower {STAGING_POOL_ENV} if the KV pool no longer fits")]
+    return [warning("transfer.backend",
+                    f"transfer.backend={be}: prefill attention TP {p} != decode attention TP "
+                    f"{d} with {cfg.model.attention.upper()} attention: SGLang 0.5.23's {be} "
+                    "backend sends each page's KV heads as slices, one write per token and head "
+                    "run (send_kvcache_slice), far more writes than whole pages",
+                    f"set +launcher.env.all.{STAGING_ENV}=1 (SGLang's staging buffer for "
+                    "heterogeneous TP), equal attention TP on both sides, or "
+                    "transfer.backend=pdtool")]
+
+
+ALL = (*ALL, check_backend_limits)

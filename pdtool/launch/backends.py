@@ -1,0 +1,36 @@
+"""The environment SGLang 0.5.23's own transfer backends need (transfer.backend=mooncake|nixl).
+
+pdtool renders their NICs itself (one `--disaggregation-ib-device` entry per GPU, from the
+plan's GPU -> NIC map: pdtool.launch.sglang); what each backend reads besides, checked in
+0.5.23's source (`distributed/device_communicators/mooncake_transfer_engine.py`,
+`disaggregation/nixl/conn.py`, `environ.py`):
+
+* mooncake picks its transport from `MOONCAKE_PROTOCOL` (default `rdma`; `efa` on AWS EFA,
+  whose devices are not verbs devices for it), and `MC_FORCE_TCP=1` replaces RDMA by TCP,
+  ignoring the device map: rendered for tcp (and for shm, one machine without RDMA NICs).
+* nixl creates the backend `SGLANG_DISAGGREGATION_NIXL_BACKEND` names (default `UCX`, which
+  takes the per-GPU device map as its `device_list`). On EFA it is NIXL's `LIBFABRIC`
+  backend, libfabric's efa provider (FI_PROVIDER/FI_EFA_IFACE from the plan restrict it to
+  the node's chosen EFAs; NIXL picks each GPU's rails by topology).
+
+launcher.env overrides any of these (the role's launcher.env is applied after them).
+"""
+
+from __future__ import annotations
+
+from pdtool.schema import Config
+
+
+def backend_env(cfg: Config) -> dict[str, str]:
+    """Variables a worker process of SGLang's own backend gets for transfer.provider."""
+    backend, provider = cfg.transfer.backend, cfg.transfer.provider
+    if backend == "mooncake":
+        if provider == "efa":
+            return {"MOONCAKE_PROTOCOL": "efa"}
+        if provider.startswith("verbs"):
+            return {"MOONCAKE_PROTOCOL": "rdma"}
+        return {"MC_FORCE_TCP": "1"}  # tcp, or shm: no RDMA device to use
+    if backend == "nixl":
+        return {"SGLANG_DISAGGREGATION_NIXL_BACKEND": "LIBFABRIC" if provider == "efa"
+                else "UCX"}
+    return {}
