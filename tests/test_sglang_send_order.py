@@ -188,7 +188,7 @@ def _reap(procs: list[Any], *pipes: Any) -> None:
             os.unlink(f)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 def test_pages_are_read_only_after_wait_event_and_indices_event() -> None:
     rooms = {21: {"src_pages": [3, 9, 4, 12, 5], "dst_pages": [14, 2, 8, 6, 1],
                   "aux_index": 2, "dst_aux": 5, "chunk": 5},
@@ -197,8 +197,8 @@ def test_pages_are_read_only_after_wait_event_and_indices_event() -> None:
     cfg = _base_cfg(rooms)
     procs, pa, da, _ = _run(cfg, events_prefill, decode_rank)
     try:
-        assert pa.poll(180) and pa.recv() == "ready"
-        assert da.poll(240), "decode rank did not finish"
+        assert pa.poll(600) and pa.recv() == "ready"
+        assert da.poll(600), "decode rank did not finish"
         tag, out, bufs, _aux, remote_writes, stale, _ = da.recv()
         assert pa.poll(120)
         _, results, waited = pa.recv()
@@ -313,15 +313,15 @@ def abort_decode(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     os._exit(0)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 def test_abort_between_status_check_and_writes_is_acked_only_after_they_drained() -> None:
     rooms = {31: {"src_pages": [3, 9, 4, 12, 5, 1, 7], "dst_pages": [14, 2, 8, 6, 1, 11, 10],
                   "aux_index": 2, "dst_aux": 5, "chunk": 7}}
     cfg = _base_cfg(rooms, extra_env={"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1"})
     procs, pa, da, _ = _run(cfg, abort_prefill, abort_decode)
     try:
-        assert pa.poll(180) and pa.recv() == "ready"
-        assert da.poll(240) and da.recv() == ("meta-sent",)
+        assert pa.poll(600) and pa.recv() == "ready"
+        assert da.poll(600) and da.recv() == ("meta-sent",)
         assert pa.poll(120) and pa.recv() == ("status-read",)
         da.send("abort")
         assert da.poll(60)
