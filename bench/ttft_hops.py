@@ -8,6 +8,11 @@ clock), sends `--requests` sequential streamed completions of `max_tokens=1` per
 stops the deployment and prints the median of every hop. Beside it, the same model computing
 the same prompts in this one process (chunked like the prefill instance, then the decoder's
 first step): the work any deployment must do, so `TTFT - in-process` is what serving adds.
+
+Per worker process it also reads /proc (CPU time, run-queue wait, context switches of each
+thread) around the served requests only: what the engine threads and everything else
+(messenger threads, receive lanes, sockets) cost per request, and how long the engine thread
+waited for a core. On a shared 2-core box the waits explain most of what the hops do not.
 """
 
 from __future__ import annotations
@@ -107,6 +112,62 @@ def stream_once(url: str, prompt: list[int], log) -> None:
     log.append((t0, first))
 
 
+def workers(launcher: int) -> dict[int, str]:
+    """pid -> name (role and instance) of the deployment's worker processes."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            args = [a.decode() for a in Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")]
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == launcher and "--role" in args:
+            name = args[args.index("--role") + 1]
+            if "--instance" in args:
+                name += args[args.index("--instance") + 1]
+            out[int(d)] = name
+    return out
+
+
+def thread_times(procs: dict[int, str]) -> dict[tuple[str, str], list[int]]:
+    """(process, thread kind) -> [CPU ns, run-queue wait ns, context switches], summed over
+    threads: "engine" is the main thread (the serving loop), "lanes" the receive lanes' C
+    threads, "other" the rest (messenger thread, ZeroMQ I/O, health server)."""
+    out: dict[tuple[str, str], list[int]] = {}
+    for pid, name in procs.items():
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            base = f"/proc/{pid}/task/{tid}"
+            try:
+                run, wait, _ = (int(x) for x in Path(f"{base}/schedstat").read_text().split())
+                comm = Path(f"{base}/comm").read_text().strip()
+                status = Path(f"{base}/status").read_text()
+            except (OSError, ValueError):
+                continue
+            switches = sum(int(line.split()[1]) for line in status.splitlines()
+                           if "ctxt_switches:" in line)  # voluntary + involuntary
+            kind = "engine" if int(tid) == pid else ("lanes" if comm == "pdtool-lane" else
+                                                      "other")
+            acc = out.setdefault((name, kind), [0, 0, 0])
+            acc[0] += run
+            acc[1] += wait
+            acc[2] += switches
+    return out
+
+
+def add_delta(total: dict, before: dict, after: dict) -> None:
+    for key, b in after.items():
+        a = before.get(key, [0, 0, 0])
+        acc = total.setdefault(key, [0, 0, 0])
+        for i in range(3):
+            acc[i] += b[i] - a[i]
+
+
 def measure(isls: list[int], n: int, overrides: list[str]) -> dict:
     import numpy as np
 
@@ -131,14 +192,18 @@ def measure(isls: list[int], n: int, overrides: list[str]) -> dict:
             raise SystemExit("the deployment did not start")
         rng = np.random.default_rng(0)
         local = InProcess(overrides)
+        procs = workers(proc.pid)
         client: dict[int, list] = {}
         alone: dict[int, list] = {}
+        cpu: dict[int, dict] = {}
         for isl in isls:
-            client[isl], alone[isl] = [], []
+            client[isl], alone[isl], cpu[isl] = [], [], {}
             stream_once(url, prompts(rng, [isl], 256)[0], [])  # warm the path once
             local.run(prompts(rng, [isl], 256)[0])
             for prompt in prompts(rng, [isl] * n, 256):
+                before = thread_times(procs)
                 stream_once(url, prompt, client[isl])
+                add_delta(cpu[isl], before, thread_times(procs))
                 alone[isl].append((local.run(prompt), local.run(prompt, chunked=False)))
     finally:
         os.killpg(proc.pid, signal.SIGINT)
@@ -148,7 +213,7 @@ def measure(isls: list[int], n: int, overrides: list[str]) -> dict:
         ev, rid, t = line.split()
         events.append((ev, rid, float(t)))
     os.unlink(hops)
-    return {"client": client, "events": events, "alone": alone}
+    return {"client": client, "events": events, "alone": alone, "cpu": cpu}
 
 
 def breakdown(client: list[tuple[float, float]], events: list) -> dict[str, float]:
@@ -191,6 +256,16 @@ def main() -> int:
               "(median ms)")
         for name, v in table.items():
             print(f"  {name:<38} {v:9.2f}")
+        threads = {f"{p} {k}": {"cpu_ms": run / 1e6 / args.requests,
+                                "runqueue_wait_ms": wait / 1e6 / args.requests,
+                                "switches": sw / args.requests}
+                   for (p, k), (run, wait, sw) in sorted(got["cpu"][isl].items())}
+        doc.setdefault("threads_by_isl", {})[isl] = threads
+        print("  per request, served requests only:       CPU ms  run-queue ms  switches")
+        for name, t in threads.items():
+            if t["cpu_ms"] >= 0.5 or t["runqueue_wait_ms"] >= 0.5:
+                print(f"  {name:<38} {t['cpu_ms']:9.1f} {t['runqueue_wait_ms']:13.1f} "
+                      f"{t['switches']:9.0f}")
     print(f"\n{doc['date']}, load average {doc['load'][0]:.2f} {doc['load'][1]:.2f}")
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")

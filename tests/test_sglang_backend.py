@@ -376,7 +376,7 @@ def run_pair(cfg: dict[str, Any], kill_prefill: bool = False,
             dec = [start(dec_fn, run_cfg, r) for r in range(cfg["decode_tp"])]
             if not dec_out:
                 for _, a in pre:
-                    assert a.poll(180), "prefill rank did not start"
+                    assert a.poll(cfg.get("start_s", 180)), "prefill rank did not start"
                     assert a.recv() == "ready"
             if kill_prefill:
                 for p, a in pre:

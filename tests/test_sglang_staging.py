@@ -12,6 +12,7 @@ per rank, SGLang's `MHATokenToKVPool` / `MLATokenToKVPool` / `MetadataBuffers`, 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -51,6 +52,19 @@ class _Tap:
         return self.conn.poll(*a)
 
 
+def _wait_for_port(port: int, seconds: float = 900) -> None:
+    """Until rank 0's bootstrap server listens (on a loaded machine the ranks start far apart)."""
+    import socket
+    import time
+
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.connect(("127.0.0.1", port))
+            return
+        time.sleep(0.2)
+
+
 def staged_prefill(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     """A prefill rank that, like SGLang's scheduler, sends each room's chunks as soon as that
     room's destination is known (a room whose decode waits for landing space comes later)."""
@@ -67,6 +81,7 @@ def staged_prefill(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     from transfer.sglang.conn import PdtoolKVBootstrapServer, PdtoolKVManager, PdtoolKVSender
 
     server = PdtoolKVBootstrapServer("127.0.0.1", cfg["bootstrap_port"]) if rank == 0 else None
+    _wait_for_port(cfg["bootstrap_port"])  # SGLang's registration gives up after 5 tries
     sa, args, _keep, _aux = B._setup("prefill", cfg, rank)
     mgr = PdtoolKVManager(args, DisaggregationMode.PREFILL, sa, cfg["mla"])
     conn.send("ready")
@@ -152,25 +167,26 @@ def check_counts(cfg: dict[str, Any], res: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- TP mismatch
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_gqa_tp8_to_tp4_lands_packed_slices_from_two_sources() -> None:
     """8 KV heads, prefill TP8 (1 head/rank) -> decode TP4 (2 heads/rank): each prefill page
     is its rank's whole slice, so it is written straight from SGLang's pool into the decoder's
     landing area (one write per page, buffer and source), scattered before Success."""
-    cfg = {"mla": False, "heads": 8, "prefill_tp": 8, "decode_tp": 4, "rooms": ROOM}
+    cfg = {"mla": False, "heads": 8, "prefill_tp": 8, "decode_tp": 4, "rooms": ROOM,
+           "start_s": 900}  # 12 processes import SGLang at once
     res, dec, pre = run(cfg)
     check_counts(cfg, res)
     assert all(d["landing_delivered"] == 1 and d["landing_rooms"] == 0 for d in dec)
     assert all(p["gathers"] == 0 for p in pre)  # a whole source page needs no packing
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_gqa_tp4_to_tp8_packs_on_the_prefill_and_lands_in_place() -> None:
     """Prefill TP4 (2 heads/rank) -> decode TP8 (1 head/rank) over tcp;ofi_rxm: the prefill
     packs each page's head for a decode rank into a bounce buffer (index_select), and the
     packed run is the decoder's whole page: it is written in place, no landing."""
     cfg = {"mla": False, "heads": 8, "prefill_tp": 4, "decode_tp": 8, "rooms": ROOM,
-           "provider": "tcp;ofi_rxm"}
+           "provider": "tcp;ofi_rxm", "start_s": 900}
     res, dec, pre = run(cfg)
     check_counts(cfg, res)
     assert all(d["landing_delivered"] == 0 and d["landing_bytes"] == 0 for d in dec)
