@@ -581,7 +581,10 @@ def test_failed_writes_release_their_rooms_and_tags() -> None:
     for room, r in results.items():
         assert isinstance(r, str) and "pdtool write to decode" in r, (room, r)
     assert stats["rooms"] == 0 and stats["leaked_tags"] == 0, stats
-    assert stats["tags_free"] == 4096, stats
+    from transfer.sglang.conn import MAX_SLOTS
+    from transfer.sglang.staging_plane import BOUNCE_BUFFERS
+
+    assert stats["tags_free"] == MAX_SLOTS - BOUNCE_BUFFERS, stats  # the last count bounces
 
 
 @pytest.mark.timeout(400)

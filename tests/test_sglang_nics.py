@@ -20,6 +20,11 @@ import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never
 import test_sglang_backend as tsb
 from test_sglang_backend import LAYERS, N_AUX, check_bytes, ops, run_pair
 
+from transfer.sglang.conn import MAX_SLOTS
+from transfer.sglang.staging_plane import BOUNCE_BUFFERS
+
+TAGS = MAX_SLOTS - BOUNCE_BUFFERS  # a prefill rank's fabric tags for its sends
+
 
 class _Tap:
     """The child's pipe to the test, adding what the manager saw per endpoint to its "done"
@@ -144,7 +149,7 @@ def test_every_nic_carries_writes_and_each_operation_is_counted_once(monkeypatch
     assert results == dict.fromkeys(rooms, 4)  # KVPoll.Success on the prefill side too
     assert stats["addrs"] == ["127.0.0.2", "127.0.0.3"]
     assert sum(stats["rail_ops"]) == sum(want.values()) and all(stats["rail_ops"]), stats
-    assert stats["tags_free"] == 4096 and stats["rooms"] == 0, stats
+    assert stats["tags_free"] == TAGS and stats["rooms"] == 0, stats
     print(f"per-endpoint operations: prefill {stats['rail_ops']}, decode {spread}")
 
 
