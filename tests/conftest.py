@@ -33,8 +33,15 @@ MODULE_MARKS: dict[str, tuple[str, ...]] = {
     "test_reference_layout": ("fabric",),
     "test_reference_openai": ("fabric",),
     "test_bench_run": ("fabric",),
+    "test_bench_messenger": ("fabric",),
+    "test_progress": ("fabric",),
+    "test_restart": ("fabric",),
+    "test_launcher_benchmark": ("fabric",),
     "test_sglang_backend": ("fabric", "sglang"),
     "test_sglang_frames": ("fabric", "sglang"),  # transfer.sglang.conn loads the binding
+    "test_sglang_nics": ("fabric", "sglang"),
+    "test_sglang_nics_slow_peer": ("fabric", "sglang"),
+    "test_sglang_staging": ("fabric", "sglang"),
     # SGLang's own classes and parsers
     "test_sglang_plugin": ("sglang",),
     "test_sglang_lines": ("sglang",),
