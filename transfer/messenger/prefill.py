@@ -831,6 +831,8 @@ class PrefillMessenger(MessengerThread):
             if x.state == "sending" and x.pages_ready >= x.num_pages and not x.aux_sent and (
                     x.finished or not self._aux):
                 self._send_aux(x)
+            if x.state != "aborting" and not x.aux_sent:
+                continue  # still being prefilled: nothing to settle, so no completion reads
             if not all(int(self._ep.send_done[d.tag]) - d.base + d.errored >= d.issued
                        for d in x.dests):
                 continue  # writes still in flight: the source pages are still being read
