@@ -88,3 +88,38 @@ def test_killed_decoder_fails_its_request_on_the_prefill(provider):
     res = pre["results"]["w0-r0"]
     assert not res["ok"] and "silent" in res["reason"], res
     assert pre["writes_issued"] == 8  # layer 0 only: nothing more went to the dead peer
+
+
+def test_the_timeout_counts_from_the_bind_not_the_prefill_queue():
+    # the prefill engine queues the request three times the decoder's timeout before binding
+    # it (a long prefill queue, the mixed-load case): the lead's PONGs list it as queued, so
+    # the decoder's timeout starts at the bind and the transfer completes byte-exactly
+    s = Scenario(provider="shm", prefill_tp=2, decode_tp=1, num_layers=LAYERS, prompts=(33,),
+                 timeout_s=0.8, heartbeat_s=0.1, peer_timeout_s=1.0, bind_delay_s=2.4)
+    out = run(s)
+    r = out.decode[0]["requests"]["w0-r0"]
+    assert r["status"] == "success" and r["bad_layers"] == [] and r["aux_ok"], r
+    assert all(res["ok"] for p in out.prefill for res in p["results"].values())
+
+
+def test_a_stalled_transfer_still_times_out_after_a_queue_wait():
+    # queued past the timeout, then bound and stalled at layer 0: the clock started at the
+    # bind still fires
+    s = Scenario(provider="shm", prefill_tp=1, decode_tp=1, num_layers=LAYERS, prompts=(33,),
+                 chunk_pages=8, faults=((0, "stall"),), timeout_s=0.8, heartbeat_s=0.1,
+                 peer_timeout_s=1.0, bind_delay_s=1.6)
+    out = run(s)
+    r = out.decode[0]["requests"]["w0-r0"]
+    assert r["status"] == "failed" and "timed out" in r["reason"], r
+    assert out.prefill[0]["released"]
+
+
+def test_a_request_the_prefill_refuses_fails_with_its_reason():
+    # the engine cannot hold the request: the decoder learns why at once (ABORTED from the
+    # lead), with the engine's reason, instead of timing out; the other rank answers the ABORT
+    s = Scenario(provider="shm", prefill_tp=2, decode_tp=1, num_layers=LAYERS, prompts=(33,),
+                 refuse=True, timeout_s=30.0, verify=False)
+    out = run(s)
+    r = out.decode[0]["requests"]["w0-r0"]
+    assert r["status"] == "failed", r
+    assert "the engine cannot hold this request" in r["reason"], r

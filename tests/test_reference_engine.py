@@ -33,6 +33,7 @@ class CopyLink:
         self.chunks: list[tuple[str, int, int]] = []
         self.hiddens: dict[str, torch.Tensor] = {}
         self.sent: set[str] = set()
+        self.refused: dict[str, str] = {}
         self.pages_copied = 0
 
     # decode side
@@ -60,6 +61,9 @@ class CopyLink:
     def accept(self, req, pages):
         self.src[req["rid"]] = pages
         self.src_tokens[req["rid"]] = req["tokens"]
+
+    def refuse(self, req, reason):
+        self.refused[req["rid"]] = reason
 
     def begin(self, chunks):
         for rid, lo, hi in chunks:  # the messenger's rule: whole pages except the prompt's end

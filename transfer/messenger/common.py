@@ -61,9 +61,11 @@ class CommonConfig:
     libfabric domain (NIC) to open, the one the plan chose for this rank's GPU (the worker
     exports it, `transfer.workerenv.domain_for`); None takes the provider's first domain, and a
     domain the provider does not have fails the start with an error naming `domain`. Timeouts:
-    `timeout_s` bounds one transfer end to end; a peer silent for `peer_timeout_s` is dead;
-    heartbeats go every `heartbeat_s`. `busy_sleep_s`: 0 (the default, and the fast path) polls
-    in C slices while writes are due, yielding the core when idle; a positive value polls once
+    `timeout_s` bounds one transfer from when the prefill takes it (binds it; time in the
+    prefill's queue does not count: the lead's PONGs list queued transfers); a peer silent
+    for `peer_timeout_s` is dead; heartbeats go every `heartbeat_s`. `busy_sleep_s`: 0 (the
+    default, and the fast path) polls in C slices while writes are due, yielding the core when
+    idle; a positive value polls once
     per loop and sleeps that long instead (gentler on heavily oversubscribed cores, but on
     `tcp;ofi_rxm`/`verbs` the receiver's polling is what moves the bytes, so it is slower).
     `poll_backoff_s`: while writes are due but polls keep finding nothing (a decoder counting

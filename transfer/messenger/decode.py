@@ -95,6 +95,12 @@ class _Xfer:
     expected: int = 0
     confirmed: dict[int, int] = field(default_factory=dict)  # prefill rank -> writes it issued
     last_abort: float = 0.0
+    # `timeout_s` counts from here: the submit, moved on while the prefill lead's PONGs list
+    # the transfer as queued for a bind (so it counts from about the bind)
+    clock: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.clock = self.clock or self.submitted
 
 
 class DecodeMessenger(MessengerThread):
@@ -514,8 +520,15 @@ class DecodeMessenger(MessengerThread):
         if msg.type == "HELLO":
             self._on_hello(g, r, msg.body)
             return
+        if msg.type == "PONG":
+            for q in msg.body.get("queued", ()):  # still in the prefill's queue: no timeout yet
+                x = self._by_slot.get(q["slot"])
+                if (x is not None and x.group == g and x.gen == q["gen"]
+                        and x.status is TransferStatus.PENDING):
+                    x.clock = now
+            return
         if msg.type != "ABORTED":
-            return  # PONG: liveness only
+            return
         b = msg.body
         x = self._xfers.get(b["rid"])
         if x is None or x.group != g or (x.slot, x.gen) != (b["slot"], b["gen"]):
@@ -597,9 +610,10 @@ class DecodeMessenger(MessengerThread):
                                   f"{cfg.peer_timeout_s:.1f} s (dead?)")
         for x in list(self._xfers.values()):
             if x.status in (TransferStatus.PENDING, TransferStatus.TRANSFERRING):
-                if now - x.submitted > cfg.timeout_s:
+                if now - x.clock > cfg.timeout_s:
                     got = self._slots.received(x.slot)
-                    self._fail(x, f"timed out after {cfg.timeout_s:.1f} s with {got} of "
+                    self._fail(x, f"timed out after {cfg.timeout_s:.1f} s (since the prefill "
+                                  f"took the request) with {got} of "
                                   f"{x.expected} writes")
             elif (x.status is TransferStatus.ABORTING
                   and now - x.last_abort > 2 * cfg.heartbeat_s):

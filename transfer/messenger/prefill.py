@@ -222,6 +222,11 @@ class PrefillMessenger(MessengerThread):
         self.progress = progress
         self._pass_id = int(progress[0]) >> PASS_SHIFT
         self._ready_q: list[PrefillRequest] = []
+        # lead: requests handed to the engine and not bound yet (its queue), rid -> each
+        # decode part's (sender, slot, gen); PONGs list them, so a decoder's transfer
+        # timeout counts from the bind, not from its REQUEST (a long prefill queue is not a
+        # stuck transfer)
+        self._handed: dict[str, tuple[tuple[bytes, int, int], ...]] = {}
         self._bound: dict[str, int] = {}      # rid -> num_tokens (engine-side view)
         self._results: dict[str, PrefillResult] = {}
         self.identity = config.identity("prefill")
@@ -234,7 +239,18 @@ class PrefillMessenger(MessengerThread):
         self._check_alive()
         with self._lock:
             out, self._ready_q = self._ready_q, []
+            for r in out:
+                self._handed[r.rid] = tuple((p["sender"], p["slot"], p["gen"])
+                                            for p in r.parts)
         return out
+
+    def refuse(self, req: PrefillRequest, reason: str) -> None:
+        """Lead rank, engine thread: `req` (from poll_requests) will never be bound (the
+        engine cannot hold it): its decoders get ABORTED with `reason` at once instead of
+        waiting for their timeout. Other ranks: nothing to do (they answer the decoders'
+        ABORTs)."""
+        if self.config.rank == 0:
+            self._cmds.append(("refuse", req, reason))
 
     def bind(self, req: PrefillRequest, src_pages: Sequence[int] | np.ndarray) -> None:
         """Every rank, engine thread: `req` (from the lead's poll_requests, broadcast by the
@@ -436,7 +452,7 @@ class PrefillMessenger(MessengerThread):
         self._clock.heard(peer, now)
         try:
             if msg.type == "PING":
-                self._chan.send("PONG", {}, peer=peer)
+                self._chan.send("PONG", {"queued": self._queued_for(peer)}, peer=peer)
             elif msg.type == "HELLO":
                 self._on_hello(peer, msg)
             elif msg.type == "REQUEST":
@@ -453,6 +469,14 @@ class PrefillMessenger(MessengerThread):
         self._chan.send("ABORTED", {"rid": body["rid"], "slot": body["slot"],
                                     "gen": body["gen"], "reason": reason[:1024],
                                     "issued": issued, "errored": errored}, peer=peer)
+
+    def _queued_for(self, peer: bytes) -> list[dict[str, int]]:
+        """The transfers of decode rank `peer` that wait, whole, to be bound: handed to the
+        engine (its queue) or about to be (lead only; other ranks hold none)."""
+        with self._lock:
+            parts = [q for qs in self._handed.values() for q in qs]
+            parts += [(p["sender"], p["slot"], p["gen"]) for r in self._ready_q for p in r.parts]
+        return [{"slot": slot, "gen": gen} for sender, slot, gen in parts if sender == peer]
 
     def _on_hello(self, peer: bytes, msg: Any) -> None:
         """Check a decode rank's static data once; answer with our HELLO, bound to it."""
@@ -630,6 +654,8 @@ class PrefillMessenger(MessengerThread):
         with self._lock:
             queued = [r for r in self._ready_q if r.rid == rid and mine(r.parts)]
             self._ready_q = [r for r in self._ready_q if r not in queued]
+            if me in self._handed.get(rid, ()):
+                del self._handed[rid]  # in the engine's queue: its bind meets the tombstone
         for r in queued:
             for p in r.parts:
                 self._reply_aborted(p["sender"], p, "aborted by decode while queued")
@@ -639,6 +665,8 @@ class PrefillMessenger(MessengerThread):
     # -- every rank: binding and sending ----------------------------------------------------
     def _cmd_bind(self, req: PrefillRequest, src_pages: np.ndarray, row: int) -> None:
         now = time.monotonic()
+        with self._lock:
+            self._handed.pop(req.rid, None)
         if any((req.rid, p["sender"], p["slot"], p["gen"]) in self._tombstones
                for p in req.parts):
             self._settle_unbound(req, row, "aborted by decode before it was bound")
@@ -659,6 +687,12 @@ class PrefillMessenger(MessengerThread):
         # a backstop: the decoder's own timeout (and ABORT) normally fires first
         deadline = now + req.timeout_s + self.config.peer_timeout_s
         self._reqs[req.rid] = _Req(req.rid, req.num_pages, dests, deadline, row, senders)
+
+    def _cmd_refuse(self, req: PrefillRequest, reason: str) -> None:
+        with self._lock:
+            self._handed.pop(req.rid, None)
+        for p in req.parts:
+            self._reply_aborted(p["sender"], p, reason)
 
     def _settle_unbound(self, req: PrefillRequest, row: int, reason: str) -> None:
         for p in req.parts:

@@ -89,6 +89,8 @@ class Scenario:
     control_faults: tuple[tuple[str, str], ...] = ()  # ("decode"|"prefill<i>", hook spec)
     track: bool = False                   # per-request failure timing + messenger stats
     linger_s: float = 0.0                 # keep the prefill running this long after decode
+    bind_delay_s: float = 0.0             # the engine queues each request this long, then binds
+    refuse: bool = False                  # the engine refuses every request (m.refuse)
     timeout_s: float = 20.0
     heartbeat_s: float = 0.2
     peer_timeout_s: float = 5.0           # fault tests shorten it
@@ -233,6 +235,7 @@ def _prefill_main(s: Scenario, secret: bytes, inst: int, rank: int, conn: Any,
     conn.send(m.address)
     pages = _page_ids(s, s.src_pages, 1)
     active: list[list[Any]] = []   # [req, next token]
+    held: list[tuple[float, Any]] = []  # (bind time, req): the engine's queue (bind_delay_s)
     results: dict[str, Any] = {}
     first_pass, report = True, {"inst": inst, "rank": rank, "pid": os.getpid()}
     bound_at: dict[str, float] = {}
@@ -253,6 +256,14 @@ def _prefill_main(s: Scenario, secret: bytes, inst: int, rank: int, conn: Any,
                         new.append(bcast[0].get_nowait())
             if new and kind == "kill" and point == "before":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if s.refuse:
+                for req in new:
+                    m.refuse(req, "refused: the engine cannot hold this request")
+                new = []
+            now = time.monotonic()
+            held += [(now + s.bind_delay_s, req) for req in new]
+            new = [req for due, req in held if due <= now]
+            held = [(due, req) for due, req in held if due > now]
             for req in new:
                 if cpu0 is None and req.rid != "warmup":
                     cpu0 = _thread_cpu()

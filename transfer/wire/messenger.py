@@ -88,9 +88,12 @@ SCHEMAS: dict[str, Check] = {
     # this decode rank for this transfer and all completed locally (`errored` with an error)
     "ABORTED": map_field({"rid": _RID, "slot": _U16, "gen": _U16, "reason": _REASON,
                           "issued": _NAT, "errored": _NAT}),
-    # liveness lease: decode pings each prefill peer, prefill answers (see messenger docs)
+    # liveness lease: decode pings each prefill peer, prefill answers (see messenger docs);
+    # the lead lists the pinging rank's transfers still queued for a bind (their timeout
+    # has not started)
     "PING": map_field({}),
-    "PONG": map_field({}),
+    "PONG": map_field({"queued": list_field(map_field({"slot": _U16, "gen": _U16}),
+                                            1 << 16)}, optional_keys=frozenset({"queued"})),
 }
 
 MESSENGER = Protocol("messenger", SCHEMAS)

@@ -86,6 +86,10 @@ class PrefillLink(Protocol):
     def accept(self, req: dict, pages: list[int]) -> None:
         """Every rank: `req` got source pages `pages` (prompt tokens[:-1])."""
 
+    def refuse(self, req: dict, reason: str) -> None:
+        """Every rank: `req` will never be accepted (its decoders fail it now, not after
+        their timeout)."""
+
     def begin(self, chunks: list[tuple[str, int, int]]) -> None:
         """Every rank, before a forward pass: (rid, first token, end token) scheduled."""
 
@@ -179,8 +183,9 @@ class PrefillEngine:
         new = new or []
         for m in new:
             toks = list(m["tokens"])
-            if len(toks) < 2:  # the decoder never sends these; its timeout covers a bad peer
+            if len(toks) < 2:  # the decoder never sends these
                 log.warning("request %s: prefill needs 2+ prompt tokens, dropped", m["rid"])
+                self.link.refuse(m, "refused: the prefill needs 2 or more prompt tokens")
                 continue
             self.waiting.append(_PReq(m["rid"], toks, m))
         while self.waiting and len(self.running) + len(self.sending) < self.max_requests:
@@ -190,6 +195,8 @@ class PrefillEngine:
                 self.waiting.pop(0)
                 log.warning("request %s: %d pages exceed the cache (%d), dropped", r.rid, n,
                             self.kv.pages.num_pages)
+                self.link.refuse(r.meta, f"refused: the prompt needs {n} pages, the prefill's "
+                                         f"cache holds {self.kv.pages.num_pages}")
                 continue
             if n > self.kv.pages.num_free:
                 break

@@ -218,6 +218,9 @@ class PrefillSide(_Side):
     def accept(self, req: dict, pages: list[int]) -> None:
         self.m.bind(req["req"], pages)
 
+    def refuse(self, req: dict, reason: str) -> None:
+        self.m.refuse(req["req"], reason)
+
     def begin(self, chunks: list[tuple[str, int, int]]) -> None:
         self.m.begin_pass(chunks)
 
