@@ -633,3 +633,26 @@ def test_every_failed_write_is_reported_beyond_64():
     assert len(failed) > 64, len(failed)
     assert all(a.wait_send(t, 1, timeout=1) for t in range(1, 101) if t not in failed)
     a.close()
+
+
+def test_a_kick_word_maps_only_from_a_proc_fd_path_of_its_size(tmp_path):
+    # the path comes from a peer's HELLO: only a /proc/<pid>/fd/<fd> of a kick word's size
+    from transfer.kick import PAGE, KickWord, PeerKick
+
+    word = KickWord()
+    peer = PeerKick(word.path)
+    peer.kick()
+    peer.kick()
+    assert int(word.word[0]) == 2  # the same memory, through another mapping
+    peer.close()
+    word.close()
+    with pytest.raises(ValueError, match="not a /proc"):
+        PeerKick("/etc/passwd")
+    other = tmp_path / "small"
+    other.write_bytes(b"x" * (PAGE - 1))
+    fd = os.open(other, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match="kick word"):
+            PeerKick(f"/proc/{os.getpid()}/fd/{fd}")
+    finally:
+        os.close(fd)

@@ -158,3 +158,23 @@ def test_separate_k_and_v_buffers():
     s = Scenario(num_kv_heads=4, prefill_tp=4, decode_tp=2, prompts=(17, 9), split_kv=True,
                  aux_row_bytes=AUX)
     _check(s, sources_per_rank=2 * 2)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_shm_decoders_sleep_until_the_prefill_kicks_them(provider):
+    # on shm the decoder's waits sleep on its kick word and every prefill rank bumps it after
+    # posting writes (transfer.kick): the decoder takes the long kick sleep only once every
+    # prefill rank said it kicks, and its sleeps are ended by those kicks; other providers
+    # keep the short polling backoff
+    out = run(Scenario(provider=provider, prefill_tp=2, decode_tp=1, prompts=PROMPTS,
+                       aux_row_bytes=AUX, busy_sleep_s=0.0, track=True))
+    (dec,) = out.decode
+    assert all(r["status"] == "success" and r["bad_layers"] == [] and r["aux_ok"]
+               for r in dec["requests"].values()), dec["requests"]
+    kicks = [p["stats"]["kicks"] for p in out.prefill]
+    if provider == "shm":
+        assert dec["stats"]["kick_sleep_s"] > 0
+        assert dec["stats"]["kick_wakes"] > 0
+        assert min(kicks) > 0, kicks  # both ranks send (TP2 -> TP1: each its heads)
+    else:
+        assert dec["stats"]["kick_sleep_s"] == 0 and kicks == [0, 0]

@@ -297,7 +297,8 @@ def test_late_writes_of_an_old_generation_are_never_counted():
     junk = np.full(1 << 16, 0x5A, dtype=np.uint8)
     try:
         dec.submit("old", list(range(9)), [2, 3])
-        (old,) = _pull(pre)  # the engine never binds it: the decoder times out, aborts
+        (old,) = _pull(pre)
+        pre.refuse(old, "refused: no room")  # never bound: the decoder fails and aborts it
         assert _settle(dec, "old").status is TransferStatus.FAILED
         dec.release("old")
         part = old.parts[0]

@@ -150,6 +150,11 @@ def decode_imm(imm: int) -> tuple[int, int]:
     return (imm >> 16) & 0xFFFF, imm & 0xFFFF
 
 
+def kick(word: np.ndarray) -> None:
+    """Wake whoever sleeps on `word` (Endpoint.set_kick), in this or another process."""
+    _lib.pd_kick(_ffi.cast("uint32_t *", word.ctypes.data))
+
+
 def available_providers() -> list[str]:
     """Names of providers that offer RDM endpoints with RMA writes here (e.g. shm, tcp;ofi_rxm)."""
     found: list[str] = []
@@ -902,6 +907,25 @@ class Endpoint:
         if not self._progress or self._h is None:
             return 0.0
         return int(_lib.pd_progress_stalled_ns(self._h)) / 1e9
+
+    def set_kick(self, word: np.ndarray | None, max_sleep_s: float = 0.0) -> None:
+        """Sleep on `word` (a 1-element uint32 array in shared memory, transfer.kick) in this
+        endpoint's idle waits and its progress thread, so a peer's `kick(word)` ends the sleep;
+        the backoff may then grow up to `max_sleep_s` (0: the endpoint's own cap). None: plain
+        sleeps again (before the word's memory goes away)."""
+        ptr = _ffi.NULL
+        if word is not None:
+            if word.dtype != np.uint32 or word.size != 1:
+                raise ValueError("set_kick: expected a 1-element uint32 array")
+            ptr = _ffi.cast("uint32_t *", word.ctypes.data)
+        self._kick_word = word  # keep it alive as long as C may sleep on it
+        with self._lock:
+            _lib.pd_set_kick(self._live(), ptr, int(max_sleep_s * 1e9))
+
+    @property
+    def kick_wakes(self) -> int:
+        """Idle sleeps of this endpoint (its waits, its progress thread) a kick ended."""
+        return int(_lib.pd_kick_wakes(self._live()))
 
     def set_active(self, on: bool) -> None:
         """Owner: say whether transfers are being counted, so its lanes poll eagerly (on) or

@@ -135,9 +135,10 @@ int pd_poll(pd_ep *ep, size_t max_entries) {
 #define PD_WAIT(cond) do { \
     int64_t deadline = pd_now_ns() + timeout_ns; unsigned spins = 0, empty = 0; \
     for (;;) { \
+        uint32_t kicked = pd_kick_seen(ep);  /* before the checks: no kick is lost */ \
         int p = pd_poll(ep, PD_CQ_BATCH); if (p < 0) return p; /* bounded: check often */ \
         if (cond) return 0; \
-        if (p == 0) pd_idle(ep, &empty);  /* let a peer sharing this core run */ \
+        if (p == 0) pd_idle_seen(ep, &empty, kicked);  /* let a peer sharing this core run */ \
         else empty = 0; \
         /* after a poll that did work (on shm: copied up to the bytes in flight) check the \
            clock at once; empty polls are cheap, check every 64 */ \
@@ -168,11 +169,12 @@ int pd_wait_idle_or_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const in
     int64_t deadline = pd_now_ns() + timeout_ns;
     unsigned spins = 0, empty = 0;
     for (;;) {
+        uint32_t kicked = pd_kick_seen(ep);  /* before the checks: no kick is lost */
         int p = pd_poll(ep, PD_CQ_BATCH);
         if (p < 0) return p;
         if (ep->inflight == 0) return 0;
         if ((va && *va != a_seen) || (vb && *vb != b_seen)) return 1;
-        if (p == 0) pd_idle(ep, &empty);
+        if (p == 0) pd_idle_seen(ep, &empty, kicked);
         else empty = 0;
         if ((p > 0 || (++spins & 63) == 0) && pd_now_ns() > deadline) return -FI_ETIMEDOUT;
     }
@@ -189,15 +191,15 @@ int pd_wait_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const int64_t *b
     int64_t deadline = pd_now_ns() + timeout_ns;
     unsigned spins = 0;
     for (;;) {
+        uint32_t kicked = pd_kick_seen(ep);  /* before the checks: no kick is lost */
         int p = pd_poll(ep, PD_CQ_BATCH);
         if (p < 0) return p;
         if ((va && *va != a_seen) || (vb && *vb != b_seen)) return 1;
         if (pd_now_ns() > deadline) return 0;
         if (p > 0) { spins = 0; continue; }
         if (++spins > 16 && sleep_ns > 0) {  /* growing by the endpoint's backoff, if any */
-            int64_t ns = pd_backoff_ns(pd_clamp_ns(sleep_ns), ep->idle_max_sleep_ns, spins - 16);
-            struct timespec ts = { 0, (long)ns };
-            nanosleep(&ts, NULL);
+            pd_sleep_ns(ep, pd_backoff_ns(pd_clamp_ns(sleep_ns), pd_max_sleep_ns(ep), spins - 16),
+                        kicked);  /* the engine's kick (a layer done, a command) ends it */
         } else {
             sched_yield();
         }

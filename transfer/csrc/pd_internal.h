@@ -85,6 +85,9 @@ struct pd_ep {
     uint32_t idle_spins;    /* ... and after this many empty polls in a row, */
     int64_t idle_sleep_ns;  /* sleep this long per empty poll (0: never sleep), */
     int64_t idle_max_sleep_ns; /* ... doubling every 8 empty polls up to this (<= sleep: fixed) */
+    uint32_t *kick;            /* decoder: idle sleeps wait on this word (kick.c), NULL: none */
+    int64_t kick_max_sleep_ns; /* ... and may then grow up to this */
+    uint64_t kick_wakes;       /* sleeps a kick ended (or made needless): counted, tests read it */
     /* context pool */
     struct pd_ctx *ctx;
     uint32_t ctx_n;
@@ -108,6 +111,12 @@ struct pd_mr {
 /* util.c */
 int64_t pd_now_ns(void);
 void pd_idle(pd_ep *ep, unsigned *empty);
+void pd_idle_seen(pd_ep *ep, unsigned *empty, uint32_t kick_seen);
+
+/* kick.c */
+uint32_t pd_kick_seen(const pd_ep *ep);
+void pd_sleep_ns(pd_ep *ep, int64_t ns, uint32_t seen);
+int64_t pd_max_sleep_ns(const pd_ep *ep);
 int64_t pd_backoff_ns(int64_t base_ns, int64_t max_ns, unsigned sleeps);
 void pd_seterr(char *buf, size_t len, const char *call, int ret);
 void pd_record_err(pd_ep *ep, uint64_t tag, int err, int prov_errno, const char *msg);

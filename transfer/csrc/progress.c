@@ -20,6 +20,7 @@ static void *pd_progress_main(void *arg) {
     pd_ep *o = ep->owner ? ep->owner : ep;
     unsigned empty = 0;
     while (!__atomic_load_n(&ep->thread_stop, __ATOMIC_ACQUIRE)) {
+        uint32_t kicked = pd_kick_seen(ep);
         __atomic_store_n(&ep->thread_in_poll_ns, pd_now_ns(), __ATOMIC_RELEASE);
         int p = pd_poll(ep, PD_CQ_BATCH);
         __atomic_store_n(&ep->thread_in_poll_ns, 0, __ATOMIC_RELEASE);
@@ -35,10 +36,9 @@ static void *pd_progress_main(void *arg) {
             continue;
         }
         int64_t ns = __atomic_load_n(&o->active, __ATOMIC_ACQUIRE)
-            ? pd_backoff_ns(ep->thread_sleep_ns, ep->idle_max_sleep_ns, empty - ep->idle_spins)
+            ? pd_backoff_ns(ep->thread_sleep_ns, pd_max_sleep_ns(ep), empty - ep->idle_spins)
             : ep->thread_sleep_ns * 50;
-        struct timespec ts = { ns / 1000000000LL, (long)(ns % 1000000000LL) };
-        nanosleep(&ts, NULL);
+        pd_sleep_ns(ep, ns, kicked);  /* a kick (writes posted to us) ends it */
     }
     return NULL;
 }
@@ -87,13 +87,14 @@ int pd_wait_complete(pd_ep *ep, const int64_t *bell, int64_t bell_seen, int64_t 
     int64_t deadline = pd_now_ns() + timeout_ns;
     unsigned spins = 0, empty = 0;
     for (;;) {
+        uint32_t kicked = pd_kick_seen(ep);
         int p = pd_poll(ep, PD_CQ_BATCH);
         if (p < 0) return p;
         /* consumed, not reset on entry: a lane thread may complete a slot at any moment, and
            a flag set just before this call must not be lost (a spare return is harmless) */
         if (__atomic_exchange_n(&ep->completed, 0, __ATOMIC_ACQ_REL)) return 1;
         if (vb && *vb != bell_seen) return 2;
-        if (p == 0) pd_idle(ep, &empty);
+        if (p == 0) pd_idle_seen(ep, &empty, kicked);
         else empty = 0;
         if ((p > 0 || (++spins & 63) == 0) && pd_now_ns() > deadline) return 0;
     }

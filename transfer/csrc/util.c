@@ -23,12 +23,14 @@ int64_t pd_clamp_ns(int64_t ns) { return ns < 0 ? 0 : (ns > 999999999 ? 99999999
    prefill (a decoder counting writes that come only after each forward pass) then wakes a few
    thousand times a second instead of tens of thousands, each wake-up a slice of the core the
    compute needs. Any poll that finds work starts over at the short sleep. */
-void pd_idle(pd_ep *ep, unsigned *empty) {
+void pd_idle(pd_ep *ep, unsigned *empty) { pd_idle_seen(ep, empty, pd_kick_seen(ep)); }
+
+/* pd_idle for a wait that read the kick word (`kick_seen`, kick.c) before its poll: the sleep
+   ends early when the prefill kicked since. */
+void pd_idle_seen(pd_ep *ep, unsigned *empty, uint32_t kick_seen) {
     if (ep->idle_sleep_ns > 0 && ++*empty > ep->idle_spins) {
-        int64_t ns = pd_backoff_ns(ep->idle_sleep_ns, ep->idle_max_sleep_ns,
-                                   *empty - ep->idle_spins);
-        struct timespec ts = { 0, (long)ns };
-        nanosleep(&ts, NULL);
+        pd_sleep_ns(ep, pd_backoff_ns(ep->idle_sleep_ns, pd_max_sleep_ns(ep),
+                                      *empty - ep->idle_spins), kick_seen);
     } else if (ep->yield_idle) {
         sched_yield();
     }

@@ -17,6 +17,7 @@ in C on the progress word and the doorbell, sleeping between polls (no core, no 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets as _secrets
@@ -24,7 +25,7 @@ import select
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -268,6 +269,8 @@ class CommandQueue(deque):
     def __init__(self) -> None:
         super().__init__()
         self.bell = np.zeros(1, dtype=np.int64)
+        # set by a messenger whose C waits sleep on a kick word (transfer.kick): also kick it
+        self.kick: Callable[[], None] | None = None
         self.wake_fd, self._wfd = os.pipe()
         os.set_blocking(self.wake_fd, False)
         os.set_blocking(self._wfd, False)
@@ -275,6 +278,8 @@ class CommandQueue(deque):
     def append(self, item: Any) -> None:
         super().append(item)
         self.bell[0] += 1  # only the engine thread appends; the reader just sees "changed"
+        if self.kick is not None:
+            self.kick()
         with contextlib.suppress(OSError):  # pipe full: a wake-up is pending anyway
             os.write(self._wfd, b"\0")
 
@@ -378,6 +383,20 @@ class MessengerThread:
                 first = first or exc
         raise MessengerError(f"domain: cannot open provider {cfg.provider!r} on domain "
                              f"{cfg.domain!r} (nor {cfg.domain + '-rdm'!r}): {first}") from None
+
+    def _sleep_on(self, word: np.ndarray | None = None) -> np.ndarray | None:
+        """Make this messenger's C waits sleep on a kick word (transfer.kick; a private one
+        unless `word` is given) that the engine thread kicks with every command, so a command
+        ends the sleep at once instead of after up to `poll_backoff_s`. None without a
+        backoff (the waits do not sleep)."""
+        from ..fabric import kick
+
+        if not self.config.poll_backoff_s:
+            return None
+        word = np.zeros(1, dtype=np.uint32) if word is None else word
+        self._ep.set_kick(word)
+        self._cmds.kick = functools.partial(kick, word)
+        return word
 
     def idle_options(self) -> dict[str, Any]:
         """Endpoint options for how this messenger's C waits idle (`poll_backoff_s`)."""

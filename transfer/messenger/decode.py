@@ -60,6 +60,7 @@ import numpy as np
 import zmq
 
 from ..geometry import expected_writes, slice_ops
+from ..kick import KickWord
 from ..layout import AuxSpec, LayoutError, as_buffer, aux_spec
 from ..routes import Slice, pages_for, routes_for
 from ..slots import SlotTable
@@ -115,6 +116,9 @@ class DecodeMessenger(MessengerThread):
     # Python round (~0.2 ms of a loaded core) while a prefill computes for the same request
     # on the same cores: at 2 ms that was a tenth of a core per decoder
     POLL_SLICE_S = 0.02
+    # longest sleep between polls of a wait that every prefill rank kicks (transfer.kick):
+    # a kick ends it, so it bounds only what a kick could miss
+    KICK_SLEEP_S = 0.005
 
     def __init__(self, config: DecodeConfig, kv_buffers: Sequence[Any], layout: str = "HND",
                  aux_buffers: Sequence[Any] = ()) -> None:
@@ -250,7 +254,13 @@ class DecodeMessenger(MessengerThread):
                 "slots_free": slots.free if slots is not None else 0,
                 "quarantined": len(slots.quarantined) if slots is not None else 0,
                 "requests": known, "stale_writes": self._stale if slots is not None else 0,
-                "stalled_s": round(self.stalled_s(), 3), "lanes": self.config.receive_lanes}
+                "stalled_s": round(self.stalled_s(), 3), "lanes": self.config.receive_lanes,
+                # shm: its waits sleep up to this between polls (0: poll_backoff_s), since every
+                # prefill rank kicks them; and how many sleeps a kick ended
+                "kick_sleep_s": getattr(self, "_kick_cap", 0.0),
+                "kick_wakes": sum(ep.kick_wakes for ep in (getattr(self, "_ep", None),
+                                                           *getattr(self, "_lanes", []))
+                                  if ep is not None and not ep.closed)}
 
     @property
     def writes_per_op(self) -> int:
@@ -285,9 +295,16 @@ class DecodeMessenger(MessengerThread):
         # counted into this endpoint's slots, each drained (on shm: copied) by a C thread
         self._lanes: list[Any] = []
         self._lane_info: list[dict[str, Any]] = []
+        # shm: the waits sleep on a kick word the prefill ranks bump after posting writes
+        self._kick = KickWord() if cfg.provider == "shm" and cfg.poll_backoff_s else None
+        self._kicked_by: dict[tuple[int, int], bool] = {}  # prefill rank -> it kicks us
+        # the engine's commands kick it too (a private word without shm)
+        self._sleep_on(self._kick.word if self._kick is not None else None)
         for _ in range(cfg.receive_lanes - 1):
             lane = self._ep.open_lane(**self.idle_options())
             self._lanes.append(lane)
+            if self._kick is not None:
+                lane.set_kick(self._kick.word)
             mrs = [lane.lane_region(m) for m in self._kv_mrs]
             lane.start_progress(**({"sleep_s": self.POLL_SLEEP_S}
                                    if self.config.poll_backoff_s else {}))
@@ -315,7 +332,8 @@ class DecodeMessenger(MessengerThread):
             "num_layers": self.num_layers, "buffers_per_layer": cfg.buffers_per_layer,
             "aux_row_bytes": [a.row_bytes for a in self._aux], "fabric_name": self._ep.name,
             "regions": self._regions, "aux_regions": self._aux_regions,
-            "lanes": self._lane_info, "writes_per_op": self._writes_per_op, "error": ""}
+            "lanes": self._lane_info, "writes_per_op": self._writes_per_op, "error": "",
+            "kick": self._kick.path if self._kick is not None else "", "kicks": 0}
         assert self._ctx is not None
         self._chans = [[Channel.connect(self._ctx, codec, addr) for addr in group]
                        for group in cfg.prefill_endpoints]
@@ -344,12 +362,17 @@ class DecodeMessenger(MessengerThread):
         for group in getattr(self, "_chans", []):
             for ch in group:
                 ch.close()
-        for lane in getattr(self, "_lanes", []):
+        self._cmds.kick = None
+        lanes = getattr(self, "_lanes", [])
+        for lane in lanes:
             lane.close()  # stops its thread first; it counts into the main endpoint's arrays
         ep = getattr(self, "_ep", None)
         if ep is not None:
             self._counts = None
             ep.close()
+        kick = getattr(self, "_kick", None)
+        if kick is not None and all(lane.closed for lane in lanes):
+            kick.close()  # else a lane thread stuck in the provider may still sleep on it
 
     def _on_fatal(self, reason: str) -> None:
         with self._lock:
@@ -558,6 +581,21 @@ class DecodeMessenger(MessengerThread):
         elif self._peer_ok[(g, r)] is None:
             log.info("%s: HELLO answered, compatible", where)
         self._peer_ok[(g, r)] = reason
+        self._kicked_by[(g, r)] = bool(h.get("kicks"))
+        self._tune_kick()
+
+    def _tune_kick(self) -> None:
+        """Once every prefill rank kicks this rank after posting writes, its waits may sleep up
+        to KICK_SLEEP_S between polls (a kick ends the sleep); while one does not, the short
+        poll_backoff_s cap stays (its writes would be noticed that much later)."""
+        if self._kick is None:
+            return
+        every = all(self._kicked_by.get(peer) for peer in self._peer_ok)
+        cap = self.KICK_SLEEP_S if every else 0.0
+        if cap != getattr(self, "_kick_cap", None):
+            self._kick_cap = cap
+            for ep in (self._ep, *self._lanes):
+                ep.set_kick(self._kick.word, cap)
 
     def _fail(self, x: _Xfer, reason: str) -> None:
         if x.status not in (TransferStatus.PENDING, TransferStatus.TRANSFERRING):

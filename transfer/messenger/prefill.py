@@ -54,6 +54,7 @@ import numpy as np
 import zmq
 
 from ..geometry import slice_ops, writes_per_page
+from ..kick import PeerKick
 from ..layout import AuxSpec, KVLayout, LayoutError, as_buffer, aux_spec, write_plan
 from ..routes import (
     RouteError,
@@ -227,6 +228,7 @@ class PrefillMessenger(MessengerThread):
         # timeout counts from the bind, not from its REQUEST (a long prefill queue is not a
         # stuck transfer)
         self._handed: dict[str, tuple[tuple[bytes, int, int], ...]] = {}
+        self._engine_seen = time.monotonic()  # the engine's last poll_requests (lead)
         self._bound: dict[str, int] = {}      # rid -> num_tokens (engine-side view)
         self._results: dict[str, PrefillResult] = {}
         self.identity = config.identity("prefill")
@@ -238,6 +240,7 @@ class PrefillMessenger(MessengerThread):
         """Lead rank, engine thread: requests whose every decode part arrived (each once)."""
         self._check_alive()
         with self._lock:
+            self._engine_seen = time.monotonic()
             out, self._ready_q = self._ready_q, []
             for r in out:
                 self._handed[r.rid] = tuple((p["sender"], p["slot"], p["gen"])
@@ -298,6 +301,8 @@ class PrefillMessenger(MessengerThread):
     def layer_done(self, layer: int) -> None:
         """Every rank, engine thread: layer `layer` of the current pass is in the cache."""
         self.progress[0] = (self._pass_id << PASS_SHIFT) | (layer + 1)
+        if self._cmds.kick is not None:
+            self._cmds.kick()  # the messenger thread's wait sleeps on its kick word
 
     def finish(self, rid: str, aux: Sequence[Any] = ()) -> None:
         """Every rank, engine thread, after the pass holding the request's last chunk: its
@@ -341,6 +346,7 @@ class PrefillMessenger(MessengerThread):
                 "aux_rows_free": aux_free, "tags_free": len(getattr(self, "_tags", ())),
                 "leaked_tags": getattr(self, "leaked_tags", 0),
                 "writes_issued": getattr(self, "writes_issued", 0),
+                "kicks": getattr(self, "kicks_sent", 0),
                 "stalled_s": round(self.stalled_s(), 3)}
 
     def abort(self, rid: str, reason: str = "aborted by the prefill engine") -> None:
@@ -351,6 +357,7 @@ class PrefillMessenger(MessengerThread):
     def _setup(self) -> None:
         cfg = self.config
         self._ep = self._open_endpoint(max_inflight_bytes=cfg.inflight_bytes)
+        self._sleep_on()  # commands and layer_done (the CPU engine's progress) kick its waits
         self._kv_mrs = [self._ep.register(b.addr, b.nbytes, remote_write=False)
                         for b in self._kv]
         self._aux_mrs = [self._ep.register(as_buffer(a).addr, as_buffer(a).nbytes,
@@ -373,6 +380,8 @@ class PrefillMessenger(MessengerThread):
             "writes_per_op": min(self._ep.iov_limit, 64), "error": ""}
         # per decode peer (routing id): its checked HELLO static fields, or why it is refused
         self._peer_hello: dict[bytes, dict[str, Any] | str] = {}
+        self._kicks: dict[bytes, PeerKick] = {}  # shm: decode ranks' kick words (transfer.kick)
+        self.kicks_sent = 0
         self.address = self._chan.address
         self._idle_poller = zmq.Poller()
         self._idle_poller.register(self._chan.sock, zmq.POLLIN)
@@ -400,9 +409,12 @@ class PrefillMessenger(MessengerThread):
         ch = getattr(self, "_chan", None)
         if ch is not None:
             ch.close()
+        self._cmds.kick = None
         ep = getattr(self, "_ep", None)
         if ep is not None:
             ep.close()
+        for kick in getattr(self, "_kicks", {}).values():
+            kick.close()
 
     def _on_fatal(self, reason: str) -> None:
         with self._lock:
@@ -472,8 +484,12 @@ class PrefillMessenger(MessengerThread):
 
     def _queued_for(self, peer: bytes) -> list[dict[str, int]]:
         """The transfers of decode rank `peer` that wait, whole, to be bound: handed to the
-        engine (its queue) or about to be (lead only; other ranks hold none)."""
+        engine (its queue) or about to be (lead only; other ranks hold none). None while the
+        engine has not asked for requests for `peer_timeout_s`: it is not serving its queue
+        (stuck), so the decoders' timeouts run again."""
         with self._lock:
+            if time.monotonic() - self._engine_seen > self.config.peer_timeout_s:
+                return []
             parts = [q for qs in self._handed.values() for q in qs]
             parts += [(p["sender"], p["slot"], p["gen"]) for r in self._ready_q for p in r.parts]
         return [{"slot": slot, "gen": gen} for sender, slot, gen in parts if sender == peer]
@@ -494,8 +510,26 @@ class PrefillMessenger(MessengerThread):
                          h["rank"], peer)
             self._peer_hello[peer] = {k: h[k] for k in HELLO_STATIC}
             error = ""
-        self._chan.send("HELLO", {**self._hello, "error": error}, peer=peer,
+        kicks = int(not error and self._map_kick(peer, h.get("kick", "")))
+        self._chan.send("HELLO", {**self._hello, "error": error, "kicks": kicks}, peer=peer,
                         session=msg.session)
+
+    def _map_kick(self, peer: bytes, path: str) -> bool:
+        """shm: map decode rank `peer`'s kick word (transfer.kick) to wake it after posting
+        writes to it; False (it keeps polling on its own) when there is none or it cannot be
+        mapped here."""
+        old = self._kicks.pop(peer, None)
+        if old is not None:
+            old.close()
+        if not path or self.config.provider != "shm":
+            return False
+        try:
+            self._kicks[peer] = PeerKick(path)
+        except (OSError, ValueError) as exc:
+            log.warning("prefill rank %d: cannot map the kick word of %r (it polls instead): "
+                        "%s", self.config.rank, peer, exc)
+            return False
+        return True
 
     def _check_hello(self, h: dict[str, Any]) -> None:
         """A decode rank's static fields against this rank (ValueError names the field). The
@@ -840,6 +874,10 @@ class PrefillMessenger(MessengerThread):
             d.issued += n_ops
             self.ops_issued += n_ops
             self.writes_issued += b - a
+            kick = self._kicks.get(d.sender)
+            if kick is not None:
+                kick.kick()  # wake its waits: there is something to copy
+                self.kicks_sent += 1
 
     def _send_aux(self, x: _Req) -> None:
         for d in x.dests:
@@ -924,6 +962,9 @@ class PrefillMessenger(MessengerThread):
                         self.config.peer_timeout_s)
             # its HELLO data goes too: a decode rank that lost us sends HELLO again
             self._peer_hello.pop(peer, None)
+            kick = self._kicks.pop(peer, None)
+            if kick is not None:
+                kick.close()
             for x in list(self._reqs.values()):
                 if any(d.sender == peer for d in x.dests):
                     self._dead_names.update(n for d in x.dests if d.sender == peer

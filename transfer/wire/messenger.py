@@ -68,7 +68,10 @@ SCHEMAS: dict[str, Check] = {
         # decode: page writes grouped into one operation; prefill: the most its provider takes
         "writes_per_op": int_field(1, 64),
         "error": _REASON,  # prefill: why it cannot serve this decode rank ('' = it can)
-    }),
+        # shm: decode: the path of its kick word (transfer.kick, '' = none); prefill: 1 when
+        # it mapped that word and kicks it after posting writes
+        "kick": str_field(64), "kicks": int_field(0, 1),
+    }, optional_keys=frozenset({"kick", "kicks"})),
     # decode rank -> prefill lead: this decode rank's part of a request (messenger.decode)
     "REQUEST": map_field({
         "rid": _RID,
