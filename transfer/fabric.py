@@ -644,6 +644,7 @@ class Endpoint:
         *,
         per_op: int = 1,
         timeout: float = DEFAULT_TIMEOUT_S,
+        kick: np.ndarray | None = None,
     ) -> int:
         """Submit len(lengths) writes in one C call: local[src:src+len] -> remote[dst:dst+len],
         `per_op` consecutive writes (1..`iov_limit`; the last operation may carry fewer) to one
@@ -654,6 +655,10 @@ class Endpoint:
         Receive lanes: `peer` and `remote` may be equally long sequences, the same remote
         memory registered on each of the peer's lane endpoints (see `start_progress`); each
         operation then goes to one lane, a lane refilled only once it drained.
+
+        `kick`: the peer's kick word mapped here (transfer.kick), or None: kicked once the writes
+        are posted and on every retry while its queue is full (it may be asleep, and only it
+        drains that queue).
 
         Every range is checked (in C, before anything is submitted) -> ValueError naming the
         write. On a full queue, or with `max_inflight_bytes` already in flight, the C loop
@@ -702,7 +707,9 @@ class Endpoint:
                 self._calls(), fb("uint64_t[]", lane_peers), fb("uint64_t[]", bases),
                 fb("uint64_t[]", keys), len(peers), local._h, min(r.length for r in remotes),
                 fb("uint64_t[]", src), fb("uint64_t[]", dst), fb("uint64_t[]", ln), n, op_arr,
-                nops, imm, tag, int(timeout * 1e9), self._done, self._errbuf, _ERRBUF,
+                nops, imm, tag, int(timeout * 1e9),
+                _ffi.NULL if kick is None else _ffi.cast("uint32_t *", kick.ctypes.data),
+                self._done, self._errbuf, _ERRBUF,
             )
             submitted = int(self._done[0])
             msg = _ffi.string(self._errbuf).decode(errors="replace") if ret else ""

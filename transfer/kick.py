@@ -60,15 +60,16 @@ class PeerKick:
             self._mm = mmap.mmap(fd, PAGE)
         finally:
             os.close(fd)
-        self._word: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint32, count=1)
+        #: the mapped word, for `Endpoint.write_batch(kick=)` (None once closed)
+        self.word: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint32, count=1)
 
     def kick(self) -> None:
         from .fabric import kick
 
-        if self._word is not None:
-            kick(self._word)
+        if self.word is not None:
+            kick(self.word)
 
     def close(self) -> None:
-        if self._word is not None:
-            self._word = None
+        if self.word is not None:
+            self.word = None
             self._mm.close()

@@ -54,8 +54,21 @@ void pd_sleep_ns(pd_ep *ep, int64_t ns, uint32_t seen) {
 /* How many of this endpoint's sleeps a kick ended (or made needless). */
 uint64_t pd_kick_wakes(const pd_ep *ep) { return __atomic_load_n(&ep->kick_wakes, __ATOMIC_RELAXED); }
 
-/* The longest idle sleep of this endpoint's backoff: longer with a kick word (a kick ends it). */
+/* Whether every writer of this endpoint kicks it (a kick word with its own cap): its idle
+   waits then need no short polling sleeps at all, since new work comes with a kick. */
+int pd_kicked(const pd_ep *ep) {
+    return __atomic_load_n(&ep->kick, __ATOMIC_ACQUIRE) != NULL && ep->kick_max_sleep_ns > 0;
+}
+
+/* The longest idle sleep of this endpoint's backoff: longer when kicked (a kick ends it). */
 int64_t pd_max_sleep_ns(const pd_ep *ep) {
-    return __atomic_load_n(&ep->kick, __ATOMIC_ACQUIRE) && ep->kick_max_sleep_ns > 0
-        ? ep->kick_max_sleep_ns : ep->idle_max_sleep_ns;
+    return pd_kicked(ep) ? ep->kick_max_sleep_ns : ep->idle_max_sleep_ns;
+}
+
+/* The `sleeps`-th idle sleep from `base_ns`: the backoff (pd_backoff_ns), or, when kicked,
+   the cap at once: after a burst the next work comes with a kick, and short sleeps would only
+   wake the thread dozens of times per burst for nothing. */
+int64_t pd_idle_ns(const pd_ep *ep, int64_t base_ns, unsigned sleeps) {
+    return pd_kicked(ep) ? ep->kick_max_sleep_ns
+                         : pd_backoff_ns(base_ns, ep->idle_max_sleep_ns, sleeps);
 }

@@ -118,8 +118,8 @@ int pd_write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_base
                    const uint64_t *remote_keys, size_t nlanes, pd_mr *local,
                    uint64_t remote_len, const uint64_t *src,
                    const uint64_t *dst, const uint64_t *len, size_t n, const uint32_t *op_len,
-                   size_t nops, uint32_t imm, uint32_t tag, int64_t timeout_ns, size_t *done,
-                   char *errbuf, size_t errlen);
+                   size_t nops, uint32_t imm, uint32_t tag, int64_t timeout_ns, uint32_t *kick,
+                   size_t *done, char *errbuf, size_t errlen);
 
 /* progress.c: receive lanes and their progress threads, the decoder's completion wait */
 void pd_share_counts(pd_ep *lane, pd_ep *owner);

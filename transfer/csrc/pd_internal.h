@@ -117,6 +117,9 @@ void pd_idle_seen(pd_ep *ep, unsigned *empty, uint32_t kick_seen);
 uint32_t pd_kick_seen(const pd_ep *ep);
 void pd_sleep_ns(pd_ep *ep, int64_t ns, uint32_t seen);
 int64_t pd_max_sleep_ns(const pd_ep *ep);
+int pd_kicked(const pd_ep *ep);
+int64_t pd_idle_ns(const pd_ep *ep, int64_t base_ns, unsigned sleeps);
+#define PD_KICKED_SPINS 4  /* empty polls before a kicked wait sleeps (a burst's stragglers) */
 int64_t pd_backoff_ns(int64_t base_ns, int64_t max_ns, unsigned sleeps);
 void pd_seterr(char *buf, size_t len, const char *call, int ret);
 void pd_record_err(pd_ep *ep, uint64_t tag, int err, int prov_errno, const char *msg);

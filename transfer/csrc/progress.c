@@ -31,12 +31,15 @@ static void *pd_progress_main(void *arg) {
             continue;
         }
         if (p > 0) { empty = 0; continue; }
-        if (++empty <= ep->idle_spins && __atomic_load_n(&o->active, __ATOMIC_ACQUIRE)) {
+        unsigned spins = pd_kicked(ep) && ep->idle_spins > PD_KICKED_SPINS ? PD_KICKED_SPINS
+                                                                           : ep->idle_spins;
+        if (++empty <= spins && __atomic_load_n(&o->active, __ATOMIC_ACQUIRE)) {
             sched_yield();
             continue;
         }
-        int64_t ns = __atomic_load_n(&o->active, __ATOMIC_ACQUIRE)
-            ? pd_backoff_ns(ep->thread_sleep_ns, pd_max_sleep_ns(ep), empty - ep->idle_spins)
+        int64_t ns = pd_kicked(ep) ? pd_max_sleep_ns(ep)  /* a kick brings the next work */
+            : __atomic_load_n(&o->active, __ATOMIC_ACQUIRE)
+            ? pd_backoff_ns(ep->thread_sleep_ns, ep->idle_max_sleep_ns, empty - ep->idle_spins)
             : ep->thread_sleep_ns * 50;
         pd_sleep_ns(ep, ns, kicked);  /* a kick (writes posted to us) ends it */
     }

@@ -28,9 +28,10 @@ void pd_idle(pd_ep *ep, unsigned *empty) { pd_idle_seen(ep, empty, pd_kick_seen(
 /* pd_idle for a wait that read the kick word (`kick_seen`, kick.c) before its poll: the sleep
    ends early when the prefill kicked since. */
 void pd_idle_seen(pd_ep *ep, unsigned *empty, uint32_t kick_seen) {
-    if (ep->idle_sleep_ns > 0 && ++*empty > ep->idle_spins) {
-        pd_sleep_ns(ep, pd_backoff_ns(ep->idle_sleep_ns, pd_max_sleep_ns(ep),
-                                      *empty - ep->idle_spins), kick_seen);
+    unsigned spins = pd_kicked(ep) && ep->idle_spins > PD_KICKED_SPINS ? PD_KICKED_SPINS
+                                                                       : ep->idle_spins;
+    if (ep->idle_sleep_ns > 0 && ++*empty > spins) {
+        pd_sleep_ns(ep, pd_idle_ns(ep, ep->idle_sleep_ns, *empty - spins), kick_seen);
     } else if (ep->yield_idle) {
         sched_yield();
     }

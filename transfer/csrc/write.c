@@ -63,13 +63,15 @@ static int pd_pick_lane(pd_ep *ep, const uint64_t *peers, size_t nlanes, uint64_
    operations, so the grouping is the caller's part of the count protocol.
    `nlanes` > 1: the peer has several receive lanes (peers[l], remote_bases[l], remote_keys[l]
    for the same remote memory); each operation goes to one of them (pd_pick_lane), and with
-   max_inflight_bytes set each lane gets an equal share of it. */
+   max_inflight_bytes set each lane gets an equal share of it.
+   `kick`: the peer's kick word (kick.c) or NULL: kicked after the batch is posted, and on
+   every retry while the queue is full (the peer may be asleep and it must drain the queue). */
 int pd_write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_bases,
                    const uint64_t *remote_keys, size_t nlanes, pd_mr *local,
                    uint64_t remote_len, const uint64_t *src,
                    const uint64_t *dst, const uint64_t *len, size_t n, const uint32_t *op_len,
-                   size_t nops, uint32_t imm, uint32_t tag, int64_t timeout_ns, size_t *done,
-                   char *errbuf, size_t errlen) {
+                   size_t nops, uint32_t imm, uint32_t tag, int64_t timeout_ns, uint32_t *kick,
+                   size_t *done, char *errbuf, size_t errlen) {
     int64_t deadline = 0;
     char *lbase = (char *)(uintptr_t)local->base;
     size_t max_msg = ep->info->ep_attr->max_msg_size;
@@ -182,6 +184,7 @@ int pd_write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_base
                 ep->draining = 1;
                 ep->drain_low = ep->inflight_bytes / 2;
             }
+            if (kick) pd_kick(kick);  /* a sleeping peer must drain its queue for us */
             int p = pd_poll(ep, 1u << 16);
             if (p < 0) {
                 pd_seterr(errbuf, errlen, "fi_cq_read", p);
@@ -210,5 +213,6 @@ int pd_write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_base
         i += k;
     }
     *done = n;
+    if (kick) pd_kick(kick);  /* the peer has something to copy */
     return 0;
 }

@@ -861,9 +861,11 @@ class PrefillMessenger(MessengerThread):
             if a >= b or x.state != "sending":
                 continue
             try:
+                kick = self._kicks.get(d.sender)
                 n_ops = self._ep.write_batch(peers, mr, regions, so[a:b], do[a:b], ln[a:b],
                                              d.imm, d.tag, per_op=per_op,
-                                             timeout=self.config.peer_timeout_s / 2)
+                                             timeout=self.config.peer_timeout_s / 2,
+                                             kick=None if kick is None else kick.word)
             except FabricError as exc:
                 n = int(getattr(exc, "submitted", 0))  # writes, always whole operations
                 d.issued += -(-n // per_op)
@@ -874,10 +876,8 @@ class PrefillMessenger(MessengerThread):
             d.issued += n_ops
             self.ops_issued += n_ops
             self.writes_issued += b - a
-            kick = self._kicks.get(d.sender)
             if kick is not None:
-                kick.kick()  # wake its waits: there is something to copy
-                self.kicks_sent += 1
+                self.kicks_sent += 1  # write_batch kicked it: there is something to copy
 
     def _send_aux(self, x: _Req) -> None:
         for d in x.dests:
