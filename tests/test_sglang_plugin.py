@@ -57,6 +57,15 @@ def test_entry_point_registers_backend_in_a_fresh_sglang_process() -> None:
         for mod in (utils, svc):  # the hook reached SGLang's `from ... import` copies too
             assert mod.get_kv_class(backend, KVClassType.MANAGER) is conn.PdtoolKVManager
             assert mod.get_kv_class(backend, KVClassType.RECEIVER) is conn.PdtoolKVReceiver
+        from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+        from sglang.srt.managers.scheduler import Scheduler
+        from transfer.sglang import plugin
+        from sglang.srt.plugins.hook_registry import HookRegistry
+        # per-layer KV streaming: both hooks applied once (load_plugins ran twice)
+        for target, method in ((plugin.ATTENTION_FORWARD, AttentionBackend.forward),
+                               (plugin.RUN_BATCH, Scheduler.run_batch)):
+            assert len(HookRegistry._hooks[target]) == 1, target
+            assert not hasattr(method.__wrapped__, "__wrapped__"), target
         fake = utils.get_kv_class(TransferBackend.FAKE, KVClassType.MANAGER)
         assert fake.__name__ == "FakeKVManager"  # other backends still answered by SGLang
         args = prepare_server_args(["--model-path", "dummy", "--disaggregation-mode", "prefill",

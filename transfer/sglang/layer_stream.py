@@ -187,6 +187,8 @@ class LayerStream:
         """After the forward was launched: no callback means nothing streamed."""
         if plan.queued:
             self.forwards_streamed += 1
+            self._once("streamed", "pdtool: per-layer KV streaming: a forward streamed %d "
+                                   "layers of %d rooms", len(plan.queued), len(plan.rooms))
             return
         self.fallbacks += 1
         self._once("graph", "pdtool: no attention callback fired in a planned prefill "
