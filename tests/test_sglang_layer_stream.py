@@ -264,3 +264,15 @@ def check_bytes_kv(cfg: dict[str, Any], res: dict[str, Any]) -> None:
                 got = buf.reshape(SLOTS // PAGE, PAGE, *buf.shape[1:])[req["dst_pages"]]
                 bad = [i for i in range(len(got)) if not np.array_equal(got[i], want[i])]
                 assert not bad, f"room {room}: pages at positions {bad} differ"
+
+
+def test_switch_is_auto_on_off_and_a_bad_value_is_named() -> None:
+    from transfer.sglang.layer_stream import enabled_for
+    from transfer.workerenv import WorkerEnvError
+
+    for value, host, cuda in ((None, True, False), ("auto", True, False), ("on", True, True),
+                              ("off", False, False)):
+        env = {} if value is None else {"PDTOOL_LAYER_STREAM": value}
+        assert (enabled_for(False, env), enabled_for(True, env)) == (host, cuda), value
+    with pytest.raises(WorkerEnvError, match="PDTOOL_LAYER_STREAM='yes'"):
+        enabled_for(False, {"PDTOOL_LAYER_STREAM": "yes"})

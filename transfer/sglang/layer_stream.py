@@ -93,8 +93,10 @@ class _Complete:
 _active: ForwardPlan | None = None  # the forward being launched (scheduler thread)
 
 
-def enabled_for(pool_on_cuda: bool) -> bool:
-    mode = workerenv.layer_stream()
+def enabled_for(pool_on_cuda: bool, environ: Any = None) -> bool:
+    """PDTOOL_LAYER_STREAM for a pool in CUDA (True) or host memory: `auto` streams host
+    pools only, since the CUDA branch has not run."""
+    mode = workerenv.layer_stream(environ)
     return mode == "on" or (mode == "auto" and not pool_on_cuda)
 
 
@@ -237,7 +239,7 @@ def plan_request(mgr: Any, sched: Any, req: Any) -> PlannedRoom | None:
     room = sender.bootstrap_room
     if mgr.request_status.get(room) not in (KVPoll.WaitingForInput, KVPoll.Transferring):
         return None  # a decode's META is missing: per chunk
-    targets = [t for t in mgr.transfer_infos.get(room, {}).values() if not t.is_dummy]
+    targets = [t for t in list(mgr.transfer_infos.get(room, {}).values()) if not t.is_dummy]
     if not targets:
         return None
     alloc = sched.token_to_kv_pool_allocator
