@@ -55,6 +55,8 @@ Configuration (environment of every SGLang worker; the pdtool launcher sets them
                        read it there either way, but crash dumps and job printouts can).
   PDTOOL_SECRET        fallback only when no secret file is given (tests, hand-run workers)
   PDTOOL_GPU_MEMORY    direct | staged, as the worker resolved transfer.gpu_memory
+  PDTOOL_LAYER_STREAM  auto | on | off: per-layer KV streaming on the prefill
+                       (`layer_stream.py`; auto: host-memory pools only)
 """
 
 from __future__ import annotations
