@@ -54,6 +54,7 @@ from transfer.sglang.conn import Chunk
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class LayerPart(Chunk):
     """One layer's writes of one room (layer buffers `buffers`), for the writer thread."""
