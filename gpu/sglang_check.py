@@ -15,13 +15,19 @@ Steps, each bounded in time:
      with a shared bootstrap room (what sglang_router does);
   4. the decode restarted with `--speculative-algorithm NGRAM` (speculative decoding without
      draft-model KV, which the backend serves) and the prompts sent again;
-  5. PASS when every PD completion equals its baseline (plain, or NGRAM) token for token — a
+  5. per-layer KV streaming (PREPARED, NOT RUN YET: no GPU where it was written): prefill
+     and plain decode restarted with PDTOOL_LAYER_STREAM=on (under `auto` CUDA pools do not
+     stream until this phase has passed), the prompts sent again; the prefill's log must say
+     a forward streamed (its CUDA events recorded after each layer's attention and waited on
+     by the layer thread) and must not say it fell back;
+  6. PASS when every PD completion equals its baseline (plain, or NGRAM) token for token — a
      wrong or missing KV page changes greedy tokens of a random model at once.
 What it covers beyond CPU tests: a GQA (non-MLA) decode built by SGLang's own scheduler, which
 gives the backend no KV head counts (it learns them from the prefill's answer to its
 registration); CUDA KV pools; the early send of a radix-cached prefix under the default overlap
 scheduler (the chunk's `wait_event`, a real CUDA event, is synchronised before its pages are
-read) and page ids handed over as a pinned host tensor (`indices_event`).
+read) and page ids handed over as a pinned host tensor (`indices_event`); with step 5, the
+CUDA branch of per-layer streaming (events, the page ids' pinned copy before the forward).
 Prints one JSON line with the outcome; exit status 0 only on PASS. Server logs go to --out.
 
     python gpu/sglang_check.py --out /tmp/pdtool-gpu [--keep-model DIR]
@@ -207,7 +213,29 @@ def main() -> int:
         got = [pd_generate(ids, 2000 + i, BOOTSTRAP_PORT) for i, ids in enumerate(PROMPTS)]
         result["ngram_mismatches"] = [i for i, (g, w) in
                                       enumerate(zip(got, want_ngram, strict=True)) if g != w]
-        result["ok"] = not result["mismatches"] and not result["ngram_mismatches"]
+
+        # per-layer KV streaming on CUDA pools (prepared, not run yet): each layer's writes
+        # posted after a CUDA event recorded behind its attention (transfer/sglang/
+        # layer_stream.py); the post-forward send carries the rest
+        result["phase"] = "pd-layer-stream"
+        stop(pre, dec)
+        os.environ["PDTOOL_LAYER_STREAM"] = "on"
+        pre = launch(model, PREFILL_PORT, a.out / "prefill-layer-stream.log",
+                     "--disaggregation-mode", "prefill", *pd)
+        dec = launch(model, DECODE_PORT, a.out / "decode-layer-stream.log",
+                     "--disaggregation-mode", "decode", *pd)
+        procs = [pre, dec]
+        wait_healthy(PREFILL_PORT, pre, deadline)
+        wait_healthy(DECODE_PORT, dec, deadline)
+        got = [pd_generate(ids, 3000 + i, BOOTSTRAP_PORT) for i, ids in enumerate(PROMPTS)]
+        result["layer_stream_mismatches"] = [i for i, (g, w) in
+                                             enumerate(zip(got, want, strict=True)) if g != w]
+        log = (a.out / "prefill-layer-stream.log").read_text(errors="replace")
+        result["layer_streamed"] = "per-layer KV streaming: a forward streamed" in log
+        result["layer_fell_back"] = "no attention callback fired" in log
+        result["ok"] = not result["mismatches"] and not result["ngram_mismatches"] and \
+            not result["layer_stream_mismatches"] and result["layer_streamed"] and \
+            not result["layer_fell_back"]
         result["phase"] = "done"
     except Exception as exc:  # report, do not hide: the lead reads this line
         result["error"] = f"{type(exc).__name__}: {exc}"

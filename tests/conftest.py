@@ -42,6 +42,7 @@ MODULE_MARKS: dict[str, tuple[str, ...]] = {
     "test_sglang_nics": ("fabric", "sglang"),
     "test_sglang_nics_slow_peer": ("fabric", "sglang"),
     "test_sglang_staging": ("fabric", "sglang"),
+    "test_sglang_layer_stream": ("fabric", "sglang"),
     # SGLang's own classes and parsers
     "test_sglang_plugin": ("sglang",),
     "test_sglang_lines": ("sglang",),

@@ -57,6 +57,18 @@ def test_entry_point_registers_backend_in_a_fresh_sglang_process() -> None:
         for mod in (utils, svc):  # the hook reached SGLang's `from ... import` copies too
             assert mod.get_kv_class(backend, KVClassType.MANAGER) is conn.PdtoolKVManager
             assert mod.get_kv_class(backend, KVClassType.RECEIVER) is conn.PdtoolKVReceiver
+        from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+        from sglang.srt.managers.scheduler import Scheduler
+        from transfer.sglang import plugin
+        def wraps_with(fn, hook):  # wrappers in fn's __wrapped__ chain that call `hook`
+            n = 0
+            while fn is not None:
+                n += any(c.cell_contents is hook for c in (fn.__closure__ or ()))
+                fn = getattr(fn, "__wrapped__", None)
+            return n
+        # per-layer KV streaming: both hooks applied, once (load_plugins ran twice)
+        assert wraps_with(AttentionBackend.forward, plugin.attention_hook) == 1
+        assert wraps_with(Scheduler.run_batch, plugin.run_batch_hook) == 1
         fake = utils.get_kv_class(TransferBackend.FAKE, KVClassType.MANAGER)
         assert fake.__name__ == "FakeKVManager"  # other backends still answered by SGLang
         args = prepare_server_args(["--model-path", "dummy", "--disaggregation-mode", "prefill",

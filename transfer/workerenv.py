@@ -31,6 +31,8 @@ This module is in `transfer/` because the SGLang backend and the messenger read 
     PDTOOL_NICS               JSON {gpu id: "nic,nic"}: each rank's NICs, by its local GPU
                               (the SGLang backend opens every one, the reference engine the first)
     PDTOOL_GPU_MEMORY         direct | staged: the path transfer.gpu_memory resolved to here
+  switches (the user, optional):
+    PDTOOL_LAYER_STREAM       auto | on | off: per-layer KV streaming of the SGLang prefill
   fallback and test hooks:
     PDTOOL_SECRET             the secret itself, only when no secret file is given (tests,
                               hand-run SGLang workers); never set by pdtool
@@ -124,6 +126,12 @@ GPU_MEMORY = Var("PDTOOL_GPU_MEMORY", "pdtool.worker (its transfer.gpu_memory de
                  "registered host bounce and landing buffers; unset: the backend decides as "
                  "`auto` does")
 
+LAYER_STREAM = Var("PDTOOL_LAYER_STREAM", "the user (optional)", "SGLang backend",
+                   "auto | on | off: the SGLang prefill posts each layer's KV writes as soon "
+                   "as that layer's attention ran (transfer/sglang/layer_stream.py) instead "
+                   "of all of them after the forward; auto (unset): on for KV pools in host "
+                   "memory, off for CUDA pools (that branch has not run on a GPU yet)")
+
 # -- fallback and test hooks ------------------------------------------------------------------
 SECRET = Var("PDTOOL_SECRET", "tests, hand-run SGLang workers (never pdtool)", "SGLang backend",
              "the secret itself, read only when PDTOOL_SECRET_FILE is not set")
@@ -141,7 +149,7 @@ HOPS = Var("PDTOOL_HOPS", "bench/ttft_hops.py", "bench/hops/sitecustomize.py",
 VARIABLES: tuple[Var, ...] = (
     RUN_DIR, PYTHON, SECRET_FILE, HOSTS, PREFLIGHT, EXIT_WHEN_HEALTHY,
     PLAN, ROLE, INSTANCE, RANK, NODE_RANK,
-    FI_PROVIDER, FI_DOMAIN, NICS, GPU_MEMORY,
+    FI_PROVIDER, FI_DOMAIN, NICS, GPU_MEMORY, LAYER_STREAM,
     SECRET, CONTROL_FAULTS, REFERENCE_ALLOW_FAULTS, HOPS,
 )
 BY_NAME: dict[str, Var] = {v.name: v for v in VARIABLES}
@@ -216,6 +224,15 @@ def gpu_memory(environ: Mapping[str, str] | None = None) -> str | None:
     value = GPU_MEMORY.get(environ)
     if value is not None and value not in ("direct", "staged"):
         raise WorkerEnvError(f"{GPU_MEMORY.name}={value!r}: expected direct or staged")
+    return value
+
+
+def layer_stream(environ: Mapping[str, str] | None = None) -> str:
+    """PDTOOL_LAYER_STREAM (`auto` when unset); WorkerEnvError naming it for anything but
+    auto, on or off."""
+    value = LAYER_STREAM.get(environ) or "auto"
+    if value not in ("auto", "on", "off"):
+        raise WorkerEnvError(f"{LAYER_STREAM.name}={value!r}: expected auto, on or off")
     return value
 
 

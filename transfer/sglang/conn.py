@@ -55,6 +55,8 @@ Configuration (environment of every SGLang worker; the pdtool launcher sets them
                        read it there either way, but crash dumps and job printouts can).
   PDTOOL_SECRET        fallback only when no secret file is given (tests, hand-run workers)
   PDTOOL_GPU_MEMORY    direct | staged, as the worker resolved transfer.gpu_memory
+  PDTOOL_LAYER_STREAM  auto | on | off: per-layer KV streaming on the prefill
+                       (`layer_stream.py`; auto: host-memory pools only)
 """
 
 from __future__ import annotations
@@ -298,6 +300,9 @@ class PdtoolKVManager(CommonKVManager):
                                           device=self.kv_device)
             self.plane = PrefillPlane(self, self.ep, tags, timeout, stuck_s=timeout,
                                       staging=self.staging, rails=self.rails)
+            from transfer.sglang import layer_stream  # it imports this module
+
+            self.layer_stream = layer_stream.start(self)  # None: PDTOOL_LAYER_STREAM off
             # frames to decode ranks go out from their own thread: SGLang's PUSH sockets wait
             # up to 30 s for a dead peer, which must stall neither writes nor control frames
             self._outbox: queue.SimpleQueue[tuple[str, int, list[bytes]] | None] = \
@@ -417,6 +422,7 @@ class PdtoolKVManager(CommonKVManager):
                                **self.plane.stats()}
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
             out["peers"] = len(self.peers)
+            out.update(self.layer_stream.stats() if self.layer_stream is not None else {})
             out["av_entries"] = sum(len(ep._peers) for ep in self.rails.eps)
         else:
             out.update(self.landing.stats())
@@ -835,6 +841,8 @@ class PdtoolKVManager(CommonKVManager):
             self.landing.close()
         else:
             self._outbox.put(None)
+            if self.layer_stream is not None:
+                self.layer_stream.close()
             for t in self._threads:
                 if t.name == "pdtool-prefill-writer":
                     t.join(timeout=5)

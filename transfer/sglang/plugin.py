@@ -11,6 +11,11 @@ the plugins registered. SGLang 0.5.23 has no backend registry, so three steps ar
    `TransferBackend.PDTOOL` and defers to SGLang for every other backend. `HookRegistry` also
    rebinds the `from ... import get_kv_class` copies in prefill.py/decode.py/disagg_service.py.
 
+Per-layer KV streaming adds two more AROUND hooks (`Scheduler.run_batch`,
+`AttentionBackend.forward`; `layer_stream.py`), unless PDTOOL_LAYER_STREAM=off. They are thin
+here: a process without a prefill manager of this backend pays an attribute lookup per batch
+and a dictionary lookup per attention call.
+
 The backend classes are imported lazily on first use, so a process that never selects `pdtool`
 (or runs without libfabric) pays nothing beyond this module.
 """
@@ -18,13 +23,18 @@ The backend classes are imported lazily on first use, so a process that never se
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
+from transfer import workerenv
 from transfer.sglang import BACKEND_NAME, SGLANG_VERSION
 
 logger = logging.getLogger(__name__)
 
 GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
+RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+ATTENTION_FORWARD = "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward"
+LAYER_STREAM = "transfer.sglang.layer_stream"
 
 
 def _add_cli_choice() -> None:
@@ -78,10 +88,37 @@ def get_kv_class_hook(original: Any, transfer_backend: Any, class_type: Any) -> 
     return original(transfer_backend, class_type)
 
 
+def run_batch_hook(original: Any, sched: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND Scheduler.run_batch: per-layer KV streaming (layer_stream.py) where this rank's
+    prefill manager is ours and has it on; SGLang's run_batch unchanged otherwise."""
+    q = getattr(sched, "disagg_prefill_bootstrap_queue", None)
+    stream = getattr(getattr(q, "kv_manager", None), "layer_stream", None)
+    if stream is None:
+        return original(sched, batch, *args, **kwargs)
+    return sys.modules[LAYER_STREAM].run_batch(stream, original, sched, batch, *args, **kwargs)
+
+
+def attention_hook(original: Any, backend: Any, q: Any, k: Any, v: Any, layer: Any,
+                   forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND AttentionBackend.forward: after a layer's attention, tell the layer stream (one
+    dictionary lookup when no prefill manager of ours streams in this process)."""
+    out = original(backend, q, k, v, layer, forward_batch, *args, **kwargs)
+    ls = sys.modules.get(LAYER_STREAM)
+    if ls is not None and ls._active is not None:
+        ls.after_attention(backend, layer, forward_batch)
+    return out
+
+
+def _register_once(target: str, hook: Any) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, [])):
+        HookRegistry.register(target, hook, HookType.AROUND)
+
+
 def register() -> None:
     """Entry point (`sglang.srt.plugins`): idempotent; SGLang applies the hook afterwards."""
     import sglang
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if getattr(sglang, "__version__", None) != SGLANG_VERSION:
         logger.warning(
@@ -91,7 +128,8 @@ def register() -> None:
         )
     _add_cli_choice()
     _add_enum_member()
-    already = any(h is get_kv_class_hook for _, h, _ in HookRegistry._hooks.get(GET_KV_CLASS, []))
-    if not already:
-        HookRegistry.register(GET_KV_CLASS, get_kv_class_hook, HookType.AROUND)
+    _register_once(GET_KV_CLASS, get_kv_class_hook)
+    if workerenv.LAYER_STREAM.get() != "off":  # per-layer KV streaming (layer_stream.py)
+        _register_once(RUN_BATCH, run_batch_hook)
+        _register_once(ATTENTION_FORWARD, attention_hook)
     logger.info("pdtool: registered --disaggregation-transfer-backend %s", BACKEND_NAME)

@@ -74,6 +74,10 @@ class Send:
     staged_done: int = 0      # operations from bounce buffers known complete (staging_plane)
     # writes held back per layer-buffer group: (src, dst, len) not yet a whole operation
     tails: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # layer buffer -> the decoder's page positions already planned, once layer streaming
+    # (layer_stream.py) planned some: every (page, buffer) is written once, by whichever of
+    # the layer part or the chunk reached the writer first
+    planned: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -161,6 +165,9 @@ class PrefillPlane:
             status = mgr.request_status.get(room)
             if status is None or status == KVPoll.Failed:
                 return
+            if getattr(chunk, "buffers", None) is not None and \
+                    status not in (KVPoll.WaitingForInput, KVPoll.Transferring):
+                return  # a layer part after its room finished: the chunks sent it all
             rs = self.rooms.get(room)
             if rs is None:
                 rs = self.rooms[room] = RoomSends(room)
@@ -206,9 +213,14 @@ class PrefillPlane:
             src_pages = kv[: len(positions)]
             positions = positions[: len(src_pages)]
             # one write per (page, layer buffer): from the pool, or packed into a bounce
-            # buffer first where the slice is not a whole page of it (staging_plane)
-            for i in range(len(mgr.kv_layouts)):
-                gather, region, plan = self.staging.writes(peer, t, src_pages, positions, i)
+            # buffer first where the slice is not a whole page of it (staging_plane); a
+            # layer part (layer_stream.py) covers its layer's buffers only
+            buffers = getattr(chunk, "buffers", None)
+            for i in range(len(mgr.kv_layouts)) if buffers is None else buffers:
+                pages, pos = src_pages, positions
+                if buffers is not None or s.planned:
+                    pages, pos = self._unplanned(s, i, len(t.kv_indices), pages, pos)
+                gather, region, plan = self.staging.writes(peer, t, pages, pos, i)
                 so, do, ln = self._with_tail(s, i, plan)
                 n = len(ln) if chunk.is_last else sendable(0, len(ln), len(ln) + 1, s.per_op)
                 if n < len(ln):
@@ -227,6 +239,17 @@ class PrefillPlane:
                 b = Batch(s, fi_addr, mr, region, one * (chunk.aux_index * ilen),
                           one * (t.aux_index * ilen), one * ilen)
                 self._queue(q, b)
+
+    @staticmethod
+    def _unplanned(s: Send, buffer: int, num_pages: int, pages: np.ndarray,
+                   positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The pages of `positions` not yet planned for `buffer`, now marked planned."""
+        done = s.planned.get(buffer)
+        if done is None:
+            done = s.planned[buffer] = np.zeros(num_pages, dtype=bool)
+        keep = ~done[positions]
+        done[positions] = True
+        return pages[keep], positions[keep]
 
     def _addr(self, peer: Any, path: tuple[int, int]) -> int:
         """fi_addr of the decode's endpoint path[1] on local rail path[0] (inserted once)."""
