@@ -210,6 +210,11 @@ def _check_spread(cfg: dict[str, Any], res: dict[str, Any], decode_addrs: list[s
     return nics, pre
 
 
+_STAGING = "transfer.sglang.staging_plane"
+# a 4 MiB landing area in 4 KiB blocks (not 1 GiB: its allocation would dominate the test)
+LANDING_TUNE = [(_STAGING, "LANDING_BYTES", 4 << 20), (_STAGING, "LANDING_BLOCK_BYTES", 4096)]
+
+
 @pytest.mark.timeout(600)
 def test_gqa_tp2_to_tp1_lands_through_every_nic(monkeypatch) -> None:
     """GQA (4 KV heads), prefill TP2 -> decode TP1: each prefill rank writes its heads of a
@@ -218,20 +223,19 @@ def test_gqa_tp2_to_tp1_lands_through_every_nic(monkeypatch) -> None:
     ranks' two endpoints and the decode's three carry writes; counts are the geometry's."""
     rooms = _scattered_rooms(6, 60)
     cfg = {"mla": False, "heads": 4, "prefill_tp": 2, "decode_tp": 1, "rooms": rooms,
-           "provider": "tcp;ofi_rxm",
+           "provider": "tcp;ofi_rxm", "tune": LANDING_TUNE,
            "role_env": {"prefill": _nics("127.0.0.2", "127.0.0.3"),
                         "decode": _nics("127.0.0.4", "127.0.0.5", "127.0.0.6")}}
     nics, pre = _check_spread(cfg, _run(cfg, monkeypatch),
                               ["127.0.0.4", "127.0.0.5", "127.0.0.6"])
     assert nics["landing_delivered"] == len(rooms) and nics["landing_rooms"] == 0
+    assert nics["landing_bytes"] == 4 << 20 and nics["kv_path"] == "direct"
     assert all(p["gathers"] == 0 for p in pre)  # whole source pages: no bounce buffer
 
 
-_STAGING = "transfer.sglang.staging_plane"
 # bounce buffers of two operations (8 writes of 128 B) and stripes of one (prefill_plane's
-# 512 B): a piece's two operations may leave on different NICs; a 4 MiB landing area
-STAGED_TUNE = [(_STAGING, "BOUNCE_BUFFER_BYTES", 1024), (_STAGING, "LANDING_BYTES", 4 << 20),
-               (_STAGING, "LANDING_BLOCK_BYTES", 4096),
+# 512 B): a piece's two operations may leave on different NICs
+STAGED_TUNE = [*LANDING_TUNE, (_STAGING, "BOUNCE_BUFFER_BYTES", 1024),
                ("transfer.sglang.prefill_plane", "STRIPE_BYTES", 512)]
 
 
