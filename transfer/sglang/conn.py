@@ -7,9 +7,10 @@ heartbeats, timeouts and failure bookkeeping stay SGLang's own code.
 
 Data plane (pdtool's messenger rules, docs/messenger.md; `prefill_plane.py`, `decode_plane.py`):
   * a rank opens one libfabric `Endpoint` per NIC beside its GPU (`rails.py`, the plan's
-    GPU->NIC map in PDTOOL_NICS) and registers every KV/aux buffer on each; the decode's
-    further endpoints count into its first one's slots, the prefill stripes its operations
-    over its endpoints by bytes in flight (each operation counted once, whichever NIC);
+    GPU->NIC map in PDTOOL_NICS) and registers every KV/aux buffer and its staging memory
+    on each; the decode's further endpoints count into its first one's slots, the prefill
+    stripes its operations, staged ones too, over its endpoints by bytes in flight (each
+    operation counted once, whichever NIC);
   * registration: each decode rank sends REG to the prefill ranks it reads from; each answers
     PEER with the KV head count (SGLang's decode never gets it) and how many consecutive page
     writes it groups into one RMA operation (the smaller iov limit of the two endpoints);
