@@ -297,7 +297,7 @@ class PrefillStaging:
             posted |= done > 0
             if p.posted == p.b - p.a:
                 pool.posted_to(p.bounce, p.ops)
-                self.spread += p.rails & (p.rails - 1) != 0
+                self.spread += (p.rails & (p.rails - 1)) != 0  # two bits or more
                 sb.pieces.popleft()
                 if self.trace is not None:
                     self.trace.append(("post", p.number))
