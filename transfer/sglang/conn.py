@@ -645,7 +645,7 @@ class PdtoolKVManager(CommonKVManager):
             target.landing_block, target.landing_unit = int(b["landing_block"]), \
                 int(b["landing_unit"])
         peer = self.peers.get(target.peer)
-        if target.landing is not None and peer is not None:
+        if target.landing is not None and peer is not None and not peer.error:
             twins = [fabric.RemoteRegion.from_dict(d) for d in b.get("landing_rails", [])]
             if len(twins) != len(peer.rails) - 1 or \
                     any(r.length != target.landing.length for r in twins):
