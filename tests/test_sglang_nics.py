@@ -5,11 +5,15 @@ bootstrap server in one process per rank; SGLang's CPU pools; real libfabric), w
 NICs in its environment the way the worker passes them (`PDTOOL_NICS`, the plan's GPU->NIC map).
 On one machine the NICs are `tcp;ofi_rxm` endpoints bound to different loopback addresses
 (127.0.0.2, 127.0.0.3, ...: a tcp entry that is an address binds it, transfer/sglang/rails.py).
+The staged routes (transfer/sglang/staging_plane.py: a GQA TP mismatch landing in the decode's
+staging area, the staged GPU-memory path's bounce buffers and landing area) stripe over every
+NIC as the direct path does.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import socket
@@ -19,6 +23,7 @@ import pytest
 import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
 import test_sglang_backend as tsb
 from test_sglang_backend import LAYERS, N_AUX, check_bytes, ops, run_pair
+from test_sglang_staging import STAGED_ENV, plan_ops
 
 from transfer.sglang.conn import MAX_SLOTS
 from transfer.sglang.staging_plane import BOUNCE_BUFFERS
@@ -55,8 +60,11 @@ def _address(ep: Any) -> str:
 
 
 def _rank(role: str, cfg: dict[str, Any], rank: int, conn: Any) -> None:
-    """A harness rank (child process) with its role's NICs in the environment."""
+    """A harness rank (child process) with its role's NICs in the environment and the
+    module settings `cfg["tune"]` names ((module, name, value): small staging memory)."""
     os.environ.update(cfg.get("role_env", {}).get(role, {}))
+    for module, name, value in cfg.get("tune", ()):
+        setattr(importlib.import_module(module), name, value)
     from transfer.sglang import conn as sconn
 
     made: list[Any] = []
@@ -111,16 +119,19 @@ def test_a_rank_opens_every_nic_of_its_gpu() -> None:
     assert nic_env("efa", ("a", "b"), "efa")["FI_EFA_IFACE"] == "a,b"
 
 
-def _scattered_rooms(n: int, first: int) -> dict[int, dict[str, Any]]:
-    """`n` rooms of 3 scattered, non-monotonic pages, chunked 2 at a time, all into the same
-    decode pool: destination page d always receives source page (7d + 3) mod 16, so rooms may
-    share destination pages and every page still has one right content."""
+def _scattered_rooms(n: int, first: int, pages: int = 3,
+                     chunk: int = 2) -> dict[int, dict[str, Any]]:
+    """`n` rooms of 3 (or `pages`) scattered, non-monotonic pages, chunked 2 (`chunk`) at a
+    time, all into the same decode pool: destination page d always receives source page
+    (7d + 3) mod 16, so rooms may share destination pages and every page still has one right
+    content."""
     out = {}
     for i in range(n):
-        dst = [(5 * i + 2) % 16, (5 * i + 9) % 16, (5 * i + 13) % 16]
+        dst = [(5 * i + 2) % 16, (5 * i + 9) % 16, (5 * i + 13) % 16] if pages == 3 else \
+            [(5 * i + 2 + 7 * k) % 16 for k in range(pages)]
         out[first + i] = {"src_pages": [(7 * d + 3) % 16 for d in dst], "dst_pages": dst,
                           "aux_index": i % tsb.AUX_ROWS, "dst_aux": (i + 3) % tsb.AUX_ROWS,
-                          "chunk": 2}
+                          "chunk": chunk}
     return out
 
 
@@ -174,3 +185,75 @@ def test_mla_source_replica_is_drawn_per_request(monkeypatch) -> None:
     assert all(n > 0 for n in sent), sent
     assert [p[1] for p in res["prefill"]] == [dict.fromkeys(rooms, 4)] * 2
     print(f"requests per prefill rank: {sent}")
+
+
+def _check_spread(cfg: dict[str, Any], res: dict[str, Any], decode_addrs: list[str]
+                  ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Byte-exact pages, each room's count what the geometry owner (so `pdtool plan`) counts,
+    every operation counted once, every NIC of every rank carrying some; (decode stats,
+    prefill stats)."""
+    (_, out, *_), = res["decode"]
+    nics = out.pop("_nics")
+    check_bytes(cfg, res)
+    want = {r: plan_ops(cfg, 0, len(q["dst_pages"])) for r, q in cfg["rooms"].items()}
+    assert {r: o["count"] for r, o in out.items()} == want
+    assert nics["addrs"] == decode_addrs
+    spread = nics["rail_writes"]  # operations each decode endpoint received
+    assert sum(spread) == sum(want.values()) and all(n > 0 for n in spread), spread
+    pre = [p[3] for p in res["prefill"]]
+    assert [p[1] for p in res["prefill"]] == [dict.fromkeys(cfg["rooms"], 4)] * len(pre)
+    assert sum(sum(p["rail_ops"]) for p in pre) == sum(want.values())
+    for p in pre:
+        assert len(p["rail_ops"]) == 2 and all(p["rail_ops"]), p["rail_ops"]
+        assert p["tags_free"] == TAGS and p["rooms"] == 0, p
+    print(f"per-endpoint operations: prefill {[p['rail_ops'] for p in pre]}, decode {spread}")
+    return nics, pre
+
+
+_STAGING = "transfer.sglang.staging_plane"
+# a 4 MiB landing area in 4 KiB blocks (not 1 GiB: its allocation would dominate the test)
+LANDING_TUNE = [(_STAGING, "LANDING_BYTES", 4 << 20), (_STAGING, "LANDING_BLOCK_BYTES", 4096)]
+
+
+@pytest.mark.timeout(600)
+def test_gqa_tp2_to_tp1_lands_through_every_nic(monkeypatch) -> None:
+    """GQA (4 KV heads), prefill TP2 -> decode TP1: each prefill rank writes its heads of a
+    page from its pool into the decoder's landing area (made for the first request, after
+    the decode's lanes started, and registered on each of its three endpoints). Both prefill
+    ranks' two endpoints and the decode's three carry writes; counts are the geometry's."""
+    rooms = _scattered_rooms(6, 60)
+    cfg = {"mla": False, "heads": 4, "prefill_tp": 2, "decode_tp": 1, "rooms": rooms,
+           "provider": "tcp;ofi_rxm", "tune": LANDING_TUNE,
+           "role_env": {"prefill": _nics("127.0.0.2", "127.0.0.3"),
+                        "decode": _nics("127.0.0.4", "127.0.0.5", "127.0.0.6")}}
+    nics, pre = _check_spread(cfg, _run(cfg, monkeypatch),
+                              ["127.0.0.4", "127.0.0.5", "127.0.0.6"])
+    assert nics["landing_delivered"] == len(rooms) and nics["landing_rooms"] == 0
+    assert nics["landing_bytes"] == 4 << 20 and nics["kv_path"] == "direct"
+    assert all(p["gathers"] == 0 for p in pre)  # whole source pages: no bounce buffer
+
+
+# bounce buffers of two operations (8 writes of 128 B) and stripes of one (prefill_plane's
+# 512 B): a piece's two operations may leave on different NICs
+STAGED_TUNE = [*LANDING_TUNE, (_STAGING, "BOUNCE_BUFFER_BYTES", 1024),
+               ("transfer.sglang.prefill_plane", "STRIPE_BYTES", 512)]
+
+
+@pytest.mark.timeout(600)
+def test_staged_path_bounces_and_lands_through_every_nic(monkeypatch) -> None:
+    """transfer.gpu_memory=staged (CPU tensors): every page goes pool -> bounce buffer ->
+    decode landing -> pool. The bounce buffers are registered on both prefill endpoints, the
+    landing area on both decode ones; pieces are striped over the NICs (some straddle two),
+    and a bounce buffer is reused only once its writes completed on every NIC: byte-exact,
+    the geometry's count, every endpoint carrying writes, no buffer leaked."""
+    rooms = _scattered_rooms(6, 40, pages=11, chunk=8)  # 8 writes: a piece of 2 operations
+    cfg = {"mla": False, "heads": 2, "prefill_tp": 1, "decode_tp": 1, "rooms": rooms,
+           "provider": "tcp;ofi_rxm", "extra_env": STAGED_ENV, "tune": STAGED_TUNE,
+           "role_env": {"prefill": _nics("127.0.0.2", "127.0.0.3"),
+                        "decode": _nics("127.0.0.4", "127.0.0.5")}}
+    nics, (pre,) = _check_spread(cfg, _run(cfg, monkeypatch), ["127.0.0.4", "127.0.0.5"])
+    assert nics["kv_path"] == pre["kv_path"] == "staged"
+    assert nics["landing_delivered"] == len(rooms) and nics["landing_bytes"] == 4 << 20
+    assert pre["bounce_bytes"] == 8 * 1024 and pre["bounce_leaked"] == 0
+    assert pre["bounce_in_use_peak"] <= 4 < pre["gathers"]  # buffers reused
+    assert pre["pieces_over_nics"] > 0, pre  # a buffer's writes on both NICs

@@ -284,3 +284,61 @@ def test_landing_pool_is_bounded_and_reused():
         with pytest.raises(ValueError, match="buffers must be >= 2"):
             BouncePool(ep, buffers=1)
         landing.close()
+
+
+def test_a_bounce_buffer_written_over_two_endpoints_is_free_once_both_completed():
+    """One bounce buffer's writes leave on two endpoints (two NICs: SGLang's backend stripes a
+    piece over them, its `Rails` being the pool's carriers). The buffer is registered on both,
+    its completions are summed over both, and it comes free only once the write on the
+    second endpoint completed too (on shm the receiver performs the copy, so a receiver that
+    does not poll holds its write); the bytes on both receivers are the buffer's."""
+    from transfer.sglang.rails import Rails
+
+    txs = [Endpoint("shm") for _ in range(2)]
+    rxs = [Endpoint("shm") for _ in range(2)]
+    carriers = Rails(txs, ["nic0", "nic1"])
+    try:
+        pool = BouncePool(txs[0], buffers=2, buffer_bytes=2 * PAGE, carriers=carriers)
+        twins = [carriers.twin(pool.mr, i) for i in range(2)]
+        assert twins[0] is pool.mr and twins[1].addr == pool.mr.addr and twins[1]._ep is txs[1]
+        landing = [torch.zeros(PAGE, dtype=torch.uint8) for _ in rxs]
+        regions = [rx.register_buffer(m).descriptor() for rx, m in zip(rxs, landing, strict=True)]
+        peers = [tx.insert_peer(rx.name) for tx, rx in zip(txs, rxs, strict=True)]
+        buf = pool.try_take()
+        data = torch.randint(0, 256, (2 * PAGE,), dtype=torch.uint8)
+        pool.view(buf).copy_(data)
+
+        def write(i: int, slot: int, tag: int) -> None:  # half i of the buffer on endpoint i
+            assert txs[i].write_batch(peers[i], twins[i], regions[i],
+                                      np.array([buf * 2 * PAGE + i * PAGE], np.uint64),
+                                      np.zeros(1, np.uint64), np.array([PAGE], np.uint64),
+                                      imm=encode_imm(slot, 1), tag=tag) == 1
+
+        for i, rx in enumerate(rxs):  # connect both paths first, both receivers polling
+            rx.arm(2, 1)
+            t = threading.Thread(target=rx.wait_recv, args=(2, 1, WAIT_S))
+            t.start()
+            write(i, 2, 0)
+            t.join(WAIT_S)
+            assert txs[i].wait_send(0, 1, WAIT_S)
+        for i, rx in enumerate(rxs):
+            rx.arm(3, 1)
+            write(i, 3, pool.tag_base + buf)
+        pool.posted_to(buf, 2)
+        assert rxs[0].wait_recv(3, 1, WAIT_S) and txs[0].wait_send(pool.tag_base + buf, 1,
+                                                                   WAIT_S)
+        for _ in range(20):  # the second receiver does not poll: its write stays pending
+            carriers.poll()
+            time.sleep(0.005)
+        assert carriers.send_done(pool.tag_base + buf) == 1
+        assert pool.reclaim(block=False, timeout=0) == [] and pool.in_use() == 1
+        assert rxs[1].wait_recv(3, 1, WAIT_S)
+        pool.wait_all(WAIT_S)  # polls both endpoints until the buffer's writes completed
+        assert pool.in_use() == 0 and pool.has_free
+        assert carriers.send_done(pool.tag_base + buf) == 2
+        assert torch.equal(landing[0], data[:PAGE]) and torch.equal(landing[1], data[PAGE:])
+        pool.close()
+        assert all(t.closed for t in twins)
+    finally:
+        for ep in txs + rxs:
+            ep.close()

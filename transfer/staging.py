@@ -44,6 +44,11 @@ side stream, with an event), so the run is one write; `_Copier.scatter_slice` pu
 back into the NHD rows once the count is reached. `BouncePool.try_take` / `LandingPool.
 reserve_blocks` never block: the caller keeps the request waiting for space instead.
 `tensor_at` views memory SGLang allocated (its pools' data pointers) as such a tensor.
+
+Several NICs (`Carriers`, SGLang's backend's `transfer.sglang.rails.Rails`): a pool whose
+writes go out on (or land through) several endpoints is registered on each of them, and a
+bounce buffer counts its writes' local completions summed over them: it is free again only
+once every write from it completed, whichever endpoint carried it.
 """
 
 from __future__ import annotations
@@ -54,14 +59,36 @@ import itertools
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from .fabric import DEFAULT_TIMEOUT_S, Endpoint, FabricError, MemoryRegion, RemoteRegion
+from .fabric import (
+    DEFAULT_TIMEOUT_S,
+    Endpoint,
+    FabricError,
+    MemoryRegion,
+    RemoteRegion,
+    buffer_address,
+)
 
-__all__ = ["BouncePool", "Chunk", "LandingGrant", "LandingPool", "StagedSender", "landing_offsets",
-           "tensor_at"]
+__all__ = ["BouncePool", "Carriers", "Chunk", "LandingGrant", "LandingPool", "StagedSender",
+           "landing_offsets", "tensor_at"]
+
+
+class Carriers(Protocol):
+    """The endpoints (one per NIC) that carry a pool's writes, as one: `register` registers
+    memory on each and returns the first one's registration (the others' are its twins);
+    `send_done(tag)` is a tag's local completions summed over them; `poll` drives them all;
+    `release` closes a registration and its twins."""
+
+    def register(self, addr: int, length: int, **kw: Any) -> MemoryRegion: ...
+
+    def send_done(self, tag: int) -> int: ...
+
+    def poll(self) -> int: ...
+
+    def release(self, mr: MemoryRegion) -> None: ...
 
 
 @dataclass
@@ -342,12 +369,13 @@ def _release_host_memory(buf: Any, pinned: bool) -> None:
 
 class BouncePool:
     """`buffers` host bounce buffers of `buffer_bytes` each: one allocation, registered once on
-    `ep` (read by the local writes only). Buffer i counts its writes' local completions in
-    send_done[tag_base + i]; it is free again once they all completed."""
+    `ep` (read by the local writes only), or on every endpoint of `carriers`. Buffer i counts
+    its writes' local completions in send_done[tag_base + i] (summed over the carriers); it is
+    free again once they all completed."""
 
     def __init__(self, ep: Endpoint, *, buffers: int = 4, buffer_bytes: int = 8 << 20,
                  device: Any = "cpu", tag_base: int | None = None,
-                 on_device: bool = False) -> None:
+                 on_device: bool = False, carriers: Carriers | None = None) -> None:
         if buffers < 2:
             raise ValueError(f"BouncePool: buffers must be >= 2 to overlap copies and writes, "
                              f"got {buffers}")
@@ -367,7 +395,9 @@ class BouncePool:
         # on_device (transfer.gpu_memory=direct with a TP mismatch: the gather only packs head
         # slices, the memory stays where the provider reads it); else pinned host memory
         self.on_device = on_device and self.device.type == "cuda"
-        self.memory, self.mr = _registered(ep, buffers * buffer_bytes, self.device,
+        self._carriers = carriers
+        self.memory, self.mr = _registered(carriers.register if carriers else ep.register,
+                                           buffers * buffer_bytes, self.device,
                                            self.on_device, remote_write=False)
         self._ep = ep
         self.posted = np.zeros(buffers, dtype=np.int64)  # operations posted per buffer, ever
@@ -439,9 +469,27 @@ class BouncePool:
         self.errored[i] += 1
         return i
 
+    def _done(self, tag: int) -> int:
+        if self._carriers is not None:
+            return self._carriers.send_done(tag)
+        return int(self._ep.send_done[tag])
+
     def _complete(self, i: int) -> bool:
-        done = int(self._ep.send_done[self.tag_base + i]) + int(self.errored[i] & 0xFFFFFFFF)
+        done = self._done(self.tag_base + i) + int(self.errored[i] & 0xFFFFFFFF)
         return done & 0xFFFFFFFF >= self._target(i)
+
+    def _wait_send(self, i: int, timeout: float) -> bool:
+        """Until buffer i's writes completed (True) or `timeout` (False): in C on one endpoint,
+        else polling every carrier."""
+        if self._carriers is None:
+            return self._ep.wait_send(self.tag_base + i, self._target(i), timeout)
+        deadline = time.monotonic() + timeout
+        while not self._complete(i):
+            if time.monotonic() >= deadline:
+                return False
+            if not self._carriers.poll():
+                time.sleep(0.0001)
+        return True
 
     def reclaim(self, *, block: bool, timeout: float) -> list[int]:
         """Free the buffers whose writes all completed (or failed), returning them; with
@@ -458,8 +506,7 @@ class BouncePool:
                 return freed
             oldest = self._inflight[0]
             left = deadline - time.monotonic()
-            if left <= 0 or not self._ep.wait_send(self.tag_base + oldest, self._target(oldest),
-                                                   left):
+            if left <= 0 or not self._wait_send(oldest, left):
                 raise FabricError("staged send", 110, f"no bounce buffer came free within "
                                   f"{timeout:.1f} s (writes not completing)")
 
@@ -470,29 +517,38 @@ class BouncePool:
         while self._inflight:
             i = self._inflight[0]
             left = max(0.0, deadline - time.monotonic())
-            if not self._ep.wait_send(self.tag_base + i, self._target(i), left):
+            if not self._wait_send(i, left):
                 raise FabricError("staged send", 110, f"bounce buffer {i}'s writes did not "
                                   f"complete within {timeout:.1f} s")
             self.reclaim(block=False, timeout=0)
 
     def close(self) -> None:
-        self.mr.close()
+        _deregister(self.mr, self._carriers)
         if not self.on_device:
             _release_host_memory(self.memory, self.device.type == "cuda")
 
 
-def _registered(ep: Endpoint, nbytes: int, device: Any, on_device: bool,
+def _registered(register: Any, nbytes: int, device: Any, on_device: bool,
                 **kw: Any) -> tuple[Any, MemoryRegion]:
-    """Staging memory and its registration: device memory registered as CUDA memory (direct
+    """Staging memory and its registration by `register(addr, length, **kw)` (an endpoint's,
+    or the carriers' on each of theirs): device memory registered as CUDA memory (direct
     path) or pinned host memory (`_host_memory`)."""
     if on_device:
         import torch
 
         mem = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        return mem, ep.register(mem.data_ptr(), nbytes, iface="cuda",
-                                device=device.index or 0, **kw)
+        return mem, register(mem.data_ptr(), nbytes, iface="cuda", device=device.index or 0,
+                             **kw)
     mem = _host_memory(nbytes, pinned=device.type == "cuda")
-    return mem, ep.register_buffer(mem, **kw)
+    addr, n = buffer_address(mem)
+    return mem, register(addr, n, **kw)
+
+
+def _deregister(mr: MemoryRegion, carriers: Carriers | None) -> None:
+    if carriers is not None:
+        carriers.release(mr)
+    else:
+        mr.close()
 
 
 @dataclass
@@ -600,10 +656,12 @@ class LandingPool:
     """The receiver's registered host landing area, `capacity_bytes` in blocks of
     `block_bytes`. A transfer reserves whole blocks for its writes (packed in order; a write
     never straddles two blocks), so memory stays bounded by the capacity whatever the KV size,
-    and a request that does not fit waits for an earlier one's release."""
+    and a request that does not fit waits for an earlier one's release. Registered on `ep`, or
+    on every endpoint of `carriers` (writes may land through any of them)."""
 
     def __init__(self, ep: Endpoint, *, capacity_bytes: int, block_bytes: int = 1 << 20,
-                 device: Any = "cpu", on_device: bool = False) -> None:
+                 device: Any = "cpu", on_device: bool = False,
+                 carriers: Carriers | None = None) -> None:
         if block_bytes < 1 or capacity_bytes < block_bytes:
             raise ValueError(f"LandingPool: need 1 <= block_bytes <= capacity_bytes, got "
                              f"{block_bytes}, {capacity_bytes}")
@@ -614,7 +672,9 @@ class LandingPool:
         self.nblocks = capacity_bytes // block_bytes
         # on_device: a registered device landing area (direct path, TP mismatch); else host
         self.on_device = on_device and self.device.type == "cuda"
-        self.memory, self.mr = _registered(ep, self.nblocks * block_bytes, self.device,
+        self._carriers = carriers
+        self.memory, self.mr = _registered(carriers.register if carriers else ep.register,
+                                           self.nblocks * block_bytes, self.device,
                                            self.on_device)
         self._free = collections.deque(range(self.nblocks))
         self._copier = _Copier(self.device)
@@ -686,6 +746,6 @@ class LandingPool:
 
     def close(self) -> None:
         self._copier.close()
-        self.mr.close()
+        _deregister(self.mr, self._carriers)
         if not self.on_device:
             _release_host_memory(self.memory, self.device.type == "cuda")

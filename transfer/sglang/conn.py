@@ -7,9 +7,10 @@ heartbeats, timeouts and failure bookkeeping stay SGLang's own code.
 
 Data plane (pdtool's messenger rules, docs/messenger.md; `prefill_plane.py`, `decode_plane.py`):
   * a rank opens one libfabric `Endpoint` per NIC beside its GPU (`rails.py`, the plan's
-    GPU->NIC map in PDTOOL_NICS) and registers every KV/aux buffer on each; the decode's
-    further endpoints count into its first one's slots, the prefill stripes its operations
-    over its endpoints by bytes in flight (each operation counted once, whichever NIC);
+    GPU->NIC map in PDTOOL_NICS) and registers every KV/aux buffer and its staging memory
+    on each; the decode's further endpoints count into its first one's slots, the prefill
+    stripes its operations, staged ones too, over its endpoints by bytes in flight (each
+    operation counted once, whichever NIC);
   * registration: each decode rank sends REG to the prefill ranks it reads from; each answers
     PEER with the KV head count (SGLang's decode never gets it) and how many consecutive page
     writes it groups into one RMA operation (the smaller iov limit of the two endpoints);
@@ -158,12 +159,18 @@ class DecodePeer:
     # (local rail, remote rail) -> fi_addr on that local rail's endpoint (inserted lazily)
     addrs: dict[tuple[int, int], int] = field(default_factory=dict)
     _twin_index: dict[Any, tuple[str, int]] = field(default_factory=dict)
+    # its landing area's keys on its further endpoints (META `landing_rails`)
+    landing_twins: dict[fabric.RemoteRegion, list[fabric.RemoteRegion]] = \
+        field(default_factory=dict)
 
     def remote_twin(self, region: fabric.RemoteRegion, rail: int) -> fabric.RemoteRegion | None:
         """`region` (as registered on the decode's first endpoint) on its endpoint `rail`;
         None for memory it advertised on its first endpoint only."""
         if rail == 0:
             return region
+        landing = self.landing_twins.get(region)
+        if landing is not None:
+            return landing[rail - 1] if rail - 1 < len(landing) else None
         if not self._twin_index:
             self._twin_index = {r: ("kv", i) for i, r in enumerate(self.kv_regions)}
             self._twin_index.update({r: ("aux", i) for i, r in enumerate(self.aux_regions)})
@@ -262,7 +269,7 @@ class PdtoolKVManager(CommonKVManager):
             self.kv_layouts = sglang_buffer_layouts(args.kv_data_lens, args.kv_item_lens,
                                                     self.heads_local, args.page_size)
         # direct: SGLang's pools are registered (CUDA memory: on FI_HMEM endpoints); staged:
-        # KV goes through registered host bounce/landing buffers on the primary endpoint
+        # KV goes through registered host bounce/landing buffers on every endpoint
         # (transfer.gpu_memory, as the worker decided it)
         self.kv_device = self._kv_device()
         self.kv_path = kv_path(self.kv_device.type, workerenv.provider(DEFAULT_PROVIDER),
@@ -470,7 +477,8 @@ class PdtoolKVManager(CommonKVManager):
             "decode_prefix_len": int(decode_prefix_len or 0),
         }
         if landing_blocks is not None and not is_dummy:
-            body.update(landing=self.landing.region().to_dict(),
+            first, *further = self.landing.regions()  # its keys on each endpoint (NIC)
+            body.update(landing=first.to_dict(), landing_rails=[r.to_dict() for r in further],
                         landing_block=self.landing.block_bytes, landing_unit=self.landing.unit,
                         landing_blocks=np.asarray(landing_blocks, np.int32).tobytes())
         return self.frames.encode("META", body)
@@ -643,6 +651,14 @@ class PdtoolKVManager(CommonKVManager):
             target.landing_block, target.landing_unit = int(b["landing_block"]), \
                 int(b["landing_unit"])
         peer = self.peers.get(target.peer)
+        if target.landing is not None and peer is not None and not peer.error:
+            twins = [fabric.RemoteRegion.from_dict(d) for d in b.get("landing_rails", [])]
+            if len(twins) != len(peer.rails) - 1 or \
+                    any(r.length != target.landing.length for r in twins):
+                raise ValueError(f"META.landing_rails: {len(twins)} regions for the decode's "
+                                 f"{len(peer.rails) - 1} further endpoints, or not the "
+                                 f"landing area's length")
+            peer.landing_twins[target.landing] = twins
         if target.landing is not None and peer is not None and not peer.error and (
                 target.landing_unit < max(lay.page_bytes for lay in peer.kv_layouts)
                 or target.landing_block % target.landing_unit):

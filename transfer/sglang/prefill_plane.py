@@ -22,7 +22,9 @@ the (local rail, remote endpoint) path whose local endpoint has the fewest bytes
 ties in turn; its writes use that rail's registration of the same memory and the decode
 endpoint's keys for it. The decoder's endpoints count into one slot table, so an operation is
 counted once whichever NIC carried it and the expected count is unchanged. A tag's local
-completions are the sum of its `send_done` over the rails.
+completions are the sum of its `send_done` over the rails. Staged writes (bounce buffers,
+landing areas: staging_plane.py) take the same chooser and stripes (`route`) and are counted
+the same way (`posted`).
 
 Accounting: every (room, decode rank) has one fabric tag. An operation is settled when its
 local completion counts `send_done[tag]` or its completion error arrives (`Endpoint.errors`,
@@ -225,7 +227,7 @@ class PrefillPlane:
                 n = len(ln) if chunk.is_last else sendable(0, len(ln), len(ln) + 1, s.per_op)
                 if n < len(ln):
                     s.tails[i] = (so[n:], do[n:], ln[n:])
-                if n and gather:  # bounce buffers are registered on the primary rail only
+                if n and gather:  # read from a bounce buffer once packed (staging_plane)
                     self._queue(q, self.staging.batch(s, fi_addr, i, region, peer,
                                                       (so[:n], do[:n], ln[:n])))
                 elif n:
@@ -258,6 +260,30 @@ class PrefillPlane:
             i, j = path
             addr = peer.addrs[path] = self.rails.eps[i].insert_peer(peer.rails[j].fabric_name)
         return addr
+
+    def route(self, b: Any, lengths: np.ndarray, per_op: int
+              ) -> tuple[int, fabric.Endpoint, int, Any, fabric.RemoteRegion, int]:
+        """Where the next submission of `b` (a Batch or a staging_plane.StagedBatch) goes and
+        how many of its next writes (`lengths`) it takes: (local rail, its endpoint, fi_addr,
+        local registration, remote region, writes). All of them on one path; with several
+        local rails a stripe of at most STRIPE_BYTES (whole operations, at least one), so the
+        rest goes to the next path chosen."""
+        rail, ep, fi_addr, mr, region = self._route(b)
+        n = len(lengths)
+        if rail or len(self.rails) > 1:
+            csum = np.cumsum(lengths, dtype=np.uint64)
+            stripe = int(np.searchsorted(csum, STRIPE_BYTES, side="right"))
+            n = min(n, max(per_op, stripe // per_op * per_op))
+        return rail, ep, fi_addr, mr, region, n
+
+    def posted(self, s: Send, rail: int, ops: int, nbytes: int) -> None:
+        """`ops` operations of `s` (`nbytes` in all) went out on local rail `rail`: each is
+        counted once, on the rail that carried it and in what the decoder counts."""
+        if ops and not s.issued:
+            self.sends_written += 1
+        s.issued += ops
+        s.issued_bytes += nbytes
+        self.rail_ops[rail] += ops
 
     def _paths(self, peer: Any) -> list[tuple[int, int]]:
         m, n = len(self.rails), max(1, len(peer.rails))
@@ -339,7 +365,7 @@ class PrefillPlane:
             if getattr(b, "staged", False):  # reads bounce buffers: gathered, then posted
                 try:
                     moved, finished = self.staging.step(q.batches, PEER_BUDGET_BYTES
-                                                        - in_flight, SUBMIT_SLICE_S)
+                                                        - in_flight, SUBMIT_SLICE_S, self)
                 except (fabric.FabricError, ValueError, RuntimeError) as exc:
                     q.batches.popleft()
                     s.queued -= 1
@@ -361,28 +387,20 @@ class PrefillPlane:
             n = min(n_left, max(k, fit // k * k))
             a, rail = b.at, 0
             try:
-                rail, ep, fi_addr, mr, region = self._route(b)
-                if rail or len(self.rails) > 1:  # a stripe: leave the rest to the next path
-                    stripe = int(np.searchsorted(csum, STRIPE_BYTES, side="right"))
-                    n = min(n, max(k, stripe // k * k))
+                rail, ep, fi_addr, mr, region, n = self.route(b, b.lengths[a:a + n], k)
                 nops = ep.write_batch(fi_addr, mr, region, b.src[a:a + n], b.dst[a:a + n],
                                       b.lengths[a:a + n], imm=s.imm, tag=s.tag,
                                       per_op=min(k, n), timeout=SUBMIT_SLICE_S)
                 done, err = n, None
-                self.rail_ops[rail] += nops
             except fabric.FabricError as exc:
                 done = int(getattr(exc, "submitted", 0))
                 nops, err = _ops(done, k), exc
-                self.rail_ops[rail] += nops
             except ValueError as exc:  # a region the decode announced does not fit the write
                 q.batches.popleft()
                 s.queued -= 1
                 self.fail(s.room, f"pdtool write to decode {s.peer} refused: {exc}")
                 continue
-            if nops and not s.issued:
-                self.sends_written += 1
-            s.issued += nops
-            s.issued_bytes += int(b.lengths[a:a + done].sum())
+            self.posted(s, rail, nops, int(b.lengths[a:a + done].sum()))
             b.at += done
             if done:
                 posted = True

@@ -16,7 +16,10 @@ operation is counted once, wherever it landed, and the expected count does not c
 The prefill side stripes: each submission of a decode peer's writes goes to the (local rail,
 remote endpoint) path whose local endpoint has the fewest bytes in flight (C's own figure),
 ties taken in turn. Paths pair local rail k % M with remote endpoint k % N for
-k < max(M, N), so every NIC on both sides carries traffic.
+k < max(M, N), so every NIC on both sides carries traffic. Staged writes (staging_plane.py)
+take the same chooser: the prefill's bounce buffers and the decode's landing area are
+registered on every rail like the KV pools, a bounce buffer's tag completing on whichever rail
+carried each write (its completions are summed over the rails before it is reused).
 
 Addresses (`rail_specs`): a NIC name is a libfabric domain (EFA `rdmap...`, with its `-rdm`
 RDM domain tried too; verbs devices; tcp interface names such as `eth1`). With `tcp;ofi_rxm` an
@@ -28,8 +31,10 @@ with several tcp NICs each endpoint takes its interface's own address (no node h
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +46,8 @@ SOCKET_PROVIDERS = ("tcp", "sockets")
 
 
 class RailError(RuntimeError):
-    """No endpoint could be opened for the rank's first NIC; the text names the setting."""
+    """No endpoint could be opened for the rank's first NIC (the text names the setting), or
+    memory could not be registered on one of the rank's NICs."""
 
 
 @dataclass(frozen=True)
@@ -155,10 +161,45 @@ class Rails:
         return min(ep.iov_limit for ep in self.eps)
 
     def register(self, addr: int, length: int, **kw: Any) -> fabric.MemoryRegion:
-        """Register [addr, addr+length) on every rail; returns the primary's registration."""
-        mrs = [ep.register(addr, length, **kw) for ep in self.eps]
+        """Register [addr, addr+length) on every rail; returns the primary's registration.
+        Memory registered once the decode's lanes run (its landing area on the direct path,
+        made for the first request that needs one) stops each lane's thread for the call
+        (the provider is the thread's while it runs); RailError when one does not stop."""
+        mrs: list[fabric.MemoryRegion] = []
+        try:
+            for i, ep in enumerate(self.eps):
+                with self._paused(i):
+                    mrs.append(ep.register(addr, length, **kw))
+        except Exception:
+            for i, mr in enumerate(mrs):
+                with self._paused(i):
+                    mr.close()
+            raise
         self._twins[id(mrs[0])] = mrs
         return mrs[0]
+
+    def release(self, mr: fabric.MemoryRegion) -> None:
+        """Deregister memory `register` registered, on every rail."""
+        for i, twin in enumerate(self._twins.pop(id(mr), [mr])):
+            with self._paused(i):
+                twin.close()
+
+    @contextlib.contextmanager
+    def _paused(self, rail: int) -> Iterator[None]:
+        """Rail `rail`'s provider is the caller's for the block: a lane's thread is stopped
+        and started again after (a no-op before `start_lanes` and for the primary)."""
+        ep = self.eps[rail]
+        if not (rail and self.lanes_started):
+            yield
+            return
+        if not ep.stop_progress():
+            raise RailError(f"NIC {self.labels[rail]!r}: its progress thread is stuck in the "
+                            f"provider ({ep.progress_stalled_s:.1f} s in one poll); memory "
+                            f"cannot be registered on it")
+        try:
+            yield
+        finally:
+            ep.start_progress()
 
     def twin(self, mr: fabric.MemoryRegion, rail: int) -> fabric.MemoryRegion | None:
         if rail == 0:
@@ -167,8 +208,8 @@ class Rails:
         return mrs[rail] if mrs is not None else None
 
     def start_lanes(self) -> None:
-        """Decode: each further rail's CQ is drained by its own C thread from now on (memory
-        must be registered before: the provider is then the thread's alone)."""
+        """Decode: each further rail's CQ is drained by its own C thread from now on (the
+        provider is then the thread's alone: `register` pauses it for later registrations)."""
         if not self.lanes_started:
             for ep in self.eps[1:]:
                 ep.start_progress()

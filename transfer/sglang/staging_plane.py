@@ -37,6 +37,17 @@ failed transfer may still land in them).
 Pipelining (prefill): per peer, the gathers of the next pieces are issued while free buffers
 last before the writes of the oldest piece are posted, and a piece's writes are posted only
 once its copy completed (`trace` records ("copy", n) / ("post", n)).
+
+Several NICs (`rails.py`): the bounce buffers and the landing area are registered on every
+endpoint of the rank (`Rails.register`; the decode's landing area on the direct path is made
+for the first request that needs it, after its lanes started, so their threads pause for that
+registration) and the decode sends the landing area's keys on each of its endpoints with the
+landing blocks (META `landing_rails`). A piece's writes go out exactly like the direct path's:
+in stripes, each on the path the prefill plane's chooser names (`PrefillPlane.route`: fewest
+bytes in flight on the local endpoint, ties in turn), counted there once (`PrefillPlane.
+posted`). A bounce buffer's tag is the same on every endpoint and its local completions are
+summed over them (`Rails.send_done`), so it is reused only once every write from it completed
+on every NIC.
 """
 
 from __future__ import annotations
@@ -54,6 +65,7 @@ import numpy as np
 
 from transfer import fabric, workerenv
 from transfer.gpu_memory import NO_HMEM_PROVIDERS
+from transfer.sglang.rails import RailError
 from transfer.staging import BouncePool, LandingPool, _Copier, landing_offsets, tensor_at
 
 logger = logging.getLogger(__name__)
@@ -104,6 +116,7 @@ class Piece:
     err_base: int
     posted: int = 0  # writes posted so far
     ops: int = 0
+    rails: int = 0  # bit i: local rail i carried some of its writes
 
 
 @dataclass
@@ -120,6 +133,7 @@ class StagedBatch:
     lengths: np.ndarray
     head_lo: int
     heads: int
+    mr: fabric.MemoryRegion  # the bounce buffers' registration on the first endpoint
     at: int = 0  # writes gathered so far
     pieces: collections.deque[Piece] = field(default_factory=collections.deque)
     staged = True
@@ -143,6 +157,7 @@ class PrefillStaging:
         self.trace: list[tuple[str, int]] | None = [] if TRACE else None
         self._pieces = 0
         self.gathers = 0
+        self.spread = 0  # pieces whose writes went out on more than one NIC
         if self.staged:  # every page needs them: allocate and register at start-up
             self._ensure_pool()
 
@@ -179,16 +194,18 @@ class PrefillStaging:
               peer: Any, arrays: tuple[np.ndarray, ...]) -> StagedBatch:
         src, dst, lengths = arrays
         return StagedBatch(send, fi_addr, b, region, src, dst, lengths,
-                           peer.slice.src_head_off, peer.slice.num_heads)
+                           peer.slice.src_head_off, peer.slice.num_heads,
+                           self._ensure_pool().mr)
 
     # -- bounce memory ----------------------------------------------------------------------
     def _ensure_pool(self) -> BouncePool:
         if self.pool is None:
             biggest = max(self.mgr.kv_args.kv_item_lens)
             size = max(BOUNCE_BUFFER_BYTES, self.ep.iov_limit * biggest)
+            # registered on every NIC's endpoint: any of them may carry a piece's writes
             self.pool = BouncePool(self.ep, buffers=BOUNCE_BUFFERS, buffer_bytes=size,
                                    device=self.device, tag_base=self.tag_base,
-                                   on_device=not self.staged)
+                                   on_device=not self.staged, carriers=self.mgr.rails)
             self._copier = _Copier(self.pool.device)
         return self.pool
 
@@ -235,11 +252,13 @@ class PrefillStaging:
                 self.trace.append(("copy", piece.number))
             sb.at += k
 
-    def step(self, batches: Any, budget: int, timeout: float) -> tuple[bool, bool]:
+    def step(self, batches: Any, budget: int, timeout: float,
+             plane: Any) -> tuple[bool, bool]:
         """For a peer's queue whose head is a StagedBatch: issue the copies of the next
         pieces (this batch's and the staged batches queued behind it) while buffers are
-        free, then post the head's pieces whose copy completed, in order. Returns (something
-        posted, head batch finished). FabricError for a failed post."""
+        free, then post the head's pieces whose copy completed, in order, each in stripes on
+        the paths `plane` (the PrefillPlane) chooses. Returns (something posted, head batch
+        finished). FabricError for a failed post."""
         pool = self._ensure_pool()
         for ahead in batches:
             # copy ahead only within the head's room, never past a write from the pool
@@ -256,25 +275,29 @@ class PrefillStaging:
             p = sb.pieces[0]
             self._copier.wait(p.handle)  # raises what the copy raised
             a, m = p.a + p.posted, p.b - p.a - p.posted
-            src = np.uint64(p.bounce * pool.buffer_bytes) + \
-                np.arange(p.posted, p.b - p.a, dtype=np.uint64) * np.uint64(unit)
-            try:
-                ops = self.ep.write_batch(sb.fi_addr, pool.mr, sb.region, src,
-                                          sb.dst[a:a + m], sb.lengths[a:a + m], imm=s.imm,
-                                          tag=pool.tag_base + p.bounce,
-                                          per_op=min(s.per_op, m), timeout=timeout)
+            rail = 0
+            try:  # the direct path's chooser and stripes: one rule for every write
+                rail, ep, fi_addr, mr, region, m = plane.route(sb, sb.lengths[a:a + m],
+                                                                s.per_op)
+                src = np.uint64(p.bounce * pool.buffer_bytes) + \
+                    np.arange(p.posted, p.posted + m, dtype=np.uint64) * np.uint64(unit)
+                ops = ep.write_batch(fi_addr, mr, region, src, sb.dst[a:a + m],
+                                     sb.lengths[a:a + m], imm=s.imm,
+                                     tag=pool.tag_base + p.bounce,
+                                     per_op=min(s.per_op, m), timeout=timeout)
                 done, err = m, None
             except fabric.FabricError as exc:
                 done = int(getattr(exc, "submitted", 0))
                 ops, err = -(-done // s.per_op), exc
             p.posted += done
             p.ops += ops
-            s.issued += ops
-            s.issued_bytes += done * unit
+            p.rails |= (1 << rail) if ops else 0
+            plane.posted(s, rail, ops, done * unit)
             budget -= done * unit
             posted |= done > 0
             if p.posted == p.b - p.a:
                 pool.posted_to(p.bounce, p.ops)
+                self.spread += (p.rails & (p.rails - 1)) != 0  # two bits or more
                 sb.pieces.popleft()
                 if self.trace is not None:
                     self.trace.append(("post", p.number))
@@ -333,7 +356,7 @@ class PrefillStaging:
                 "bounce_bytes": 0 if pool is None else pool.allocated_bytes,
                 "bounce_in_use_peak": 0 if pool is None else pool.in_use_peak,
                 "bounce_leaked": 0 if pool is None else len(pool.leaked),
-                "gathers": self.gathers,
+                "gathers": self.gathers, "pieces_over_nics": self.spread,
                 **({"trace": list(self.trace)} if self.trace is not None else {})}
 
     def close(self) -> None:
@@ -402,9 +425,10 @@ class DecodeLanding:
     def _ensure_pool(self) -> LandingPool:
         if self.pool is None:
             cap = max(LANDING_BYTES // self.block_bytes, 1) * self.block_bytes
+            # registered on every NIC's endpoint: writes may land through any of them
             self.pool = LandingPool(self.mgr.ep, capacity_bytes=cap,
                                     block_bytes=self.block_bytes, device=self.device,
-                                    on_device=not self.staged)
+                                    on_device=not self.staged, carriers=self.mgr.rails)
             self._thread = threading.Thread(target=self._guarded, name="pdtool-decode-landing",
                                             daemon=True)
             self._thread.start()
@@ -419,7 +443,10 @@ class DecodeLanding:
         """Landing blocks for `room`, or None while the area is full (ValueError when the
         request could never fit it)."""
         with self._lock:
-            pool = self._ensure_pool()
+            try:
+                pool = self._ensure_pool()
+            except RailError as exc:  # a lane that does not pause: this request fails
+                raise ValueError(f"the landing area cannot be registered: {exc}") from None
             self._expire()
             try:
                 return pool.reserve_blocks(self.blocks_for(num_pages))
@@ -447,8 +474,10 @@ class DecodeLanding:
         with self._lock:
             self._rooms[landing.room] = landing
 
-    def region(self) -> fabric.RemoteRegion:
-        return self.pool.mr.descriptor()
+    def regions(self) -> list[fabric.RemoteRegion]:
+        """The landing area's keys on each of the rank's endpoints, the first one's first."""
+        rails = self.mgr.rails
+        return [rails.twin(self.pool.mr, i).descriptor() for i in range(len(rails))]
 
     def holds(self, room: int) -> bool:
         with self._lock:

@@ -51,7 +51,7 @@ import msgpack
 from .fields import Check, WireError, bytes_field, int_field, map_field, str_field
 from .secret import check_secret
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 HISTORY: dict[int, str] = {
     0: "(no version field) the reference front's {k, b, t, n} frames",
     1: "three codecs with their own version 1: the messenger's {v, type, from, ts, nonce, body} "
@@ -64,6 +64,9 @@ HISTORY: dict[int, str] = {
        "fields",
     3: "SGLang's HELLO carries `rails`: the decode rank's further endpoints (one per NIC beside "
        "its GPU), each its fabric name and its keys for the same KV and aux memory",
+    4: "SGLang's META carries `landing_rails` with a request's landing blocks: the decode "
+       "rank's landing area under the keys of each further endpoint (staged writes use every "
+       "NIC too)",
 }
 DEFAULT_MAX_BYTES = 8 << 20
 SESSION_BYTES = 16

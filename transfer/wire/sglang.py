@@ -15,7 +15,8 @@ prefill's control loop tell pdtool frames from SGLang's ABORT notifications on t
     it cannot be served.
   * META (decode rank -> prefill rank, per request): the room, the decoder's page ids, the
     aux row, the transfer slot and generation, SGLang's destination count and prefix length,
-    and, for a request that lands in staging, the landing region and its blocks.
+    and, for a request that lands in staging, the landing region and its blocks (and,
+    `landing_rails` since version 4, that region's keys on each further endpoint).
 
 Binding: the sockets are one way and SGLang 0.5.23's bootstrap registry keeps only each
 prefill rank's address (`PrefillRankInfo`), so a decode rank may not know the prefill rank's
@@ -80,7 +81,10 @@ SCHEMAS: dict[str, Check] = {
         "required_dst_info_num": _POS, "is_dummy": bool_field(), "decode_prefix_len": _NAT,
         "landing": _REGION, "landing_block": _POS, "landing_unit": _POS,
         "landing_blocks": bytes_field(64 << 20, 4),
-    }, optional_keys=frozenset({"landing", "landing_block", "landing_unit", "landing_blocks"})),
+        # the landing area on the decode rank's further endpoints (HELLO `rails` order)
+        "landing_rails": list_field(_REGION, 64),
+    }, optional_keys=frozenset({"landing", "landing_block", "landing_unit", "landing_blocks",
+                                "landing_rails"})),
 }
 
 SGLANG = Protocol("sglang", SCHEMAS, unbound=frozenset({"HELLO", "META"}))
