@@ -915,11 +915,15 @@ class Endpoint:
             return 0.0
         return int(_lib.pd_progress_stalled_ns(self._h)) / 1e9
 
-    def set_kick(self, word: np.ndarray | None, max_sleep_s: float = 0.0) -> None:
-        """Sleep on `word` (a 1-element uint32 array in shared memory, transfer.kick) in this
-        endpoint's idle waits and its progress thread, so a peer's `kick(word)` ends the sleep;
-        the backoff may then grow up to `max_sleep_s` (0: the endpoint's own cap). None: plain
-        sleeps again (before the word's memory goes away)."""
+    def set_kick(self, word: np.ndarray | None, max_sleep_s: float = 0.0,
+                 change_only: bool = False) -> None:
+        """Sleep on `word` (a 1-element uint32 array, shared memory for another process,
+        transfer.kick) in this endpoint's idle waits and its progress thread, so a `kick(word)`
+        ends the sleep. `max_sleep_s` > 0: what the waits wait for comes with a kick, so they
+        sleep that long at once after a few empty polls (0: their usual backoff);
+        `change_only`: that holds only for `wait_change` (a progress word and a doorbell that
+        are kicked; the other waits keep their backoff). None: plain sleeps again (before the
+        word's memory goes away)."""
         ptr = _ffi.NULL
         if word is not None:
             if word.dtype != np.uint32 or word.size != 1:
@@ -927,7 +931,7 @@ class Endpoint:
             ptr = _ffi.cast("uint32_t *", word.ctypes.data)
         self._kick_word = word  # keep it alive as long as C may sleep on it
         with self._lock:
-            _lib.pd_set_kick(self._live(), ptr, int(max_sleep_s * 1e9))
+            _lib.pd_set_kick(self._live(), ptr, int(max_sleep_s * 1e9), int(change_only))
 
     @property
     def kick_wakes(self) -> int:

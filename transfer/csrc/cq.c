@@ -197,9 +197,11 @@ int pd_wait_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const int64_t *b
         if ((va && *va != a_seen) || (vb && *vb != b_seen)) return 1;
         if (pd_now_ns() > deadline) return 0;
         if (p > 0) { spins = 0; continue; }
-        if (++spins > 16 && sleep_ns > 0) {  /* growing by the endpoint's backoff, if any */
+        if (pd_kicked_change(ep) && spins >= PD_KICKED_SPINS) {
+            pd_sleep_ns(ep, ep->kick_max_sleep_ns, kicked);  /* the change comes with a kick */
+        } else if (++spins > 16 && sleep_ns > 0) {  /* growing by the endpoint's backoff, if any */
             pd_sleep_ns(ep, pd_backoff_ns(pd_clamp_ns(sleep_ns), pd_max_sleep_ns(ep), spins - 16),
-                        kicked);  /* the engine's kick (a layer done, a command) ends it */
+                        kicked);  /* a kick (a layer done, a command) ends it */
         } else {
             sched_yield();
         }

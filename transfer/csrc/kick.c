@@ -18,10 +18,14 @@
 
 #include "pd_internal.h"
 
-/* Decoder: sleep on `word` in this endpoint's idle waits (NULL: plain sleeps again), with the
-   backoff growing up to `max_sleep_ns` while kicks are expected. */
-void pd_set_kick(pd_ep *ep, uint32_t *word, int64_t max_sleep_ns) {
+/* Sleep on `word` in this endpoint's idle waits (NULL: plain sleeps again). `max_sleep_ns` > 0:
+   whatever those waits wait for comes with a kick, so they sleep that long at once (a
+   decoder whose every writer kicks it); `change_only`: only pd_wait_change's events do (a
+   prefill whose engine kicks with every command and finished layer; its writes' completions
+   are not kicked, so its other waits keep their backoff). */
+void pd_set_kick(pd_ep *ep, uint32_t *word, int64_t max_sleep_ns, int change_only) {
     ep->kick_max_sleep_ns = pd_clamp_ns(max_sleep_ns);
+    ep->kick_change_only = change_only;
     __atomic_store_n(&ep->kick, word, __ATOMIC_RELEASE);
 }
 
@@ -57,6 +61,11 @@ uint64_t pd_kick_wakes(const pd_ep *ep) { return __atomic_load_n(&ep->kick_wakes
 /* Whether every writer of this endpoint kicks it (a kick word with its own cap): its idle
    waits then need no short polling sleeps at all, since new work comes with a kick. */
 int pd_kicked(const pd_ep *ep) {
+    return pd_kicked_change(ep) && !ep->kick_change_only;
+}
+
+/* Whether pd_wait_change's events (a progress word, a doorbell) come with a kick. */
+int pd_kicked_change(const pd_ep *ep) {
     return __atomic_load_n(&ep->kick, __ATOMIC_ACQUIRE) != NULL && ep->kick_max_sleep_ns > 0;
 }
 

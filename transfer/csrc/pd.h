@@ -130,7 +130,7 @@ int64_t pd_progress_stalled_ns(pd_ep *ep);
 int pd_wait_complete(pd_ep *ep, const int64_t *bell, int64_t bell_seen, int64_t timeout_ns);
 
 /* kick.c: the decoder sleeps on a shared word the prefill bumps after posting writes (shm) */
-void pd_set_kick(pd_ep *ep, uint32_t *word, int64_t max_sleep_ns);
+void pd_set_kick(pd_ep *ep, uint32_t *word, int64_t max_sleep_ns, int change_only);
 void pd_kick(uint32_t *word);
 uint64_t pd_kick_wakes(const pd_ep *ep);
 /* PD_CDEF_END */

@@ -87,6 +87,7 @@ struct pd_ep {
     int64_t idle_max_sleep_ns; /* ... doubling every 8 empty polls up to this (<= sleep: fixed) */
     uint32_t *kick;            /* decoder: idle sleeps wait on this word (kick.c), NULL: none */
     int64_t kick_max_sleep_ns; /* ... and may then grow up to this */
+    int kick_change_only;      /* only pd_wait_change's events are kicked (a prefill's engine) */
     uint64_t kick_wakes;       /* sleeps a kick ended (or made needless): counted, tests read it */
     /* context pool */
     struct pd_ctx *ctx;
@@ -118,6 +119,7 @@ uint32_t pd_kick_seen(const pd_ep *ep);
 void pd_sleep_ns(pd_ep *ep, int64_t ns, uint32_t seen);
 int64_t pd_max_sleep_ns(const pd_ep *ep);
 int pd_kicked(const pd_ep *ep);
+int pd_kicked_change(const pd_ep *ep);
 int64_t pd_idle_ns(const pd_ep *ep, int64_t base_ns, unsigned sleeps);
 #define PD_KICKED_SPINS 4  /* empty polls before a kicked wait sleeps (a burst's stragglers) */
 int64_t pd_backoff_ns(int64_t base_ns, int64_t max_ns, unsigned sleeps);

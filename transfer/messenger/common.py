@@ -395,6 +395,7 @@ class MessengerThread:
             return None
         word = np.zeros(1, dtype=np.uint32) if word is None else word
         self._ep.set_kick(word)
+        self._kick_word = word
         self._cmds.kick = functools.partial(kick, word)
         return word
 

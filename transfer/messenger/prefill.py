@@ -196,6 +196,8 @@ class PrefillMessenger(MessengerThread):
     # prefill compute. A REQUEST arriving meanwhile waits at most this, about one forward pass
     # of the engine that would take it.
     WAIT_SLICE_S = MessengerThread.TIMER_S
+    # the wait for the engine sleeps this long at once once the engine kicks (layer_done)
+    ENGINE_KICK_SLEEP_S = 0.005
 
     def __init__(self, config: PrefillConfig, kv_buffers: Sequence[Any], layout: str = "HND",
                  aux_buffers: Sequence[Any] = (), progress: np.ndarray | None = None) -> None:
@@ -228,6 +230,7 @@ class PrefillMessenger(MessengerThread):
         # timeout counts from the bind, not from its REQUEST (a long prefill queue is not a
         # stuck transfer)
         self._handed: dict[str, tuple[tuple[bytes, int, int], ...]] = {}
+        self._engine_kicks = False  # layer_done called: the engine kicks (see below)
         self._engine_seen = time.monotonic()  # the engine's last poll_requests (lead)
         self._bound: dict[str, int] = {}      # rid -> num_tokens (engine-side view)
         self._results: dict[str, PrefillResult] = {}
@@ -301,6 +304,9 @@ class PrefillMessenger(MessengerThread):
     def layer_done(self, layer: int) -> None:
         """Every rank, engine thread: layer `layer` of the current pass is in the cache."""
         self.progress[0] = (self._pass_id << PASS_SHIFT) | (layer + 1)
+        if not self._engine_kicks and self._cmds.kick is not None:
+            self._engine_kicks = True  # the word's writer is this thread: it kicks (below)
+            self._cmds.append(("engine_kicks",))
         if self._cmds.kick is not None:
             self._cmds.kick()  # the messenger thread's wait sleeps on its kick word
 
@@ -778,6 +784,14 @@ class PrefillMessenger(MessengerThread):
                   p["expected"][me], tag, int(self._ep.send_done[tag]), per_op)
         self._tag_owner[tag] = d
         return d
+
+    def _cmd_engine_kicks(self) -> None:
+        """The engine writes the progress word through layer_done, which kicks: the wait for
+        the engine (wait_change) may sleep ENGINE_KICK_SLEEP_S at once. A GPU stream writing
+        the word does not kick, so without a layer_done call the wait keeps its backoff."""
+        word = getattr(self, "_kick_word", None)
+        if word is not None:
+            self._ep.set_kick(word, self.ENGINE_KICK_SLEEP_S, change_only=True)
 
     def _cmd_pass(self, p: _Pass) -> None:
         self._passes.append(p)
