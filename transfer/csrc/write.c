@@ -64,8 +64,9 @@ static int pd_pick_lane(pd_ep *ep, const uint64_t *peers, size_t nlanes, uint64_
    `nlanes` > 1: the peer has several receive lanes (peers[l], remote_bases[l], remote_keys[l]
    for the same remote memory); each operation goes to one of them (pd_pick_lane), and with
    max_inflight_bytes set each lane gets an equal share of it.
-   `kick`: the peer's kick word (kick.c) or NULL: kicked after the batch is posted, and on
-   every retry while the queue is full (the peer may be asleep and it must drain the queue). */
+   `kick`: the peer's kick word (kick.c) or NULL: kicked once the first and once the last
+   operation is posted (it copies while the rest is posted), and on every retry while the
+   queue is full (the peer may be asleep, and only it drains that queue). */
 int pd_write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_bases,
                    const uint64_t *remote_keys, size_t nlanes, pd_mr *local,
                    uint64_t remote_len, const uint64_t *src,
@@ -211,6 +212,7 @@ int pd_write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_base
             }
         }
         i += k;
+        if (kick && j == 0) pd_kick(kick);  /* copying can start while the rest is posted */
     }
     *done = n;
     if (kick) pd_kick(kick);  /* the peer has something to copy */
