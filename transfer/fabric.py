@@ -656,9 +656,9 @@ class Endpoint:
         memory registered on each of the peer's lane endpoints (see `start_progress`); each
         operation then goes to one lane, a lane refilled only once it drained.
 
-        `kick`: the peer's kick word mapped here (transfer.kick), or None: kicked once the writes
-        are posted and on every retry while its queue is full (it may be asleep, and only it
-        drains that queue).
+        `kick`: the peer's kick word mapped here (transfer.kick), or None: kicked after the first
+        and after the last operation is posted, and on every retry while its queue is full
+        (it may be asleep, and only it drains that queue).
 
         Every range is checked (in C, before anything is submitted) -> ValueError naming the
         write. On a full queue, or with `max_inflight_bytes` already in flight, the C loop
