@@ -31,6 +31,8 @@ This module is in `transfer/` because the SGLang backend and the messenger read 
     PDTOOL_NICS               JSON {gpu id: "nic,nic"}: each rank's NICs, by its local GPU
                               (the SGLang backend opens every one, the reference engine the first)
     PDTOOL_GPU_MEMORY         direct | staged: the path transfer.gpu_memory resolved to here
+  model (the plan's ranks[].env):
+    PDTOOL_DRAFT_LAYERS       model.draft_layers: the draft model's KV layers the plan counted
   fallback and test hooks:
     PDTOOL_SECRET             the secret itself, only when no secret file is given (tests,
                               hand-run SGLang workers); never set by pdtool
@@ -124,6 +126,14 @@ GPU_MEMORY = Var("PDTOOL_GPU_MEMORY", "pdtool.worker (its transfer.gpu_memory de
                  "registered host bounce and landing buffers; unset: the backend decides as "
                  "`auto` does")
 
+# -- model: set by the plan (ranks[].env), via pdtool.worker ---------------------------------
+DRAFT_LAYERS = Var("PDTOOL_DRAFT_LAYERS", "the plan (ranks[].env, from model.draft_layers), via "
+                   "pdtool.worker", "SGLang backend",
+                   "the KV layers of the speculative draft model's own pool that the plan "
+                   "counted; the backend stops at start-up when SGLang registers a different "
+                   "number of draft KV buffers (KVArgs.num_draft_entries), since every write "
+                   "count the plan printed would be off")
+
 # -- fallback and test hooks ------------------------------------------------------------------
 SECRET = Var("PDTOOL_SECRET", "tests, hand-run SGLang workers (never pdtool)", "SGLang backend",
              "the secret itself, read only when PDTOOL_SECRET_FILE is not set")
@@ -141,7 +151,7 @@ HOPS = Var("PDTOOL_HOPS", "bench/ttft_hops.py", "bench/hops/sitecustomize.py",
 VARIABLES: tuple[Var, ...] = (
     RUN_DIR, PYTHON, SECRET_FILE, HOSTS, PREFLIGHT, EXIT_WHEN_HEALTHY,
     PLAN, ROLE, INSTANCE, RANK, NODE_RANK,
-    FI_PROVIDER, FI_DOMAIN, NICS, GPU_MEMORY,
+    FI_PROVIDER, FI_DOMAIN, NICS, GPU_MEMORY, DRAFT_LAYERS,
     SECRET, CONTROL_FAULTS, REFERENCE_ALLOW_FAULTS, HOPS,
 )
 BY_NAME: dict[str, Var] = {v.name: v for v in VARIABLES}

@@ -201,13 +201,17 @@ class PrefillPlane:
         fi_addr = self._addr(peer, (0, 0))
         s = self._send_of(rs, peer, t)
         q = self.queues[peer.key]
-        if peer.slice is not None and (len(kv) or chunk.is_last):
+        if (peer.slice is not None or peer.draft_slice is not None) \
+                and (len(kv) or chunk.is_last):
             positions = np.arange(len(t.kv_indices))[chunk.index_slice]
             src_pages = kv[: len(positions)]
             positions = positions[: len(src_pages)]
             # one write per (page, layer buffer): from the pool, or packed into a bounce
-            # buffer first where the slice is not a whole page of it (staging_plane)
+            # buffer first where the slice is not a whole page of it (staging_plane); a draft
+            # model's buffers (the last ones) with their own slice, or none from this rank
             for i in range(len(mgr.kv_layouts)):
+                if peer.buffer_slice(i) is None:
+                    continue
                 gather, region, plan = self.staging.writes(peer, t, src_pages, positions, i)
                 so, do, ln = self._with_tail(s, i, plan)
                 n = len(ln) if chunk.is_last else sendable(0, len(ln), len(ln) + 1, s.per_op)
