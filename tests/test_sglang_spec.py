@@ -148,11 +148,84 @@ def test_plan_and_validate_accept_algorithms_without_draft_kv(algorithm) -> None
     assert hidden == (cfg.model.hidden_size * 2 if carries else 64)
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE", "NEXTN", "EAGLE3", "STANDALONE", "DFLASH"])
-def test_validate_refuses_algorithms_with_draft_model_kv(algorithm) -> None:
-    f = assert_error(_spec_cfg(algorithm), "engine.extra_args", f"--speculative-algorithm "
-                     f"{algorithm}", "draft-model KV", "pdtool SGLang transfer backend")
-    assert "NGRAM" in f.fix and "mooncake" in f.fix
+@pytest.mark.parametrize("algorithm", ["DFLASH", "DSPARK"])
+def test_validate_refuses_draft_pools_with_rules_of_their_own(algorithm) -> None:
+    f = assert_error(_spec_cfg(algorithm, "model.draft_layers=1"), "engine.extra_args",
+                     f"--speculative-algorithm {algorithm}", "rules of its own",
+                     "pdtool SGLang transfer backend")
+    assert "EAGLE" in f.fix and "mooncake" in f.fix
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "NEXTN", "EAGLE3", "STANDALONE"])
+def test_validate_asks_for_the_draft_layers_of_a_draft_kv_pool(algorithm) -> None:
+    f = assert_error(_spec_cfg(algorithm), "model.draft_layers",
+                     f"--speculative-algorithm {algorithm}", "KV pool of its own")
+    assert "num_hidden_layers" in f.fix
+
+
+def draft_buffers(cfg, tp: int) -> tuple[int, int]:
+    """(buffers, item length) of a draft pool like the target's with model.draft_layers
+    layers, built with SGLang's own pool class as the draft worker builds one."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    m = cfg.model
+    common = {"size": 64, "page_size": cfg.decode.page_size, "dtype": torch.bfloat16,
+              "layer_num": m.draft_layers, "device": "cpu", "enable_memory_saver": False}
+    if m.attention == "mla":
+        pool = MLATokenToKVPool(kv_lora_rank=m.kv_lora_rank,
+                                qk_rope_head_dim=m.qk_rope_head_dim, **common)
+    else:
+        pool = MHATokenToKVPool(head_num=max(1, m.num_kv_heads // tp), head_dim=m.head_dim,
+                                enable_alt_stream=False, **common)
+    _, _, items = pool.get_contiguous_buf_infos()
+    return len(items), items[0]
+
+
+@pytest.mark.parametrize("base,over,algorithm,sources", [
+    ("llama-3.1-70b", ("prefill.tp=4",), "EAGLE3", 1),  # equal TP: whole pages
+    ("llama-3.1-70b", (), "EAGLE", 2),                 # TP8 -> TP4: a slice from 2 ranks
+    ("deepseek-r1", (), "NEXTN", 1),                   # MLA: whole latent pages
+])
+def test_plan_counts_the_draft_kv_as_the_backend_does(base, over, algorithm, sources) -> None:
+    """The plan's writes/request = the backend's count for the target (as before) + its count
+    for the draft pool, from geometry fed the item lengths of real SGLang draft pools."""
+    cfg = recipe(base, *over, "model.draft_layers=1")
+    cfg.engine.extra_args = ["--speculative-algorithm", algorithm]
+    assert not [f for f in validate(cfg) if f.severity == "error"], validate(cfg)
+    plan = build_plan(cfg, tokens=300)
+    assert "draft KV (model.draft_layers=1)" in plan.transfer.draft
+    p_tp, d_tp = plan.transfer.prefill.attn_tp, plan.transfer.decode.attn_tp
+    (n, p_item), (_, d_item) = draft_buffers(cfg, p_tp), draft_buffers(cfg, d_tp)
+    page = cfg.decode.page_size
+    group, _ = G.sglang_draft_group(n, p_item // page, d_item // page, p_tp, d_tp,
+                                    target_mla=cfg.model.attention == "mla")
+    pages = G.sglang_pool(cfg.model.attention == "mla").pages_for(300, page)
+    for route in plan.transfer.routes:
+        dsrc, ddst = group.specs(p_tp, d_tp)
+        draft = G.expected_writes(G.sglang_group_slices(group, p_tp, d_tp, route.dst_rank),
+                                  dsrc, ddst, layout=G.sglang_pool(False), page_size=page,
+                                  num_pages=pages, num_layers=1, buffers_per_layer=n)
+        assert draft == pages * n * sources  # one write per page, buffer and source
+        assert route.writes_per_request == \
+            sglang_backend_writes(cfg, 300, route.dst_rank) + draft
+    for inst in plan.instances:
+        for rank in inst.ranks:
+            assert rank.env["PDTOOL_DRAFT_LAYERS"] == "1"  # what the backend checks
+
+
+def test_validate_refuses_draft_layers_that_would_change_nothing() -> None:
+    cfg = recipe("llama-3.1-70b", "model.draft_layers=1")
+    assert_error(cfg, "model.draft_layers", "without a --speculative-algorithm")
+    cfg.engine.extra_args = ["--speculative-algorithm", "NGRAM"]
+    assert_error(cfg, "model.draft_layers", "without a --speculative-algorithm")
+    cfg = _spec_cfg("EAGLE", "model.draft_layers=1", "transfer.backend=mooncake")
+    assert_error(cfg, "model.draft_layers", "only pdtool's SGLang transfer backend")
+
+
+def test_validate_refuses_a_draft_kv_pool_on_one_role_only() -> None:
+    cfg = recipe("llama-3.1-70b", "model.draft_layers=1")
+    cfg.decode.extra_args = ["--speculative-algorithm", "STANDALONE"]
+    assert_error(cfg, "decode.extra_args", "decode runs STANDALONE", "same KV buffers")
 
 
 def test_validate_refuses_a_draft_hidden_state_only_one_role_makes() -> None:
@@ -172,7 +245,7 @@ def test_validate_refuses_unknown_algorithms() -> None:
 
 
 def test_other_backends_are_not_judged_by_the_pdtool_rule() -> None:
-    cfg = _spec_cfg("EAGLE", "transfer.backend=mooncake")
+    cfg = _spec_cfg("DFLASH", "transfer.backend=mooncake")
     assert not [f for f in validate(cfg) if "draft-model KV" in f.message]
 
 

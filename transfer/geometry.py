@@ -161,6 +161,10 @@ SGLANG_SPEC_HIDDEN_STATES = frozenset({"EAGLE", "NEXTN", "EAGLE3", "FROZEN_KV_MT
 #: target's KV buffers (`BaseSpecWorker.primary_draft_kv_pool`, `KVArgs.num_draft_entries`).
 #: NGRAM and UNO have no draft model; FROZEN_KV_MTP's draft reads the target's KV.
 SGLANG_SPEC_DRAFT_KV = frozenset({"EAGLE", "NEXTN", "EAGLE3", "STANDALONE", "DFLASH", "DSPARK"})
+#: Those of them pdtool's SGLang backend carries: the draft pool is an ordinary MHA or MLA pool
+#: over the target's attention TP (`sglang_draft_group`). DFLASH's and DSPARK's follow rules of
+#: their own and stay refused.
+SGLANG_SPEC_DRAFT_KV_CARRIED = frozenset({"EAGLE", "NEXTN", "EAGLE3", "STANDALONE"})
 
 
 def sglang_hidden_row(speculative: str | None, hidden_size: int,

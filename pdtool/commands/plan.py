@@ -154,6 +154,8 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
     )
     con.print(f"GPU memory: {t.gpu_memory_path}")
     con.print(f"routes: {t.summary}")
+    if t.draft:
+        con.print(t.draft)
     ct = Table(
         title=f"routes for a {t.tokens}-token request ({t.pages_per_request} pages x "
         f"{m.num_layers} layers"

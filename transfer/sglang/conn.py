@@ -636,9 +636,10 @@ class PdtoolKVManager(CommonKVManager):
         if int(b["page_size"]) != page:
             raise PdtoolBackendError(f"--page-size: prefill {page}, decode {b['page_size']}")
         mine = len(self.kv_args.kv_data_lens)
-        if int(b["num_draft"]) != self.num_draft:
+        if int(b.get("num_draft", 0)) != self.num_draft:
             raise PdtoolBackendError(
-                f"draft-model KV buffers: prefill has {self.num_draft}, decode {b['num_draft']} "
+                f"draft-model KV buffers: prefill has {self.num_draft}, decode "
+                f"{b.get('num_draft', 0)} "
                 f"(give both roles the same --speculative-algorithm and draft model)")
         if len(b["kv_data_lens"]) != mine or len(b["kv"]) not in (0, mine):
             raise PdtoolBackendError(f"KV buffers: prefill has {mine}, decode "

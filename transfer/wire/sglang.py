@@ -67,7 +67,7 @@ SCHEMAS: dict[str, Check] = {
         "rails": list_field(map_field({
             "fabric_name": bytes_field(1024, min_len=1),
             "kv": list_field(_REGION, 1 << 14), "aux": list_field(_REGION, 64)}), 64),
-    }),
+    }, optional_keys=frozenset({"num_draft"})),  # absent: 0
     # prefill rank -> decode rank, answering its HELLO (bound to its session): the KV heads
     # and writes per operation its counts need, or why it cannot be served; `draft`: how the
     # draft model's buffers are sent (transfer.geometry.KVGroup), nil without them
