@@ -363,8 +363,58 @@ def _check_draft_pair(cfg: dict, res: dict, per_page_ops: int) -> None:
 
 
 def _eagle_cfg(**kw) -> dict:
+    """A pair with a draft pool; the plan's PDTOOL_DRAFT_LAYERS set as the worker sets it."""
+    layers = str(kw["draft"]["layers"])
     return {"rooms": ROOMS, "metadata": scheduler_metadata_sizes("EAGLE"),
-            "fill_metadata": fill_draft_rows, **kw}
+            "fill_metadata": fill_draft_rows, "extra_env": {"PDTOOL_DRAFT_LAYERS": layers},
+            **kw}
+
+
+def start_manager(cfg: dict, rank: int, conn) -> None:
+    """A prefill rank process that only builds its manager: "started" or the start-up error."""
+    import os
+
+    os.environ.update(cfg["env"])
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from test_sglang_backend import _setup
+
+    from transfer.sglang.conn import PdtoolBackendError, PdtoolKVManager
+
+    sa, args, _keep, _aux = _setup("prefill", cfg, rank)
+    try:
+        PdtoolKVManager(args, DisaggregationMode.PREFILL, sa, cfg["mla"]).teardown()
+        conn.send("started")
+    except PdtoolBackendError as exc:
+        conn.send(str(exc))
+    os._exit(0)
+
+
+@pytest.mark.timeout(200)
+def test_backend_refuses_a_draft_pool_the_plan_did_not_count() -> None:
+    """model.draft_layers=2 in the plan (PDTOOL_DRAFT_LAYERS), a 1-layer draft pool in SGLang:
+    the rank stops at start-up naming both, instead of serving counts the plan misprinted."""
+    import multiprocessing as mp
+
+    from test_sglang_backend import _free_port
+
+    cfg = {"mla": False, "heads": 2, "prefill_tp": 1, "bootstrap_port": _free_port(),
+           "http_port": _free_port(), "draft": {"mla": False, "layers": 1, "heads": 2,
+                                                 "head_dim": 8},
+           "env": {"PDTOOL_FI_PROVIDER": "shm", "PDTOOL_SECRET": "t0p-secret-of-16+bytes",
+                   "PDTOOL_DRAFT_LAYERS": "2"}}
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=start_manager, args=(cfg, 0, b), daemon=True)
+    p.start()
+    try:
+        assert a.poll(180), "the rank did not start"
+        got = a.recv()
+    finally:
+        p.join(20)
+        if p.is_alive():
+            p.kill()
+    assert "draft-model KV of 2 buffers" in got and "model.draft_layers=2" in got, got
+    assert "PDTOOL_DRAFT_LAYERS" in got and "makes 4" in got, got
 
 
 @pytest.mark.timeout(400)
