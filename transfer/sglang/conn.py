@@ -38,10 +38,15 @@ and V buffers, MLA `[slots, 1, kv_lora_rank + rope]` — and page p is slots [p*
   * `transfer.gpu_memory=staged` (PDTOOL_GPU_MEMORY): every page goes through the host bounce
     and landing buffers of `staging_plane.py` instead of registered pool memory;
   * the decoder counts writes for every page it allocated; a prefill that would send a
-    different number of pages fails the room at its last chunk, with the reason.
+    different number of pages fails the room at its last chunk, with the reason;
+  * a speculative draft model's own KV pool (EAGLE/NEXTN, EAGLE3, STANDALONE) is the last
+    `KVArgs.num_draft_entries` buffers, addressed with the target's page ids: more layer
+    buffers with their own geometry, told from the bytes a token takes in them on each side
+    (`transfer.geometry.sglang_draft_group`: whole pages, or head slices through the same
+    staging route), agreed at registration (PEER.draft) and counted by the same owner.
 Not supported (clear error at start-up): hybrid/state pools (Mamba, SWA, DSA, ...), pipeline
-or context parallelism, DCP, KV sharding, draft-model KV, SGLang's staging buffer, host KV
-destinations.
+or context parallelism, DCP, KV sharding, DFLASH/DSPARK draft KV, a draft pool of other layers
+than the plan counted (PDTOOL_DRAFT_LAYERS), SGLang's staging buffer, host KV destinations.
 
 Configuration (environment of every SGLang worker; the pdtool launcher sets them):
   PDTOOL_FI_PROVIDER   libfabric provider (default `tcp;ofi_rxm`; `shm` on one host, `efa`,
@@ -691,11 +696,32 @@ class PdtoolKVManager(CommonKVManager):
         if peer.draft is not None:
             drafts = sglang_group_slices(peer.draft, self.attn_tp_size, peer.tp_size,
                                          peer.tp_rank)
+            self._warn_if_unplanned(peer, b, len(drafts))
             if self.is_mla and peer.draft.whole:
                 peer.draft_slice = drafts[0]  # whichever connected rank is real sends it
             else:
                 own = [s for s in drafts if s.src_rank == my_rank]
                 peer.draft_slice = own[0] if own else None
+
+    def _warn_if_unplanned(self, peer: DecodePeer, b: dict[str, Any], sources: int) -> None:
+        """The plan (PDTOOL_DRAFT_LAYERS set) counted the draft as sharded like the target's
+        KV; where this pair's draft takes another number of slices, its figure is off."""
+        if workerenv.DRAFT_LAYERS.get() is None:
+            return
+        page = self.kv_args.page_size
+        try:
+            planned = sglang_draft_group(self.num_draft, self.kv_args.kv_item_lens[0] // page,
+                                         int(b["kv_item_lens"][0]) // page, self.attn_tp_size,
+                                         peer.tp_size, target_mla=self.is_mla)[0]
+            want = len(sglang_group_slices(planned, self.attn_tp_size, peer.tp_size,
+                                           peer.tp_rank))
+        except RouteError:
+            want = 0
+        if want != sources:
+            logger.warning("pdtool: decode rank %s takes the draft model's KV from %d prefill "
+                           "rank(s), while the plan counted %d (its KV heads do not shard like "
+                           "the target's): the plan's writes/request is off for it",
+                           peer.key, sources, want)
 
     def _decode_heads(self, peer: DecodePeer, b: dict[str, Any]) -> int:
         """The decode rank's local KV heads, from its item length and this rank's head size
