@@ -453,3 +453,16 @@ def test_nextn_mla_draft_prefill_tp2_to_decode_tp1_from_the_drawn_source() -> No
     res = run_pair(cfg)
     _check_draft_pair(cfg, res, LAYERS + 1)
     assert [p[1] for p in res["prefill"]] == [{11: 4, 12: 4}] * 2  # the dummy rank too
+
+
+@pytest.mark.timeout(400)
+def test_draft_kv_prefill_tp1_to_decode_tp2_packs_the_drafts_own_heads() -> None:
+    """TP1 -> TP2 over shm: each decode rank takes half of the target's 4 heads and half of a
+    1-layer draft's 4 heads × 16 (twice the target's head bytes): the prefill packs each half
+    into a bounce buffer, the draft's in units of its own (64 B, not the target's 16 B)."""
+    cfg = _eagle_cfg(mla=False, heads=4, prefill_tp=1, decode_tp=2, rooms={12: ROOMS[12]},
+                     draft={"mla": False, "layers": 1, "heads": 4, "head_dim": 16})
+    res = run_pair(cfg)
+    _check_draft_pair(cfg, res, 2 * LAYERS + 2)
+    (_, _, _, stats), = res["prefill"]
+    assert stats["gathers"] > 0  # the head slices went through the bounce buffers
