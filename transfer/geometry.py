@@ -21,6 +21,11 @@ where a slice of a page is not contiguous it gathers the slice into a registered
 first (`transfer/sglang/staging_plane.py`), so each (page, layer buffer, source shard) is one
 write (`PagePool.packed_slices`).
 
+A speculative draft model with a KV pool of its own adds SGLang buffers after the target's
+(`KVArgs.num_draft_entries`), sharded over the same attention TP but with heads of its own:
+they form a second `KVGroup` whose slices follow from the bytes a token takes in them on each
+side (`sglang_draft_group`), counted beside the target's (`sglang_decode_writes(draft=)`).
+
 The messenger stops one token short (decode recomputes the last prompt token: its first decode
 step); SGLang's decoder allocates, and its prefill sends, every prompt token's KV
 (`kv_to_page_indices` of the whole prompt).
