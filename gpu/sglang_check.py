@@ -20,8 +20,17 @@ Steps, each bounded in time:
      stream until this phase has passed), the prompts sent again; the prefill's log must say
      a forward streamed (its CUDA events recorded after each layer's attention and waited on
      by the layer thread) and must not say it fell back;
-  6. PASS when every PD completion equals its baseline (plain, or NGRAM) token for token — a
-     wrong or missing KV page changes greedy tokens of a random model at once.
+  6. with --eagle (NOT RUN YET: written without a GPU): a random one-layer EAGLE draft (its own
+     KV pool, 2 KV heads beside the target's 4) is written too; a baseline server with
+     `--speculative-algorithm EAGLE`, then prefill and decode both restarted with it and
+     PDTOOL_DRAFT_LAYERS=1 (as the plan sets it), so the draft's KV pages travel as two more
+     layer buffers per request;
+  7. PASS when every PD completion equals its baseline (plain, NGRAM, layer streaming, EAGLE)
+     token for token — a wrong or missing KV page changes greedy tokens of a random model at
+     once. For EAGLE the draft's own pages only change which drafted tokens are accepted, which
+     greedy verification hides; what the phase proves is that SGLang's scheduler registers the
+     draft pool with the backend, its buffers are counted (a wrong count fails the request) and
+     the target's tokens stay exact.
 What it covers beyond CPU tests: a GQA (non-MLA) decode built by SGLang's own scheduler, which
 gives the backend no KV head counts (it learns them from the prefill's answer to its
 registration); CUDA KV pools; the early send of a radix-cached prefix under the default overlap
@@ -30,7 +39,7 @@ read) and page ids handed over as a pinned host tensor (`indices_event`); with s
 CUDA branch of per-layer streaming (events, the page ids' pinned copy before the forward).
 Prints one JSON line with the outcome; exit status 0 only on PASS. Server logs go to --out.
 
-    python gpu/sglang_check.py --out /tmp/pdtool-gpu [--keep-model DIR]
+    python gpu/sglang_check.py --out /tmp/pdtool-gpu [--keep-model DIR] [--eagle]
 """
 
 from __future__ import annotations
@@ -68,6 +77,40 @@ def write_model(path: Path) -> None:
                       bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
+
+
+def write_eagle_draft(path: Path) -> None:
+    """A random EAGLE draft for the model above, in the layout SGLang's LlamaForCausalLMEagle
+    loads (`models/llama_eagle.py`): one decoder layer without its input norm, `fc` over
+    [embedding, target hidden], names without the `model.` prefix; 2 KV heads (the target has
+    4), so its KV pool has a geometry of its own."""
+    import json as _json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=1024, intermediate_size=2816,
+                      num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
+                      max_position_embeddings=4096, torch_dtype="bfloat16",
+                      bos_token_id=1, eos_token_id=2)
+    sd = LlamaForCausalLM(cfg).to(torch.bfloat16).state_dict()
+    weights = {k.removeprefix("model."): v.contiguous() for k, v in sd.items()
+               if "input_layernorm" not in k or ".0." not in k}
+    weights["fc.weight"] = (torch.randn(1024, 2048) * 0.02).to(torch.bfloat16)
+    weights["fc.bias"] = torch.zeros(1024, dtype=torch.bfloat16)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(path / "model.safetensors"))
+    conf = cfg.to_dict()
+    conf["architectures"] = ["LlamaForCausalLMEagle"]
+    (path / "config.json").write_text(_json.dumps(conf))
+
+
+def eagle_args(draft: Path) -> list[str]:
+    return ["--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(draft),
+            "--speculative-num-steps", "2", "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", "3"]
 
 
 def preflight_hmem(provider: str) -> str:
@@ -151,6 +194,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("pdtool-gpu-check"))
     ap.add_argument("--keep-model", type=Path, default=None)
     ap.add_argument("--budget-s", type=float, default=540)
+    ap.add_argument("--eagle", action="store_true",
+                    help="also run the EAGLE (draft-model KV) phase (needs about 4 more minutes)")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -236,6 +281,33 @@ def main() -> int:
         result["ok"] = not result["mismatches"] and not result["ngram_mismatches"] and \
             not result["layer_stream_mismatches"] and result["layer_streamed"] and \
             not result["layer_fell_back"]
+
+        if a.eagle:  # speculative decoding with draft-model KV (written without a GPU)
+            result["phase"] = "baseline-eagle"
+            stop(pre, dec)
+            draft = model.parent / (model.name + "-eagle")
+            if not (draft / "config.json").exists():
+                write_eagle_draft(draft)
+            base = launch(model, BASE_PORT, a.out / "baseline-eagle.log", *eagle_args(draft))
+            procs = [base]
+            wait_healthy(BASE_PORT, base, deadline)
+            base_out = [post(BASE_PORT, body(ids)) for ids in PROMPTS]
+            want_eagle = [o["output_ids"] for o in base_out]
+            stop(base)
+            result["phase"] = "pd-eagle"
+            os.environ.pop("PDTOOL_LAYER_STREAM", None)  # the default again
+            os.environ["PDTOOL_DRAFT_LAYERS"] = "1"  # what the plan sets (model.draft_layers)
+            pre = launch(model, PREFILL_PORT, a.out / "prefill-eagle.log",
+                         "--disaggregation-mode", "prefill", *pd, *eagle_args(draft))
+            dec = launch(model, DECODE_PORT, a.out / "decode-eagle.log",
+                         "--disaggregation-mode", "decode", *pd, *eagle_args(draft))
+            procs = [pre, dec]
+            wait_healthy(PREFILL_PORT, pre, deadline)
+            wait_healthy(DECODE_PORT, dec, deadline)
+            got = [pd_generate(ids, 4000 + i, BOOTSTRAP_PORT) for i, ids in enumerate(PROMPTS)]
+            result["eagle_mismatches"] = [i for i, (g, w) in
+                                          enumerate(zip(got, want_eagle, strict=True)) if g != w]
+            result["ok"] = result["ok"] and not result["eagle_mismatches"]
         result["phase"] = "done"
     except Exception as exc:  # report, do not hide: the lead reads this line
         result["error"] = f"{type(exc).__name__}: {exc}"

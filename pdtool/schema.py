@@ -60,6 +60,11 @@ class ModelConfig:
     embeddings) is sharded over the attention TP group and replicated across DP-attention groups.
     `hidden_size`, `num_q_heads`, `intermediate_size`, `vocab_size` and `seed` are what the
     reference CPU engine builds its random-weight transformer from.
+    `draft_layers`: the KV layers of a speculative draft model with a KV pool of its own
+    (`--speculative-algorithm` EAGLE/NEXTN, EAGLE3, STANDALONE with engine=sglang and
+    transfer.backend=pdtool), which SGLang sends beside the target's; the plan counts their
+    writes, taking the draft's attention and KV heads to be the target's, and the backend stops
+    at start-up when the draft pool it is given has another number of layers.
     """
 
     name: str = MISSING
@@ -81,6 +86,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0  # one expert's MLP width (FP8 block check, rules.moe)
     expert_params_b: float = 0.0  # billions of parameters in routed experts (all layers)
     seed: int = 0  # reference engine: weights are generated from this seed
+    draft_layers: int = 0  # speculative draft model's own KV layers (0: no draft KV pool)
 
 
 @dataclass

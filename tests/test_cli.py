@@ -129,6 +129,18 @@ def test_multirun_sweep_validate():
     assert p.stdout.count("valid") == 2 and "run 1:" in p.stdout
 
 
+def test_plan_shows_the_draft_kv_in_its_counts():
+    p = pdtool("plan", "+recipe=llama-3.1-70b", "engine.extra_args=[--speculative-algorithm,"
+               "EAGLE3]", "model.draft_layers=1", "--no-ranks", "--tokens", "300")
+    assert p.returncode == 0, p.stdout
+    out = " ".join(p.stdout.split())
+    assert "draft KV (model.draft_layers=1): 2 more buffers after the target's" in out, out
+    assert "+ the draft's buffers + 10 aux" in out and "1,630" in out, out  # 1,610 + 20
+    p = pdtool("plan", "+recipe=llama-3.1-70b", "engine.extra_args=[--speculative-algorithm,"
+               "EAGLE3]", "--no-ranks")
+    assert p.returncode == 1 and "model.draft_layers" in p.stdout
+
+
 def test_plan_table_and_json():
     p = pdtool("plan", "+recipe=llama-3.1-70b", "--tokens", "1000")
     assert p.returncode == 0

@@ -46,12 +46,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def global_buffers(mla: bool, heads: int) -> list[np.ndarray]:
-    """All heads of every layer buffer, [slots, heads, dim] as raw bf16 words (uint16)."""
+def global_buffers(mla: bool, heads: int, draft: dict[str, Any] | None = None
+                   ) -> list[np.ndarray]:
+    """All heads of every layer buffer, [slots, heads, dim] as raw bf16 words (uint16); a
+    draft model's buffers (`draft`: its mla, layers, heads, head_dim) after the target's."""
     n = LAYERS if mla else 2 * LAYERS  # SGLang order: K of every layer, then V of every layer
     shape = (SLOTS, 1, KV_LORA + ROPE) if mla else (SLOTS, heads, HEAD_DIM)
-    return [np.random.default_rng(100 + i).integers(0, 1 << 16, shape, dtype=np.uint16)
-            for i in range(n)]
+    out = [np.random.default_rng(100 + i).integers(0, 1 << 16, shape, dtype=np.uint16)
+           for i in range(n)]
+    if draft:
+        n = draft["layers"] * (1 if draft["mla"] else 2)
+        shape = (SLOTS, 1, KV_LORA + ROPE) if draft["mla"] else \
+            (SLOTS, draft["heads"], draft["head_dim"])
+        out += [np.random.default_rng(300 + i).integers(0, 1 << 16, shape, dtype=np.uint16)
+                for i in range(n)]
+    return out
+
+
+def buffer_heads(cfg: dict[str, Any], tp: int, rank: int) -> list[slice]:
+    """The global heads rank `rank` of a TP `tp` side holds in each buffer (target, draft)."""
+    mla, draft = cfg["mla"], cfg.get("draft")
+    n = LAYERS if mla else 2 * LAYERS
+    out = [slice(0, 1) if mla else _rank_heads(cfg["heads"], tp, rank)] * n
+    if draft:
+        n = draft["layers"] * (1 if draft["mla"] else 2)
+        out += [slice(0, 1) if draft["mla"] else _rank_heads(draft["heads"], tp, rank)] * n
+    return out
 
 
 def aux_row(buffer: int, item_len: int) -> bytes:
@@ -92,26 +112,37 @@ def _setup(role: str, cfg: dict[str, Any], rank: int) -> tuple[Any, Any, list, l
     get_parallel().override_permanently(pp_group=None)  # no torch.distributed groups here
 
     mla, heads = cfg["mla"], cfg["heads"]
-    local = 1 if mla else max(1, heads // tp)
-    common = {"size": SLOTS - PAGE, "page_size": PAGE, "dtype": torch.bfloat16,
-              "layer_num": LAYERS, "device": "cpu", "enable_memory_saver": False}
-    if mla:  # [size + page, 1, kv_lora_rank + rope] per layer
-        pool = MLATokenToKVPool(kv_lora_rank=KV_LORA, qk_rope_head_dim=ROPE, **common)
-        bufs = list(pool.kv_buffer)
-    else:  # [size + page, heads, head_dim] per layer, K and V apart
-        pool = MHATokenToKVPool(head_num=local, head_dim=HEAD_DIM, enable_alt_stream=False,
-                                **common)
-        bufs = list(pool.k_buffer) + list(pool.v_buffer)
+
+    def make_pool(mla: bool, heads: int, head_dim: int, layers: int) -> tuple[Any, list]:
+        common = {"size": SLOTS - PAGE, "page_size": PAGE, "dtype": torch.bfloat16,
+                  "layer_num": layers, "device": "cpu", "enable_memory_saver": False}
+        if mla:  # [size + page, 1, kv_lora_rank + rope] per layer
+            p = MLATokenToKVPool(kv_lora_rank=KV_LORA, qk_rope_head_dim=ROPE, **common)
+            return p, list(p.kv_buffer)
+        # [size + page, heads, head_dim] per layer, K and V apart; a rank holds
+        # max(1, heads / tp) of them (SGLang's get_num_kv_heads)
+        p = MHATokenToKVPool(head_num=max(1, heads // tp), head_dim=head_dim,
+                             enable_alt_stream=False, **common)
+        return p, list(p.k_buffer) + list(p.v_buffer)
+
+    pool, bufs = make_pool(mla, heads, HEAD_DIM, LAYERS)
+    # cfg["draft"]: a speculative draft model with a KV pool of its own (EAGLE/NEXTN, EAGLE3,
+    # STANDALONE), over the same attention TP, its buffers appended after the target's
+    draft, draft_pool = cfg.get("draft"), None
+    if draft:
+        draft_pool, draft_bufs = make_pool(draft["mla"], draft.get("heads", 1),
+                                           draft.get("head_dim", HEAD_DIM), draft["layers"])
+        bufs += draft_bufs
     # cfg["metadata"]: MetadataBuffers' sizes as the scheduler picks them (speculative: the
     # draft's hidden state); cfg["fill_metadata"](meta, row): the prefill's rows, set_buf-like
     meta = MetadataBuffers(AUX_ROWS, **cfg.get("metadata", {
         "hidden_size": 32, "hidden_states_dtype": torch.bfloat16, "max_sampling_mask_tokens": 16}))
 
-    args = _kv_args(role, pool, meta, tp, rank, heads, mla)
+    args = _kv_args(role, pool, meta, tp, rank, heads, mla, draft_pool)
     assert args.kv_data_ptrs == [b.data_ptr() for b in bufs]  # K of every layer, then V
     if role == "prefill":
-        sl = slice(0, 1) if mla else _rank_heads(heads, tp, rank)
-        for b, g in zip(bufs, global_buffers(mla, heads), strict=True):
+        for b, g, sl in zip(bufs, global_buffers(mla, heads, draft),
+                            buffer_heads(cfg, tp, rank), strict=True):
             _words(b)[...] = g[:, sl]
         for j, (ptr, ilen) in enumerate(zip(args.aux_data_ptrs, args.aux_item_lens,
                                             strict=True)):
@@ -129,12 +160,14 @@ def _setup(role: str, cfg: dict[str, Any], rank: int) -> tuple[Any, Any, list, l
 
 
 def _kv_args(role: str, pool: Any, meta: Any, tp: int, rank: int, total_heads: int,
-             mla: bool) -> Any:
+             mla: bool, draft_pool: Any = None) -> Any:
     """KVArgs filled field by field as SGLang 0.5.23's `_init_kv_manager` fills them
     (prefill.py `PrefillBootstrapQueue`, decode.py `DecodePreallocQueue`), with SGLang's own
     helpers. Only the prefill sets the KV head counts (the decode sets them only with
-    SGLANG_DISAGG_STAGING_BUFFER, after its manager is built); a CPU pool has no draft model,
-    no hybrid/state pools and no host receive buffers."""
+    SGLANG_DISAGG_STAGING_BUFFER, after its manager is built); a draft model's pool
+    (`draft_pool`, the scheduler's `draft_worker.primary_draft_kv_pool`) is appended after the
+    target's with `num_draft_entries`; a CPU pool has no hybrid/state pools and no host
+    receive buffers."""
     from sglang.srt.disaggregation.base import KVArgs
     from sglang.srt.disaggregation.utils import (
         build_kv_layer_ids,
@@ -155,10 +188,19 @@ def _kv_args(role: str, pool: Any, meta: Any, tp: int, rank: int, total_heads: i
     if role == "prefill":
         args.prefill_start_layer = pool.start_layer  # _transfer_start_layer, non-hybrid pool
         args.prefill_end_layer = getattr(pool, "end_layer", None)
+    num_draft_entries = 0
+    if draft_pool is not None:  # prefill: transfer_draft_cache (no layer sharding here)
+        dptrs, dlens, ditems = draft_pool.get_contiguous_buf_infos()
+        ptrs += dptrs
+        lens += dlens
+        item_lens += ditems
+        num_draft_entries = len(dptrs)
     args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = ptrs, lens, item_lens
-    args.num_draft_entries = 0
-    args.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=pool, draft_token_to_kv_pool=None,
-                                           num_draft_entries=0, num_hidden_layers=LAYERS)
+    args.num_draft_entries = num_draft_entries
+    args.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=pool,
+                                           draft_token_to_kv_pool=draft_pool,
+                                           num_draft_entries=num_draft_entries,
+                                           num_hidden_layers=LAYERS)
     if role == "prefill" and not mla:  # prefill.py: `if not self.is_mla_backend:`
         args.kv_head_num = pool.head_num
         args.total_kv_head_num = total_heads  # model_config.get_total_num_kv_heads()
@@ -166,7 +208,7 @@ def _kv_args(role: str, pool: Any, meta: Any, tp: int, rank: int, total_heads: i
     args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = meta.get_buf_infos()
     if role == "prefill":
         args.ib_device, args.gpu_id = None, 0
-    setup_state_kv_args(args, pool, None, total_kv_layers=LAYERS, req_to_token_pool=None)
+    setup_state_kv_args(args, pool, draft_pool, total_kv_layers=LAYERS, req_to_token_pool=None)
     if role == "decode":
         args.ib_device, args.gpu_id = None, 0
     return args
@@ -424,10 +466,9 @@ def run_pair(cfg: dict[str, Any], kill_prefill: bool = False,
 def expected_decode(cfg: dict[str, Any], rank: int, room: int) -> list[np.ndarray]:
     """What decode rank `rank` must hold in each buffer's destination pages after `room`."""
     req = cfg["rooms"][room]
-    glob = global_buffers(cfg["mla"], cfg["heads"])
-    hs = slice(0, 1) if cfg["mla"] else _rank_heads(cfg["heads"], cfg["decode_tp"], rank)
+    glob = global_buffers(cfg["mla"], cfg["heads"], cfg.get("draft"))
     out = []
-    for g in glob:
+    for g, hs in zip(glob, buffer_heads(cfg, cfg["decode_tp"], rank), strict=True):
         pages = g[:, hs].reshape(SLOTS // PAGE, PAGE, *g[:, hs].shape[1:])
         out.append(pages[np.asarray(req["src_pages"])])
     return out

@@ -94,7 +94,7 @@ def test_validate_quiet_for_mla_on_sglang() -> None:
 
 
 @pytest.mark.parametrize(("key", "argv", "fragment"), [
-    ("engine.extra_args", ["--speculative-algorithm", "EAGLE"], "speculative decoding"),
+    ("engine.extra_args", ["--speculative-algorithm", "DFLASH"], "rules of its own"),
     ("decode.extra_args", ["--pp-size=2"], "pipeline parallelism"),
     ("prefill.extra_args", ["--enable-kv-cache-sharding", "--trust-remote-code"],
      "KV cache sharding"),

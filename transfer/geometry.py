@@ -21,6 +21,11 @@ where a slice of a page is not contiguous it gathers the slice into a registered
 first (`transfer/sglang/staging_plane.py`), so each (page, layer buffer, source shard) is one
 write (`PagePool.packed_slices`).
 
+A speculative draft model with a KV pool of its own adds SGLang buffers after the target's
+(`KVArgs.num_draft_entries`), sharded over the same attention TP but with heads of its own:
+they form a second `KVGroup` whose slices follow from the bytes a token takes in them on each
+side (`sglang_draft_group`), counted beside the target's (`sglang_decode_writes(draft=)`).
+
 The messenger stops one token short (decode recomputes the last prompt token: its first decode
 step); SGLang's decoder allocates, and its prefill sends, every prompt token's KV
 (`kv_to_page_indices` of the whole prompt).
@@ -161,6 +166,10 @@ SGLANG_SPEC_HIDDEN_STATES = frozenset({"EAGLE", "NEXTN", "EAGLE3", "FROZEN_KV_MT
 #: target's KV buffers (`BaseSpecWorker.primary_draft_kv_pool`, `KVArgs.num_draft_entries`).
 #: NGRAM and UNO have no draft model; FROZEN_KV_MTP's draft reads the target's KV.
 SGLANG_SPEC_DRAFT_KV = frozenset({"EAGLE", "NEXTN", "EAGLE3", "STANDALONE", "DFLASH", "DSPARK"})
+#: Those of them pdtool's SGLang backend carries: the draft pool is an ordinary MHA or MLA pool
+#: over the target's attention TP (`sglang_draft_group`). DFLASH's and DSPARK's follow rules of
+#: their own and stay refused.
+SGLANG_SPEC_DRAFT_KV_CARRIED = frozenset({"EAGLE", "NEXTN", "EAGLE3", "STANDALONE"})
 
 
 def sglang_hidden_row(speculative: str | None, hidden_size: int,
@@ -252,25 +261,28 @@ def expected_writes(slices: Sequence[Slice], src: ShardSpec, dst: ShardSpec, *,
 
 
 # --------------------------------------------------------------------------- SGLang's buffers
-def sglang_buffer_layouts(data_lens: list[int], item_lens: list[int], heads_local: int,
-                          page_size: int) -> list[KVLayout]:
+def sglang_buffer_layouts(data_lens: list[int], item_lens: list[int],
+                          heads_local: int | Sequence[int], page_size: int) -> list[KVLayout]:
     """NHD KVLayout of each SGLang layer buffer (KVArgs.kv_data_lens/kv_item_lens), in bytes
     (itemsize 1).
 
     An SGLang item is one page of one buffer: `page_size` tokens × `heads_local` heads ×
     head bytes. kv_parts is 1: K and V live in separate buffers, MLA has one latent buffer.
+    `heads_local` is one count for every buffer, or one per buffer (a draft model's buffers,
+    appended after the target's, count their own head units: `sglang_draft_group`).
     """
     from .layout import KVLayout, LayoutError
 
+    heads = [heads_local] * len(item_lens) if isinstance(heads_local, int) else list(heads_local)
     out = []
-    for i, (dlen, ilen) in enumerate(zip(data_lens, item_lens, strict=True)):
-        head_bytes, rem = divmod(ilen, page_size * heads_local)
+    for i, (dlen, ilen, h) in enumerate(zip(data_lens, item_lens, heads, strict=True)):
+        head_bytes, rem = divmod(ilen, page_size * h)
         if rem or head_bytes < 1:
             raise LayoutError(
                 f"KV buffer {i}: item length {ilen} B is not page_size {page_size} × "
-                f"{heads_local} heads × whole head bytes"
+                f"{h} heads × whole head bytes"
             )
-        out.append(KVLayout("NHD", dlen // ilen, heads_local, 1, page_size, head_bytes, 1))
+        out.append(KVLayout("NHD", dlen // ilen, h, 1, page_size, head_bytes, 1))
     return out
 
 
@@ -289,16 +301,111 @@ def sglang_slices(is_mla: bool, total_heads: int, prefill_tp: int, decode_tp: in
     return routes_for(src, dst, decode_rank)
 
 
+# --------------------------------------------------------------------------- draft-model KV
+@dataclass(frozen=True)
+class KVGroup:
+    """A run of consecutive SGLang KV buffers that shard alike over attention TP.
+
+    SGLang registers the target pool's buffers (every layer's K, then every V; MLA: one latent
+    per layer) and, with a draft model that keeps its own pool (EAGLE/NEXTN, EAGLE3,
+    STANDALONE), the draft pool's after them (`KVArgs.num_draft_entries`), addressed with the
+    target's page ids. `heads` counts head units over the whole attention TP group. `whole`:
+    every rank that SGLang connects a decode rank to holds the same bytes of this group, so it
+    is sent as whole pages by one of them (`sglang_source_rank`).
+    """
+
+    name: str
+    count: int
+    heads: int
+    whole: bool = False
+
+    def specs(self, prefill_tp: int, decode_tp: int) -> tuple[ShardSpec, ShardSpec]:
+        return ShardSpec(self.heads, prefill_tp), ShardSpec(self.heads, decode_tp)
+
+
+def sglang_source_rank(prefill_tp: int, decode_tp: int, decode_rank: int) -> int:
+    """The first prefill attention rank SGLang connects decode rank `decode_rank` to
+    (`CommonKVManager._resolve_rank_mapping`'s `target_tp_rank`)."""
+    if decode_tp >= prefill_tp:
+        return decode_rank // (decode_tp // prefill_tp)
+    return decode_rank * (prefill_tp // decode_tp)
+
+
+def sglang_draft_group(count: int, prefill_token_bytes: int, decode_token_bytes: int,
+                       prefill_tp: int, decode_tp: int, *,
+                       target_mla: bool = False) -> tuple[KVGroup, int]:
+    """The draft pool's buffers as a KVGroup, and the bytes of one of its head units per token,
+    from the bytes ONE token takes in one draft buffer on each side (item length / page size).
+
+    The draft's KV heads are sharded over the same attention TP as the target's, in rank order,
+    each rank holding `max(1, heads / tp)` of them (SGLang's rule), so only two cases can be
+    told apart from the bytes alone, whatever the draft's head count and head size:
+      * the same bytes on both sides: with equal TP a rank's page is the peer rank's page; with
+        different TP every head is held by fewer ranks than either side has, and every prefill
+        rank a decode rank is connected to holds exactly the decode rank's heads: whole pages
+        from one of them (`whole`; an MLA draft's replicated latent is this case);
+      * the whole token row split without replicas on both sides (prefill bytes × prefill TP
+        == decode bytes × decode TP): head slices, in units of gcd(bytes) (any unit dividing
+        both shards addresses the same bytes of the row).
+    Anything else (a draft whose heads are replicated on one side only) cannot be sliced
+    consistently under this TP mismatch: RouteError naming it. A sharded draft beside an MLA
+    target with prefill TP > decode TP is refused too: SGLang lets only one of the prefill
+    ranks connected to a decode rank send (the latent is replicated), and it holds only part
+    of the draft's heads."""
+    if count < 1:
+        raise RouteError(f"draft KV: {count} buffers")
+    p, d = prefill_token_bytes, decode_token_bytes
+    if p < 1 or d < 1:
+        raise RouteError(f"draft KV: {p} B per token on the prefill, {d} B on the decode")
+    if p == d:
+        return KVGroup("draft", count, 1, whole=True), p
+    if p * prefill_tp != d * decode_tp:
+        raise RouteError(
+            f"draft KV: {p} B per token on each of {prefill_tp} prefill ranks, {d} B on each of "
+            f"{decode_tp} decode ranks: its heads are replicated on one side only, which "
+            f"cannot be head-sliced consistently under this TP mismatch (give both sides the "
+            f"same attention TP, or a TP no larger than the draft's KV head count on both)")
+    if target_mla and prefill_tp > decode_tp:
+        raise RouteError(
+            f"draft KV sharded over heads beside an MLA target: with prefill TP {prefill_tp} > "
+            f"decode TP {decode_tp} one prefill rank per request sends (the latent is "
+            f"replicated) and it holds only part of the draft's heads (give both sides the "
+            f"same attention TP)")
+    unit = math.gcd(p, d)
+    return KVGroup("draft", count, p * prefill_tp // unit), unit
+
+
+def sglang_group_slices(group: KVGroup, prefill_tp: int, decode_tp: int,
+                        decode_rank: int) -> list[Slice]:
+    """Head slices decode rank `decode_rank` receives of one KV group (in its head units)."""
+    if group.whole:
+        return [Slice(sglang_source_rank(prefill_tp, decode_tp, decode_rank), decode_rank,
+                      0, 1, 0, 0)]
+    src, dst = group.specs(prefill_tp, decode_tp)
+    return routes_for(src, dst, decode_rank)
+
+
 def sglang_decode_writes(*, is_mla: bool, total_heads: int, prefill_tp: int, decode_tp: int,
                          decode_rank: int, page_size: int, num_pages: int, num_buffers: int,
-                         num_aux: int, writes_per_op: int = 1) -> int:
+                         num_aux: int, writes_per_op: int = 1,
+                         draft: KVGroup | None = None) -> int:
     """What the SGLang backend's decode rank waits for, from what it registered: `num_buffers`
-    KV buffers (len(KVArgs.kv_data_ptrs): every layer's K and V, or latent) and `num_aux`
-    metadata buffers (len(KVArgs.aux_data_ptrs)), for `num_pages` allocated pages, with page
-    writes grouped `writes_per_op` to an operation (the smaller iov limit of the two ranks'
-    providers; 1 on efa)."""
+    KV buffers (len(KVArgs.kv_data_ptrs): every layer's K and V, or latent, the draft pool's
+    included) and `num_aux` metadata buffers (len(KVArgs.aux_data_ptrs)), for `num_pages`
+    allocated pages, with page writes grouped `writes_per_op` to an operation (the smaller iov
+    limit of the two ranks' providers; 1 on efa). `draft`: the last `draft.count` buffers are
+    a draft model's (`sglang_draft_group`), counted with their own slices."""
+    ndraft = draft.count if draft is not None else 0
     src, dst = sglang_specs(is_mla, total_heads, prefill_tp, decode_tp)
-    return expected_writes(routes_for(src, dst, decode_rank), src, dst,
-                           layout=sglang_pool(is_mla), page_size=page_size, num_pages=num_pages,
-                           num_layers=1, buffers_per_layer=num_buffers, aux_writes=num_aux,
-                           writes_per_op=writes_per_op)
+    pool = sglang_pool(is_mla)
+    total = expected_writes(routes_for(src, dst, decode_rank), src, dst, layout=pool,
+                            page_size=page_size, num_pages=num_pages, num_layers=1,
+                            buffers_per_layer=num_buffers - ndraft, aux_writes=num_aux,
+                            writes_per_op=writes_per_op)
+    if draft is not None:
+        dsrc, ddst = draft.specs(prefill_tp, decode_tp)
+        total += expected_writes(sglang_group_slices(draft, prefill_tp, decode_tp, decode_rank),
+                                 dsrc, ddst, layout=pool, page_size=page_size,
+                                 num_pages=num_pages, num_layers=1, buffers_per_layer=ndraft,
+                                 writes_per_op=writes_per_op)
+    return total

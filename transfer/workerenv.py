@@ -31,6 +31,8 @@ This module is in `transfer/` because the SGLang backend and the messenger read 
     PDTOOL_NICS               JSON {gpu id: "nic,nic"}: each rank's NICs, by its local GPU
                               (the SGLang backend opens every one, the reference engine the first)
     PDTOOL_GPU_MEMORY         direct | staged: the path transfer.gpu_memory resolved to here
+  model (the plan's ranks[].env):
+    PDTOOL_DRAFT_LAYERS       model.draft_layers: the draft model's KV layers the plan counted
   switches (the user, optional):
     PDTOOL_LAYER_STREAM       auto | on | off: per-layer KV streaming of the SGLang prefill
   fallback and test hooks:
@@ -126,6 +128,13 @@ GPU_MEMORY = Var("PDTOOL_GPU_MEMORY", "pdtool.worker (its transfer.gpu_memory de
                  "registered host bounce and landing buffers; unset: the backend decides as "
                  "`auto` does")
 
+# -- model: set by the plan (ranks[].env), via pdtool.worker ---------------------------------
+DRAFT_LAYERS = Var("PDTOOL_DRAFT_LAYERS", "the plan (ranks[].env, from model.draft_layers), via "
+                   "pdtool.worker", "SGLang backend",
+                   "the KV layers of the speculative draft model's own pool that the plan "
+                   "counted; the backend stops at start-up when SGLang registers a different "
+                   "number of draft KV buffers (KVArgs.num_draft_entries), since every write "
+                   "count the plan printed would be off")
 LAYER_STREAM = Var("PDTOOL_LAYER_STREAM", "the user (optional)", "SGLang backend",
                    "auto | on | off: the SGLang prefill posts each layer's KV writes as soon "
                    "as that layer's attention ran (transfer/sglang/layer_stream.py) instead "
@@ -149,7 +158,7 @@ HOPS = Var("PDTOOL_HOPS", "bench/ttft_hops.py", "bench/hops/sitecustomize.py",
 VARIABLES: tuple[Var, ...] = (
     RUN_DIR, PYTHON, SECRET_FILE, HOSTS, PREFLIGHT, EXIT_WHEN_HEALTHY,
     PLAN, ROLE, INSTANCE, RANK, NODE_RANK,
-    FI_PROVIDER, FI_DOMAIN, NICS, GPU_MEMORY, LAYER_STREAM,
+    FI_PROVIDER, FI_DOMAIN, NICS, GPU_MEMORY, DRAFT_LAYERS, LAYER_STREAM,
     SECRET, CONTROL_FAULTS, REFERENCE_ALLOW_FAULTS, HOPS,
 )
 BY_NAME: dict[str, Var] = {v.name: v for v in VARIABLES}

@@ -154,10 +154,13 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
     )
     con.print(f"GPU memory: {t.gpu_memory_path}")
     con.print(f"routes: {t.summary}")
+    if t.draft:
+        con.print(t.draft)
     ct = Table(
         title=f"routes for a {t.tokens}-token request ({t.pages_per_request} pages x "
         f"{m.num_layers} layers"
         + (f" x {t.buffers_per_layer} buffers (K, V)" if t.buffers_per_layer > 1 else "")
+        + (" + the draft's buffers" if t.draft else "")
         + f" + {t.aux_writes} aux)",
         title_justify="left",
     )

@@ -54,6 +54,7 @@ from pdtool.plan.routes import (
     request_writes,
     route_plans,
     route_summary,
+    sglang_draft,
     sglang_flag_value,
     sglang_speculative,
     shard_spec,
@@ -67,5 +68,5 @@ __all__ = [
     "compress_cpus", "equal_sharding_writes", "expand_cpus", "from_json", "gpu_numa", "kv_pool",
     "layout_source", "nic_env", "pages_per_request", "placements", "plan_from_dict",
     "plan_to_dict", "rank_cpus", "request_writes", "route_plans", "route_summary",
-    "sglang_flag_value", "sglang_speculative", "shard_spec", "to_json",
+    "sglang_draft", "sglang_flag_value", "sglang_speculative", "shard_spec", "to_json",
 ]

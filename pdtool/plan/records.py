@@ -152,6 +152,7 @@ class TransferPlan:
     gpu_memory_path: str = ""  # what that means here (transfer.gpu_memory.choose_gpu_memory)
     backend: str = "pdtool"  # transfer.backend: SGLang's own (mooncake, nixl) register GPU
     # memory themselves, so transfer.gpu_memory is pdtool's backend's only
+    draft: str = ""  # the speculative draft's own KV in the counts (routes.draft_summary)
 
 
 @dataclass(frozen=True)

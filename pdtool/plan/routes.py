@@ -101,6 +101,50 @@ def layout_source(cfg: Config) -> str:
     return LAYOUT_FROM_SGLANG if cfg.engine.kind == "sglang" else LAYOUT_FROM_CONFIG
 
 
+def sglang_draft(cfg: Config) -> G.KVGroup | None:
+    """The speculative draft model's KV buffers pdtool's SGLang backend sends beside the
+    target's (`model.draft_layers`), grouped as geometry groups them: the plan takes the draft's
+    attention and KV heads to be the target's (EAGLE, EAGLE3 and NEXTN drafts share them), so
+    its token bytes on each side follow the target's shards. None without a draft KV pool;
+    RouteError where the backend could not slice it."""
+    if cfg.engine.kind != "sglang" or cfg.model.draft_layers <= 0:
+        return None
+    mla = cfg.model.attention == "mla"
+    src, dst = shard_spec(cfg, "prefill"), shard_spec(cfg, "decode")
+    width = kv_head_width(cfg.model)
+    group, _ = G.sglang_draft_group(cfg.model.draft_layers * (1 if mla else 2),
+                                    src.heads_per_rank * width, dst.heads_per_rank * width,
+                                    src.attn_tp, dst.attn_tp, target_mla=mla)
+    return group
+
+
+def draft_writes(cfg: Config, tokens: int, dst_rank: int) -> int:
+    """What decode attention rank `dst_rank` counts of the draft's KV for a `tokens` prompt
+    (0 without one): geometry's `expected_writes` of its buffers and slices."""
+    group = sglang_draft(cfg)
+    if group is None:
+        return 0
+    src, dst = shard_spec(cfg, "prefill"), shard_spec(cfg, "decode")
+    pool, page = kv_pool(cfg), cfg.decode.page_size
+    dsrc, ddst = group.specs(src.attn_tp, dst.attn_tp)
+    return G.expected_writes(G.sglang_group_slices(group, src.attn_tp, dst.attn_tp, dst_rank),
+                             dsrc, ddst, layout=pool, page_size=page,
+                             num_pages=pool.pages_for(tokens, page), num_layers=1,
+                             buffers_per_layer=group.count)
+
+
+def draft_summary(cfg: Config) -> str:
+    """One line on the draft's KV in the counts (empty without one)."""
+    group = sglang_draft(cfg)
+    if group is None:
+        return ""
+    how = "whole pages from one prefill rank" if group.whole else \
+        "head slices like the target's"
+    return (f"draft KV (model.draft_layers={cfg.model.draft_layers}): {group.count} more "
+            f"buffers after the target's, {how}; counted in writes/request below, taking "
+            f"the draft's KV heads to be the target's")
+
+
 def pages_per_request(cfg: Config, tokens: int) -> int:
     return kv_pool(cfg).pages_for(tokens, cfg.decode.page_size)
 
@@ -153,7 +197,8 @@ def route_plans(cfg: Config, tokens: int) -> tuple[RoutePlan, ...]:
                 dst_rank=d,
                 slices=sl,
                 writes_per_page=sum(s.writes_per_page for s in sl),
-                writes_per_request=request_writes(cfg, tokens, slices, src, dst, pool),
+                writes_per_request=request_writes(cfg, tokens, slices, src, dst, pool)
+                + draft_writes(cfg, tokens, d),
             )
         )
     return tuple(out)
@@ -233,4 +278,5 @@ def transfer_plan(cfg: Config, tokens: int) -> TransferPlan:
         pages_per_request=pages_per_request(cfg, tokens),
         routes=route_plans(cfg, tokens),
         summary=route_summary(cfg),
+        draft=draft_summary(cfg),
     )

@@ -7,16 +7,19 @@ writes one write per (page, layer buffer, source shard) in every case: with equa
 gathers each page's head slice into a registered staging buffer first
 (`transfer/sglang/staging_plane.py`), so there is no per-token write count to warn about; the
 plan shows the count (`transfer.geometry`). SGLang flags for state the backend does not carry
-(draft KV, PP, CP, KV sharding) are errors.
-Speculative decoding runs when the algorithm needs nothing but the metadata buffers (its draft
-hidden state and top-k travel in them): NGRAM, UNO and FROZEN_KV_MTP; those whose draft model
-keeps its own KV pool (EAGLE/NEXTN/MTP, EAGLE3, STANDALONE, DFLASH, DSPARK) are refused.
+(PP, CP, KV sharding) are errors.
+Speculative decoding: the draft's hidden state and top-k travel in the metadata buffers (NGRAM,
+UNO and FROZEN_KV_MTP need nothing else); a draft model with a KV pool of its own (EAGLE/NEXTN/
+MTP, EAGLE3, STANDALONE) is sent as more layer buffers, which the plan counts from
+`model.draft_layers` (required with them). DFLASH and DSPARK, whose draft pools follow rules of
+their own, are refused.
 """
 
 from __future__ import annotations
 
 from pdtool.plan import (
     SGLANG_SPECULATIVE_FLAG,
+    sglang_draft,
     sglang_flag_value,
     sglang_speculative,
 )
@@ -25,8 +28,10 @@ from pdtool.schema import Config
 from transfer.geometry import (
     SGLANG_SPEC_ALGORITHMS,
     SGLANG_SPEC_DRAFT_KV,
+    SGLANG_SPEC_DRAFT_KV_CARRIED,
     SGLANG_SPEC_HIDDEN_STATES,
 )
+from transfer.routes import RouteError
 
 #: SGLang flags whose extra KV state the backend does not carry (its start-up error says the
 #: same); flag -> what it enables. Size flags count only when set above 1.
@@ -70,8 +75,13 @@ def check_sglang_unsupported_args(cfg: Config) -> list[Finding]:
 
 
 #: What to do instead of an algorithm the backend cannot serve.
-SPEC_FIX = ("use --speculative-algorithm NGRAM (UNO or FROZEN_KV_MTP where the model has them: "
-            "no draft KV), or transfer.backend=mooncake / nixl for this algorithm")
+SPEC_FIX = ("use --speculative-algorithm EAGLE/NEXTN, EAGLE3 or STANDALONE (with "
+            "model.draft_layers), NGRAM, UNO or FROZEN_KV_MTP, or transfer.backend=mooncake / "
+            "nixl for this algorithm")
+#: How to give the plan the draft's KV layers.
+DRAFT_LAYERS_FIX = ("set model.draft_layers to the draft model's KV layers (its config's "
+                    "num_hidden_layers; 1 for the usual EAGLE/EAGLE3 drafts and DeepSeek's "
+                    "NEXTN layer)")
 
 
 def _spec_key(cfg: Config, rname: str) -> str:
@@ -84,10 +94,18 @@ def check_sglang_speculative(cfg: Config) -> list[Finding]:
     """engine=sglang: speculative decoding only where the backend carries what it needs.
 
     The metadata buffers (hidden state, top-k) always travel; a draft model's own KV pool
-    (SGLang appends it to the KV buffers, `KVArgs.num_draft_entries`) does not, and the
-    workers would stop at start-up. A draft hidden state is produced by the prefill, so both
-    roles must run the same algorithm (the rows must be the same size on both sides)."""
+    (SGLang appends it to the KV buffers, `KVArgs.num_draft_entries`) travels for EAGLE/NEXTN,
+    EAGLE3 and STANDALONE, counted by the plan from `model.draft_layers`; DFLASH's and DSPARK's
+    do not, and the workers would stop at start-up. A draft hidden state is produced by the
+    prefill, and the draft pool is registered on both sides, so both roles must run the same
+    algorithm (the rows and buffers must be the same on both sides)."""
     if cfg.engine.kind != "sglang" or cfg.transfer.backend != "pdtool":
+        if cfg.model.draft_layers > 0:
+            return [error("model.draft_layers",
+                          f"model.draft_layers={cfg.model.draft_layers}: only pdtool's SGLang "
+                          "transfer backend reads it (engine.kind=sglang, "
+                          "transfer.backend=pdtool); here it would change nothing",
+                          "remove model.draft_layers")]
         return []
     algs = {r: sglang_speculative(cfg, r) for r in ("prefill", "decode")}
     out, seen = [], set()
@@ -102,15 +120,44 @@ def check_sglang_speculative(cfg: Config) -> list[Finding]:
                 f"--speculative-algorithm {alg}: not one of SGLang 0.5.23's algorithms "
                 f"{sorted(SGLANG_SPEC_ALGORITHMS)}, so what it transfers is unknown to the "
                 "pdtool SGLang transfer backend", SPEC_FIX))
-        elif alg in SGLANG_SPEC_DRAFT_KV:
+        elif alg in SGLANG_SPEC_DRAFT_KV and alg not in SGLANG_SPEC_DRAFT_KV_CARRIED:
             out.append(error(
                 key,
-                f"--speculative-algorithm {alg}: speculative decoding whose draft model keeps "
-                "its own KV pool, which SGLang sends beside the target's (draft-model KV); the "
-                "pdtool SGLang transfer backend does not carry it and the workers would stop "
-                "at start-up", SPEC_FIX))
+                f"--speculative-algorithm {alg}: its draft model's KV pool follows rules of its "
+                "own in SGLang 0.5.23 (DFLASH's may run on a TP group of its own, DSPARK needs "
+                "DeepSeek-V4's hybrid pools); the pdtool SGLang transfer backend does not carry "
+                "that draft-model KV and the workers would stop at start-up", SPEC_FIX))
+        elif alg in SGLANG_SPEC_DRAFT_KV and cfg.model.draft_layers < 1:
+            out.append(error(
+                "model.draft_layers",
+                f"--speculative-algorithm {alg} ({key}): its draft model keeps a KV pool of its "
+                "own, which the pdtool SGLang transfer backend sends beside the target's; the "
+                "plan needs its layers to count the writes a decoder waits for",
+                DRAFT_LAYERS_FIX))
+    drafts = {r: a for r, a in algs.items() if a in SGLANG_SPEC_DRAFT_KV_CARRIED}
+    if cfg.model.draft_layers > 0 and not drafts:
+        out.append(error(
+            "model.draft_layers",
+            f"model.draft_layers={cfg.model.draft_layers} without a --speculative-algorithm "
+            f"whose draft keeps a KV pool ({', '.join(sorted(SGLANG_SPEC_DRAFT_KV_CARRIED))}): "
+            "it would change nothing", "remove model.draft_layers, or add the algorithm to "
+            "engine.extra_args"))
+    elif drafts and cfg.model.draft_layers > 0:
+        try:
+            sglang_draft(cfg)
+        except RouteError as exc:
+            out.append(error("model.draft_layers", f"{exc}", "give prefill and decode the "
+                             "same attention TP"))
+    if drafts and len(drafts) == 1:
+        one = next(iter(drafts))
+        out.append(error(
+            _spec_key(cfg, one),
+            f"--speculative-algorithm: {one} runs {drafts[one]}, whose draft KV pool SGLang "
+            f"registers beside the target's, and the other role does not; both must register "
+            "the same KV buffers", "give both roles the same --speculative-algorithm "
+            "(engine.extra_args)"))
     hidden = {r: a for r, a in algs.items() if a in SGLANG_SPEC_HIDDEN_STATES}
-    if hidden and algs["prefill"] != algs["decode"]:
+    if hidden and algs["prefill"] != algs["decode"] and len(drafts) != 1:
         out.append(error(
             _spec_key(cfg, "decode" if "decode" in hidden else "prefill"),
             f"--speculative-algorithm: prefill runs {algs['prefill'] or 'none'}, decode "

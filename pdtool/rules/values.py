@@ -78,6 +78,7 @@ def check_model(cfg: Config) -> list[Finding]:
         "qk_rope_head_dim",
         "num_experts",
         "moe_intermediate_size",
+        "draft_layers",
     ):
         out += _at_least(f"model.{name}", getattr(m, name), 0)
     if m.num_params_b <= 0:

@@ -39,10 +39,15 @@ and V buffers, MLA `[slots, 1, kv_lora_rank + rope]` — and page p is slots [p*
   * `transfer.gpu_memory=staged` (PDTOOL_GPU_MEMORY): every page goes through the host bounce
     and landing buffers of `staging_plane.py` instead of registered pool memory;
   * the decoder counts writes for every page it allocated; a prefill that would send a
-    different number of pages fails the room at its last chunk, with the reason.
+    different number of pages fails the room at its last chunk, with the reason;
+  * a speculative draft model's own KV pool (EAGLE/NEXTN, EAGLE3, STANDALONE) is the last
+    `KVArgs.num_draft_entries` buffers, addressed with the target's page ids: more layer
+    buffers with their own geometry, told from the bytes a token takes in them on each side
+    (`transfer.geometry.sglang_draft_group`: whole pages, or head slices through the same
+    staging route), agreed at registration (PEER.draft) and counted by the same owner.
 Not supported (clear error at start-up): hybrid/state pools (Mamba, SWA, DSA, ...), pipeline
-or context parallelism, DCP, KV sharding, draft-model KV, SGLang's staging buffer, host KV
-destinations.
+or context parallelism, DCP, KV sharding, DFLASH/DSPARK draft KV, a draft pool of other layers
+than the plan counted (PDTOOL_DRAFT_LAYERS), SGLang's staging buffer, host KV destinations.
 
 Configuration (environment of every SGLang worker; the pdtool launcher sets them):
   PDTOOL_FI_PROVIDER   libfabric provider (default `tcp;ofi_rxm`; `shm` on one host, `efa`,
@@ -88,7 +93,14 @@ from sglang.srt.runtime_context import get_device
 from sglang.srt.utils.network import NetworkAddress
 
 from transfer import fabric, workerenv
-from transfer.geometry import sglang_buffer_layouts, sglang_decode_writes, sglang_slices
+from transfer.geometry import (
+    KVGroup,
+    sglang_buffer_layouts,
+    sglang_decode_writes,
+    sglang_draft_group,
+    sglang_group_slices,
+    sglang_slices,
+)
 from transfer.layout import KVLayout, LayoutError
 from transfer.routes import RouteError, ShardSpec, Slice
 from transfer.sglang.decode_plane import DecodePlane
@@ -154,8 +166,20 @@ class DecodePeer:
     rails: list[RemoteRail] = field(default_factory=list)
     per_op: int = 1  # page writes grouped into one operation (smaller iov limit of both)
     slice: Slice | None = None  # what this prefill rank sends it (None: another rank does)
+    # a draft model's KV buffers (the last `draft.count`): how the pair shards them, this
+    # rank's slice of them (None: another rank sends them) and this rank's layouts of them in
+    # the pair's head units (`src_layouts`, one per KV buffer: the target's are kv_layouts')
+    draft: KVGroup | None = None
+    draft_slice: Slice | None = None
+    src_layouts: list[KVLayout] = field(default_factory=list)
     sends_aux: bool = False
     error: str | None = None  # why requests from this peer cannot be served
+
+    def buffer_slice(self, b: int) -> Slice | None:
+        """What this prefill rank sends of KV buffer `b` (the draft's buffers come last)."""
+        if self.draft is not None and b >= len(self.src_layouts) - self.draft.count:
+            return self.draft_slice
+        return self.slice
     # (local rail, remote rail) -> fi_addr on that local rail's endpoint (inserted lazily)
     addrs: dict[tuple[int, int], int] = field(default_factory=dict)
     _twin_index: dict[Any, tuple[str, int]] = field(default_factory=dict)
@@ -231,6 +255,7 @@ class PrefillGeometry:
     total_kv_heads: int
     writes_per_op: int
     error: str | None = None
+    draft: KVGroup | None = None  # how the pair shards a draft model's KV buffers
 
 
 # --------------------------------------------------------------------------- manager
@@ -254,6 +279,9 @@ class PdtoolKVManager(CommonKVManager):
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: bool | None = False):
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        # a draft model's own KV pool: its buffers come after the target's (SGLang appends
+        # them in _init_kv_manager) and are addressed with the target's page ids
+        self.num_draft = int(getattr(args, "num_draft_entries", 0) or 0)
         self._check_supported()
         self.is_mla = bool(is_mla_backend)
         self.problem = ""  # set when a backend thread died: every room fails with it
@@ -266,8 +294,13 @@ class PdtoolKVManager(CommonKVManager):
             if not self.is_mla and (self.total_kv_heads < 1 or self.heads_local < 1):
                 raise PdtoolBackendError("KVArgs.total_kv_head_num / kv_head_num are not set "
                                          "(SGLang's prefill scheduler sets them)")
-            self.kv_layouts = sglang_buffer_layouts(args.kv_data_lens, args.kv_item_lens,
-                                                    self.heads_local, args.page_size)
+            # the draft's buffers as one head unit of a whole token row here; each decode peer
+            # gets them in the pair's own units (`_match_peer`)
+            n = len(args.kv_item_lens)
+            self.kv_layouts = sglang_buffer_layouts(
+                args.kv_data_lens, args.kv_item_lens,
+                [self.heads_local] * (n - self.num_draft) + [1] * self.num_draft,
+                args.page_size)
         # direct: SGLang's pools are registered (CUDA memory: on FI_HMEM endpoints); staged:
         # KV goes through registered host bounce/landing buffers on every endpoint
         # (transfer.gpu_memory, as the worker decided it)
@@ -282,7 +315,8 @@ class PdtoolKVManager(CommonKVManager):
         self.frames = Frames(_secret(), f"{disaggregation_mode.value}-{self.peer_key}")
         self.compat = compat_hash(wire_facts(
             provider=self.ep.provider, is_mla=self.is_mla, page_size=args.page_size,
-            num_kv_buffers=len(args.kv_data_lens), aux_item_lens=list(args.aux_item_lens)))
+            num_kv_buffers=len(args.kv_data_lens), aux_item_lens=list(args.aux_item_lens),
+            num_draft=self.num_draft))
         iface, device = self._memory_iface()
         try:
             self.kv_mrs = [] if self.kv_path == "staged" else \
@@ -352,15 +386,44 @@ class PdtoolKVManager(CommonKVManager):
             bad.append("KV cache sharding")
         if envs.SGLANG_DISAGG_STAGING_BUFFER.get():
             bad.append("SGLANG_DISAGG_STAGING_BUFFER")
-        if getattr(args, "num_draft_entries", 0):
-            bad.append("draft-model KV (--speculative-algorithm with a draft KV pool: EAGLE/"
-                       "NEXTN, EAGLE3, STANDALONE, DFLASH, DSPARK; NGRAM, UNO and "
-                       "FROZEN_KV_MTP need none)")
+        if self.num_draft:
+            bad += self._draft_problems()
         if bad:
             raise PdtoolBackendError(
                 "--disaggregation-transfer-backend pdtool does not support: " + "; ".join(bad)
                 + ". Use mooncake or nixl for these deployments."
             )
+
+    def _draft_problems(self) -> list[str]:
+        """What this backend cannot carry of the draft model's KV buffers (KVArgs'
+        num_draft_entries last buffers), and whether they are what the plan counted."""
+        args, n = self.kv_args, self.num_draft
+        total = len(args.kv_item_lens)
+        if not 0 < n < total:
+            return [f"KVArgs.num_draft_entries={n} of {total} KV buffers"]
+        out = []
+        draft_items = set(args.kv_item_lens[total - n:])
+        if len(draft_items) != 1:
+            out.append(f"draft-model KV buffers of different item lengths {sorted(draft_items)}"
+                       " (K and V of different widths)")
+        alg = str(getattr(self.server_args, "speculative_algorithm", "") or "").upper()
+        if alg in ("DFLASH", "DSPARK"):
+            out.append(f"--speculative-algorithm {alg} (its draft pool follows rules of its "
+                       "own in SGLang 0.5.23: DFLASH's may run on a TP group of its own, DSPARK "
+                       "needs DeepSeek-V4's hybrid pools; neither was checked with this backend)")
+        try:
+            want = workerenv.integer(workerenv.DRAFT_LAYERS)
+        except workerenv.WorkerEnvError as exc:
+            return [*out, str(exc)]
+        if want is not None:
+            per_layer = 1 if self.is_mla_backend else 2
+            if want * per_layer != n:
+                out.append(
+                    f"draft-model KV of {n} buffers, while model.draft_layers={want} "
+                    f"({workerenv.DRAFT_LAYERS.name}) makes {want * per_layer} "
+                    f"({per_layer} per layer, as the target's): the plan's write counts "
+                    f"would be wrong (set model.draft_layers to the draft model's KV layers)")
+        return out
 
     def _open_rails(self, receive: bool, hmem: bool = False) -> Rails:
         """One endpoint per NIC of this rank's GPU (PDTOOL_NICS, else PDTOOL_FI_DOMAIN, else
@@ -449,6 +512,7 @@ class PdtoolKVManager(CommonKVManager):
             "tp_size": self.attn_tp_size, "tp_rank": self.kv_args.engine_rank % self.attn_tp_size,
             "gpu": int(self.kv_args.gpu_id or 0), "iov_limit": self.rails.iov_limit,
             "is_mla": self.is_mla, "page_size": self.kv_args.page_size,
+            "num_draft": self.num_draft,
             "kv": [mr.descriptor().to_dict() for mr in self.kv_mrs],
             "kv_data_lens": list(self.kv_args.kv_data_lens),
             "kv_item_lens": list(self.kv_args.kv_item_lens),
@@ -540,9 +604,12 @@ class PdtoolKVManager(CommonKVManager):
                 self._retired.append(self.peers.pop(stale))
             self._by_identity[peer.identity] = peer.key
             self.peers[peer.key] = peer
+        draft = None if peer.draft is None else {
+            "count": peer.draft.count, "heads": peer.draft.heads, "whole": peer.draft.whole}
         self._send_to_decode(peer, self.frames.encode("PEER", {
             "peer": self.peer_key, "total_kv_heads": self.total_kv_heads,
-            "writes_per_op": peer.per_op, "error": peer.error or None}, to=session))
+            "writes_per_op": peer.per_op, "error": peer.error or None, "draft": draft},
+            to=session))
 
     def _send_to_decode(self, peer: DecodePeer, frame: list[bytes]) -> None:
         self._outbox.put((peer.ip, peer.port, frame))
@@ -588,6 +655,11 @@ class PdtoolKVManager(CommonKVManager):
         if int(b["page_size"]) != page:
             raise PdtoolBackendError(f"--page-size: prefill {page}, decode {b['page_size']}")
         mine = len(self.kv_args.kv_data_lens)
+        if int(b.get("num_draft", 0)) != self.num_draft:
+            raise PdtoolBackendError(
+                f"draft-model KV buffers: prefill has {self.num_draft}, decode "
+                f"{b.get('num_draft', 0)} "
+                f"(give both roles the same --speculative-algorithm and draft model)")
         if len(b["kv_data_lens"]) != mine or len(b["kv"]) not in (0, mine):
             raise PdtoolBackendError(f"KV buffers: prefill has {mine}, decode "
                                      f"{len(b['kv_data_lens'])} (same model and speculative "
@@ -600,9 +672,22 @@ class PdtoolKVManager(CommonKVManager):
             raise PdtoolBackendError("HELLO.compat: the decode rank's static facts differ "
                                      "from this prefill's (pdtool versions differ?)")
         heads = 1 if self.is_mla else self._decode_heads(peer, b)
-        peer.kv_layouts = sglang_buffer_layouts(b["kv_data_lens"], b["kv_item_lens"], heads, page)
-        for mine, theirs in zip(self.kv_layouts, peer.kv_layouts, strict=True):
-            mine.check_peer(theirs)
+        ntarget = len(self.kv_args.kv_item_lens) - self.num_draft
+        mine_heads, theirs_heads = [self.heads_local] * ntarget, [heads] * ntarget
+        if self.num_draft:
+            # the draft's shards from the bytes a token takes on each side (geometry)
+            peer.draft, unit = sglang_draft_group(
+                self.num_draft, self.kv_args.kv_item_lens[-1] // page,
+                int(b["kv_item_lens"][-1]) // page, self.attn_tp_size, peer.tp_size,
+                target_mla=self.is_mla)
+            mine_heads += [self.kv_args.kv_item_lens[-1] // page // unit] * self.num_draft
+            theirs_heads += [int(b["kv_item_lens"][-1]) // page // unit] * self.num_draft
+        peer.src_layouts = sglang_buffer_layouts(self.kv_args.kv_data_lens,
+                                                 self.kv_args.kv_item_lens, mine_heads, page)
+        peer.kv_layouts = sglang_buffer_layouts(b["kv_data_lens"], b["kv_item_lens"],
+                                                theirs_heads, page)
+        for mine_, theirs in zip(peer.src_layouts, peer.kv_layouts, strict=True):
+            mine_.check_peer(theirs)
         for i, r in enumerate(peer.rails):
             if len(r.kv) != len(peer.kv_regions) or len(r.aux) != len(peer.aux_regions) or \
                     [x.length for x in r.kv + r.aux] != \
@@ -622,6 +707,35 @@ class PdtoolKVManager(CommonKVManager):
             mine_ = [s for s in slices if s.src_rank == my_rank]
             peer.slice = mine_[0] if mine_ else None
             peer.sends_aux = slices[0].src_rank == my_rank
+        if peer.draft is not None:
+            drafts = sglang_group_slices(peer.draft, self.attn_tp_size, peer.tp_size,
+                                         peer.tp_rank)
+            self._warn_if_unplanned(peer, b, len(drafts))
+            if self.is_mla and peer.draft.whole:
+                peer.draft_slice = drafts[0]  # whichever connected rank is real sends it
+            else:
+                own = [s for s in drafts if s.src_rank == my_rank]
+                peer.draft_slice = own[0] if own else None
+
+    def _warn_if_unplanned(self, peer: DecodePeer, b: dict[str, Any], sources: int) -> None:
+        """The plan (PDTOOL_DRAFT_LAYERS set) counted the draft as sharded like the target's
+        KV; where this pair's draft takes another number of slices, its figure is off."""
+        if workerenv.DRAFT_LAYERS.get() is None:
+            return
+        page = self.kv_args.page_size
+        try:
+            planned = sglang_draft_group(self.num_draft, self.kv_args.kv_item_lens[0] // page,
+                                         int(b["kv_item_lens"][0]) // page, self.attn_tp_size,
+                                         peer.tp_size, target_mla=self.is_mla)[0]
+            want = len(sglang_group_slices(planned, self.attn_tp_size, peer.tp_size,
+                                           peer.tp_rank))
+        except RouteError:
+            want = 0
+        if want != sources:
+            logger.warning("pdtool: decode rank %s takes the draft model's KV from %d prefill "
+                           "rank(s), while the plan counted %d (its KV heads do not shard like "
+                           "the target's): the plan's writes/request is off for it",
+                           peer.key, sources, want)
 
     def _decode_heads(self, peer: DecodePeer, b: dict[str, Any]) -> int:
         """The decode rank's local KV heads, from its item length and this rank's head size
@@ -770,16 +884,24 @@ class PdtoolKVManager(CommonKVManager):
             decode_rank=self.kv_args.engine_rank % self.attn_tp_size,
             page_size=self.kv_args.page_size, num_pages=num_pages,
             num_buffers=len(self.kv_args.kv_data_ptrs),
-            num_aux=len(self.aux_mrs) if with_aux else 0, writes_per_op=geo.writes_per_op)
+            num_aux=len(self.aux_mrs) if with_aux else 0, writes_per_op=geo.writes_per_op,
+            draft=geo.draft)
 
     def _on_peer(self, b: dict[str, Any]) -> None:
         """A prefill rank's answer to our registration: the count of every slot waiting for
         it becomes known (or they fail with its reason)."""
         key = str(b["peer"])
+        d = b.get("draft")
+        draft = None if d is None else KVGroup("draft", int(d["count"]), int(d["heads"]),
+                                               bool(d["whole"]))
         geo = PrefillGeometry(int(b["total_kv_heads"]), int(b["writes_per_op"]),
-                              str(b["error"]) if b.get("error") else None)
+                              str(b["error"]) if b.get("error") else None, draft)
         if geo.writes_per_op < 1 or geo.total_kv_heads < 1:
             raise ValueError(f"prefill {key}: writes_per_op/total_kv_heads must be >= 1")
+        if not geo.error and (draft.count if draft else 0) != self.num_draft:
+            raise ValueError(f"prefill {key}: PEER.draft covers "
+                             f"{draft.count if draft else 0} KV buffers, this rank has "
+                             f"{self.num_draft} draft buffers")
         with self._geo_lock:
             self.prefill_geometry[key] = geo
             waiting = self._awaiting.pop(key, [])
@@ -809,12 +931,15 @@ class PdtoolKVManager(CommonKVManager):
             self.record_failure(room, reason)
             self.update_status(room, KVPoll.Failed)
 
-    def _landed_slices(self, landing: Landing) -> list[Slice]:
-        """The head slices a landed room holds, in this rank's pool (the routes)."""
+    def _landed_slices(self, landing: Landing, b: int) -> list[Slice]:
+        """The head slices a landed room holds of KV buffer `b`, in this rank's pool (the
+        routes; a draft model's buffers, the last ones, in the pair's draft head units)."""
         geo = self.prefill_geometry[landing.prefill_key]
+        rank = self.kv_args.engine_rank % self.attn_tp_size
+        if geo.draft is not None and b >= len(self.kv_args.kv_data_ptrs) - geo.draft.count:
+            return sglang_group_slices(geo.draft, landing.prefill_tp, self.attn_tp_size, rank)
         return sglang_slices(self.is_mla, 1 if self.is_mla else geo.total_kv_heads,
-                             landing.prefill_tp, self.attn_tp_size,
-                             self.kv_args.engine_rank % self.attn_tp_size)
+                             landing.prefill_tp, self.attn_tp_size, rank)
 
     def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
         """SGLang's heartbeat lost a prefill instance: forget what its ranks answered too."""

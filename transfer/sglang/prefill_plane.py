@@ -210,15 +210,19 @@ class PrefillPlane:
         fi_addr = self._addr(peer, (0, 0))
         s = self._send_of(rs, peer, t)
         q = self.queues[peer.key]
-        if peer.slice is not None and (len(kv) or chunk.is_last):
+        if (peer.slice is not None or peer.draft_slice is not None) \
+                and (len(kv) or chunk.is_last):
             positions = np.arange(len(t.kv_indices))[chunk.index_slice]
             src_pages = kv[: len(positions)]
             positions = positions[: len(src_pages)]
             # one write per (page, layer buffer): from the pool, or packed into a bounce
             # buffer first where the slice is not a whole page of it (staging_plane); a
-            # layer part (layer_stream.py) covers its layer's buffers only
+            # layer part (layer_stream.py) covers its layer's buffers only; a draft model's
+            # buffers (the last ones) with their own slice, or none from this rank
             buffers = getattr(chunk, "buffers", None)
             for i in range(len(mgr.kv_layouts)) if buffers is None else buffers:
+                if peer.buffer_slice(i) is None:
+                    continue
                 pages, pos = src_pages, positions
                 if buffers is not None or s.planned:
                     pages, pos = self._unplanned(s, i, len(t.kv_indices), pages, pos)

@@ -133,6 +133,7 @@ class StagedBatch:
     lengths: np.ndarray
     head_lo: int
     heads: int
+    heads_local: int  # head units of this rank's buffer in the pair's units (the view)
     mr: fabric.MemoryRegion  # the bounce buffers' registration on the first endpoint
     at: int = 0  # writes gathered so far
     pieces: collections.deque[Piece] = field(default_factory=collections.deque)
@@ -151,7 +152,7 @@ class PrefillStaging:
         self.device = device
         self.pool: BouncePool | None = None
         self._copier: Any = None
-        self._views: dict[int, Any] = {}
+        self._views: dict[tuple[int, int], Any] = {}
         self.owner: dict[int, tuple[Any, Piece]] = {}
         self.held: collections.Counter[str] = collections.Counter()
         self.trace: list[tuple[str, int]] | None = [] if TRACE else None
@@ -167,7 +168,9 @@ class PrefillStaging:
         """(gather?, remote region, (src, dst, lengths)) of layer buffer `b` for pages
         `src_pages` going to positions `positions` of the decoder's page list: one write per
         page. `src` is page ids when the writes read a bounce buffer, else byte offsets."""
-        mine, theirs, sl = self.mgr.kv_layouts[b], peer.kv_layouts[b], peer.slice
+        # this rank's and the decoder's layout of buffer b in the pair's head units (a draft
+        # model's buffers count their own, `geometry.sglang_draft_group`) and its slice
+        mine, theirs, sl = peer.src_layouts[b], peer.kv_layouts[b], peer.buffer_slice(b)
         page = mine.page_size
         hb = mine.head_dim * mine.itemsize * mine.kv_parts
         unit = page * sl.num_heads * hb
@@ -193,8 +196,9 @@ class PrefillStaging:
     def batch(self, send: Any, fi_addr: int, b: int, region: fabric.RemoteRegion,
               peer: Any, arrays: tuple[np.ndarray, ...]) -> StagedBatch:
         src, dst, lengths = arrays
-        return StagedBatch(send, fi_addr, b, region, src, dst, lengths,
-                           peer.slice.src_head_off, peer.slice.num_heads,
+        sl = peer.buffer_slice(b)
+        return StagedBatch(send, fi_addr, b, region, src, dst, lengths, sl.src_head_off,
+                           sl.num_heads, peer.src_layouts[b].heads_local,
                            self._ensure_pool().mr)
 
     # -- bounce memory ----------------------------------------------------------------------
@@ -209,15 +213,16 @@ class PrefillStaging:
             self._copier = _Copier(self.pool.device)
         return self.pool
 
-    def _view(self, b: int) -> Any:
-        """Layer buffer b of this rank as [slots, heads_local, head bytes] uint8."""
-        v = self._views.get(b)
+    def _view(self, b: int, heads_local: int) -> Any:
+        """Layer buffer b of this rank as [slots, heads_local, head bytes] uint8 (a draft
+        buffer's head units depend on the decode peer: one view per count)."""
+        v = self._views.get((b, heads_local))
         if v is None:
-            lay, args = self.mgr.kv_layouts[b], self.mgr.kv_args
-            hb = lay.head_dim * lay.itemsize * lay.kv_parts
+            args = self.mgr.kv_args
+            hb = _head_bytes(args.kv_item_lens[b], args.page_size, heads_local)
             v = tensor_at(args.kv_data_ptrs[b], args.kv_data_lens[b], self.device).view(
-                -1, lay.heads_local, hb)
-            self._views[b] = v
+                -1, heads_local, hb)
+            self._views[(b, heads_local)] = v
         return v
 
     # -- submission (writer thread) ---------------------------------------------------------
@@ -240,8 +245,8 @@ class PrefillStaging:
                 break
             k = min(n - sb.at, per_piece)
             rows = torch.from_numpy((sb.src[sb.at:sb.at + k, None] * page + tokens).ravel())
-            handle = self._copier.gather_slice(self._view(sb.buffer), rows, sb.head_lo,
-                                               sb.heads, pool.view(buf))
+            handle = self._copier.gather_slice(self._view(sb.buffer, sb.heads_local), rows,
+                                               sb.head_lo, sb.heads, pool.view(buf))
             piece = Piece(self._pieces, buf, sb.at, sb.at + k, handle, int(pool.errored[buf]))
             self._pieces += 1
             self.gathers += 1
@@ -387,11 +392,12 @@ class _Waiter:
 
 class DecodeLanding:
     """The decode rank's landing area and its thread (see the module docstring).
-    `slices(landing)` gives the head slices the room received (the geometry owner's routes);
+    `slices(landing, b)` gives the head slices the room received of KV buffer b (the geometry
+    owner's routes);
     `done(room, reason)` reports the room once its units are in the pool."""
 
     def __init__(self, mgr: Any, *, path: str, device: Any,
-                 slices: Callable[[Landing], list[Any]],
+                 slices: Callable[[Landing, int], list[Any]],
                  done: Callable[[int, str | None], None]) -> None:
         self.mgr = mgr
         self.staged = path == "staged"
@@ -409,7 +415,7 @@ class DecodeLanding:
         self._ready: collections.deque[int] = collections.deque()
         self._wake = threading.Condition(self._lock)
         self._stop = False
-        self._views: dict[int, Any] = {}
+        self._views: dict[tuple[int, int], Any] = {}
         self.delivered = 0
         self.waited = 0
         self._thread: threading.Thread | None = None
@@ -564,13 +570,13 @@ class DecodeLanding:
         self._quarantine = keep
 
     def _view(self, b: int, heads: int) -> Any:
-        v = self._views.get(b)
+        v = self._views.get((b, heads))
         if v is None:
             args = self.mgr.kv_args
             hb = _head_bytes(args.kv_item_lens[b], args.page_size, heads)
             v = tensor_at(args.kv_data_ptrs[b], args.kv_data_lens[b], self.device).view(
                 -1, heads, hb)
-            self._views[b] = v
+            self._views[(b, heads)] = v
         return v
 
     def _deliver(self, got: Landing) -> None:
@@ -580,13 +586,13 @@ class DecodeLanding:
 
         args, pool = self.mgr.kv_args, self.pool
         page, npages = args.page_size, len(got.pages)
-        slices = self._slices(got)
-        heads = sum(s.num_heads for s in slices)
         rows = torch.from_numpy((got.pages.astype(np.int64)[:, None] * page
                                  + np.arange(page, dtype=np.int64)).ravel())
         units = pool.memory.view(-1, self.unit)
         pos = np.arange(npages, dtype=np.int64)
         for b in range(len(args.kv_data_ptrs)):
+            slices = self._slices(got, b)
+            heads = sum(s.num_heads for s in slices)
             offs = landing_offsets(got.blocks, self.block_bytes, self.unit, b * npages + pos)
             idx = torch.from_numpy((offs // np.uint64(self.unit)).astype(np.int64))
             landed = units.index_select(0, idx.to(units.device))

@@ -66,7 +66,9 @@ HISTORY: dict[int, str] = {
        "its GPU), each its fabric name and its keys for the same KV and aux memory",
     4: "SGLang's META carries `landing_rails` with a request's landing blocks: the decode "
        "rank's landing area under the keys of each further endpoint (staged writes use every "
-       "NIC too)",
+       "NIC too); SGLang's HELLO carries `num_draft` and PEER `draft`: a draft model's KV "
+       "buffers and how they are sharded; the messenger's HELLO `kick`/`kicks` and PONG "
+       "`queued` (optional fields)",
 }
 DEFAULT_MAX_BYTES = 8 << 20
 SESSION_BYTES = 16

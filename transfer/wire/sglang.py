@@ -11,8 +11,8 @@ prefill's control loop tell pdtool frames from SGLang's ABORT notifications on t
     for the same memory — and the compatibility hash of the facts both sides must share
     (`facts`).
   * PEER (prefill rank -> decode rank, answering HELLO, bound to the decode rank's session):
-    the total KV heads and writes per operation the decode rank's counts need, or the reason
-    it cannot be served.
+    the total KV heads and writes per operation the decode rank's counts need (and how a
+    draft model's KV buffers are sharded between the pair), or the reason it cannot be served.
   * META (decode rank -> prefill rank, per request): the room, the decoder's page ids, the
     aux row, the transfer slot and generation, SGLang's destination count and prefix length,
     and, for a request that lands in staging, the landing region and its blocks (and,
@@ -59,6 +59,8 @@ SCHEMAS: dict[str, Check] = {
         "fabric_name": bytes_field(1024, min_len=1), "provider": str_field(64),
         "tp_size": _POS, "tp_rank": _NAT, "gpu": _NAT, "iov_limit": _POS,
         "is_mla": bool_field(), "page_size": _POS,
+        # how many of the KV buffers (the last ones) are a draft model's (num_draft_entries)
+        "num_draft": _NAT,
         "kv": list_field(_REGION, 1 << 14), "kv_data_lens": list_field(int_field(), 1 << 14),
         "kv_item_lens": list_field(int_field(), 1 << 14),
         "aux": list_field(_REGION, 64), "aux_item_lens": list_field(int_field(), 64),
@@ -66,11 +68,14 @@ SCHEMAS: dict[str, Check] = {
         "rails": list_field(map_field({
             "fabric_name": bytes_field(1024, min_len=1),
             "kv": list_field(_REGION, 1 << 14), "aux": list_field(_REGION, 64)}), 64),
-    }),
+    }, optional_keys=frozenset({"num_draft"})),  # absent: 0
     # prefill rank -> decode rank, answering its HELLO (bound to its session): the KV heads
-    # and writes per operation its counts need, or why it cannot be served
+    # and writes per operation its counts need, or why it cannot be served; `draft`: how the
+    # draft model's buffers are sent (transfer.geometry.KVGroup), nil without them
     "PEER": map_field({"peer": _PEER, "total_kv_heads": _POS, "writes_per_op": _POS,
-                       "error": optional(str_field(2048))}),
+                       "error": optional(str_field(2048)),
+                       "draft": optional(map_field({"count": _POS, "heads": _POS,
+                                                    "whole": bool_field()}))}),
     # the landing fields come only with a request that lands in the decode rank's staging
     # area (transfer/sglang/staging_plane.py): its registered region, block and unit sizes,
     # and the int32 ids of the blocks granted to this request
@@ -91,12 +96,13 @@ SGLANG = Protocol("sglang", SCHEMAS, unbound=frozenset({"HELLO", "META"}))
 
 
 def facts(*, provider: str, is_mla: bool, page_size: int, num_kv_buffers: int,
-          aux_item_lens: list[int]) -> dict[str, Any]:
+          aux_item_lens: list[int], num_draft: int = 0) -> dict[str, Any]:
     """What prefill and decode must agree on (HELLO.compat). KV heads are not among them:
     SGLang's decode does not know them (the prefill checks the decode's share from its item
     lengths and answers the total in PEER)."""
     return {"provider": provider, "is_mla": is_mla, "page_size": page_size,
-            "num_kv_buffers": num_kv_buffers, "aux_item_lens": list(aux_item_lens)}
+            "num_kv_buffers": num_kv_buffers, "aux_item_lens": list(aux_item_lens),
+            **({"num_draft": num_draft} if num_draft else {})}
 
 
 class Frames:
