@@ -344,6 +344,7 @@ def test_requeued_job_keeps_the_earlier_logs(slurm, tmp_path: Path) -> None:
     job = submit_running(slurm, out, "launcher.job_name=pdtool-requeue")
     first = sorted(p.name for p in (out / "logs" / job).glob("*.log"))
     slurm.run("scontrol", "requeue", job)
+    slurm.start_requeued_now(job)
     batch = out / "logs" / f"slurm-{job}.out"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and batch.read_text().count("deployment ready") < 2:
