@@ -26,7 +26,7 @@ from pdtool import __version__
 from pdtool.launch import secrets as secret_env_files
 from pdtool.launch.benchmark import benchmark_argv
 from pdtool.launch.shell import Var, Word, q, words
-from pdtool.launch.spec import STOP_GRACE_S, LaunchError, LaunchSpec, build_launch
+from pdtool.launch.spec import LaunchError, LaunchSpec, build_launch
 from pdtool.paths import templates_dir
 from pdtool.rules import validate
 from pdtool.rules.finding import Finding, error, has_errors
@@ -80,7 +80,7 @@ def script_text(cfg: Any, plan: Any, spec: LaunchSpec, run_dir: Path) -> str:
         "recipe": cfg.recipe or "default",
         "run_dir": str(run_dir),
         "python": cfg.engine.python,
-        "stop_grace": STOP_GRACE_S,
+        "stop_grace": lc.stop_grace_s,
         "secret_name": SECRET_NAME,
         "slurm": spec.launcher == "slurm",
         "job": spec.job,

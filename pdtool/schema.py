@@ -231,6 +231,10 @@ class LauncherConfig:
     restart: str = "on-failure"  # on-failure | never
     max_restarts: int = 3
     restart_backoff_s: float = 5.0
+    # a stop (the end of the run, a restart, the time limit) sends SIGTERM to each group
+    # (router, decode, prefill) and SIGKILLs what still runs this many seconds later; on Slurm
+    # the batch script is signalled 3 x this + 30 s before the time limit
+    stop_grace_s: int = 30
 
 
 @dataclass

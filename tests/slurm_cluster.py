@@ -254,6 +254,29 @@ class SlurmCluster:
         fields = dict(tok.split("=", 1) for tok in out.split() if "=" in tok)
         return fields.get("JobState", "?"), fields.get("ExitCode", "?")
 
+    def start_requeued_now(self, job_id: str, timeout: float = 120) -> None:
+        """Let a requeued batch job start again at once, as an operator would.
+
+        slurmctld holds a requeued job PENDING (Reason=BeginTime) until now + the credential
+        lifetime + 1 s (AuthInfo cred_expire, 120 s by default; slurm.conf(5): it "also
+        controls how long a requeued job must wait before starting again"). Once the old run
+        has finished completing (the job is PENDING, so slurmd revoked the old credential),
+        `scontrol update StartTime=now` moves the begin time: the same requeued job (same id,
+        SLURM_RESTART_COUNT=1) starts on the next scheduling pass."""
+        deadline = time.monotonic() + timeout
+        fields: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            out = self.run("scontrol", "-o", "show", "job", job_id)
+            fields = dict(tok.split("=", 1) for tok in out.split() if "=" in tok)
+            if fields.get("JobState") == "PENDING" and fields.get("Reason") == "BeginTime":
+                self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+                return
+            if fields.get("JobState") == "RUNNING" and fields.get("Restarts", "0") != "0":
+                return  # already started again
+            time.sleep(0.2)
+        raise TimeoutError(f"requeued job {job_id} never held for its begin time: {fields}\n"
+                           f"{self.diagnostics()}")
+
     def wait_job(self, job_id: str, timeout: float = 120) -> tuple[str, str]:
         """Block until the job leaves PENDING/RUNNING/COMPLETING; returns (state, exit code)."""
         deadline = time.monotonic() + timeout

@@ -277,7 +277,19 @@ def test_exclusive_steps_bind_to_their_ranks_cpus(tmp_path: Path) -> None:
     assert "--cpu-bind=none" in router.argv
 
 
+def test_stop_grace_sets_the_scripts_grace_and_the_slurm_signal_lead(tmp_path: Path) -> None:
+    """launcher.stop_grace_s: SIGTERM to SIGKILL in the scripts' stop, and the batch script is
+    signalled 3 x that + 30 s before the time limit (30 s: --signal=B:TERM@120)."""
+    for grace, lead in ((30, 120), (10, 60)):
+        over = [*launcher_overrides("llama-3.1-70b", "slurm"), f"launcher.stop_grace_s={grace}"]
+        rendered, findings = render(over, tmp_path / f"job{grace}")
+        assert rendered is not None, findings
+        assert f"--signal=B:TERM@{lead}" in sbatch_header(rendered.script)
+        assert f"\nSTOP_GRACE={grace}\n" in rendered.script.read_text()
+
+
 @pytest.mark.parametrize(("over", "key", "fragment"), [
+    (["launcher.stop_grace_s=0"], "launcher.stop_grace_s", "must be >= 1"),
     (["launcher.exclusive=false"], "launcher.mem", "gets only the memory it asks"),
     (["launcher.mem=lots"], "launcher.mem", "not a Slurm memory size"),
     (["launcher.gpus_per_node=4"], "launcher.gpus_per_node", "GPUs 0..7"),

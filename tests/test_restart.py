@@ -222,13 +222,14 @@ def test_restarts_are_bounded(tmp_path):
 @pytest.mark.parametrize("how", ["supervisor", "script"])
 def test_a_dead_and_a_hung_instance_are_restarted(how: str, tmp_path: Path) -> None:
     """decode-1 killed: restarted, the deployment keeps running; decode-0 stopped (SIGSTOP,
-    its process lives): the watchdog names it, it is restarted too. The same restart code
-    runs in the Slurm script (_lib.sh.j2)."""
+    its process lives): the watchdog names it, it is restarted too (its stopped process ignores
+    the SIGTERM: SIGKILL launcher.stop_grace_s later). The same restart code runs in the Slurm
+    script (_lib.sh.j2)."""
     from test_local_launch import STARTERS, health
 
     base = free_port_run(60)
     keys = ("launcher.restart=on-failure", "launcher.restart_backoff_s=0.2",
-            "launcher.watchdog_s=1")
+            "launcher.watchdog_s=1", "launcher.stop_grace_s=2")
     run = STARTERS[how](base, tmp_path / "job", *keys)
     try:
         run.wait_for("deployment ready")
@@ -241,6 +242,8 @@ def test_a_dead_and_a_hung_instance_are_restarted(how: str, tmp_path: Path) -> N
         out = "".join(run.lines)
         assert "decode-1.r0 exited" in out
         assert "decode-0.r0 stopped answering" in out
+        assert ("decode-0.r0 ignored SIGTERM for 2s: SIGKILL" if how == "supervisor" else
+                "decode-0.r0 did not stop within 2s: SIGKILL") in out
         assert run.p.poll() is None, out
         assert _worker(run.run_dir, "decode", 0) != hung
         os.kill(run.p.pid, signal.SIGINT if how == "supervisor" else signal.SIGTERM)

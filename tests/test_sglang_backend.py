@@ -40,6 +40,26 @@ def ops(writes: int) -> int:
     return -(-writes // PER_OP)
 
 
+#: The third-party modules every rank process imports (torch and SGLang: several seconds of
+#: CPU each, which with 12 ranks on 2 cores was most of a test's time). The ranks fork from
+#: one server process that imported these once ("forkserver"); each rank is still its own OS
+#: process that sets its environment and then imports pdtool's backend (`transfer`, never
+#: preloaded: it reads PDTOOL_* at import) itself.
+RANK_PRELOAD = [
+    "numpy", "torch", "pytest", "sglang.srt.environ", "sglang.srt.server_args",
+    "sglang.srt.runtime_context", "sglang.srt.mem_cache.memory_pool",
+    "sglang.srt.disaggregation.base", "sglang.srt.disaggregation.utils",
+    "sglang.srt.disaggregation.common.conn", "sglang.srt.utils.network",
+]
+
+
+def rank_context() -> Any:
+    """The multiprocessing context that starts rank processes (see RANK_PRELOAD)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
+    return ctx
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -261,7 +281,8 @@ def prefill_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
                 conn.send(("waiting",))
                 conn.recv()
             sending.update(_send_rooms(cfg, senders, results, later))
-        _poll_until(sending, lambda st: st in terminal, cfg.get("wait", 60))
+        _poll_until(sending, lambda st: st in terminal, cfg.get("prefill_wait",
+                                                                cfg.get("wait", 60)))
         for room, sender in sending.items():
             results[room] = int(sender.poll())
             if results[room] == KVPoll.Failed:
@@ -390,7 +411,7 @@ def run_pair(cfg: dict[str, Any], kill_prefill: bool = False,
     `kill_decode`: SIGKILL the decode ranks once they sent their metadata, then let the
     prefill (`go_after`) write to them. `targets`: other (prefill, decode) rank functions
     (picklable, wrapping these)."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     cfg = {"bootstrap_port": _free_port(), "http_port": _free_port(), **cfg}
     cfg.setdefault("waves", [list(cfg["rooms"])])
     cfg["die_after_meta"] = kill_decode
@@ -634,8 +655,12 @@ def test_dead_progress_thread_fails_rooms_at_once_with_the_reason() -> None:
     for their writes: both fail at once with the reason (before: they waited for SGLang's
     timeout), and a request made afterwards is refused with the same reason."""
     rooms = {r: {**q, "after_go": True} for r, q in ROOMS.items()}  # written after the death
+    # the decode reports before the prefill is let go: the prefill's writes to the closed
+    # endpoint change nothing the test reads, so the prefill waits for them only briefly
+    # (waiting `wait` seconds for them to end was most of this test's time)
     cfg = {"mla": True, "heads": 1, "prefill_tp": 1, "decode_tp": 1, "rooms": rooms,
-           "provider": "tcp;ofi_rxm", "go_after": True, "close_endpoint": True, "wait": 30}
+           "provider": "tcp;ofi_rxm", "go_after": True, "close_endpoint": True, "wait": 30,
+           "prefill_wait": 1}
     res = run_pair(cfg)
     (_, out, *_), = res["decode"]
     for room in (11, 12, 99):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -41,6 +40,7 @@ from test_sglang_backend import (
     aux_row,
     expected_decode,
     ops,
+    rank_context,
 )
 
 from transfer.sglang.conn import MAX_SLOTS
@@ -175,7 +175,7 @@ def test_a_frozen_decode_does_not_hold_up_another_decodes_transfers() -> None:
              "groups": {"A": list(rooms_a), "B": list(rooms_b)}}
     cfg_a = {**base, "rooms": rooms_a, "gpu": 1}
     cfg_b = {**base, "rooms": rooms_b, "gpu": 2}
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     procs = []
 
     def start(target: Any, cfg: dict[str, Any]) -> tuple[Any, Any]:

@@ -24,7 +24,6 @@ libfabric `shm`, one process per rank.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -45,6 +44,7 @@ from test_sglang_backend import (
     decode_rank,
     expected_decode,
     ops,
+    rank_context,
 )
 
 pytestmark = [pytest.mark.fabric, pytest.mark.sglang]
@@ -162,7 +162,7 @@ def events_prefill(cfg: dict[str, Any], conn: Any) -> None:
 
 
 def _run(cfg: dict[str, Any], prefill: Any, decode: Any) -> tuple[Any, Any, Any, Any]:
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     pa, pb = ctx.Pipe()
     da, db = ctx.Pipe()
     procs = [ctx.Process(target=prefill, args=(cfg, pb), daemon=True),
@@ -221,12 +221,17 @@ def test_pages_are_read_only_after_wait_event_and_indices_event() -> None:
 class FirstReadGate(dict):
     """`request_status` whose first read of `room` by the writer thread is held until
     `released` is set (or `hold_s` passed): the read value stays what it was when read, as
-    when the thread is preempted right after its status check."""
+    when the thread is preempted right after its status check. Once the abort `arrived` at
+    the control thread, the hold ends `grace_s` later even if the abort was not handled: an
+    unguarded handler finishes within milliseconds of its arrival (the race), one that waits
+    for the writer (the fix) would otherwise wait out the whole `hold_s`."""
 
     def __init__(self, data: dict, room: int, reached: threading.Event,
-                 released: threading.Event, hold_s: float) -> None:
+                 released: threading.Event, hold_s: float,
+                 arrived: threading.Event | None = None, grace_s: float = 0.0) -> None:
         super().__init__(data)
         self.room, self.reached, self.released, self.hold_s = room, reached, released, hold_s
+        self.arrived, self.grace_s = arrived, grace_s
         self.armed = True
 
     def get(self, key: Any, default: Any = None) -> Any:
@@ -234,7 +239,13 @@ class FirstReadGate(dict):
         if self.armed and key == self.room and threading.current_thread().name == WRITER:
             self.armed = False
             self.reached.set()
-            self.released.wait(self.hold_s)
+            deadline = time.monotonic() + self.hold_s
+            arrived_at = None
+            while not self.released.wait(0.01) and time.monotonic() < deadline:
+                if arrived_at is None and self.arrived is not None and self.arrived.is_set():
+                    arrived_at = time.monotonic()
+                if arrived_at is not None and time.monotonic() - arrived_at >= self.grace_s:
+                    break
         return value
 
 
@@ -246,10 +257,11 @@ def abort_prefill(cfg: dict[str, Any], conn: Any) -> None:
     server, mgr, _bufs = _prefill_start(cfg)
     conn.send("ready")
     senders = _senders(cfg, mgr)
-    reached, handled = threading.Event(), threading.Event()
+    reached, arrived, handled = threading.Event(), threading.Event(), threading.Event()
     on_abort = mgr._on_abort
 
     def on_abort_then_tell(msg: list[bytes]) -> None:
+        arrived.set()
         on_abort(msg)
         handled.set()
 
@@ -262,7 +274,8 @@ def abort_prefill(cfg: dict[str, Any], conn: Any) -> None:
         send_ack(room, target)
 
     mgr._send_abort_ack = count_then_ack
-    mgr.request_status = FirstReadGate(mgr.request_status, 31, reached, handled, hold_s=30)
+    mgr.request_status = FirstReadGate(mgr.request_status, 31, reached, handled, hold_s=30,
+                                       arrived=arrived, grace_s=5)
     req = cfg["rooms"][31]
     src = np.asarray(req["src_pages"], dtype=np.int32)
     s = senders[31]
@@ -304,7 +317,7 @@ def abort_decode(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     assert conn.recv() == "abort"
     recv.abort()  # the user cancelled: SGLang's scheduler calls abort()
     # longer than the gate's hold: with the room lock the abort waits for the writer to mark
-    # the room in flight, and the gate then lets the writer go only after its hold
+    # the room in flight, and the gate lets the writer go only after its grace (or its hold)
     deadline = time.time() + 90
     while not mgr.is_abort_release_safe(31, 1) and time.time() < deadline:
         time.sleep(0.001)  # deferred KV release: pages held until the prefill ACKs

@@ -261,10 +261,11 @@ def _step_worker_pid(job: str, role: str, instance: int) -> int:
 
 def test_hung_engine_ends_the_job(slurm, tmp_path: Path) -> None:
     """decode-1 stops answering although its process lives (SIGSTOP): the watchdog ends the
-    job (launcher.restart=never), naming it with the end of its log."""
+    job (launcher.restart=never), naming it with the end of its log; the stopped step ignores
+    the stop's SIGTERM and is killed launcher.stop_grace_s later."""
     out = tmp_path / "job"
     job = submit_running(slurm, out, "launcher.job_name=pdtool-hang", "launcher.watchdog_s=1",
-                         "launcher.restart=never")
+                         "launcher.restart=never", "launcher.stop_grace_s=2")
     pid = _step_worker_pid(job, "decode", 1)
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -276,6 +277,7 @@ def test_hung_engine_ends_the_job(slurm, tmp_path: Path) -> None:
     assert state == "FAILED", batch
     assert "decode-1.r0 stopped answering" in batch
     assert "pdtool-worker: start" in batch  # its log tail
+    assert "decode-1.r0 did not stop within 2s: SIGKILL" in batch
 
 
 def _wait_batch(batch: Path, text: str, after: int = 0, timeout: float = 180) -> str:
@@ -344,6 +346,7 @@ def test_requeued_job_keeps_the_earlier_logs(slurm, tmp_path: Path) -> None:
     job = submit_running(slurm, out, "launcher.job_name=pdtool-requeue")
     first = sorted(p.name for p in (out / "logs" / job).glob("*.log"))
     slurm.run("scontrol", "requeue", job)
+    slurm.start_requeued_now(job)
     batch = out / "logs" / f"slurm-{job}.out"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and batch.read_text().count("deployment ready") < 2:

@@ -328,7 +328,8 @@ def _launch_and_bench(args: argparse.Namespace, cfg: Any, bench: Any, err: Any) 
 
     def supervisor(r: Any) -> Any:  # with --json, stdout carries the JSON alone
         return Supervisor(r.spec, r.out, out=sys.stderr if args.json else sys.stdout,
-                          health_timeout=r.cfg.launcher.health_timeout_s)
+                          health_timeout=r.cfg.launcher.health_timeout_s,
+                          stop_grace=r.cfg.launcher.stop_grace_s)
 
     if twin is None:
         return supervisor(rendered).run(

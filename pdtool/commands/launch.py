@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         rendered.spec,
         rendered.out,
         health_timeout=rendered.cfg.launcher.health_timeout_s,
+        stop_grace=rendered.cfg.launcher.stop_grace_s,
         preflight=args.preflight,
         watchdog_s=rendered.cfg.launcher.watchdog_s,
         # --smoke checks one start: a restart would hide the failure it is there to show

@@ -53,7 +53,7 @@ class Running:
 
 class Supervisor:
     def __init__(self, spec: LaunchSpec, run_dir: Path, out: TextIO = sys.stdout,
-                 stop_grace: float = 10.0, health_timeout: float = 900.0,
+                 stop_grace: float = 30.0, health_timeout: float = 900.0,
                  preflight: bool = False, watchdog_s: float = 0.0,
                  restart: RestartPolicy | None = None) -> None:
         self.spec = spec

@@ -26,16 +26,18 @@ from pdtool.launch.restart import group_of
 from pdtool.launch.sglang import router_argv, server_argv
 from pdtool.launch.shell import Var, Word, word
 from pdtool.plan import InstancePlan, Plan, RankPlan
-from pdtool.schema import Config
+from pdtool.schema import Config, LauncherConfig
 
 #: engines whose one process drives all GPUs of its node
 PER_NODE_ENGINES = ("sglang",)
 
-#: seconds each stop group (router, decode, prefill) gets between SIGTERM and SIGKILL
-STOP_GRACE_S = 30
-#: Slurm signals the batch script this long before the time limit: the three groups' grace
-#: and a margin, so the ordered stop ends before Slurm's own kill at the limit
-STOP_SIGNAL_S = 3 * STOP_GRACE_S + 30
+
+def stop_lead_s(stop_grace_s: int) -> int:
+    """Slurm signals the batch script this long before the time limit: the three stop groups'
+    grace (launcher.stop_grace_s each) and a margin, so the ordered stop ends before Slurm's
+    own kill at the limit."""
+    return 3 * stop_grace_s + 30
+
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RUN_DIR = Var("RUN_DIR")
@@ -87,7 +89,7 @@ class JobSpec:
     container_setup: list[str | Word] = field(default_factory=list)  # see container_setup()
     # Slurm signals the batch script this long before the time limit (--signal=B:TERM@S), time
     # for the ordered stop of its three groups (router, decode, prefill)
-    stop_signal_s: int = STOP_SIGNAL_S
+    stop_signal_s: int = stop_lead_s(LauncherConfig.stop_grace_s)
 
 
 @dataclass
@@ -354,6 +356,7 @@ def _job(cfg: Config, plan: Plan, run_dir: str, procs: list[Proc]) -> JobSpec:
         sbatch_extra=list(lc.sbatch_extra),
         node_roles=[f"node {n}: {' '.join(roles.get(n, []))}" for n in range(plan.nodes)],
         container_setup=container_setup(cfg, plan),
+        stop_signal_s=stop_lead_s(lc.stop_grace_s),
     )
 
 

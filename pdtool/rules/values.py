@@ -337,6 +337,7 @@ def check_launcher(cfg: Config) -> list[Finding]:
     out += _choice("launcher.restart", lc.restart, RESTART_POLICIES)
     out += _at_least("launcher.max_restarts", lc.max_restarts, 0)
     out += _at_least("launcher.restart_backoff_s", lc.restart_backoff_s, 0)
+    out += _at_least("launcher.stop_grace_s", lc.stop_grace_s, 1)
     return out
 
 
