@@ -228,3 +228,20 @@ def test_pages_follow_the_engine() -> None:
     assert G.messenger_pool("HND").pages_for(65, 64) == 1
     assert G.sglang_pool(True).pages_for(65, 64) == 2
     assert G.sglang_pool(True).pages_for(64, 64) == 1
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4, 8])
+def test_sglang_slices_come_only_from_the_prefill_ranks_sglang_connects(heads):
+    # SGLang sends a decode rank's META only to its target_tp_ranks; a head replicated on
+    # several prefill ranks must come from one of those (1 KV head, TP4 -> TP2: decode rank 1
+    # is connected to prefill ranks 2 and 3, though rank 0 holds the head too)
+    from transfer.geometry import sglang_connected_ranks, sglang_slices
+
+    for ptp in (1, 2, 4, 8):
+        for dtp in (1, 2, 4, 8):
+            for rank in range(dtp):
+                connected = sglang_connected_ranks(ptp, dtp, rank)
+                slices = sglang_slices(False, heads, ptp, dtp, rank)
+                assert {s.src_rank for s in slices} <= set(connected), (ptp, dtp, rank)
+                assert sum(s.num_heads for s in slices) == max(1, heads // dtp)
+    assert [s.src_rank for s in sglang_slices(False, 1, 4, 2, 1)] == [2]

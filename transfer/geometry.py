@@ -296,9 +296,13 @@ def sglang_specs(is_mla: bool, total_heads: int, src_tp: int,
 def sglang_slices(is_mla: bool, total_heads: int, prefill_tp: int, decode_tp: int,
                   decode_rank: int) -> list[Slice]:
     """Head slices decode rank `decode_rank` receives (MLA: one, from whichever rank SGLang
-    marked real; the prefill side uses the same function, so both agree on the count)."""
+    marked real; the prefill side uses the same function, so both agree on the count). A head
+    replicated on several prefill ranks comes from the first one SGLang connects the decode
+    rank to: with fewer KV heads than decode ranks (1 head, TP4 -> TP2: decode rank 1 is
+    connected to prefill ranks 2 and 3) the first holder overall may not be one of them."""
     src, dst = sglang_specs(is_mla, total_heads, prefill_tp, decode_tp)
-    return routes_for(src, dst, decode_rank)
+    return routes_for(src, dst, decode_rank,
+                      allowed=sglang_connected_ranks(prefill_tp, decode_tp, decode_rank))
 
 
 # --------------------------------------------------------------------------- draft-model KV
@@ -321,6 +325,14 @@ class KVGroup:
 
     def specs(self, prefill_tp: int, decode_tp: int) -> tuple[ShardSpec, ShardSpec]:
         return ShardSpec(self.heads, prefill_tp), ShardSpec(self.heads, decode_tp)
+
+
+def sglang_connected_ranks(prefill_tp: int, decode_tp: int, decode_rank: int) -> range:
+    """The prefill attention ranks SGLang connects decode rank `decode_rank` to, and so the
+    only ones that get its META (`CommonKVManager._resolve_rank_mapping`: its
+    `target_tp_ranks`)."""
+    first = sglang_source_rank(prefill_tp, decode_tp, decode_rank)
+    return range(first, first + max(1, prefill_tp // decode_tp))
 
 
 def sglang_source_rank(prefill_tp: int, decode_tp: int, decode_rank: int) -> int:
@@ -382,7 +394,8 @@ def sglang_group_slices(group: KVGroup, prefill_tp: int, decode_tp: int,
         return [Slice(sglang_source_rank(prefill_tp, decode_tp, decode_rank), decode_rank,
                       0, 1, 0, 0)]
     src, dst = group.specs(prefill_tp, decode_tp)
-    return routes_for(src, dst, decode_rank)
+    return routes_for(src, dst, decode_rank,
+                      allowed=sglang_connected_ranks(prefill_tp, decode_tp, decode_rank))
 
 
 def sglang_decode_writes(*, is_mla: bool, total_heads: int, prefill_tp: int, decode_tp: int,

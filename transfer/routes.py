@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from .parallel import ParallelDims
@@ -109,17 +110,25 @@ def routes_for(
     dst: ShardSpec,
     dst_rank: int,
     rng: random.Random | None = None,
+    allowed: Collection[int] | None = None,
 ) -> list[Slice]:
     """The slices decode rank `dst_rank` receives for one request.
 
     Where a head is replicated on several prefill ranks, one replica is drawn with `rng` (so
     requests spread over every prefill GPU and its NIC); without `rng` the first replica is used,
-    which keeps plans deterministic.
+    which keeps plans deterministic. `allowed`: only these prefill ranks may send (the ones a
+    decode rank is connected to, as SGLang connects them); a head none of them holds is a
+    RouteError.
     """
     _check_pair(src, dst)
     dst_heads = dst.heads_of(dst_rank)
     out: list[Slice] = []
     for cands in candidate_sources(src, dst, dst_rank):
+        if allowed is not None:
+            cands = [c for c in cands if c in allowed]
+            if not cands:
+                raise RouteError(f"decode rank {dst_rank}: none of the prefill ranks it is "
+                                 f"connected to ({sorted(allowed)}) holds its heads")
         rank = rng.choice(cands) if rng is not None else cands[0]
         src_heads = src.heads_of(rank)
         lo = max(src_heads.start, dst_heads.start)
