@@ -656,3 +656,22 @@ def test_a_kick_word_maps_only_from_a_proc_fd_path_of_its_size(tmp_path):
             PeerKick(f"/proc/{os.getpid()}/fd/{fd}")
     finally:
         os.close(fd)
+
+
+def test_a_dead_process_region_with_this_pid_does_not_block_the_shm_endpoint():
+    # shm names an endpoint's region after the pid; once pids wrap, a region a SIGKILLed
+    # process left behind carries a new process's pid and its endpoint failed to enable
+    # (EBUSY): the first shm endpoint of a process removes such files first
+    code = (
+        "import os\n"
+        "stale = f'/dev/shm/{os.getpid()}:0:0'\n"
+        "open(stale, 'wb').write(b'x' * 64)\n"
+        "from transfer.fabric import Endpoint\n"
+        "ep = Endpoint('shm')\n"
+        "ep.close()\n"
+        "print('opened', os.path.exists(stale))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["opened", "False"]

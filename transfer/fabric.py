@@ -373,6 +373,8 @@ class Endpoint:
         else:
             self._domain = _Domain(provider, domain, node, service, remote_counter, hmem)
             dom_h, opened = self._domain.handle, True
+        if provider.split(";")[0] == "shm":
+            _clear_stale_shm()
         out = _ffi.new("pd_ep **")
         err = _ffi.new("char[]", _ERRBUF)
         ret = _lib.pd_ep_open(out, dom_h, max_outstanding, cq_size, err, _ERRBUF)
@@ -1050,6 +1052,26 @@ def check_cuda_pointer(addr: int, length: int, device: int) -> None:
         raise GpuMemoryError("check CUDA pointer", ret, "transfer.gpu_memory=direct: " +
                              _ffi.string(err).decode(errors="replace"),
                              f"addr={addr:#x} length={length} device={device}")
+
+
+_shm_cleared = {"pid": 0}
+_shm_clear_lock = threading.Lock()
+
+
+def _clear_stale_shm() -> None:
+    """Before this process's first shm endpoint: remove /dev/shm files named after its pid.
+    shm names an endpoint's region `<pid>:<ep>:<n>` and a SIGKILLed process leaves its region
+    behind; once pids wrap (pid_max is 32,768 on many hosts) a new process with that pid
+    failed to enable its endpoint (`fi_enable: Device or resource busy`). Any such file that
+    exists before this process opened one belongs to a dead process."""
+    with _shm_clear_lock:
+        pid = os.getpid()  # per process: a forked child has not opened any yet
+        if _shm_cleared["pid"] == pid:
+            return
+        _shm_cleared["pid"] = pid
+        for path in shm_leftovers([pid]):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def shm_leftovers(pids: list[int] | None = None) -> list[str]:
