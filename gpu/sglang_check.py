@@ -189,6 +189,37 @@ def pd_generate(ids: list[int], room: int, bootstrap_port: int) -> list[int]:
         return fd.result()["output_ids"]
 
 
+def mismatches(got: list[list[int]], want: list[list[int]]) -> list[int]:
+    """Indices of the prompts whose PD output differs from the baseline's."""
+    return [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
+
+
+def generate_all(room_base: int) -> list[list[int]]:
+    """Every prompt through the PD pair, each under its own bootstrap room."""
+    return [pd_generate(ids, room_base + i, BOOTSTRAP_PORT) for i, ids in enumerate(PROMPTS)]
+
+
+def pd_args() -> list[str]:
+    """What both PD servers run with beside their mode."""
+    return ["--disaggregation-transfer-backend", "pdtool",
+            "--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT)]
+
+
+def start_pd(procs: list[subprocess.Popen], model: Path, out: Path, tag: str,
+             deadline: float, *extra: str) -> list[subprocess.Popen]:
+    """A prefill and a decode server with the pdtool backend (`extra` on both), once healthy;
+    logs prefill{tag}.log and decode{tag}.log. Both are in `procs` (stopped by the caller)
+    before the wait, so a server that never gets healthy is stopped too."""
+    pre = launch(model, PREFILL_PORT, out / f"prefill{tag}.log",
+                 "--disaggregation-mode", "prefill", *pd_args(), *extra)
+    dec = launch(model, DECODE_PORT, out / f"decode{tag}.log",
+                 "--disaggregation-mode", "decode", *pd_args(), *extra)
+    procs[:] = [pre, dec]
+    wait_healthy(PREFILL_PORT, pre, deadline)
+    wait_healthy(DECODE_PORT, dec, deadline)
+    return [pre, dec]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("pdtool-gpu-check"))
@@ -233,31 +264,19 @@ def main() -> int:
         result["phase"] = "pd"
         os.environ.update({"PDTOOL_FI_PROVIDER": "shm",
                            "PDTOOL_SECRET": f"gpu-check-{random.randrange(1 << 30)}"})
-        pd = ["--disaggregation-transfer-backend", "pdtool",
-              "--disaggregation-bootstrap-port", str(BOOTSTRAP_PORT)]
-        pre = launch(model, PREFILL_PORT, a.out / "prefill.log",
-                     "--disaggregation-mode", "prefill", *pd)
-        dec = launch(model, DECODE_PORT, a.out / "decode.log",
-                     "--disaggregation-mode", "decode", *pd)
-        procs = [pre, dec]
-        wait_healthy(PREFILL_PORT, pre, deadline)
-        wait_healthy(DECODE_PORT, dec, deadline)
-        got = [pd_generate(ids, 1000 + i, BOOTSTRAP_PORT) for i, ids in enumerate(PROMPTS)]
-        result["mismatches"] = [i for i, (g, w) in enumerate(zip(got, want, strict=True))
-                                if g != w]
+        pre, dec = start_pd(procs, model, a.out, "", deadline)
+        result["mismatches"] = mismatches(generate_all(1000), want)
 
         # speculative decoding without draft-model KV: the decode restarts drafting with
         # NGRAM (the prefill is unchanged; NGRAM drafts from the decode's own tokens)
         result["phase"] = "pd-ngram"
         stop(dec)
         dec = launch(model, DECODE_PORT, a.out / "decode-ngram.log",
-                     "--disaggregation-mode", "decode", *pd,
+                     "--disaggregation-mode", "decode", *pd_args(),
                      "--speculative-algorithm", "NGRAM")
         procs = [pre, dec]
         wait_healthy(DECODE_PORT, dec, deadline)
-        got = [pd_generate(ids, 2000 + i, BOOTSTRAP_PORT) for i, ids in enumerate(PROMPTS)]
-        result["ngram_mismatches"] = [i for i, (g, w) in
-                                      enumerate(zip(got, want_ngram, strict=True)) if g != w]
+        result["ngram_mismatches"] = mismatches(generate_all(2000), want_ngram)
 
         # per-layer KV streaming on CUDA pools (prepared, not run yet): each layer's writes
         # posted after a CUDA event recorded behind its attention (transfer/sglang/
@@ -265,16 +284,8 @@ def main() -> int:
         result["phase"] = "pd-layer-stream"
         stop(pre, dec)
         os.environ["PDTOOL_LAYER_STREAM"] = "on"
-        pre = launch(model, PREFILL_PORT, a.out / "prefill-layer-stream.log",
-                     "--disaggregation-mode", "prefill", *pd)
-        dec = launch(model, DECODE_PORT, a.out / "decode-layer-stream.log",
-                     "--disaggregation-mode", "decode", *pd)
-        procs = [pre, dec]
-        wait_healthy(PREFILL_PORT, pre, deadline)
-        wait_healthy(DECODE_PORT, dec, deadline)
-        got = [pd_generate(ids, 3000 + i, BOOTSTRAP_PORT) for i, ids in enumerate(PROMPTS)]
-        result["layer_stream_mismatches"] = [i for i, (g, w) in
-                                             enumerate(zip(got, want, strict=True)) if g != w]
+        pre, dec = start_pd(procs, model, a.out, "-layer-stream", deadline)
+        result["layer_stream_mismatches"] = mismatches(generate_all(3000), want)
         log = (a.out / "prefill-layer-stream.log").read_text(errors="replace")
         result["layer_streamed"] = "per-layer KV streaming: a forward streamed" in log
         result["layer_fell_back"] = "no attention callback fired" in log
@@ -297,16 +308,8 @@ def main() -> int:
             result["phase"] = "pd-eagle"
             os.environ.pop("PDTOOL_LAYER_STREAM", None)  # the default again
             os.environ["PDTOOL_DRAFT_LAYERS"] = "1"  # what the plan sets (model.draft_layers)
-            pre = launch(model, PREFILL_PORT, a.out / "prefill-eagle.log",
-                         "--disaggregation-mode", "prefill", *pd, *eagle_args(draft))
-            dec = launch(model, DECODE_PORT, a.out / "decode-eagle.log",
-                         "--disaggregation-mode", "decode", *pd, *eagle_args(draft))
-            procs = [pre, dec]
-            wait_healthy(PREFILL_PORT, pre, deadline)
-            wait_healthy(DECODE_PORT, dec, deadline)
-            got = [pd_generate(ids, 4000 + i, BOOTSTRAP_PORT) for i, ids in enumerate(PROMPTS)]
-            result["eagle_mismatches"] = [i for i, (g, w) in
-                                          enumerate(zip(got, want_eagle, strict=True)) if g != w]
+            pre, dec = start_pd(procs, model, a.out, "-eagle", deadline, *eagle_args(draft))
+            result["eagle_mismatches"] = mismatches(generate_all(4000), want_eagle)
             result["ok"] = result["ok"] and not result["eagle_mismatches"]
         result["phase"] = "done"
     except Exception as exc:  # report, do not hide: the lead reads this line
