@@ -46,9 +46,9 @@ class KickWord:
 
 
 class PeerKick:
-    """Prefill rank: a decode rank's word mapped from its path; `kick()` after posting writes
-    to it. Raises OSError (cannot open or map it: another host, no access) or ValueError (not
-    a kick word's path or size)."""
+    """Prefill rank: a decode rank's word mapped from its path, which `write_batch(kick=)`
+    bumps after posting writes to it. Raises OSError (cannot open or map it: another host, no
+    access) or ValueError (not a kick word's path or size)."""
 
     def __init__(self, path: str) -> None:
         if not _PATH.fullmatch(path):
@@ -62,12 +62,6 @@ class PeerKick:
             os.close(fd)
         #: the mapped word, for `Endpoint.write_batch(kick=)` (None once closed)
         self.word: np.ndarray | None = np.frombuffer(self._mm, dtype=np.uint32, count=1)
-
-    def kick(self) -> None:
-        from .fabric import kick
-
-        if self.word is not None:
-            kick(self.word)
 
     def close(self) -> None:
         if self.word is not None:

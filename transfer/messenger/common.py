@@ -334,6 +334,9 @@ class MessengerThread:
     role = "worker"
     TIMER_S = 0.005
     POLL_SLEEP_S = 20e-6  # first sleep of an empty stretch of polls (see poll_backoff_s)
+    # a wait whose events all come with a kick (transfer.kick) sleeps this long at once; a
+    # kick ends the sleep, so this bounds only what a missed kick would cost
+    KICK_SLEEP_S = 0.005
 
     def __init__(self, config: CommonConfig) -> None:
         self.config = config
@@ -384,20 +387,19 @@ class MessengerThread:
         raise MessengerError(f"domain: cannot open provider {cfg.provider!r} on domain "
                              f"{cfg.domain!r} (nor {cfg.domain + '-rdm'!r}): {first}") from None
 
-    def _sleep_on(self, word: np.ndarray | None = None) -> np.ndarray | None:
+    def _sleep_on(self, word: np.ndarray | None = None) -> None:
         """Make this messenger's C waits sleep on a kick word (transfer.kick; a private one
         unless `word` is given) that the engine thread kicks with every command, so a command
-        ends the sleep at once instead of after up to `poll_backoff_s`. None without a
+        ends the sleep at once instead of after up to `poll_backoff_s`. Nothing without a
         backoff (the waits do not sleep)."""
         from ..fabric import kick
 
         if not self.config.poll_backoff_s:
-            return None
+            return
         word = np.zeros(1, dtype=np.uint32) if word is None else word
         self._ep.set_kick(word)
         self._kick_word = word
         self._cmds.kick = functools.partial(kick, word)
-        return word
 
     def idle_options(self) -> dict[str, Any]:
         """Endpoint options for how this messenger's C waits idle (`poll_backoff_s`)."""

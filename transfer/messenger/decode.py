@@ -98,10 +98,10 @@ class _Xfer:
     last_abort: float = 0.0
     # `timeout_s` counts from here: the submit, moved on while the prefill lead's PONGs list
     # the transfer as queued for a bind (so it counts from about the bind)
-    clock: float = 0.0
+    clock: float = field(init=False)
 
     def __post_init__(self) -> None:
-        self.clock = self.clock or self.submitted
+        self.clock = self.submitted
 
 
 class DecodeMessenger(MessengerThread):
@@ -116,9 +116,6 @@ class DecodeMessenger(MessengerThread):
     # Python round (~0.2 ms of a loaded core) while a prefill computes for the same request
     # on the same cores: at 2 ms that was a tenth of a core per decoder
     POLL_SLICE_S = 0.02
-    # longest sleep between polls of a wait that every prefill rank kicks (transfer.kick):
-    # a kick ends it, so it bounds only what a kick could miss
-    KICK_SLEEP_S = 0.005
 
     def __init__(self, config: DecodeConfig, kv_buffers: Sequence[Any], layout: str = "HND",
                  aux_buffers: Sequence[Any] = ()) -> None:

@@ -196,8 +196,6 @@ class PrefillMessenger(MessengerThread):
     # prefill compute. A REQUEST arriving meanwhile waits at most this, about one forward pass
     # of the engine that would take it.
     WAIT_SLICE_S = MessengerThread.TIMER_S
-    # the wait for the engine sleeps this long at once once the engine kicks (layer_done)
-    ENGINE_KICK_SLEEP_S = 0.005
 
     def __init__(self, config: PrefillConfig, kv_buffers: Sequence[Any], layout: str = "HND",
                  aux_buffers: Sequence[Any] = (), progress: np.ndarray | None = None) -> None:
@@ -787,11 +785,11 @@ class PrefillMessenger(MessengerThread):
 
     def _cmd_engine_kicks(self) -> None:
         """The engine writes the progress word through layer_done, which kicks: the wait for
-        the engine (wait_change) may sleep ENGINE_KICK_SLEEP_S at once. A GPU stream writing
+        the engine (wait_change) may sleep KICK_SLEEP_S at once. A GPU stream writing
         the word does not kick, so without a layer_done call the wait keeps its backoff."""
         word = getattr(self, "_kick_word", None)
         if word is not None:
-            self._ep.set_kick(word, self.ENGINE_KICK_SLEEP_S, change_only=True)
+            self._ep.set_kick(word, self.KICK_SLEEP_S, change_only=True)
 
     def _cmd_pass(self, p: _Pass) -> None:
         self._passes.append(p)
