@@ -165,7 +165,6 @@ def stream_prefill(cfg: dict[str, Any], rank: int, conn: Any) -> None:
         req.kv.req_pool_idx = slot
         req.metadata_buffer_index = req_cfg["aux_index"]
         sender = senders[room]
-        sender.supports_host_tensor_indices = False  # its pinned-copy route needs CUDA
         req.disagg_kv_sender = sender
         sender.init(pages, req_cfg["aux_index"])  # as finalize_bootstrap (no decode prefix)
         order: list[tuple[str, int, int]] = []

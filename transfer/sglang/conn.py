@@ -994,9 +994,13 @@ class PdtoolKVManager(CommonKVManager):
 class PdtoolKVSender(CommonKVSender):
     """SGLang's sender; chunks go to the manager's writer thread (see add_transfer_request).
     It may be handed page ids as a pinned host tensor whose copy completes at the chunk's
-    `indices_event`: the writer waits for it, so the scheduler does not."""
+    `indices_event`: the writer waits for it, so the scheduler does not. SGLang's
+    `send_kv_chunk` takes that route (a pinned copy and a CUDA event) whenever the sender
+    says it can, so it says so only for KV pools on a GPU."""
 
-    supports_host_tensor_indices = True
+    @property
+    def supports_host_tensor_indices(self) -> bool:  # type: ignore[override]
+        return self.kv_mgr.kv_device.type == "cuda"
 
 
 class PdtoolKVReceiver(CommonKVReceiver):
