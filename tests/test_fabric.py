@@ -28,6 +28,7 @@ from transfer.fabric import (
     FabricError,
     GpuMemoryError,
     RemoteRegion,
+    WriteGroup,
     available_providers,
     decode_imm,
     encode_imm,
@@ -676,3 +677,50 @@ def test_a_dead_process_region_with_this_pid_does_not_block_the_shm_endpoint():
                          timeout=60, cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["opened", "False"]
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_write_groups_cover_several_registrations_in_one_call(provider):
+    """One write_groups call carries groups for two registrations on each side (a step's
+    layer buffers) under two tags: each lands byte-exact, each tag counts its own operations
+    and the decoder's slot counts all of them. A group whose range is wrong names its index;
+    the groups before it were submitted whole and land."""
+    n = 6
+    rng = np.random.default_rng(7)
+    with Endpoint(provider, **ep_kwargs(provider)) as a, \
+            Endpoint(provider, **ep_kwargs(provider)) as b:
+        src = [rng.integers(0, 256, n * PAGE, dtype=np.uint8) for _ in range(2)]
+        dst = [np.zeros(n * PAGE, dtype=np.uint8) for _ in range(2)]
+        mr_a = [a.register_buffer(s) for s in src]
+        mr_b = [b.register_buffer(d) for d in dst]
+        peer = a.insert_peer(b.name)
+        b.arm(2, 1)
+        offs = np.arange(n, dtype=np.uint64) * np.uint64(PAGE)
+        order = rng.permutation(n).astype(np.uint64) * np.uint64(PAGE)
+        pages = np.full(n, PAGE, np.uint64)
+        groups = [WriteGroup(peer, mr_a[i], mr_b[i].descriptor(), offs, order, pages,
+                             encode_imm(2, 1), tag=i, per_op=3 if i else 1) for i in range(2)]
+        got: list[bool] = []
+        target = threading.Thread(target=lambda: got.append(b.wait_recv(2, n + 2, WAIT_S)))
+        target.start()
+        assert a.write_groups(groups) == [n, 2]
+        assert a.wait_send(0, n, WAIT_S) and a.wait_send(1, 2, WAIT_S)
+        target.join(WAIT_S + 5)
+        assert got == [True] and int(b.recv_counts[2]) == n + 2
+        for s, d in zip(src, dst, strict=True):
+            assert np.array_equal(d.reshape(n, PAGE)[(order // np.uint64(PAGE)).astype(int)],
+                                  s.reshape(n, PAGE))
+        beyond = WriteGroup(peer, mr_a[1], mr_b[1].descriptor(), offs[:1],
+                            np.array([n * PAGE], np.uint64), pages[:1], encode_imm(2, 1), 1)
+        dst[0][:] = 0
+        got.clear()
+        target = threading.Thread(target=lambda: got.append(b.wait_recv(2, 2 * n + 2, WAIT_S)))
+        target.start()
+        with pytest.raises(ValueError, match="destination range") as err:
+            a.write_groups([groups[0], beyond])
+        assert err.value.group == 1 and err.value.submitted == 0
+        assert a.wait_send(0, 2 * n, WAIT_S)  # group 0 went whole
+        target.join(WAIT_S + 5)
+        assert got == [True] and np.array_equal(
+            dst[0].reshape(n, PAGE)[(order // np.uint64(PAGE)).astype(int)],
+            src[0].reshape(n, PAGE))

@@ -241,6 +241,22 @@ class MemoryRegion:
         return f"MemoryRegion(addr=0x{self.addr:x}, length={self.length}, key=0x{self.key:x})"
 
 
+class WriteGroup:
+    """One batch of `Endpoint.write_groups`: the arguments of one `write_batch` call."""
+
+    __slots__ = ("dst_offsets", "imm", "kick", "lengths", "local", "peers", "per_op", "remotes",
+                 "src_offsets", "tag")
+
+    def __init__(self, peer: int | Sequence[int], local: MemoryRegion,
+                 remote: RemoteRegion | Sequence[RemoteRegion], src_offsets: np.ndarray,
+                 dst_offsets: np.ndarray, lengths: np.ndarray, imm: int, tag: int,
+                 per_op: int = 1, kick: np.ndarray | None = None) -> None:
+        self.peers = [peer] if isinstance(peer, int) else list(peer)
+        self.remotes = [remote] if isinstance(remote, RemoteRegion) else list(remote)
+        self.local, self.imm, self.tag, self.per_op, self.kick = local, imm, tag, per_op, kick
+        self.src_offsets, self.dst_offsets, self.lengths = src_offsets, dst_offsets, lengths
+
+
 def _u64(name: str, a: Any) -> np.ndarray:
     if type(a) is np.ndarray and a.dtype == np.uint64 and a.flags.c_contiguous and a.ndim == 1:
         return a  # the common case, no copy
@@ -440,6 +456,11 @@ class Endpoint:
         _check(ret, "fi_getname", self.provider)
         # passed through unchanged: shm names end with a NUL that is part of the address
         self.name: bytes = bytes(_ffi.buffer(namebuf, namelen[0]))
+        # read in place, without a call (each call releases the GIL): see pd_inflight_word
+        self._inflight_word = np.frombuffer(
+            _ffi.buffer(_lib.pd_inflight_word(self._h), 8), dtype=np.uint64)
+        self._nerr_word = np.frombuffer(
+            _ffi.buffer(_lib.pd_nerr_word(self._h), _ffi.sizeof("size_t")), dtype=np.uintp)
         self._errors: list[tuple[int, int, str]] = []
         self._done = _ffi.new("size_t *")  # per-call scratch, used under self._lock
         self._errbuf = _ffi.new("char[]", _ERRBUF)
@@ -668,61 +689,95 @@ class Endpoint:
         mid-batch says how many writes were submitted (`.submitted`); those still complete or
         fail via the CQ.
         """
-        if local._ep is not self or local._h is None:
+        group = WriteGroup(peer, local, remote, src_offsets, dst_offsets, lengths, imm, tag,
+                           per_op, kick)
+        return self.write_groups([group], timeout=timeout)[0]
+
+    def write_groups(self, groups: Sequence[WriteGroup], *,
+                     timeout: float = DEFAULT_TIMEOUT_S) -> list[int]:
+        """`write_batch` for each group in turn, in ONE call into C; returns each group's
+        operations. A step holding writes for many layer buffers (each its own registration)
+        made one call per buffer before, and every call releases the GIL: an engine thread
+        computing the next pass then waited for the messenger thread to hand it back, once
+        per call (docs/benchmark.md, "Third round").
+
+        Each group is checked, submitted and bounded by `timeout` as one `write_batch`. An
+        error raises as `write_batch`'s do, with `.group` (its index: the groups before it were
+        submitted whole) and `.submitted` (that group's writes submitted)."""
+        if not groups:
+            return []
+        arr = _ffi.new("struct pd_write_group[]", len(groups))
+        keep: list[Any] = []  # the arrays the C structs point into, alive for the call
+        nops = [self._fill_group(arr[i], g, keep) for i, g in enumerate(groups)]
+        at = _ffi.new("size_t *")
+        with self._lock:
+            ret = _lib.pd_write_groups(self._calls(), arr, len(groups), int(timeout * 1e9),
+                                       at, self._done, self._errbuf, _ERRBUF)
+            submitted = int(self._done[0])
+            msg = _ffi.string(self._errbuf).decode(errors="replace") if ret else ""
+        if not ret:
+            return nops
+        g = groups[int(at[0])]
+        if ret == -_lib.PD_EINVAL and submitted == 0 and msg.startswith("write"):
+            err: Exception = ValueError(f"write_batch: {msg}")
+        else:
+            err = FabricError("write_batch", ret, msg, f"peer={list(g.peers)} tag={g.tag} "
+                              f"imm={g.imm:#x} submitted {submitted}/{len(g.lengths)}")
+        err.group = int(at[0])  # type: ignore[attr-defined]
+        err.submitted = submitted  # type: ignore[attr-defined]
+        raise err
+
+    def _fill_group(self, out: Any, g: WriteGroup, keep: list[Any]) -> int:
+        """Check one group (ValueError naming what is wrong) and fill its C struct; returns
+        its number of operations."""
+        if g.local._ep is not self or g.local._h is None:
             raise ValueError("write_batch: local MemoryRegion is closed or from another endpoint")
-        peers = [peer] if isinstance(peer, int) else list(peer)
-        remotes = [remote] if isinstance(remote, RemoteRegion) else list(remote)
+        peers = g.peers
+        remotes = g.remotes
         if not peers or len(peers) != len(remotes):
             raise ValueError(f"write_batch: {len(peers)} peer lanes and {len(remotes)} remote "
                              f"regions; give one region per lane")
         for p in peers:  # libfabric would dereference a bad fi_addr and crash
             if p not in self._peers:
                 raise ValueError(f"write_batch: peer {p} was not returned by insert_peer")
-        if not 0 <= imm < 1 << 32:
-            raise ValueError(f"imm must fit 32 bits, got {imm}")
-        if not 0 <= tag < self.max_slots:
-            raise ValueError(f"tag must be in [0, {self.max_slots}), got {tag}")
-        src = _u64("src_offsets", src_offsets)
-        dst = _u64("dst_offsets", dst_offsets)
-        ln = _u64("lengths", lengths)
+        if not 0 <= g.imm < 1 << 32:
+            raise ValueError(f"imm must fit 32 bits, got {g.imm}")
+        if not 0 <= g.tag < self.max_slots:
+            raise ValueError(f"tag must be in [0, {self.max_slots}), got {g.tag}")
+        src = _u64("src_offsets", g.src_offsets)
+        dst = _u64("dst_offsets", g.dst_offsets)
+        ln = _u64("lengths", g.lengths)
         n = len(ln)
         if len(src) != n or len(dst) != n:
             raise ValueError(f"write_batch: src/dst/lengths differ in length: "
                              f"{len(src)}, {len(dst)}, {n}")
-        if n == 0:
-            return 0
-        fb = _ffi.from_buffer
+        per_op = g.per_op
         if not 1 <= per_op <= self.iov_limit:
             raise ValueError(f"per_op must be in [1, {self.iov_limit}] (the provider's iov "
                              f"limit), got {per_op}")
         nops = -(-n // per_op)
-        op_arr: Any = _ffi.NULL
-        if per_op > 1:
+        fb = _ffi.from_buffer
+        out.op_len = _ffi.NULL
+        if per_op > 1 and n:
             ops = np.full(nops, per_op, dtype=np.uint32)
             ops[-1] = n - per_op * (nops - 1)
-            op_arr = fb("uint32_t[]", ops)
-        lane_peers = np.array(peers, dtype=np.uint64)
-        bases = np.array([r.base for r in remotes], dtype=np.uint64)
-        keys = np.array([r.key for r in remotes], dtype=np.uint64)
-        with self._lock:
-            ret = _lib.pd_write_batch(
-                self._calls(), fb("uint64_t[]", lane_peers), fb("uint64_t[]", bases),
-                fb("uint64_t[]", keys), len(peers), local._h, min(r.length for r in remotes),
-                fb("uint64_t[]", src), fb("uint64_t[]", dst), fb("uint64_t[]", ln), n, op_arr,
-                nops, imm, tag, int(timeout * 1e9),
-                _ffi.NULL if kick is None else _ffi.cast("uint32_t *", kick.ctypes.data),
-                self._done, self._errbuf, _ERRBUF,
-            )
-            submitted = int(self._done[0])
-            msg = _ffi.string(self._errbuf).decode(errors="replace") if ret else ""
-        if ret == -_lib.PD_EINVAL and submitted == 0 and msg.startswith("write"):
-            raise ValueError(f"write_batch: {msg}")
-        if ret:
-            err = FabricError("write_batch", ret, msg, f"peer={peers} tag={tag} imm={imm:#x} "
-                              f"submitted {submitted}/{n}")
-            err.submitted = submitted  # type: ignore[attr-defined]
-            raise err
-        return nops
+            out.op_len = fb("uint32_t[]", ops)
+            keep.append(ops)
+        lanes = np.array([[p, r.base, r.key] for p, r in zip(peers, remotes, strict=True)],
+                         dtype=np.uint64).T.copy()
+        keep += [lanes, src, dst, ln]
+        out.peers = fb("uint64_t[]", lanes[0])
+        out.remote_bases = fb("uint64_t[]", lanes[1])
+        out.remote_keys = fb("uint64_t[]", lanes[2])
+        out.nlanes = len(peers)
+        out.local = g.local._h
+        out.remote_len = min(r.length for r in remotes)
+        out.src, out.dst, out.len = fb("uint64_t[]", src), fb("uint64_t[]", dst), fb(
+            "uint64_t[]", ln)
+        out.n, out.nops = n, nops if n else 0
+        out.imm, out.tag = g.imm, g.tag
+        out.kick = _ffi.NULL if g.kick is None else _ffi.cast("uint32_t *", g.kick.ctypes.data)
+        return nops if n else 0
 
     def poll(self, max_entries: int = 1 << 16) -> int:
         """Drain the CQ once (drives manual progress). Returns the entries handled."""
@@ -992,7 +1047,8 @@ class Endpoint:
     @property
     def inflight(self) -> int:
         """Local writes submitted and not yet completed (successfully or with an error)."""
-        return int(_lib.pd_inflight(self._live()))
+        self._live()
+        return int(self._inflight_word[0])
 
     @property
     def remote_counter(self) -> int:
@@ -1004,7 +1060,8 @@ class Endpoint:
         """Completion errors seen so far as (tag, errno, message), one per failed operation;
         taking them clears the native list (which folds a tag's errors into one entry with a
         count and never drops one). tag is 2**64-1 when unknown."""
-        if _lib.pd_nerr(self._live()) == 0:
+        self._live()
+        if self._nerr_word[0] == 0:
             out, self._errors = self._errors, []
             return out
         buf = _ffi.new("struct pd_err[64]")

@@ -102,6 +102,8 @@ uint64_t pd_remote_writes(pd_ep *ep);
 uint64_t pd_inflight(pd_ep *ep);
 uint64_t pd_inflight_bytes(pd_ep *ep);
 size_t pd_nerr(pd_ep *ep);
+const uint64_t *pd_inflight_word(pd_ep *ep);
+const size_t *pd_nerr_word(pd_ep *ep);
 size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max);
 int pd_poll(pd_ep *ep, size_t max_entries);
 int pd_wait_recv(pd_ep *ep, uint32_t slot, uint32_t target, int64_t timeout_ns);
@@ -120,6 +122,27 @@ int pd_write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_base
                    const uint64_t *dst, const uint64_t *len, size_t n, const uint32_t *op_len,
                    size_t nops, uint32_t imm, uint32_t tag, int64_t timeout_ns, uint32_t *kick,
                    size_t *done, char *errbuf, size_t errlen);
+/* One pd_write_batch per group, in order, in one call (see write.c). */
+struct pd_write_group {
+    const uint64_t *peers;
+    const uint64_t *remote_bases;
+    const uint64_t *remote_keys;
+    size_t nlanes;
+    pd_mr *local;
+    uint64_t remote_len;
+    const uint64_t *src;
+    const uint64_t *dst;
+    const uint64_t *len;
+    size_t n;
+    const uint32_t *op_len;
+    size_t nops;
+    uint32_t imm;
+    uint32_t tag;
+    uint32_t *kick;
+};
+int pd_write_groups(pd_ep *ep, const struct pd_write_group *groups, size_t ngroups,
+                    int64_t timeout_ns, size_t *group, size_t *done, char *errbuf,
+                    size_t errlen);
 
 /* progress.c: receive lanes and their progress threads, the decoder's completion wait */
 void pd_share_counts(pd_ep *lane, pd_ep *owner);

@@ -218,3 +218,29 @@ int pd_write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_base
     if (kick) pd_kick(kick);  /* the peer has something to copy */
     return 0;
 }
+
+/* Several batches (other buffers, other peers) in one call: a sender whose step holds writes
+   for every layer buffer of a pass made one call per buffer, and each call through the
+   binding releases the GIL, which a messenger thread then took back mid forward pass while
+   the engine thread waited for it (docs/benchmark.md, "Third round"). Each group is exactly
+   one pd_write_batch (its checks, lanes, kicks and timeout); on an error `*group` names the
+   group and `*done` its writes submitted, the groups before it were submitted whole.
+   `timeout_ns` bounds the whole call. */
+int pd_write_groups(pd_ep *ep, const struct pd_write_group *groups, size_t ngroups,
+                    int64_t timeout_ns, size_t *group, size_t *done, char *errbuf,
+                    size_t errlen) {
+    int64_t end = pd_now_ns() + timeout_ns;  /* the whole call, not each group, is bounded */
+    for (size_t g = 0; g < ngroups; g++) {
+        const struct pd_write_group *w = &groups[g];
+        int64_t left = end - pd_now_ns();
+        *group = g;
+        int ret = pd_write_batch(ep, w->peers, w->remote_bases, w->remote_keys, w->nlanes,
+                                 w->local, w->remote_len, w->src, w->dst, w->len, w->n,
+                                 w->op_len, w->nops, w->imm, w->tag, left > 0 ? left : 1,
+                                 w->kick, done, errbuf, errlen);
+        if (ret) return ret;
+    }
+    *group = ngroups;
+    *done = 0;
+    return 0;
+}

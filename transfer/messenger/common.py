@@ -283,6 +283,13 @@ class CommandQueue(deque):
         with contextlib.suppress(OSError):  # pipe full: a wake-up is pending anyway
             os.write(self._wfd, b"\0")
 
+    def post(self, item: Any) -> None:
+        """Append without waking the messenger thread: for a command it needs only once the
+        engine's next signal (a progress-word change, which its waits watch, or a ringing
+        command) comes, and that signal always follows. Each wake-up in the middle of a forward
+        pass took the GIL from the engine thread (docs/benchmark.md, "Third round")."""
+        super().append(item)
+
     def drain_wakeups(self) -> None:
         """Messenger thread, after its idle wait returned: forget the pending wake-ups."""
         with contextlib.suppress(OSError):  # BlockingIOError once empty

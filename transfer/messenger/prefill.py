@@ -295,7 +295,9 @@ class PrefillMessenger(MessengerThread):
                                      f"aligned (page size {P}) within the {todo} prefill tokens")
                 out.append((rid, lo // P, math.ceil(hi / P)))
         self._pass_id += 1
-        self._cmds.append(("pass", _Pass(self._pass_id, out)))
+        # quiet: the thread needs the pass only once its layers are done, and the progress
+        # word that says so wakes it (bind rang, so it waits on that word by now)
+        self._cmds.post(("pass", _Pass(self._pass_id, out)))
         self.progress[0] = self._pass_id << PASS_SHIFT
         return self._pass_id
 
@@ -397,6 +399,8 @@ class PrefillMessenger(MessengerThread):
         self._reqs: dict[str, _Req] = {}
         self._tag_owner: dict[int, _Dest] = {}
         self._passes: list[_Pass] = []
+        self._unserved = 0  # bytes written since the control socket was last served
+        self._queued: list[tuple[_Req, _Dest, int, Any]] = []  # for _flush_writes
         # keyed by transfer: (rid, decode sender, slot, gen), so a retried rid is a new one
         self._tombstones: dict[tuple[str, bytes, int, int], float] = {}
         self._history: OrderedDict[tuple[str, bytes, int, int], tuple[int, int]] = \
@@ -434,7 +438,7 @@ class PrefillMessenger(MessengerThread):
 
     def _step(self) -> bool:
         waiting = bool(self._reqs or self._passes) and not self.config.busy_sleep_s
-        if waiting and self._ep.inflight and not self._cmds:
+        if waiting and not self._cmds and self._settling() and self._ep.inflight:
             # writes in flight: poll in C (GIL released, idling by poll_backoff_s) until they
             # all completed, the progress word moved or a command came; before, 0.2 ms slices
             # of wait_idle came back to Python (and the GIL) 5,000 times a second while the
@@ -442,9 +446,12 @@ class PrefillMessenger(MessengerThread):
             self._ep.wait_idle_or_change(self.progress, self._word_seen, self._cmds.bell,
                                          self._bell_seen, timeout=self.WAIT_SLICE_S)
         elif waiting and not self._cmds:
-            # nothing in flight, the engine is computing (next layer, pass or finish): wait in
-            # C for the progress word or a command, sleeping between polls. A Python loop of
-            # poll() here spun a core the engine needs and contended for its GIL.
+            # nothing in flight, or nothing waits for its completions (every request is still
+            # being prefilled; the polls here drain them): the engine is computing (next
+            # layer, pass or finish). Wait in C for the progress word or a command, sleeping
+            # between polls. A Python loop of poll() here spun a core the engine needs and
+            # contended for its GIL, and so did coming back to Python when a pass's writes
+            # completed, which nothing then needed.
             self._ep.wait_change(self.progress, self._word_seen, self._cmds.bell,
                                  self._bell_seen, timeout=self.WAIT_SLICE_S)
         else:
@@ -454,13 +461,26 @@ class PrefillMessenger(MessengerThread):
         while self._cmds:
             cmd = self._cmds.popleft()
             getattr(self, f"_cmd_{cmd[0]}")(*cmd[1:])
-        for peer, msg in self._chan.recv():
-            self._on_message(peer, msg)
+        self._serve_socket()
         if self._passes:
             self._progress()
         if self._reqs:
             self._check_requests()
         return bool(self._passes or self._reqs)
+
+    def _serve_socket(self) -> None:
+        """Handle the control messages waiting now. Each step does, and so does `_write` once
+        `_BATCH_BYTES` went since: a pass can hold GiBs of writes, and PINGs, REQUESTs and
+        ABORTs must not wait for all of it. Not before every write call: each receive
+        releases the GIL, and taking it back mid forward pass made the engine thread wait."""
+        self._unserved = 0
+        for peer, msg in self._chan.recv():
+            self._on_message(peer, msg)
+
+    def _settling(self) -> bool:
+        """Whether a request settles once its writes complete (its aux rows went, or it is
+        being aborted): only then must the wait return when nothing is in flight."""
+        return any(x.aux_sent or x.state == "aborting" for x in self._reqs.values())
 
     # -- lead: assembling requests ----------------------------------------------------------
     def _on_message(self, peer: bytes, msg: Any) -> None:
@@ -812,8 +832,8 @@ class PrefillMessenger(MessengerThread):
             self._abort(x, reason)
 
     def _progress(self) -> None:
-        """Submit every layer the progress word says is in the cache (one C call per chunk,
-        layer buffer and destination)."""
+        """Submit every layer the progress word says is in the cache (one C call for all of
+        it, `_flush_writes`)."""
         word = int(self.progress[0])
         cur, layers = word >> PASS_SHIFT, min(word & LAYER_MASK, self.num_layers)
         L = self.num_layers
@@ -833,6 +853,7 @@ class PrefillMessenger(MessengerThread):
                 if x is not None:
                     x.pages_ready = max(x.pages_ready, hi)
             self._passes.pop(0)
+        self._flush_writes()
 
     def _send_layer(self, x: _Req, layer: int, lo: int, hi: int) -> None:
         """Pages [lo, hi) of `layer` are in the cache: submit every whole operation they
@@ -847,49 +868,78 @@ class PrefillMessenger(MessengerThread):
                 pl.sent[layer] = b
                 for j in range(bpl):
                     buf = layer * bpl + j
-                    self._write(x, d, d.fi_addrs, self._kv_mrs[buf], d.regions[buf],
-                                pl.src[a:b], pl.dst[a:b], pl.lengths[a:b], d.per_op)
+                    self._queue_write(x, d, d.fi_addrs, self._kv_mrs[buf], d.regions[buf],
+                                      pl.src[a:b], pl.dst[a:b], pl.lengths[a:b], d.per_op)
 
-    def _write(self, x: _Req, d: _Dest, peers: list[int], mr: Any, regions: list[Any],
-               so: np.ndarray, do: np.ndarray, ln: np.ndarray, per_op: int = 1) -> None:
-        """Submit in calls of at most `_BATCH_BYTES` (cut at operation boundaries), each
-        bounded in time well under the peers' liveness timeout. Between calls the control
-        socket is served (PINGs answered, REQUESTs assembled, ABORTs seen): one pass can hold
-        GiBs of writes, and new requests must not wait for all of it (their decoders idle
-        meanwhile); an ABORT stops the rest. `per_op` writes go in one operation (the last one
-        of the range may carry fewer). `peers`/`regions`: the receive lanes to spread over."""
-        from ..fabric import FabricError
+    def _queue_write(self, x: _Req, d: _Dest, peers: list[int], mr: Any, regions: list[Any],
+                     so: np.ndarray, do: np.ndarray, ln: np.ndarray, per_op: int = 1) -> None:
+        """Queue writes for `_flush_writes`, cut at operation boundaries into pieces of at most
+        `_BATCH_BYTES`. `per_op` writes go in one operation (the last one of the range may
+        carry fewer). `peers`/`regions`: the receive lanes to spread over."""
+        from ..fabric import WriteGroup
 
         cuts = [0]
-        if len(ln) > per_op and int(ln.sum()) > _BATCH_BYTES:
+        total = int(ln.sum())
+        if len(ln) > per_op and total > _BATCH_BYTES:
             csum = np.cumsum(ln, dtype=np.uint64)
             marks = np.arange(_BATCH_BYTES, int(csum[-1]), _BATCH_BYTES, dtype=np.uint64)
             at = np.searchsorted(csum, marks, side="right") // per_op * per_op
             cuts += sorted({int(i) for i in at} - {0, len(ln)})
         cuts.append(len(ln))
+        kick = self._kicks.get(d.sender)
         for a, b in itertools.pairwise(cuts):
-            for peer, msg in self._chan.recv():
-                self._on_message(peer, msg)
-            if a >= b or x.state != "sending":
+            if a < b:
+                size = total if len(cuts) == 2 else int(ln[a:b].sum())
+                self._queued.append((x, d, size, WriteGroup(
+                    peers, mr, regions, so[a:b], do[a:b], ln[a:b], d.imm, d.tag, per_op,
+                    None if kick is None else kick.word)))
+
+    def _flush_writes(self) -> None:
+        """Submit the queued writes, as many groups per C call as make `_BATCH_BYTES` (one
+        call per layer buffer before, each releasing the GIL: see `Endpoint.write_groups`).
+        Each call is bounded in time well under the peers' liveness timeout. Once
+        `_BATCH_BYTES` went since the control socket was last served, it is served before the
+        next call (PINGs answered, REQUESTs assembled, ABORTs seen; `_serve_socket`); an ABORT
+        stops its request's remaining writes, and a failed write only its own request's."""
+        from ..fabric import FabricError
+
+        todo, self._queued = self._queued, []
+        i = 0
+        while i < len(todo):
+            if self._unserved >= _BATCH_BYTES:
+                self._serve_socket()
+            call, size = [], 0
+            while i < len(todo) and size < _BATCH_BYTES:
+                if todo[i][0].state == "sending":
+                    call.append(i)
+                    size += todo[i][2]
+                i += 1
+            if not call:
                 continue
             try:
-                kick = self._kicks.get(d.sender)
-                n_ops = self._ep.write_batch(peers, mr, regions, so[a:b], do[a:b], ln[a:b],
-                                             d.imm, d.tag, per_op=per_op,
-                                             timeout=self.config.peer_timeout_s / 2,
-                                             kick=None if kick is None else kick.word)
+                self._ep.write_groups([todo[k][3] for k in call],
+                                      timeout=self.config.peer_timeout_s / 2)
+                whole = call
             except FabricError as exc:
-                n = int(getattr(exc, "submitted", 0))  # writes, always whole operations
-                d.issued += -(-n // per_op)
-                self.ops_issued += -(-n // per_op)
-                self.writes_issued += n
+                bad = call[exc.group]
+                whole = call[:exc.group]
+                x, d, _size, g = todo[bad]
+                self._count_writes(d, int(exc.submitted), g.per_op, g.kick is not None)
                 self._abort(x, f"write to decode rank {d.dst_rank} failed: {exc}")
-                return
-            d.issued += n_ops
-            self.ops_issued += n_ops
-            self.writes_issued += b - a
-            if kick is not None:
-                self.kicks_sent += 1  # write_batch kicked it: there is something to copy
+                i = bad + 1  # the groups after it were not submitted: the next call takes them
+            for k in whole:
+                _x, d, size, g = todo[k]
+                self._count_writes(d, len(g.lengths), g.per_op, g.kick is not None)
+                self._unserved += size
+
+    def _count_writes(self, d: _Dest, writes: int, per_op: int, kicked: bool) -> None:
+        """`writes` page writes went to `d` (always whole operations of `per_op`)."""
+        ops = -(-writes // per_op)
+        d.issued += ops
+        self.ops_issued += ops
+        self.writes_issued += writes
+        if kicked and writes:
+            self.kicks_sent += 1  # the C call kicked it: there is something to copy
 
     def _send_aux(self, x: _Req) -> None:
         for d in x.dests:
@@ -897,9 +947,11 @@ class PrefillMessenger(MessengerThread):
                 continue
             for i, (mr, spec) in enumerate(zip(self._aux_mrs, self._aux, strict=True)):
                 rb = spec.row_bytes
-                self._write(x, d, d.fi_addrs[:1], mr, d.aux_regions[i:i + 1],
-                            np.array([x.aux_row * rb], np.uint64),
-                            np.array([d.aux_row * rb], np.uint64), np.array([rb], np.uint64))
+                self._queue_write(x, d, d.fi_addrs[:1], mr, d.aux_regions[i:i + 1],
+                                  np.array([x.aux_row * rb], np.uint64),
+                                  np.array([d.aux_row * rb], np.uint64),
+                                  np.array([rb], np.uint64))
+        self._flush_writes()
         x.aux_sent = True
 
     def _check_requests(self) -> None:
