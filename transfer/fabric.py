@@ -701,9 +701,11 @@ class Endpoint:
         computing the next pass then waited for the messenger thread to hand it back, once
         per call (docs/benchmark.md, "Third round").
 
-        Each group is checked, submitted and bounded by `timeout` as one `write_batch`. An
-        error raises as `write_batch`'s do, with `.group` (its index: the groups before it were
-        submitted whole) and `.submitted` (that group's writes submitted)."""
+        Each group is checked and submitted as one `write_batch`; `timeout` bounds the whole
+        call, and a peer's kick word is kicked after its first operation and once after the
+        last one of the call. An error raises as `write_batch`'s do, with `.group` (its index:
+        the groups before it were submitted whole) and `.submitted` (that group's writes
+        submitted)."""
         if not groups:
             return []
         arr = _ffi.new("struct pd_write_group[]", len(groups))

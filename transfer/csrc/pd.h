@@ -116,13 +116,7 @@ int pd_wait_idle_or_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const in
 
 /* write.c: batched writes, spread over a peer's receive lanes */
 size_t pd_iov_limit(pd_ep *ep);
-int pd_write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_bases,
-                   const uint64_t *remote_keys, size_t nlanes, pd_mr *local,
-                   uint64_t remote_len, const uint64_t *src,
-                   const uint64_t *dst, const uint64_t *len, size_t n, const uint32_t *op_len,
-                   size_t nops, uint32_t imm, uint32_t tag, int64_t timeout_ns, uint32_t *kick,
-                   size_t *done, char *errbuf, size_t errlen);
-/* One pd_write_batch per group, in order, in one call (see write.c). */
+/* Batched writes: groups of writes, each to one registration and peer, in one call. */
 struct pd_write_group {
     const uint64_t *peers;
     const uint64_t *remote_bases;

@@ -64,15 +64,17 @@ static int pd_pick_lane(pd_ep *ep, const uint64_t *peers, size_t nlanes, uint64_
    `nlanes` > 1: the peer has several receive lanes (peers[l], remote_bases[l], remote_keys[l]
    for the same remote memory); each operation goes to one of them (pd_pick_lane), and with
    max_inflight_bytes set each lane gets an equal share of it.
-   `kick`: the peer's kick word (kick.c) or NULL: kicked once the first and once the last
-   operation is posted (it copies while the rest is posted), and on every retry while the
-   queue is full (the peer may be asleep, and only it drains that queue). */
-int pd_write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_bases,
-                   const uint64_t *remote_keys, size_t nlanes, pd_mr *local,
-                   uint64_t remote_len, const uint64_t *src,
-                   const uint64_t *dst, const uint64_t *len, size_t n, const uint32_t *op_len,
-                   size_t nops, uint32_t imm, uint32_t tag, int64_t timeout_ns, uint32_t *kick,
-                   size_t *done, char *errbuf, size_t errlen) {
+   `kick`: the peer's kick word (kick.c) or NULL: kicked on every retry while the queue is
+   full (the peer may be asleep, and only it drains that queue) and, with `kick_first`, once
+   the first operation is posted (it copies while the rest is posted); the caller kicks once
+   the last one is. */
+static int write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_bases,
+                       const uint64_t *remote_keys, size_t nlanes, pd_mr *local,
+                       uint64_t remote_len, const uint64_t *src,
+                       const uint64_t *dst, const uint64_t *len, size_t n,
+                       const uint32_t *op_len, size_t nops, uint32_t imm, uint32_t tag,
+                       int64_t timeout_ns, uint32_t *kick, int kick_first, size_t *done,
+                       char *errbuf, size_t errlen) {
     int64_t deadline = 0;
     char *lbase = (char *)(uintptr_t)local->base;
     size_t max_msg = ep->info->ep_attr->max_msg_size;
@@ -212,20 +214,27 @@ int pd_write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_base
             }
         }
         i += k;
-        if (kick && j == 0) pd_kick(kick);  /* copying can start while the rest is posted */
+        if (kick && kick_first && j == 0) pd_kick(kick);  /* copying can start meanwhile */
     }
     *done = n;
-    if (kick) pd_kick(kick);  /* the peer has something to copy */
     return 0;
 }
 
-/* Several batches (other buffers, other peers) in one call: a sender whose step holds writes
-   for every layer buffer of a pass made one call per buffer, and each call through the
-   binding releases the GIL, which a messenger thread then took back mid forward pass while
-   the engine thread waited for it (docs/benchmark.md, "Third round"). Each group is exactly
-   one pd_write_batch (its checks, lanes, kicks and timeout); on an error `*group` names the
-   group and `*done` its writes submitted, the groups before it were submitted whole.
-   `timeout_ns` bounds the whole call. */
+static int kicked_before(const struct pd_write_group *groups, size_t g) {
+    for (size_t h = 0; h < g; h++)
+        if (groups[h].kick == groups[g].kick) return 1;
+    return 0;
+}
+
+/* Batches in one call, each its own registration, peer lanes, imm and tag: a sender whose
+   step holds writes for every layer buffer of a pass made one call per buffer, and each call
+   through the binding releases the GIL, which a messenger thread then took back mid forward
+   pass while the engine thread waited for it (docs/benchmark.md, "Third round"). Each group
+   is checked and submitted as one batch (write_batch); on an error `*group` names the group
+   and `*done` its writes submitted, the groups before it were submitted whole. `timeout_ns`
+   bounds the whole call. A peer's kick word is kicked after its first operation and once
+   more after everything is posted (and on retries): per group, a small pass woke the same
+   receive lane once per layer buffer. */
 int pd_write_groups(pd_ep *ep, const struct pd_write_group *groups, size_t ngroups,
                     int64_t timeout_ns, size_t *group, size_t *done, char *errbuf,
                     size_t errlen) {
@@ -234,12 +243,19 @@ int pd_write_groups(pd_ep *ep, const struct pd_write_group *groups, size_t ngrou
         const struct pd_write_group *w = &groups[g];
         int64_t left = end - pd_now_ns();
         *group = g;
-        int ret = pd_write_batch(ep, w->peers, w->remote_bases, w->remote_keys, w->nlanes,
-                                 w->local, w->remote_len, w->src, w->dst, w->len, w->n,
-                                 w->op_len, w->nops, w->imm, w->tag, left > 0 ? left : 1,
-                                 w->kick, done, errbuf, errlen);
-        if (ret) return ret;
+        int ret = write_batch(ep, w->peers, w->remote_bases, w->remote_keys, w->nlanes,
+                              w->local, w->remote_len, w->src, w->dst, w->len, w->n,
+                              w->op_len, w->nops, w->imm, w->tag, left > 0 ? left : 1,
+                              w->kick, w->kick && !kicked_before(groups, g), done, errbuf,
+                              errlen);
+        if (ret) {
+            for (size_t h = 0; h <= g; h++)  /* what was posted must be copied all the same */
+                if (groups[h].kick && !kicked_before(groups, h)) pd_kick(groups[h].kick);
+            return ret;
+        }
     }
+    for (size_t g = 0; g < ngroups; g++)  /* each peer has something to copy */
+        if (groups[g].kick && !kicked_before(groups, g)) pd_kick(groups[g].kick);
     *group = ngroups;
     *done = 0;
     return 0;

@@ -260,6 +260,14 @@ class PeerClock:
         return out
 
 
+def _drain(fd: int) -> None:
+    """Empty a non-blocking wake-up pipe. A short read means it is empty: reading again only
+    to get BlockingIOError cost an exception per wake-up on the engine's hot path."""
+    with contextlib.suppress(OSError):  # BlockingIOError: it was empty
+        while len(os.read(fd, 4096)) == 4096:
+            pass
+
+
 class CommandQueue(deque):
     """Commands from the engine thread to the messenger thread. Appending also rings two
     doorbells, so a command wakes the thread at once wherever it waits: `bell[0]` (an int64
@@ -292,9 +300,7 @@ class CommandQueue(deque):
 
     def drain_wakeups(self) -> None:
         """Messenger thread, after its idle wait returned: forget the pending wake-ups."""
-        with contextlib.suppress(OSError):  # BlockingIOError once empty
-            while os.read(self.wake_fd, 4096):
-                pass
+        _drain(self.wake_fd)
 
     def __del__(self) -> None:  # not at close: a late append must never hit a reused fd
         for fd in (self.wake_fd, self._wfd):
@@ -319,9 +325,7 @@ class Doorbell:
             os.write(self._wfd, b"\0")
 
     def clear(self) -> None:
-        with contextlib.suppress(OSError):  # BlockingIOError once empty
-            while os.read(self.fd, 4096):
-                pass
+        _drain(self.fd)
 
     def wait(self, timeout: float) -> bool:
         """Block until rung or `timeout` seconds passed; True when rung. Clears it."""

@@ -215,6 +215,10 @@ class Channel:
             self._release_held()
         out = []
         for _ in range(limit):
+            # ask first: an empty receive raises zmq.Again, and a messenger thread asks many
+            # times per forward pass while holding the GIL the engine thread wants
+            if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                break
             try:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
