@@ -375,6 +375,7 @@ class Endpoint:
         self._h: Any = None
         self._lane_mrs: dict[int, MemoryRegion] = {}
         self._peers: set[int] = set()
+        self._lane_arrays: dict[tuple, np.ndarray] = {}  # see _lanes
         self._progress = False
         self._owner: Endpoint | None = None
         if same_domain_as is not None:
@@ -649,6 +650,7 @@ class Endpoint:
         if fi_addr not in self._peers:
             raise ValueError(f"remove_peer: {fi_addr} is not a peer of this endpoint")
         self._peers.discard(fi_addr)
+        self._lane_arrays.clear()  # they were checked against the peers
         with self._lock:
             ret = _lib.pd_av_remove(self._calls(), fi_addr)
         _check(ret, "fi_av_remove", f"fi_addr={fi_addr}")
@@ -739,9 +741,6 @@ class Endpoint:
         if not peers or len(peers) != len(remotes):
             raise ValueError(f"write_batch: {len(peers)} peer lanes and {len(remotes)} remote "
                              f"regions; give one region per lane")
-        for p in peers:  # libfabric would dereference a bad fi_addr and crash
-            if p not in self._peers:
-                raise ValueError(f"write_batch: peer {p} was not returned by insert_peer")
         if not 0 <= g.imm < 1 << 32:
             raise ValueError(f"imm must fit 32 bits, got {g.imm}")
         if not 0 <= g.tag < self.max_slots:
@@ -757,16 +756,8 @@ class Endpoint:
         if not 1 <= per_op <= self.iov_limit:
             raise ValueError(f"per_op must be in [1, {self.iov_limit}] (the provider's iov "
                              f"limit), got {per_op}")
-        nops = -(-n // per_op)
         fb = _ffi.from_buffer
-        out.op_len = _ffi.NULL
-        if per_op > 1 and n:
-            ops = np.full(nops, per_op, dtype=np.uint32)
-            ops[-1] = n - per_op * (nops - 1)
-            out.op_len = fb("uint32_t[]", ops)
-            keep.append(ops)
-        lanes = np.array([[p, r.base, r.key] for p, r in zip(peers, remotes, strict=True)],
-                         dtype=np.uint64).T.copy()
+        lanes = self._lanes(peers, remotes)
         keep += [lanes, src, dst, ln]
         out.peers = fb("uint64_t[]", lanes[0])
         out.remote_bases = fb("uint64_t[]", lanes[1])
@@ -776,10 +767,26 @@ class Endpoint:
         out.remote_len = min(r.length for r in remotes)
         out.src, out.dst, out.len = fb("uint64_t[]", src), fb("uint64_t[]", dst), fb(
             "uint64_t[]", ln)
-        out.n, out.nops = n, nops if n else 0
+        out.n, out.per_op = n, per_op
         out.imm, out.tag = g.imm, g.tag
         out.kick = _ffi.NULL if g.kick is None else _ffi.cast("uint32_t *", g.kick.ctypes.data)
-        return nops if n else 0
+        return -(-n // per_op)
+
+    def _lanes(self, peers: list[int], remotes: list[RemoteRegion]) -> np.ndarray:
+        """[3, lanes] uint64: fi_addr, remote base and key per receive lane, built once per
+        (peers, regions): a sender writes to the same few every pass."""
+        key = (tuple(peers), tuple(remotes))
+        lanes = self._lane_arrays.get(key)
+        if lanes is None:
+            for p in peers:  # libfabric would dereference a bad fi_addr and crash
+                if p not in self._peers:
+                    raise ValueError(f"write_batch: peer {p} was not returned by insert_peer")
+            lanes = np.array([[p, r.base, r.key] for p, r in zip(peers, remotes, strict=True)],
+                             dtype=np.uint64).T.copy()
+            if len(self._lane_arrays) >= 4096:  # many peers come and go: start over
+                self._lane_arrays.clear()
+            self._lane_arrays[key] = lanes
+        return lanes
 
     def poll(self, max_entries: int = 1 << 16) -> int:
         """Drain the CQ once (drives manual progress). Returns the entries handled."""

@@ -128,8 +128,7 @@ struct pd_write_group {
     const uint64_t *dst;
     const uint64_t *len;
     size_t n;
-    const uint32_t *op_len;
-    size_t nops;
+    uint32_t per_op;  /* writes per operation (the last one may carry fewer) */
     uint32_t imm;
     uint32_t tag;
     uint32_t *kick;

@@ -56,8 +56,8 @@ static int pd_pick_lane(pd_ep *ep, const uint64_t *peers, size_t nlanes, uint64_
    and a context naming `tag`, so the sender counts local completions per tag. On -FI_EAGAIN
    (queue full) or an empty context pool, drain the CQ (that also drives manual progress) and
    retry, bounded by timeout_ns.
-   Operations: operation j carries the next op_len[j] writes (NULL: one
-   write per operation) as ONE fi_writemsg with an iov per write, one imm and one completion on
+   Operations: each carries the next `per_op` writes (the last one what is left)
+   as ONE fi_writemsg with an iov per write, one imm and one completion on
    each side. Grouping several scattered pages into one operation divides the per-operation cost
    (a command, a CQ entry, a syscall on shm/tcp) by up to the iov limit; the decoder counts
    operations, so the grouping is the caller's part of the count protocol.
@@ -72,7 +72,7 @@ static int write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_
                        const uint64_t *remote_keys, size_t nlanes, pd_mr *local,
                        uint64_t remote_len, const uint64_t *src,
                        const uint64_t *dst, const uint64_t *len, size_t n,
-                       const uint32_t *op_len, size_t nops, uint32_t imm, uint32_t tag,
+                       uint32_t per_op, uint32_t imm, uint32_t tag,
                        int64_t timeout_ns, uint32_t *kick, int kick_first, size_t *done,
                        char *errbuf, size_t errlen) {
     int64_t deadline = 0;
@@ -86,24 +86,12 @@ static int write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_
         snprintf(errbuf, errlen, "write lanes: at least one peer is needed");
         return -FI_EINVAL;
     }
-    if (op_len) {
-        size_t sum = 0;
-        for (size_t j = 0; j < nops; j++) {
-            if (op_len[j] < 1 || op_len[j] > iov_max) {
-                snprintf(errbuf, errlen, "write op %zu: %u writes in one operation, the provider "
-                         "takes 1..%zu", j, op_len[j], iov_max);
-                return -FI_EINVAL;
-            }
-            sum += op_len[j];
-        }
-        if (sum != n) {
-            snprintf(errbuf, errlen, "write ops: operations cover %zu writes, the batch has %zu",
-                     sum, n);
-            return -FI_EINVAL;
-        }
-    } else {
-        nops = n;
+    if (per_op < 1 || per_op > iov_max) {
+        snprintf(errbuf, errlen, "write ops: %u writes in one operation, the provider takes "
+                 "1..%zu", per_op, iov_max);
+        return -FI_EINVAL;
     }
+    size_t nops = (n + per_op - 1) / per_op;
     /* Bounds first, all of them, so a bad batch submits nothing (-FI_EINVAL = caller error). */
     for (size_t i = 0; i < n; i++) {
         const char *what = NULL;
@@ -123,7 +111,7 @@ static int write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_
     size_t i = 0;  /* first write of operation j */
     for (size_t j = 0; j < nops; j++) {
         unsigned spins = 0, empty = 0;
-        size_t k = op_len ? op_len[j] : 1;
+        size_t k = n - i < per_op ? n - i : per_op;
         uint64_t op_bytes = 0;
         for (size_t q = 0; q < k; q++) op_bytes += len[i + q];
         for (;;) {
@@ -245,7 +233,7 @@ int pd_write_groups(pd_ep *ep, const struct pd_write_group *groups, size_t ngrou
         *group = g;
         int ret = write_batch(ep, w->peers, w->remote_bases, w->remote_keys, w->nlanes,
                               w->local, w->remote_len, w->src, w->dst, w->len, w->n,
-                              w->op_len, w->nops, w->imm, w->tag, left > 0 ? left : 1,
+                              w->per_op, w->imm, w->tag, left > 0 ? left : 1,
                               w->kick, w->kick && !kicked_before(groups, g), done, errbuf,
                               errlen);
         if (ret) {

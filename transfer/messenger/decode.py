@@ -238,8 +238,11 @@ class DecodeMessenger(MessengerThread):
                              f"failed requests can be released (use cancel first)")
         with self._lock:
             self._states.pop(rid, None)
-        self._cmds.append(("release", rid, st.slot if st.status is TransferStatus.SUCCESS
-                           else -1))
+        # quiet: the slot comes back at the thread's next wake-up (a timer at the latest).
+        # Waking it here took the GIL from the engine thread right in the request's first
+        # decode step, which follows the release
+        self._cmds.post(("release", rid, st.slot if st.status is TransferStatus.SUCCESS
+                         else -1))
 
     def stats(self) -> dict[str, float]:
         """Any thread: a snapshot for health checks and tests. Idle means every slot is free
