@@ -310,17 +310,23 @@ class PrefillMessenger(MessengerThread):
         if self._cmds.kick is not None:
             self._cmds.kick()  # the messenger thread's wait sleeps on its kick word
 
-    def finish(self, rid: str, aux: Sequence[Any] = ()) -> None:
+    def finish(self, rid: str, aux: Sequence[Any] = (), wake: bool = True) -> None:
         """Every rank, engine thread, after the pass holding the request's last chunk: its
         context rows (one bytes-like/tensor per aux buffer, each exactly one row) are copied
-        to staging and written to the decoder after the KV pages."""
+        to staging and written to the decoder after the KV pages. `wake=False`: the engine
+        announces the pass's last layer (`layer_done`) right after, which wakes the thread
+        anyway; it then writes that layer and the rows in one go."""
         with self._lock:
             if rid not in self._bound:
                 raise ValueError(f"finish of {rid!r}: request is not bound")
         if len(aux) != len(self._aux):
             raise ValueError(f"finish of {rid}: {len(aux)} aux rows for {len(self._aux)} aux "
                              f"buffers")
-        self._cmds.append(("finish", rid, [_row_bytes(a) for a in aux]))
+        cmd = ("finish", rid, [_row_bytes(a) for a in aux])
+        if wake:
+            self._cmds.append(cmd)
+        else:
+            self._cmds.post(cmd)
 
     def done(self) -> set[str]:
         """Level-triggered: requests whose writes from this rank all completed (or failed):
@@ -466,6 +472,7 @@ class PrefillMessenger(MessengerThread):
             self._progress()
         if self._reqs:
             self._check_requests()
+        self._flush_writes()  # nothing left, unless every request went meanwhile
         return bool(self._passes or self._reqs)
 
     def _serve_socket(self) -> None:
@@ -832,8 +839,7 @@ class PrefillMessenger(MessengerThread):
             self._abort(x, reason)
 
     def _progress(self) -> None:
-        """Submit every layer the progress word says is in the cache (one C call for all of
-        it, `_flush_writes`)."""
+        """Queue every layer the progress word says is in the cache (`_queue_write`)."""
         word = int(self.progress[0])
         cur, layers = word >> PASS_SHIFT, min(word & LAYER_MASK, self.num_layers)
         L = self.num_layers
@@ -853,7 +859,7 @@ class PrefillMessenger(MessengerThread):
                 if x is not None:
                     x.pages_ready = max(x.pages_ready, hi)
             self._passes.pop(0)
-        self._flush_writes()
+        # queued only: _check_requests, next, submits them with any aux rows in one call
 
     def _send_layer(self, x: _Req, layer: int, lo: int, hi: int) -> None:
         """Pages [lo, hi) of `layer` are in the cache: submit every whole operation they
@@ -941,7 +947,7 @@ class PrefillMessenger(MessengerThread):
         if kicked and writes:
             self.kicks_sent += 1  # the C call kicked it: there is something to copy
 
-    def _send_aux(self, x: _Req) -> None:
+    def _queue_aux(self, x: _Req) -> None:
         for d in x.dests:
             if not d.send_aux:
                 continue
@@ -951,7 +957,6 @@ class PrefillMessenger(MessengerThread):
                                   np.array([x.aux_row * rb], np.uint64),
                                   np.array([d.aux_row * rb], np.uint64),
                                   np.array([rb], np.uint64))
-        self._flush_writes()
         x.aux_sent = True
 
     def _check_requests(self) -> None:
@@ -963,10 +968,15 @@ class PrefillMessenger(MessengerThread):
             x = next((r for r in self._reqs.values() if d in r.dests), None)
             if x is not None:
                 self._abort(x, f"write to decode rank {d.dst_rank} failed: {msg}")
-        for x in list(self._reqs.values()):
+        reqs = list(self._reqs.values())
+        for x in reqs:
             if x.state == "sending" and x.pages_ready >= x.num_pages and not x.aux_sent and (
                     x.finished or not self._aux):
-                self._send_aux(x)
+                self._queue_aux(x)
+        # this step's writes, KV (from _progress) and aux rows, in one call; before any
+        # request is settled below, which reads the operations issued
+        self._flush_writes()
+        for x in reqs:
             if x.state != "aborting" and not x.aux_sent:
                 continue  # still being prefilled: nothing to settle, so no completion reads
             if not all(int(self._ep.send_done[d.tag]) - d.base + d.errored >= d.issued
