@@ -476,8 +476,8 @@ class PrefillMessenger(MessengerThread):
         return bool(self._passes or self._reqs)
 
     def _serve_socket(self) -> None:
-        """Handle the control messages waiting now. Each step does, and so does `_write` once
-        `_BATCH_BYTES` went since: a pass can hold GiBs of writes, and PINGs, REQUESTs and
+        """Handle the control messages waiting now. Each step does, and so does
+        `_flush_writes` once `_BATCH_BYTES` went since: a pass can hold GiBs of writes, and PINGs, REQUESTs and
         ABORTs must not wait for all of it. Not before every write call: each receive
         releases the GIL, and taking it back mid forward pass made the engine thread wait."""
         self._unserved = 0
@@ -862,7 +862,7 @@ class PrefillMessenger(MessengerThread):
         # queued only: _check_requests, next, submits them with any aux rows in one call
 
     def _send_layer(self, x: _Req, layer: int, lo: int, hi: int) -> None:
-        """Pages [lo, hi) of `layer` are in the cache: submit every whole operation they
+        """Pages [lo, hi) of `layer` are in the cache: queue every whole operation they
         complete (all of them at the prompt's end), per destination, slice and layer buffer."""
         bpl = self.config.buffers_per_layer
         for d in x.dests:
