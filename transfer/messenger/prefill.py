@@ -477,9 +477,10 @@ class PrefillMessenger(MessengerThread):
 
     def _serve_socket(self) -> None:
         """Handle the control messages waiting now. Each step does, and so does
-        `_flush_writes` once `_BATCH_BYTES` went since: a pass can hold GiBs of writes, and PINGs, REQUESTs and
-        ABORTs must not wait for all of it. Not before every write call: each receive
-        releases the GIL, and taking it back mid forward pass made the engine thread wait."""
+        `_flush_writes` once `_BATCH_BYTES` went since: a pass can hold GiBs of writes, and
+        PINGs, REQUESTs and ABORTs must not wait for all of it. Not before every write call:
+        each receive releases the GIL, and taking it back mid forward pass made the engine
+        thread wait."""
         self._unserved = 0
         for peer, msg in self._chan.recv():
             self._on_message(peer, msg)
