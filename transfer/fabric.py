@@ -681,9 +681,9 @@ class Endpoint:
         memory registered on each of the peer's lane endpoints (see `start_progress`); each
         operation then goes to one lane, a lane refilled only once it drained.
 
-        `kick`: the peer's kick word mapped here (transfer.kick), or None: kicked after the first
-        and after the last operation is posted, and on every retry while its queue is full
-        (it may be asleep, and only it drains that queue).
+        `kick`: the peer's kick word mapped here (transfer.kick), or None: kicked after the last
+        operation is posted (after the first too from 1 MiB on), and on every retry while its
+        queue is full (it may be asleep, and only it drains that queue).
 
         Every range is checked (in C, before anything is submitted) -> ValueError naming the
         write. On a full queue, or with `max_inflight_bytes` already in flight, the C loop
@@ -704,8 +704,9 @@ class Endpoint:
         per call (docs/benchmark.md, "Third round").
 
         Each group is checked and submitted as one `write_batch`; `timeout` bounds the whole
-        call, and a peer's kick word is kicked after its first operation and once after the
-        last one of the call. An error raises as `write_batch`'s do, with `.group` (its index:
+        call, and a peer's kick word is kicked once after the last operation of the call, and
+        after its first one too when the call carries 1 MiB or more (the receiver copies
+        while the rest is posted; before a few KiB an early kick only woke it twice). An error raises as `write_batch`'s do, with `.group` (its index:
         the groups before it were submitted whole) and `.submitted` (that group's writes
         submitted)."""
         if not groups:

@@ -220,13 +220,21 @@ static int kicked_before(const struct pd_write_group *groups, size_t g) {
    pass while the engine thread waited for it (docs/benchmark.md, "Third round"). Each group
    is checked and submitted as one batch (write_batch); on an error `*group` names the group
    and `*done` its writes submitted, the groups before it were submitted whole. `timeout_ns`
-   bounds the whole call. A peer's kick word is kicked after its first operation and once
-   more after everything is posted (and on retries): per group, a small pass woke the same
-   receive lane once per layer buffer. */
+   bounds the whole call. A peer's kick word is kicked once everything is posted (and on
+   retries), and after its first operation too when the call carries PD_KICK_EARLY_BYTES or
+   more, so a receiver copies while the rest is posted: per group, a small pass woke the same
+   receive lane once per layer buffer, and an early kick before a few KiB only woke it (and
+   the decoder's messenger thread) twice. */
+#define PD_KICK_EARLY_BYTES (1u << 20)
 int pd_write_groups(pd_ep *ep, const struct pd_write_group *groups, size_t ngroups,
                     int64_t timeout_ns, size_t *group, size_t *done, char *errbuf,
                     size_t errlen) {
     int64_t end = pd_now_ns() + timeout_ns;  /* the whole call, not each group, is bounded */
+    uint64_t bytes = 0;
+    for (size_t g = 0; g < ngroups && bytes < PD_KICK_EARLY_BYTES; g++)
+        for (size_t i = 0; i < groups[g].n && bytes < PD_KICK_EARLY_BYTES; i++)
+            bytes += groups[g].len[i];
+    int early = bytes >= PD_KICK_EARLY_BYTES;
     for (size_t g = 0; g < ngroups; g++) {
         const struct pd_write_group *w = &groups[g];
         int64_t left = end - pd_now_ns();
@@ -234,8 +242,8 @@ int pd_write_groups(pd_ep *ep, const struct pd_write_group *groups, size_t ngrou
         int ret = write_batch(ep, w->peers, w->remote_bases, w->remote_keys, w->nlanes,
                               w->local, w->remote_len, w->src, w->dst, w->len, w->n,
                               w->per_op, w->imm, w->tag, left > 0 ? left : 1,
-                              w->kick, w->kick && !kicked_before(groups, g), done, errbuf,
-                              errlen);
+                              w->kick, early && w->kick && !kicked_before(groups, g), done,
+                              errbuf, errlen);
         if (ret) {
             for (size_t h = 0; h <= g; h++)  /* what was posted must be copied all the same */
                 if (groups[h].kick && !kicked_before(groups, h)) pd_kick(groups[h].kick);
