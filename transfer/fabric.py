@@ -706,9 +706,9 @@ class Endpoint:
         Each group is checked and submitted as one `write_batch`; `timeout` bounds the whole
         call, and a peer's kick word is kicked once after the last operation of the call, and
         after its first one too when the call carries 1 MiB or more (the receiver copies
-        while the rest is posted; before a few KiB an early kick only woke it twice). An error raises as `write_batch`'s do, with `.group` (its index:
-        the groups before it were submitted whole) and `.submitted` (that group's writes
-        submitted)."""
+        while the rest is posted; before a few KiB an early kick only woke it twice). An
+        error raises as `write_batch`'s do, with `.group` (its index: the groups before it
+        were submitted whole) and `.submitted` (that group's writes submitted)."""
         if not groups:
             return []
         arr = _ffi.new("struct pd_write_group[]", len(groups))

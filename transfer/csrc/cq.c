@@ -36,14 +36,13 @@ void pd_set_targets(pd_ep *ep, const uint32_t *targets) {
 
 uint64_t pd_stale(pd_ep *ep) { return ep->stale; }
 uint64_t pd_remote_writes(pd_ep *ep) { return ep->remote_writes; }
-uint64_t pd_inflight(pd_ep *ep) { return ep->inflight; }
 uint64_t pd_inflight_bytes(pd_ep *ep) { return ep->inflight_bytes; }
-size_t pd_nerr(pd_ep *ep) { return ep->nerr; }
 
-/* Where those two live, for a reader that must not call in: every call through the binding
-   releases the GIL, and a messenger thread taking it back after each short call, mid forward
-   pass, made the engine thread wait for it (docs/benchmark.md, "Third round"). Valid while
-   the endpoint is open; a racy read is only a hint (the next poll settles it). */
+/* Where the in-flight and error counts live, for a reader that must not call in: every call
+   through the binding releases the GIL, and a messenger thread taking it back after each
+   short call, mid forward pass, made the engine thread wait for it (docs/benchmark.md, "Third
+   round"). Valid while the endpoint is open; a racy read is only a hint (the next poll
+   settles it). */
 const uint64_t *pd_inflight_word(pd_ep *ep) { return &ep->inflight; }
 const size_t *pd_nerr_word(pd_ep *ep) { return &ep->nerr; }
 

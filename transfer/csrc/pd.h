@@ -99,9 +99,7 @@ void pd_set_counters(pd_ep *ep, uint32_t *recv_counts, uint16_t *recv_gen, uint3
 void pd_set_targets(pd_ep *ep, const uint32_t *targets);
 uint64_t pd_stale(pd_ep *ep);
 uint64_t pd_remote_writes(pd_ep *ep);
-uint64_t pd_inflight(pd_ep *ep);
 uint64_t pd_inflight_bytes(pd_ep *ep);
-size_t pd_nerr(pd_ep *ep);
 const uint64_t *pd_inflight_word(pd_ep *ep);
 const size_t *pd_nerr_word(pd_ep *ep);
 size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max);
