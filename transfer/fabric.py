@@ -464,6 +464,7 @@ class Endpoint:
             _ffi.buffer(_lib.pd_nerr_word(self._h), _ffi.sizeof("size_t")), dtype=np.uintp)
         self._errors: list[tuple[int, int, str]] = []
         self._done = _ffi.new("size_t *")  # per-call scratch, used under self._lock
+        self._group_at = _ffi.new("size_t *")  # the same, for write_groups
         self._errbuf = _ffi.new("char[]", _ERRBUF)
 
     # ----------------------------------------------------------------- lifecycle
@@ -714,21 +715,20 @@ class Endpoint:
         arr = _ffi.new("struct pd_write_group[]", len(groups))
         keep: list[Any] = []  # the arrays the C structs point into, alive for the call
         nops = [self._fill_group(arr[i], g, keep) for i, g in enumerate(groups)]
-        at = _ffi.new("size_t *")
         with self._lock:
             ret = _lib.pd_write_groups(self._calls(), arr, len(groups), int(timeout * 1e9),
-                                       at, self._done, self._errbuf, _ERRBUF)
-            submitted = int(self._done[0])
+                                       self._group_at, self._done, self._errbuf, _ERRBUF)
+            submitted, at = int(self._done[0]), int(self._group_at[0])
             msg = _ffi.string(self._errbuf).decode(errors="replace") if ret else ""
         if not ret:
             return nops
-        g = groups[int(at[0])]
+        g = groups[at]
         if ret == -_lib.PD_EINVAL and submitted == 0 and msg.startswith("write"):
             err: Exception = ValueError(f"write_batch: {msg}")
         else:
             err = FabricError("write_batch", ret, msg, f"peer={list(g.peers)} tag={g.tag} "
                               f"imm={g.imm:#x} submitted {submitted}/{len(g.lengths)}")
-        err.group = int(at[0])  # type: ignore[attr-defined]
+        err.group = at  # type: ignore[attr-defined]
         err.submitted = submitted  # type: ignore[attr-defined]
         raise err
 

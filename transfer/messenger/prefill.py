@@ -471,8 +471,7 @@ class PrefillMessenger(MessengerThread):
         if self._passes:
             self._progress()
         if self._reqs:
-            self._check_requests()
-        self._flush_writes()  # nothing left, unless every request went meanwhile
+            self._check_requests()  # submits what _progress queued (only bound requests')
         return bool(self._passes or self._reqs)
 
     def _serve_socket(self) -> None:
