@@ -27,6 +27,9 @@ def test_launch_sweep_writes_results_and_plot(tmp_path: Path):
     assert p.returncode == 0, log
     assert "Traceback" not in log
     assert "bench passed: stopping" in p.stderr  # the supervisor's lines go to stderr with --json
+    # every worker stopped cleanly: a decode messenger's teardown once logged a traceback here
+    logs = list(tmp_path.glob("*/logs/*/*.log"))
+    assert len(logs) == 4 and not [w for w in logs if "Traceback" in w.read_text()], logs
     printed = json.loads(p.stdout)
     doc = json.loads((out / "results.json").read_text())
     assert [r["pace"] for r in doc["runs"]] == ["concurrency 1", "concurrency 3"]

@@ -660,6 +660,31 @@ def test_a_kick_word_maps_only_from_a_proc_fd_path_of_its_size(tmp_path):
         os.close(fd)
 
 
+def test_a_kick_word_unmaps_once_the_endpoints_sleeping_on_it_closed():
+    # a decode messenger's teardown closes its endpoints, then its kick word: the endpoint
+    # kept the word's array (a view of the mapping) past its close, so unmapping raised
+    # BufferError and every decode worker logged a traceback at shutdown, its memfd left open
+    from transfer.kick import KickWord
+
+    word = KickWord()
+    ep = Endpoint("shm")
+    ep.set_kick(word.word, 0.005)
+    ep.close()
+    fd = word._fd
+    word.close()
+    assert word._mm.closed
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    # a view someone still holds (a leaked endpoint's) does not make the close fail: the fd
+    # closes now and the page goes with the view
+    word = KickWord()
+    view, fd = word.word, word._fd
+    word.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    assert int(view[0]) == 0
+
+
 def test_a_dead_process_region_with_this_pid_does_not_block_the_shm_endpoint():
     # shm names an endpoint's region after the pid; once pids wrap, a region a SIGKILLed
     # process left behind carries a new process's pid and its endpoint failed to enable

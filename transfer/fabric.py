@@ -501,6 +501,7 @@ class Endpoint:
             if self._h is not None:
                 _lib.pd_close(self._h)
                 self._h = None
+        self._kick_word = None  # C sleeps on it no more: its owner may unmap it now
 
     def __enter__(self) -> Endpoint:
         return self
