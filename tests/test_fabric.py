@@ -685,6 +685,31 @@ def test_a_kick_word_unmaps_once_the_endpoints_sleeping_on_it_closed():
     assert int(view[0]) == 0
 
 
+def test_tcp_idle_sleeps_wait_on_the_cq_fd_and_a_wake_pipe():
+    # tcp's CQ has a wait fd: an idle sleep without a kick word waits on it (bytes arriving
+    # end it; a blind sleep stalled the stream, the receiver's polls move it) and on a wake
+    # pipe (the engine's commands), whose pending bytes it takes; shm's CQ has none
+    with Endpoint("shm") as ep:
+        assert not ep.has_wait_fd
+    with Endpoint("tcp;ofi_rxm", domain="lo", idle_spins=1, idle_sleep_s=0.01,
+                  idle_max_sleep_s=0.01) as ep:
+        assert ep.has_wait_fd
+        r, w = os.pipe()
+        try:
+            os.set_blocking(r, False)
+            ep.set_wake_fd(r)
+            os.write(w, b"\0\0")  # two pending wake-ups: the first sleep takes both
+            bell = np.zeros(1, np.int64)
+            assert ep.wait_complete(bell, 0, timeout=0.01) == 0  # nothing completed
+            assert ep.fd_wakes == 1  # the first sleep ended on the pipe, the rest timed out
+            with pytest.raises(BlockingIOError):
+                os.read(r, 1)
+            ep.set_wake_fd(-1)
+        finally:
+            os.close(r)
+            os.close(w)
+
+
 def test_a_dead_process_region_with_this_pid_does_not_block_the_shm_endpoint():
     # shm names an endpoint's region after the pid; once pids wrap, a region a SIGKILLed
     # process left behind carries a new process's pid and its endpoint failed to enable

@@ -1002,6 +1002,23 @@ class Endpoint:
             _lib.pd_set_kick(self._live(), ptr, int(max_sleep_s * 1e9), int(change_only))
 
     @property
+    def has_wait_fd(self) -> bool:
+        """Whether the provider gave this endpoint's CQ a wait fd (tcp): its idle sleeps
+        without a kick word then end as soon as the provider has work for it."""
+        return bool(_lib.pd_has_wait_fd(self._live()))
+
+    def set_wake_fd(self, fd: int) -> None:
+        """Also end those sleeps when a byte arrives on `fd` (the read end of a non-blocking
+        pipe, e.g. the engine's command pipe), taking the pending bytes; -1: no more. Only
+        with `has_wait_fd`; the fd must stay open as long as the endpoint does."""
+        _lib.pd_set_wake_fd(self._live(), int(fd))
+
+    @property
+    def fd_wakes(self) -> int:
+        """Sleeps on the wait fd that work from the provider or a wake-fd byte ended."""
+        return int(_lib.pd_fd_wakes(self._live()))
+
+    @property
     def kick_wakes(self) -> int:
         """Idle sleeps of this endpoint (its waits, its progress thread) a kick ended."""
         return int(_lib.pd_kick_wakes(self._live()))

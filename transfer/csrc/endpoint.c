@@ -61,12 +61,22 @@ int pd_ep_open(pd_ep **out, pd_dom *dom, uint32_t ctx_pool, size_t cq_size,
     struct fi_cq_attr cq_attr;
     memset(&cq_attr, 0, sizeof(cq_attr));
     cq_attr.format = FI_CQ_FORMAT_DATA;
-    cq_attr.wait_obj = FI_WAIT_NONE;
     /* A bounded CQ bounds the work of ONE fi_cq_read: shm's progress copies every queued
        write (process_vm_readv) until the CQ is full, so with the default size one call could
        copy a whole GiB queue and the caller's timeout/slice was never checked. 0 = default. */
     cq_attr.size = cq_size;
-    PD_TRY(fi_cq_open(dom->domain, &cq_attr, &ep->cq, NULL), "fi_cq_open");
+    /* A provider whose CQ offers a wait fd (tcp: its sockets' epoll set) lets the idle sleeps
+       end when bytes arrive instead of after a blind backoff (kick.c: pd_sleep_ns); shm, efa
+       and others refuse one and keep FI_WAIT_NONE. */
+    ep->wait_fd = ep->wake_fd = -1;
+    cq_attr.wait_obj = FI_WAIT_FD;
+    if (fi_cq_open(dom->domain, &cq_attr, &ep->cq, NULL) == 0) {
+        if (fi_control(&ep->cq->fid, FI_GETWAIT, &ep->wait_fd) != 0) ep->wait_fd = -1;
+    } else {
+        ep->cq = NULL;
+        cq_attr.wait_obj = FI_WAIT_NONE;
+        PD_TRY(fi_cq_open(dom->domain, &cq_attr, &ep->cq, NULL), "fi_cq_open");
+    }
     struct fi_av_attr av_attr;
     memset(&av_attr, 0, sizeof(av_attr));
     av_attr.type = FI_AV_TABLE;

@@ -13,6 +13,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
+#include <poll.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -35,6 +36,36 @@ void pd_kick(uint32_t *word) {
     syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
+/* The engine's command pipe (its read end, non-blocking): a sleep on the CQ's wait fd also
+   ends when a byte arrives there, and takes the pending bytes (-1: none). */
+void pd_set_wake_fd(pd_ep *ep, int fd) { __atomic_store_n(&ep->wake_fd, fd, __ATOMIC_RELEASE); }
+
+/* Whether this endpoint's CQ has a wait fd (its sleeps end when bytes come). */
+int pd_has_wait_fd(const pd_ep *ep) { return ep->wait_fd >= 0; }
+
+/* Sleeps on the wait fd that work (or a command) ended early: tests read it. */
+uint64_t pd_fd_wakes(const pd_ep *ep) { return __atomic_load_n(&ep->fd_wakes, __ATOMIC_RELAXED); }
+
+/* A sleep of an endpoint whose CQ has a wait fd (tcp): until the provider has something for
+   it (bytes on one of its sockets), a command comes, or `ts` passed. On tcp the receiver's
+   polls move the bytes, and a blind backoff sleep stalled a peer's stream for up to
+   poll_backoff_s: at 1 MiB pages the messenger ran at half the raw binding's rate. fi_trywait
+   first: with events already pending it refuses and the caller polls again at once. */
+void pd_sleep_fd(pd_ep *ep, const struct timespec *ts) {
+    struct fid *cq = &ep->cq->fid;
+    if (fi_trywait(ep->dom->fabric, &cq, 1) != FI_SUCCESS) return;
+    struct pollfd fds[2] = { { ep->wait_fd, POLLIN, 0 }, { -1, POLLIN, 0 } };
+    int wake = __atomic_load_n(&ep->wake_fd, __ATOMIC_ACQUIRE);
+    fds[1].fd = wake;
+    int n = ppoll(fds, wake >= 0 ? 2 : 1, ts, NULL);
+    if (n <= 0) return;
+    __atomic_add_fetch(&ep->fd_wakes, 1, __ATOMIC_RELAXED);
+    if (wake >= 0 && (fds[1].revents & POLLIN)) {  /* the command is in its queue by now */
+        char buf[64];
+        while (read(wake, buf, sizeof(buf)) == (ssize_t)sizeof(buf)) {}
+    }
+}
+
 /* The word's value before a poll: pass it to pd_sleep_ns after the poll found nothing. */
 uint32_t pd_kick_seen(const pd_ep *ep) {
     const uint32_t *w = __atomic_load_n(&ep->kick, __ATOMIC_ACQUIRE);
@@ -42,10 +73,14 @@ uint32_t pd_kick_seen(const pd_ep *ep) {
 }
 
 /* An idle wait's sleep: on the kick word (returns early when kicked after `seen` was read),
-   else nanosleep. */
+   else on the CQ's wait fd where it has one, else nanosleep. */
 void pd_sleep_ns(pd_ep *ep, int64_t ns, uint32_t seen) {
     uint32_t *w = __atomic_load_n(&ep->kick, __ATOMIC_ACQUIRE);
     struct timespec ts = { ns / 1000000000LL, (long)(ns % 1000000000LL) };
+    if (!w && ep->wait_fd >= 0) {
+        pd_sleep_fd(ep, &ts);
+        return;
+    }
     if (!w) {
         nanosleep(&ts, NULL);
         return;

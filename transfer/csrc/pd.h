@@ -147,6 +147,10 @@ int pd_wait_complete(pd_ep *ep, const int64_t *bell, int64_t bell_seen, int64_t 
 void pd_set_kick(pd_ep *ep, uint32_t *word, int64_t max_sleep_ns, int change_only);
 void pd_kick(uint32_t *word);
 uint64_t pd_kick_wakes(const pd_ep *ep);
+/* kick.c: a CQ with a wait fd (tcp) sleeps on it, and on the engine's command pipe */
+void pd_set_wake_fd(pd_ep *ep, int fd);
+uint64_t pd_fd_wakes(const pd_ep *ep);
+int pd_has_wait_fd(const pd_ep *ep);
 /* PD_CDEF_END */
 
 #endif

@@ -258,9 +258,13 @@ class DecodeMessenger(MessengerThread):
                 # shm: its waits sleep up to this between polls (0: poll_backoff_s), since every
                 # prefill rank kicks them; and how many sleeps a kick ended
                 "kick_sleep_s": getattr(self, "_kick_cap", 0.0),
-                "kick_wakes": sum(ep.kick_wakes for ep in (getattr(self, "_ep", None),
-                                                           *getattr(self, "_lanes", []))
-                                  if ep is not None and not ep.closed)}
+                "kick_wakes": sum(ep.kick_wakes for ep in self._live_endpoints()),
+                # tcp: sleeps that bytes arriving (or a command) ended, on the CQ's wait fd
+                "fd_wakes": sum(ep.fd_wakes for ep in self._live_endpoints())}
+
+    def _live_endpoints(self) -> list[Any]:
+        eps = (getattr(self, "_ep", None), *getattr(self, "_lanes", []))
+        return [ep for ep in eps if ep is not None and not ep.closed]
 
     @property
     def writes_per_op(self) -> int:
@@ -298,8 +302,12 @@ class DecodeMessenger(MessengerThread):
         # shm: the waits sleep on a kick word the prefill ranks bump after posting writes
         self._kick = KickWord() if cfg.provider == "shm" and cfg.poll_backoff_s else None
         self._kicked_by: dict[tuple[int, int], bool] = {}  # prefill rank -> it kicks us
-        # the engine's commands kick it too (a private word without shm)
-        self._sleep_on(self._kick.word if self._kick is not None else None)
+        if self._kick is None and self._ep.has_wait_fd:
+            # tcp: the sleeps end when bytes arrive (the CQ's wait fd) or a command comes (its
+            # pipe). A blind backoff sleep stalled the stream: the receiver's polls move it
+            self._ep.set_wake_fd(self._cmds.wake_fd)
+        else:  # the engine's commands kick it too (a private word without shm)
+            self._sleep_on(self._kick.word if self._kick is not None else None)
         for _ in range(cfg.receive_lanes - 1):
             lane = self._ep.open_lane(**self.idle_options())
             self._lanes.append(lane)
