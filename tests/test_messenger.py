@@ -165,7 +165,7 @@ def test_shm_decoders_sleep_until_the_prefill_kicks_them(provider):
     # on shm the decoder's waits sleep on its kick word and every prefill rank bumps it after
     # posting writes (transfer.kick): the decoder takes the long kick sleep only once every
     # prefill rank said it kicks, and its sleeps are ended by those kicks; on tcp they keep
-    # the short polling backoff, but sleep on the CQ's wait fd, which arriving bytes end
+    # the short polling backoff, but sleep on the CQ's wait fd and the command pipe
     out = run(Scenario(provider=provider, prefill_tp=2, decode_tp=1, prompts=PROMPTS,
                        aux_row_bytes=AUX, busy_sleep_s=0.0, track=True))
     (dec,) = out.decode
@@ -179,5 +179,6 @@ def test_shm_decoders_sleep_until_the_prefill_kicks_them(provider):
         assert dec["stats"]["fd_wakes"] == 0  # shm's CQ has no wait fd
     else:
         assert dec["stats"]["kick_sleep_s"] == 0 and kicks == [0, 0]
-        # tcp: the decoder's sleeps wait on its CQ's wait fd, and bytes arriving end them
+        # tcp: the decoder's sleeps wait on its CQ's wait fd (arriving bytes) and its command
+        # pipe (the submits), and those ended some of them
         assert dec["stats"]["fd_wakes"] > 0

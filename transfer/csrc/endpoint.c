@@ -65,12 +65,14 @@ int pd_ep_open(pd_ep **out, pd_dom *dom, uint32_t ctx_pool, size_t cq_size,
        write (process_vm_readv) until the CQ is full, so with the default size one call could
        copy a whole GiB queue and the caller's timeout/slice was never checked. 0 = default. */
     cq_attr.size = cq_size;
-    /* A provider whose CQ offers a wait fd (tcp: its sockets' epoll set) lets the idle sleeps
-       end when bytes arrive instead of after a blind backoff (kick.c: pd_sleep_ns); shm, efa
-       and others refuse one and keep FI_WAIT_NONE. */
+    /* tcp's CQ offers a wait fd (its sockets' epoll set): the idle sleeps end when bytes
+       arrive instead of after a blind backoff (kick.c: pd_sleep_ns). Asked of tcp only, where
+       it was measured; shm refuses one, and verbs/efa (the NIC moves the bytes) keep
+       FI_WAIT_NONE, as does tcp if it refuses. */
     ep->wait_fd = ep->wake_fd = -1;
-    cq_attr.wait_obj = FI_WAIT_FD;
-    if (fi_cq_open(dom->domain, &cq_attr, &ep->cq, NULL) == 0) {
+    const char *prov = fi->fabric_attr->prov_name;
+    cq_attr.wait_obj = prov && strncmp(prov, "tcp", 3) == 0 ? FI_WAIT_FD : FI_WAIT_NONE;
+    if (cq_attr.wait_obj == FI_WAIT_FD && fi_cq_open(dom->domain, &cq_attr, &ep->cq, NULL) == 0) {
         if (fi_control(&ep->cq->fid, FI_GETWAIT, &ep->wait_fd) != 0) ep->wait_fd = -1;
     } else {
         ep->cq = NULL;
