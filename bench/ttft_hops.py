@@ -8,6 +8,10 @@ clock), sends `--requests` sequential streamed completions of `max_tokens=1` per
 stops the deployment and prints the median of every hop. Beside it, the same model computing
 the same prompts in this one process (chunked like the prefill instance, then the decoder's
 first step): the work any deployment must do, so `TTFT - in-process` is what serving adds.
+The first decode step is also timed alone, right after that prefill (as an aggregated instance
+runs it) and after idling as long as the prefill took (as a decode instance, waiting for the
+KV, runs it): on the dev VM the second is about twice the first, a cost of the machine that
+every disaggregated first token pays once more than an aggregated one.
 
 Per worker process it also reads /proc (CPU time, run-queue wait, context switches of each
 thread) around the served requests only: what the engine threads and everything else
@@ -37,9 +41,16 @@ HOPS = (  # (name, from event, to event)
     ("front -> decode loop (zmq, poll)", "front.submit", "decode.gen"),
     ("decode admit -> messenger submit", "decode.gen", "decode.submit"),
     ("REQUEST -> prefill engine has it", "decode.submit", "prefill.recv"),
+    ("  submit -> decode messenger", "decode.submit", "decode.msg_submit"),
+    ("  REQUEST built and sent", "decode.msg_submit", "decode.request_sent"),
+    ("  -> prefill messenger", "decode.request_sent", "prefill.request_in"),
+    ("  -> prefill engine", "prefill.request_in", "prefill.recv"),
     ("prefill scheduling", "prefill.recv", "prefill.first_chunk"),
     ("prefill compute (all chunks)", "prefill.first_chunk", "prefill.computed"),
     ("last writes + count reached", "prefill.computed", "decode.ready"),
+    ("  finish -> prefill messenger", "prefill.computed", "prefill.last_writes"),
+    ("  writes -> count reached", "prefill.last_writes", "decode.count_reached"),
+    ("  count -> decode engine", "decode.count_reached", "decode.ready"),
     ("decode first step", "decode.ready", "decode.first_out"),
     ("decode -> front (OUT)", "decode.first_out", "front.first_out"),
     ("front -> client (SSE)", "front.first_out", "client.first"),
@@ -80,22 +91,48 @@ class InProcess:
         self.pages = self.kv.pages.alloc(self.kv.pages.num_pages)
 
     def run(self, toks: list[int], chunked: bool = True) -> float:
+        t0 = time.perf_counter()
+        self._prefill(toks, self.chunk if chunked else len(toks))
+        self._step(toks)
+        return time.perf_counter() - t0
+
+    def first_steps(self, toks: list[int]) -> tuple[float, float]:
+        """The first decode step alone, right after the chunked prefill (as an aggregated
+        instance runs it) and after idling as long as that prefill took (as a decode
+        instance runs it, while the prefill instance computes): what this machine charges a
+        process whose code and data sat unused for that long."""
+        t0 = time.perf_counter()
+        self._prefill(toks, self.chunk)
+        t1 = time.perf_counter()
+        self._step(toks)
+        hot = time.perf_counter() - t1
+        time.sleep(t1 - t0)
+        t2 = time.perf_counter()
+        self._step(toks)
+        return hot, time.perf_counter() - t2
+
+    def _prefill(self, toks: list[int], step: int) -> None:
         import torch
 
         from pdtool.engines.reference.model import Batch
 
         P, n = self.P, len(toks)
-        step = self.chunk if chunked else n
-        t0 = time.perf_counter()
         with torch.no_grad():
             for lo in range(0, n - 1, step):
                 hi = min(lo + step, n - 1)
                 self.model.forward(Batch.build([(toks[lo:hi], lo, self.pages)], P),
                                    self.kv.layers, P)
-            h = self.model.forward(Batch.build([(toks[-1:], n - 1, self.pages)], P),
-                                   self.kv.layers, P)
+
+    def _step(self, toks: list[int]) -> None:
+        import torch
+
+        from pdtool.engines.reference.model import Batch
+
+        n = len(toks)
+        with torch.no_grad():
+            h = self.model.forward(Batch.build([(toks[-1:], n - 1, self.pages)], self.P),
+                                   self.kv.layers, self.P)
             self.model.logits(h).argmax(-1)
-        return time.perf_counter() - t0
 
 
 def stream_once(url: str, prompt: list[int], log) -> None:
@@ -204,7 +241,8 @@ def measure(isls: list[int], n: int, overrides: list[str]) -> dict:
                 before = thread_times(procs)
                 stream_once(url, prompt, client[isl])
                 add_delta(cpu[isl], before, thread_times(procs))
-                alone[isl].append((local.run(prompt), local.run(prompt, chunked=False)))
+                alone[isl].append((local.run(prompt), local.run(prompt, chunked=False),
+                                   *local.first_steps(prompt)))
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
@@ -247,10 +285,13 @@ def main() -> int:
     for isl in args.isl:
         table = breakdown(got["client"][isl], got["events"])
         alone = got["alone"][isl]
-        chunked = 1000 * statistics.median(a for a, _ in alone)
+        chunked = 1000 * statistics.median(a[0] for a in alone)
         table["in-process, chunked prefill + step"] = chunked
-        table["in-process, whole prompt + step"] = 1000 * statistics.median(b for _, b in alone)
+        table["in-process, whole prompt + step"] = 1000 * statistics.median(a[1] for a in alone)
         table["TTFT - in-process chunked"] = table["TTFT (client)"] - chunked
+        for name, i in (("right after", 2), ("after idling", 3)):
+            table[f"in-process first step, {name}"] = 1000 * statistics.median(
+                a[i] for a in alone)
         doc["by_isl"][isl] = table
         print(f"\nprompt {isl} tokens, {args.requests} sequential requests, max_tokens=1 "
               "(median ms)")

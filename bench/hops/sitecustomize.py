@@ -106,8 +106,43 @@ if os.environ.get("PDTOOL_HOPS"):
         wrap(link.PrefillSide, "finish", finish)
         wrap(link.PrefillSide, "done", done)
 
+    def _install_messengers() -> None:
+        """The messenger threads' side of the two protocol hops (REQUEST out and in, the
+        last writes out and the count reached), so each hop splits into its thread hand-offs."""
+        from transfer.messenger import decode, prefill
+        from transfer.messenger.common import TransferStatus
+
+        def wrap(cls, name, before=None, after=None):
+            orig = getattr(cls, name)
+
+            def fn(self, *a, **k):
+                if before:
+                    before(self, *a)
+                out = orig(self, *a, **k)
+                if after:
+                    after(self, *a)
+                return out
+
+            setattr(cls, name, fn)
+
+        wrap(decode.DecodeMessenger, "_cmd_submit",
+             before=lambda self, x: _log("decode.msg_submit", x.rid))
+        wrap(decode.DecodeMessenger, "_begin",
+             after=lambda self, x: _log("decode.request_sent", x.rid))
+        wrap(prefill.PrefillMessenger, "_on_request",
+             before=lambda self, peer, b, now: _log("prefill.request_in", b.get("rid", "")))
+        wrap(prefill.PrefillMessenger, "_queue_aux",
+             before=lambda self, x: _log("prefill.last_writes", x.rid))
+
+        def settled(self, x, status, reason=""):
+            if status == TransferStatus.SUCCESS:
+                _log("decode.count_reached", x.rid, once=True)
+
+        wrap(decode.DecodeMessenger, "_set", before=settled)
+
     import contextlib
 
     _install()
     with contextlib.suppress(ImportError):  # needs torch and libfabric: not in every process
         _install_links()
+        _install_messengers()
