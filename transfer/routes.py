@@ -9,6 +9,7 @@ Sharding model (docs/sharding.md): `transfer.parallel` (which heads a rank holds
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Collection
@@ -32,8 +33,9 @@ class ShardSpec:
     tp: int
     dp: int = 1
 
-    @property
+    @functools.cached_property
     def dims(self) -> ParallelDims:
+        """Built once per spec: the messengers route every request through it."""
         return ParallelDims(tp=self.tp, dp=self.dp, dp_attention=True,
                             kv_heads=self.num_kv_heads)
 
@@ -48,9 +50,13 @@ class ShardSpec:
 
     def check(self) -> None:
         """Raise RouteError with every problem of the degrees (`ParallelDims.problems`)."""
-        found = self.dims.problems()
-        if found:
-            raise RouteError("; ".join(p.message for p in found))
+        if self._problems:
+            raise RouteError(self._problems)
+
+    @functools.cached_property
+    def _problems(self) -> str:
+        """The degrees never change: checked once per spec, not once per routed request."""
+        return "; ".join(p.message for p in self.dims.problems())
 
     @property
     def heads_per_rank(self) -> int:
