@@ -12,6 +12,7 @@ tail of every daemon log, so a broken CI machine says why instead of timing out.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import signal
@@ -267,8 +268,13 @@ class SlurmCluster:
         fields: dict[str, str] = {}
         while time.monotonic() < deadline:
             out = self.run("scontrol", "-o", "show", "job", job_id)
+            seen = time.time()  # wall clock, as slurmd's revocation time
             fields = dict(tok.split("=", 1) for tok in out.split() if "=" in tok)
             if fields.get("JobState") == "PENDING" and fields.get("Reason") == "BeginTime":
+                # slurmd refuses a credential made in the second its predecessor was revoked
+                # (`cred->ctime <= revoked`, whole seconds): a restart within that second
+                # failed to launch and the job never ran again. Start in the next second.
+                time.sleep(max(0.0, math.floor(seen) + 1.05 - time.time()))
                 self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
                 return
             if fields.get("JobState") == "RUNNING" and fields.get("Restarts", "0") != "0":

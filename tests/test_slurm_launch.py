@@ -351,9 +351,13 @@ def test_requeued_job_keeps_the_earlier_logs(slurm, tmp_path: Path) -> None:
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and batch.read_text().count("deployment ready") < 2:
         time.sleep(1)
+    # where the second run stands if it never came (job and node states, daemon logs)
+    why = "\n".join((slurm.run("scontrol", "-o", "show", "job", job, check=False),
+                     slurm.run("sinfo", "-N", "-o", "%N %T %E", check=False),
+                     slurm.diagnostics()))
     slurm.run("scancel", job, check=False)
     text = batch.read_text()
-    assert text.count("deployment ready") == 2, text  # --open-mode=append: both runs
+    assert text.count("deployment ready") == 2, f"{text}\n{why}"  # --open-mode=append
     assert sorted(p.name for p in (out / "logs" / job).glob("*.log")) == first
     again = out / "logs" / f"{job}.1"
     assert sorted(p.name for p in again.glob("*.log")) == first

@@ -60,12 +60,13 @@ if os.environ.get("PDTOOL_HOPS"):
 
         front.Front.results = front_results
 
+    def _wrap(cls, name, fn) -> None:
+        """cls.name(self, *a) becomes fn(original, self, *a)."""
+        orig = getattr(cls, name)
+        setattr(cls, name, lambda self, *a: fn(orig, self, *a))
+
     def _install_links() -> None:
         from pdtool.engines.reference import link
-
-        def wrap(cls, name, fn):
-            orig = getattr(cls, name)
-            setattr(cls, name, lambda self, *a: fn(orig, self, *a))
 
         def submit(orig, self, rid, *a):
             _log("decode.submit", rid)
@@ -99,12 +100,12 @@ if os.environ.get("PDTOOL_HOPS"):
                 _log("prefill.writes_done", rid, once=True)
             return got
 
-        wrap(link.DecodeSide, "submit", submit)
-        wrap(link.DecodeSide, "ready", ready)
-        wrap(link.PrefillSide, "recv", recv)
-        wrap(link.PrefillSide, "begin", begin)
-        wrap(link.PrefillSide, "finish", finish)
-        wrap(link.PrefillSide, "done", done)
+        _wrap(link.DecodeSide, "submit", submit)
+        _wrap(link.DecodeSide, "ready", ready)
+        _wrap(link.PrefillSide, "recv", recv)
+        _wrap(link.PrefillSide, "begin", begin)
+        _wrap(link.PrefillSide, "finish", finish)
+        _wrap(link.PrefillSide, "done", done)
 
     def _install_messengers() -> None:
         """The messenger threads' side of the two protocol hops (REQUEST out and in, the
@@ -112,33 +113,30 @@ if os.environ.get("PDTOOL_HOPS"):
         from transfer.messenger import decode, prefill
         from transfer.messenger.common import TransferStatus
 
-        def wrap(cls, name, before=None, after=None):
-            orig = getattr(cls, name)
-
-            def fn(self, *a, **k):
-                if before:
-                    before(self, *a)
-                out = orig(self, *a, **k)
+        def logged(event, rid_of, after=False):
+            def fn(orig, self, *a):
+                if not after:
+                    _log(event, rid_of(*a))
+                out = orig(self, *a)
                 if after:
-                    after(self, *a)
+                    _log(event, rid_of(*a))
                 return out
+            return fn
 
-            setattr(cls, name, fn)
+        _wrap(decode.DecodeMessenger, "_cmd_submit", logged("decode.msg_submit", lambda x: x.rid))
+        _wrap(decode.DecodeMessenger, "_begin",
+              logged("decode.request_sent", lambda x: x.rid, after=True))
+        _wrap(prefill.PrefillMessenger, "_on_request",
+              logged("prefill.request_in", lambda peer, b, now: b.get("rid", "")))
+        _wrap(prefill.PrefillMessenger, "_queue_aux",
+              logged("prefill.last_writes", lambda x: x.rid))
 
-        wrap(decode.DecodeMessenger, "_cmd_submit",
-             before=lambda self, x: _log("decode.msg_submit", x.rid))
-        wrap(decode.DecodeMessenger, "_begin",
-             after=lambda self, x: _log("decode.request_sent", x.rid))
-        wrap(prefill.PrefillMessenger, "_on_request",
-             before=lambda self, peer, b, now: _log("prefill.request_in", b.get("rid", "")))
-        wrap(prefill.PrefillMessenger, "_queue_aux",
-             before=lambda self, x: _log("prefill.last_writes", x.rid))
-
-        def settled(self, x, status, reason=""):
+        def settled(orig, self, x, status, *a):
             if status == TransferStatus.SUCCESS:
                 _log("decode.count_reached", x.rid, once=True)
+            return orig(self, x, status, *a)
 
-        wrap(decode.DecodeMessenger, "_set", before=settled)
+        _wrap(decode.DecodeMessenger, "_set", settled)
 
     import contextlib
 
