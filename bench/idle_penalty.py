@@ -1,7 +1,7 @@
 """What this machine charges a thread for having slept: the same work timed right after the
 previous run of it and after idle gaps of growing length.
 
-    python3 bench/idle_penalty.py [--gaps-ms 0 2 5 20] [--runs 100]
+    python3 bench/idle_penalty.py [--gaps-ms 0 2 5 20] [--runs 100] [--json]
 
 Two pieces of work from the first token's path, each in this one process with one torch thread:
 the decode messenger's per-request input checks (`DecodeMessenger.submit`'s numpy calls on a
@@ -15,6 +15,7 @@ cores the ratios stay near 1; where they grow with the gap, every such wake-up p
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -93,15 +94,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gaps-ms", type=float, nargs="+", default=[0, 2, 5, 20])
     ap.add_argument("--runs", type=int, default=100)
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     works = {"messenger's request checks": submit_checks(), "first decode step": decode_step()}
+    table = {name: {g: timed(work, g / 1000, args.runs) for g in args.gaps_ms}
+             for name, work in works.items()}
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if args.json:
+        print(json.dumps({"date": date, "runs": args.runs, "gaps_ms": args.gaps_ms,
+                          "median_us": {n: list(row.values()) for n, row in table.items()}}))
+        return 0
     print(f"median us over {args.runs} runs after each idle gap (ratio to no gap)")
     print(f"{'work':<28}" + "".join(f"{g:>10g} ms" for g in args.gaps_ms))
-    for name, work in works.items():
-        cells = [timed(work, g / 1000, args.runs) for g in args.gaps_ms]
+    for name, row in table.items():
+        cells = list(row.values())
         print(f"{name:<28}" + "".join(f"{c:>9.1f}" + f"{'':>4}" for c in cells))
         print(f"{'':<28}" + "".join(f"{c / cells[0]:>8.1f}x" + f"{'':>4}" for c in cells))
-    print(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    print(date)
     return 0
 
 

@@ -60,3 +60,10 @@ def test_scale_bench_tables() -> None:
     assert [(r["decoders"], r["requests"]) for r in out["decoders"]] == [(1, 2), (2, 4)]
     assert [r["nodes"] for r in out["plan"]] == [1, 4]
     assert out["plan"][1]["recipe"] == "deepseek-r1"
+
+
+def test_idle_penalty_times_each_work_after_each_gap() -> None:
+    out = _run("idle_penalty.py", "--gaps-ms", "0", "1", "--runs", "3")
+    assert out["gaps_ms"] == [0, 1]
+    assert set(out["median_us"]) == {"messenger's request checks", "first decode step"}
+    assert all(len(row) == 2 and all(v > 0 for v in row) for row in out["median_us"].values())
