@@ -53,10 +53,12 @@ def decode_step() -> Callable[[], None]:
 
     from pdtool.engines.reference.cache import PagedKV
     from pdtool.engines.reference.fromplan import model_fields
+    from pdtool.engines.reference.heap import keep_freed_memory
     from pdtool.engines.reference.model import Batch, TinyConfig, TinyModel
     from pdtool.render import prepare
 
-    torch.set_num_threads(1)  # as the serving ranks
+    torch.set_num_threads(1)  # as the serving ranks, and with their heap
+    keep_freed_memory()
     _cfg, plan, findings = prepare(["+recipe=tiny-local"])
     if plan is None:
         raise SystemExit(f"the config does not plan: {findings}")

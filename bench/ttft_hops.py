@@ -77,10 +77,12 @@ class InProcess:
 
         from pdtool.engines.reference.cache import PagedKV
         from pdtool.engines.reference.fromplan import model_fields
+        from pdtool.engines.reference.heap import keep_freed_memory
         from pdtool.engines.reference.model import TinyConfig, TinyModel
         from pdtool.render import prepare
 
-        torch.set_num_threads(1)  # as the serving ranks
+        torch.set_num_threads(1)  # as the serving ranks, and with their heap
+        keep_freed_memory()
         _cfg, plan, findings = prepare(["+recipe=tiny-local", *overrides])
         if plan is None:
             raise SystemExit(f"the config does not plan: {findings}")

@@ -9,6 +9,7 @@ Modules, in the order a request meets them:
   hf        a Llama / Qwen2 / Qwen3 checkpoint as a tensor-parallel model (transformers' numerics)
   models    which model a RankSpec describes, and building one rank of it
   cache     the paged KV cache (HND or NHD, transfer.layout) and its page allocator
+  heap      the C heap of a CPU rank: a pass's freed temporaries stay mapped
   oracle    single-process greedy generation: what disaggregated serving must equal
   engine    prefill (chunked, per-layer progress), decode (continuous batching) and
             aggregated (both on one instance) schedulers

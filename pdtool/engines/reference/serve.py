@@ -52,9 +52,11 @@ def _init(spec: RankSpec) -> tuple[Coord, TP]:
     import torch.distributed as dist
 
     from .engine import Coord
+    from .heap import keep_freed_memory
     from .model import TP
 
     torch.set_num_threads(1)
+    keep_freed_memory()  # each pass's temporaries stay mapped (heap.py)
     if spec.tp > 1:
         dist.init_process_group(
             "gloo",
