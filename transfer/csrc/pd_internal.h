@@ -126,6 +126,11 @@ void pd_sleep_fd(pd_ep *ep, const struct timespec *ts);
 int pd_kicked_change(const pd_ep *ep);
 int64_t pd_idle_ns(const pd_ep *ep, int64_t base_ns, unsigned sleeps);
 #define PD_KICKED_SPINS 4  /* empty polls before a kicked wait sleeps (a burst's stragglers) */
+/* A kicked lane's sleep while its owner counts no transfer: nothing is being sent to it, and
+   what will be comes with a kick, so the timeout is a safety net only. At the kicked waits'
+   cap (5 ms) every idle decoder's lane woke 200 times a second for nothing, each wake-up a
+   slice of a core a prefill was computing on (docs/messenger.md, "Kick words"). */
+#define PD_LANE_IDLE_SLEEP_NS 100000000LL
 int64_t pd_backoff_ns(int64_t base_ns, int64_t max_ns, unsigned sleeps);
 void pd_seterr(char *buf, size_t len, const char *call, int ret);
 void pd_record_err(pd_ep *ep, uint64_t tag, int err, int prov_errno, const char *msg);

@@ -12,7 +12,10 @@ void pd_share_counts(pd_ep *lane, pd_ep *owner) { lane->owner = owner; }
    sleep `thread_sleep_ns` x 50 per empty poll while off (1 ms by default: an idle decoder
    costs no core, and a new transfer waits at most that long for its first copy). While on, a
    lane with a backoff (`idle_max_sleep_ns`, pd_set_idle_backoff) lets that sleep grow as its
-   polls stay empty, as pd_idle does. */
+   polls stay empty, as pd_idle does. A lane whose every writer kicks it (pd_kicked) sleeps
+   until kicked: while off, PD_LANE_IDLE_SLEEP_NS at most (nothing is being sent to it); while
+   on, the kicked waits' cap, since a write shm moves in rounds (SAR) advances only when it
+   polls. */
 void pd_set_active(pd_ep *ep, int on) { __atomic_store_n(&ep->active, on, __ATOMIC_RELEASE); }
 
 static void *pd_progress_main(void *arg) {
@@ -37,8 +40,10 @@ static void *pd_progress_main(void *arg) {
             sched_yield();
             continue;
         }
-        int64_t ns = pd_kicked(ep) ? pd_max_sleep_ns(ep)  /* a kick brings the next work */
-            : __atomic_load_n(&o->active, __ATOMIC_ACQUIRE)
+        int active = __atomic_load_n(&o->active, __ATOMIC_ACQUIRE);
+        int64_t ns = pd_kicked(ep)  /* a kick brings the next work */
+            ? (active ? pd_max_sleep_ns(ep) : PD_LANE_IDLE_SLEEP_NS)
+            : active
             ? pd_backoff_ns(ep->thread_sleep_ns, ep->idle_max_sleep_ns, empty - ep->idle_spins)
             : ep->thread_sleep_ns * 50;
         pd_sleep_ns(ep, ns, kicked);  /* a kick (writes posted to us) ends it */
@@ -65,6 +70,8 @@ int pd_progress_start(pd_ep *ep, int64_t sleep_ns) {
 int pd_progress_stop(pd_ep *ep, int64_t timeout_ns) {
     if (!ep->thread_on) return 0;
     __atomic_store_n(&ep->thread_stop, 1, __ATOMIC_RELEASE);
+    uint32_t *w = __atomic_load_n(&ep->kick, __ATOMIC_ACQUIRE);
+    if (w) pd_kick(w);  /* end a kicked sleep now: its owner's other waits just poll once more */
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     int64_t end = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec + timeout_ns;
