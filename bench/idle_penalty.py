@@ -5,11 +5,12 @@ previous run of it and after idle gaps of growing length.
 
 Two pieces of work from the first token's path, each in this one process with one torch thread:
 the decode messenger's per-request input checks (`DecodeMessenger.submit`'s numpy calls on a
-64-token prompt, a few microseconds of Python) and the reference model's first decode step (two
-tokens through the tiny-local model). A disaggregated first token wakes threads of three
-processes that sat idle while the prefill computed (docs/benchmark.md, "Fifth round"); an
-aggregated one runs in one process that computed a moment before. On a machine with dedicated
-cores the ratios stay near 1; where they grow with the gap, every such wake-up pays them.
+64-token prompt, a few microseconds of Python) and the reference model's first decode step (the
+prompt's last token through the tiny-local model, as `bench/ttft_hops.py` times it in-process).
+A disaggregated first token wakes threads of three processes that sat idle while the prefill
+computed (docs/benchmark.md, "Fifth round"); an aggregated one runs in one process that computed
+a moment before. On a machine with dedicated cores the ratios stay near 1; where they grow with
+the gap, every such wake-up pays them.
 """
 
 from __future__ import annotations
@@ -22,61 +23,39 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]  # the checkout, and ttft_hops beside this file
 
 
 def submit_checks() -> Callable[[], None]:
-    """The messenger's checks of one request: the token and page arrays it builds."""
+    """The decode messenger's checks of one request (`DecodeMessenger.submit`): its token ids
+    and its pages."""
     import numpy as np
 
     from transfer.layout import KVLayout
+    from transfer.messenger.decode import check_token_ids
     from transfer.routes import pages_for
 
     layout = KVLayout("HND", 512, 2, 2, 16, 16, 4)
     tokens, pages = list(range(1, 65)), [3, 4, 5, 6]
 
     def run() -> None:
-        t = np.asarray(tokens)
-        if t.ndim != 1 or not np.issubdtype(t.dtype, np.integer) or t.min() < 0 \
-                or t.max() >= 1 << 32:
-            raise ValueError("tokens")
-        n = pages_for(len(t), layout.page_size)
+        ids = check_token_ids("bench", tokens)
+        n = pages_for(len(ids), layout.page_size)
         layout.check_pages(np.asarray(pages[:n], dtype=np.int64)).astype(np.uint32)
-        t.astype(np.uint32)
+        ids.astype(np.uint32)
 
     return run
 
 
 def decode_step() -> Callable[[], None]:
-    """The tiny-local model's first decode step (the last prompt token and a draft)."""
-    import torch
+    """The tiny-local model's first decode step after a 64-token prompt's prefill, in the
+    serving rank's setting (`bench/ttft_hops.py`'s InProcess)."""
+    from ttft_hops import InProcess
 
-    from pdtool.engines.reference.cache import PagedKV
-    from pdtool.engines.reference.fromplan import model_fields
-    from pdtool.engines.reference.heap import keep_freed_memory
-    from pdtool.engines.reference.model import Batch, TinyConfig, TinyModel
-    from pdtool.render import prepare
-
-    torch.set_num_threads(1)  # as the serving ranks, and with their heap
-    keep_freed_memory()
-    _cfg, plan, findings = prepare(["+recipe=tiny-local"])
-    if plan is None:
-        raise SystemExit(f"the config does not plan: {findings}")
-    inst = plan.role_instances("decode")[0]
-    cfg = TinyConfig(**model_fields(plan.model, inst.kv_dtype, "decode"))
-    model, P = TinyModel(cfg), inst.page_size
-    n = -(-66 // P)  # the prompt, the step's token and its draft
-    kv = PagedKV(cfg, cfg.cache_heads, n, P)
-    pages = kv.pages.alloc(n)
-    with torch.no_grad():
-        model.forward(Batch.build([(list(range(1, 64)), 0, pages)], P), kv.layers, P)
-
-    def run() -> None:
-        with torch.no_grad():
-            h = model.forward(Batch.build([([65, 66], 63, pages)], P), kv.layers, P)
-            model.logits(h).argmax(-1)
-
-    return run
+    local, prompt = InProcess([]), list(range(1, 65))
+    local.prefill(prompt, local.chunk)
+    return lambda: local.step(prompt)
 
 
 def timed(work: Callable[[], None], gap_s: float, runs: int) -> float:

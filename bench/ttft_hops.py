@@ -78,25 +78,26 @@ class InProcess:
         from pdtool.engines.reference.cache import PagedKV
         from pdtool.engines.reference.fromplan import model_fields
         from pdtool.engines.reference.heap import keep_freed_memory
-        from pdtool.engines.reference.model import TinyConfig, TinyModel
+        from pdtool.engines.reference.models import build_model, model_config
         from pdtool.render import prepare
 
-        torch.set_num_threads(1)  # as the serving ranks, and with their heap
+        torch.set_num_threads(1)  # as the serving ranks (serve._init), and with their heap
         keep_freed_memory()
         _cfg, plan, findings = prepare(["+recipe=tiny-local", *overrides])
         if plan is None:
             raise SystemExit(f"the config does not plan: {findings}")
         inst = plan.role_instances("prefill")[0]
-        self.cfg = TinyConfig(**model_fields(plan.model, inst.kv_dtype, "prefill"))
-        self.model = TinyModel(self.cfg)
+        # built as a serving rank builds it (serve._start_rank): a checkpoint too
+        self.cfg = model_config(model_fields(plan.model, inst.kv_dtype, "prefill"))
+        self.model = build_model(self.cfg)
         self.P, self.chunk = inst.page_size, inst.chunked_prefill_size
-        self.kv = PagedKV(self.cfg, self.cfg.cache_heads, 4096 // self.P + 1, self.P)
+        self.kv = PagedKV(self.cfg, len(self.model.kv_heads), 4096 // self.P + 1, self.P)
         self.pages = self.kv.pages.alloc(self.kv.pages.num_pages)
 
     def run(self, toks: list[int], chunked: bool = True) -> float:
         t0 = time.perf_counter()
-        self._prefill(toks, self.chunk if chunked else len(toks))
-        self._step(toks)
+        self.prefill(toks, self.chunk if chunked else len(toks))
+        self.step(toks)
         return time.perf_counter() - t0
 
     def first_steps(self, toks: list[int]) -> tuple[float, float]:
@@ -105,16 +106,17 @@ class InProcess:
         instance runs it, while the prefill instance computes): what this machine charges a
         process whose code and data sat unused for that long."""
         t0 = time.perf_counter()
-        self._prefill(toks, self.chunk)
+        self.prefill(toks, self.chunk)
         t1 = time.perf_counter()
-        self._step(toks)
+        self.step(toks)
         hot = time.perf_counter() - t1
         time.sleep(t1 - t0)
         t2 = time.perf_counter()
-        self._step(toks)
+        self.step(toks)
         return hot, time.perf_counter() - t2
 
-    def _prefill(self, toks: list[int], step: int) -> None:
+    def prefill(self, toks: list[int], step: int) -> None:
+        """Every prompt token but the last into the cache, `step` tokens per pass."""
         import torch
 
         from pdtool.engines.reference.model import Batch
@@ -126,7 +128,8 @@ class InProcess:
                 self.model.forward(Batch.build([(toks[lo:hi], lo, self.pages)], P),
                                    self.kv.layers, P)
 
-    def _step(self, toks: list[int]) -> None:
+    def step(self, toks: list[int]) -> None:
+        """The first decode step: the prompt's last token, then its logits."""
         import torch
 
         from pdtool.engines.reference.model import Batch

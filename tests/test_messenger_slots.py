@@ -181,6 +181,10 @@ def test_engine_mistakes_raise_value_errors_naming_the_argument():
             dec.submit("r1", list(range(9)), [0])
         with pytest.raises(ValueError, match=r"dst_pages of r1: page ids must lie in \[0, 8\)"):
             dec.submit("r1", list(range(9)), [0, 9])
+        with pytest.raises(ValueError, match="token_ids of r1: expected a list of uint32"):
+            dec.submit("r1", [1, -2, 3], [0])
+        with pytest.raises(ValueError, match="token_ids of r1: expected a list of uint32"):
+            dec.submit("r1", [[1, 2], [3, 4]], [0])
         with pytest.raises(ValueError, match="peer: prefill instance 3 does not exist"):
             dec.submit("r1", list(range(9)), [0, 1], peer=3)
         with pytest.raises(ValueError, match="chunk of 'zz': request is not bound"):

@@ -16,16 +16,18 @@ import resource, sys, torch
 from pdtool.engines.reference.cache import PagedKV
 from pdtool.engines.reference.fromplan import model_fields
 from pdtool.engines.reference.heap import keep_freed_memory
-from pdtool.engines.reference.model import Batch, TinyConfig, TinyModel
+from pdtool.engines.reference.model import Batch
+from pdtool.engines.reference.models import build_model, model_config
 from pdtool.render import prepare
 torch.set_num_threads(1)
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 _cfg, plan, _findings = prepare(["+recipe=tiny-local"])
 inst = plan.role_instances("prefill")[0]
-cfg = TinyConfig(**model_fields(plan.model, inst.kv_dtype, "prefill"))
+cfg = model_config(model_fields(plan.model, inst.kv_dtype, "prefill"))  # as serve._start_rank
 P = inst.page_size
-model, kv = TinyModel(cfg), PagedKV(cfg, cfg.cache_heads, 2000 // P + 8, P)
+model = build_model(cfg)
+kv = PagedKV(cfg, len(model.kv_heads), 2000 // P + 8, P)
 pages = kv.pages.alloc(2000 // P + 1)
 tokens = [i % 256 for i in range(2000)]
 def prefill():

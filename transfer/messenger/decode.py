@@ -150,11 +150,7 @@ class DecodeMessenger(MessengerThread):
         if not isinstance(rid, str) or not 0 < len(rid) <= 256:
             raise ValueError(f"rid: expected a non-empty string of at most 256 chars, got "
                              f"{rid!r}")
-        tokens = np.asarray(token_ids)
-        if tokens.ndim != 1 or (tokens.size and (not np.issubdtype(tokens.dtype, np.integer)
-                                                 or tokens.min() < 0
-                                                 or tokens.max() >= 1 << 32)):
-            raise ValueError(f"token_ids of {rid}: expected a list of uint32 token ids")
+        tokens = check_token_ids(rid, token_ids)
         n = pages_for(len(tokens), self.layout.page_size)
         pages = self.layout.check_pages(np.asarray(dst_pages, dtype=np.int64).reshape(-1),
                                         f"dst_pages of {rid}")
@@ -675,6 +671,15 @@ class DecodeMessenger(MessengerThread):
             self._slots.release(slot)
             self._xfers.pop(x.rid, None)
             self._set(x, TransferStatus.FAILED)
+
+
+def check_token_ids(rid: str, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """A request's prompt as a 1-D integer array of uint32 ids (ValueError naming `rid`)."""
+    tokens = np.asarray(token_ids)
+    if tokens.ndim != 1 or (tokens.size and (not np.issubdtype(tokens.dtype, np.integer)
+                                             or tokens.min() < 0 or tokens.max() >= 1 << 32)):
+        raise ValueError(f"token_ids of {rid}: expected a list of uint32 token ids")
+    return tokens
 
 
 def _spec_dict(s: Any) -> dict[str, int]:
