@@ -555,6 +555,56 @@ def test_wait_change_returns_when_another_thread_writes_a_word():
             ep.wait_change(np.zeros(1, np.int32), 0)
 
 
+def test_a_kicked_wait_for_the_engine_also_ends_on_its_control_socket_and_pipe():
+    """A prefill messenger whose engine kicks waits for the engine with the control socket's
+    readiness fd and the command pipe watched (set_ctl_fd), so its sleep can outlast the
+    timers' period: a message on the socket or a byte on the pipe ends it, where nothing
+    else would before the timeout (WAIT_S here)."""
+    import zmq
+
+    from transfer.fabric import kick
+
+    ctx = zmq.Context()
+    server, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    r, w = os.pipe()
+    try:
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        client.connect(f"tcp://127.0.0.1:{port}")
+        os.set_blocking(r, False)
+        with Endpoint("shm") as ep:
+            word, bell = np.zeros(1, np.int64), np.zeros(1, np.int64)
+            kick_word = np.zeros(1, np.uint32)
+            ep.set_kick(kick_word, WAIT_S, change_only=True)
+            ep.set_wake_fd(r)
+            ep.set_ctl_fd(server.getsockopt(zmq.FD))
+            assert not server.getsockopt(zmq.EVENTS) & zmq.POLLIN  # the edge is armed
+            t = threading.Timer(0.05, lambda: client.send(b"REQUEST"))
+            t.start()
+            assert not ep.wait_change(word, 0, bell, 0, timeout=WAIT_S)  # not a change...
+            t.join()
+            assert ep.fd_wakes == 1  # ...but the socket's fd, long before the timeout
+            assert server.recv_multipart(flags=zmq.NOBLOCK)[1] == b"REQUEST"
+            assert not server.getsockopt(zmq.EVENTS) & zmq.POLLIN
+            # the engine's announcement: the word moves, a kick and a pipe byte follow
+            t = threading.Timer(0.05, lambda: (word.__setitem__(0, 1), kick(kick_word),
+                                               os.write(w, b"\0")))
+            t.start()
+            assert ep.wait_change(word, 0, bell, 0, timeout=WAIT_S)
+            t.join()
+            assert ep.fd_wakes == 2
+            with pytest.raises(BlockingIOError):  # the sleep took the pipe's byte
+                os.read(r, 1)
+            ep.set_ctl_fd(-1)
+            ep.set_wake_fd(-1)
+            ep.set_kick(None)
+    finally:
+        client.close(linger=0)
+        server.close(linger=0)
+        ctx.term()
+        os.close(r)
+        os.close(w)
+
+
 def test_imm_encoding_and_descriptor_validation():
     for slot, gen in [(0, 0), (1, 2), (65535, 65535), (700, 1)]:
         imm = encode_imm(slot, gen)

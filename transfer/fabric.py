@@ -846,9 +846,10 @@ class Endpoint:
                     b_seen: int = 0, *, timeout: float = 0.001,
                     sleep_s: float = 50e-6) -> bool:
         """Drain the CQ (in C, GIL released) until another thread stores a value other than
-        `a_seen` in `a[0]` (or `b_seen` in `b[0]`): True; False on timeout. For waiting on
-        compute, e.g. a prefill engine's progress word: after a few empty polls it sleeps
-        `sleep_s` per poll, so the wait costs neither a core nor the GIL."""
+        `a_seen` in `a[0]` (or `b_seen` in `b[0]`): True; False on timeout, or when the
+        control socket (`set_ctl_fd`) may have a message. For waiting on compute, e.g. a
+        prefill engine's progress word: after a few empty polls it sleeps `sleep_s` per poll,
+        so the wait costs neither a core nor the GIL."""
         for name, arr in (("a", a), ("b", b)):
             if arr is not None and (type(arr) is not np.ndarray or arr.dtype != np.int64
                                     or arr.size < 1 or not arr.flags.c_contiguous):
@@ -1009,9 +1010,20 @@ class Endpoint:
 
     def set_wake_fd(self, fd: int) -> None:
         """Also end those sleeps when a byte arrives on `fd` (the read end of a non-blocking
-        pipe, e.g. the engine's command pipe), taking the pending bytes; -1: no more. Only
-        with `has_wait_fd`; the fd must stay open as long as the endpoint does."""
+        pipe, e.g. the engine's command pipe), taking the pending bytes; -1: no more. Used
+        with `has_wait_fd`, and with `set_ctl_fd`; the fd must stay open as long as the
+        endpoint does."""
         _lib.pd_set_wake_fd(self._live(), int(fd))
+
+    def set_ctl_fd(self, fd: int) -> None:
+        """Watch a control socket's readiness fd (a ZeroMQ socket's `zmq.FD`; -1: no more)
+        in `wait_change`'s kicked sleeps, beside the wake pipe (`set_wake_fd`), instead of
+        sleeping on the kick word: the wait returns (False) when the socket may have a
+        message, so it can sleep as long as its caller likes, where it had to come back every
+        few milliseconds to look at the socket. Whoever kicks the word must also write a byte
+        to the wake pipe. ZMQ_FD is edge-triggered: check the socket's `zmq.EVENTS` before
+        each wait. The fd must stay open as long as the endpoint does."""
+        _lib.pd_set_ctl_fd(self._live(), int(fd))
 
     @property
     def fd_wakes(self) -> int:

@@ -187,7 +187,8 @@ int pd_wait_idle_or_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const in
 }
 
 /* Wait for another thread to write a new value into *a or *b (an engine's per-layer progress
-   word, a command doorbell), draining the CQ meanwhile: 1 = changed, 0 = timeout. Meant for
+   word, a command doorbell), draining the CQ meanwhile: 1 = changed, 0 = timeout, 2 = the
+   control socket (pd_set_ctl_fd) may have a message. Meant for
    waits on COMPUTE (a prefill forward pass): after a few empty polls it sleeps `sleep_ns` per
    poll, so the waiting thread neither spins a core the engine needs nor holds the GIL (a
    Python loop calling poll() did both). */
@@ -204,7 +205,14 @@ int pd_wait_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const int64_t *b
         if (pd_now_ns() > deadline) return 0;
         if (p > 0) { spins = 0; continue; }
         if (pd_kicked_change(ep) && spins >= PD_KICKED_SPINS) {
-            pd_sleep_ns(ep, ep->kick_max_sleep_ns, kicked);  /* the change comes with a kick */
+            if (ep->ctl_fd >= 0 && ep->wake_fd >= 0) {  /* kicks come as pipe bytes too */
+                int64_t left = deadline - pd_now_ns();
+                if (pd_sleep_watch(ep, left < ep->kick_max_sleep_ns ? (left > 0 ? left : 0)
+                                                                    : ep->kick_max_sleep_ns))
+                    return 2;  /* a control message may be waiting: the caller reads it */
+            } else {
+                pd_sleep_ns(ep, ep->kick_max_sleep_ns, kicked);  /* the change comes with a kick */
+            }
         } else if (++spins > 16 && sleep_ns > 0) {  /* growing by the endpoint's backoff, if any */
             pd_sleep_ns(ep, pd_backoff_ns(pd_clamp_ns(sleep_ns), pd_max_sleep_ns(ep), spins - 16),
                         kicked);  /* a kick (a layer done, a command) ends it */

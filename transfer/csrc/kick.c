@@ -66,6 +66,38 @@ void pd_sleep_fd(pd_ep *ep, const struct timespec *ts) {
     }
 }
 
+/* A control socket's readiness fd (a ZeroMQ socket's ZMQ_FD; -1: none). With it and a wake
+   pipe set, pd_wait_change's kicked sleeps (a prefill waiting for its engine) poll both
+   instead of sleeping on the futex, and return when the socket may have a message. Before,
+   those sleeps had to end every few milliseconds so that the Python loop could look at the
+   socket, and each return took the GIL from the engine thread in the middle of its forward
+   pass. The engine's announcements then come as a byte on the wake pipe (with the kick). */
+void pd_set_ctl_fd(pd_ep *ep, int fd) { __atomic_store_n(&ep->ctl_fd, fd, __ATOMIC_RELEASE); }
+
+/* That sleep: until a byte on the wake pipe (taken), the control socket's fd is readable (its
+   owner reads the socket; ZMQ_FD is edge-triggered, so the owner checks ZMQ_EVENTS before it
+   waits again), the CQ's wait fd has work (tcp), or `ns` passed. 1: the socket's fd. */
+int pd_sleep_watch(pd_ep *ep, int64_t ns) {
+    struct timespec ts = { ns / 1000000000LL, (long)(ns % 1000000000LL) };
+    struct pollfd fds[3] = {
+        { __atomic_load_n(&ep->wake_fd, __ATOMIC_ACQUIRE), POLLIN, 0 },
+        { __atomic_load_n(&ep->ctl_fd, __ATOMIC_ACQUIRE), POLLIN, 0 },
+        { -1, POLLIN, 0 } };
+    if (ep->wait_fd >= 0) {
+        struct fid *cq = &ep->cq->fid;
+        if (fi_trywait(ep->dom->fabric, &cq, 1) != FI_SUCCESS) return 0;  /* work pending */
+        fds[2].fd = ep->wait_fd;
+    }
+    int n = ppoll(fds, 3, &ts, NULL);  /* negative fds are ignored */
+    if (n <= 0) return 0;
+    __atomic_add_fetch(&ep->fd_wakes, 1, __ATOMIC_RELAXED);
+    if (fds[0].revents & POLLIN) {  /* the announcement or command is visible by now */
+        char buf[64];
+        while (read(fds[0].fd, buf, sizeof(buf)) == (ssize_t)sizeof(buf)) {}
+    }
+    return (fds[1].revents & (POLLIN | POLLERR | POLLHUP)) != 0;
+}
+
 /* The word's value before a poll: pass it to pd_sleep_ns after the poll found nothing. */
 uint32_t pd_kick_seen(const pd_ep *ep) {
     const uint32_t *w = __atomic_load_n(&ep->kick, __ATOMIC_ACQUIRE);

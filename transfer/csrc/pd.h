@@ -151,6 +151,8 @@ uint64_t pd_kick_wakes(const pd_ep *ep);
 void pd_set_wake_fd(pd_ep *ep, int fd);
 uint64_t pd_fd_wakes(const pd_ep *ep);
 int pd_has_wait_fd(const pd_ep *ep);
+/* kick.c: a prefill's wait for its engine also ends on a control message */
+void pd_set_ctl_fd(pd_ep *ep, int fd);
 /* PD_CDEF_END */
 
 #endif

@@ -92,6 +92,8 @@ struct pd_ep {
     int wait_fd;               /* the CQ's wait object (FI_WAIT_FD: tcp), -1: none (kick.c) */
     int wake_fd;               /* ... slept on beside it: the engine's command pipe, -1: none */
     uint64_t fd_wakes;         /* sleeps on wait_fd that incoming work or a command ended */
+    int ctl_fd;                /* a control socket's readiness fd (ZMQ_FD): pd_wait_change's
+                                  kicked sleeps poll it with wake_fd instead of the futex */
     /* context pool */
     struct pd_ctx *ctx;
     uint32_t ctx_n;
@@ -123,6 +125,7 @@ void pd_sleep_ns(pd_ep *ep, int64_t ns, uint32_t seen);
 int64_t pd_max_sleep_ns(const pd_ep *ep);
 int pd_kicked(const pd_ep *ep);
 void pd_sleep_fd(pd_ep *ep, const struct timespec *ts);
+int pd_sleep_watch(pd_ep *ep, int64_t ns);
 int pd_kicked_change(const pd_ep *ep);
 int64_t pd_idle_ns(const pd_ep *ep, int64_t base_ns, unsigned sleeps);
 #define PD_KICKED_SPINS 4  /* empty polls before a kicked wait sleeps (a burst's stragglers) */

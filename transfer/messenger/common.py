@@ -286,6 +286,11 @@ class CommandQueue(deque):
     def append(self, item: Any) -> None:
         super().append(item)
         self.bell[0] += 1  # only the engine thread appends; the reader just sees "changed"
+        self.ring()
+
+    def ring(self) -> None:
+        """Wake the messenger thread wherever it waits, without a command: the kick word
+        and the pipe (a prefill's wait for its engine sleeps on either, `Endpoint.set_ctl_fd`)."""
         if self.kick is not None:
             self.kick()
         with contextlib.suppress(OSError):  # pipe full: a wake-up is pending anyway

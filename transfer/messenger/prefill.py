@@ -196,6 +196,12 @@ class PrefillMessenger(MessengerThread):
     # prefill compute. A REQUEST arriving meanwhile waits at most this, about one forward pass
     # of the engine that would take it.
     WAIT_SLICE_S = MessengerThread.TIMER_S
+    # the wait for an engine that announces its layers (`layer_done`) also watches the
+    # control socket and the command pipe (`Endpoint.set_ctl_fd`): nothing it serves comes
+    # without waking it, so this bounds only the timers, whose deadlines are seconds. At
+    # WAIT_SLICE_S, a 2,000-token prefill's thread came back to Python twice per forward
+    # pass, and its engine thread spent a tenth of each pass waiting for the GIL.
+    ENGINE_WAIT_S = 0.05
 
     def __init__(self, config: PrefillConfig, kv_buffers: Sequence[Any], layout: str = "HND",
                  aux_buffers: Sequence[Any] = (), progress: np.ndarray | None = None) -> None:
@@ -308,7 +314,7 @@ class PrefillMessenger(MessengerThread):
             self._engine_kicks = True  # the word's writer is this thread: it kicks (below)
             self._cmds.append(("engine_kicks",))
         if self._cmds.kick is not None:
-            self._cmds.kick()  # the messenger thread's wait sleeps on its kick word
+            self._cmds.ring()  # the messenger thread's wait sleeps on its kick word or pipe
 
     def finish(self, rid: str, aux: Sequence[Any] = (), wake: bool = True) -> None:
         """Every rank, engine thread, after the pass holding the request's last chunk: its
@@ -398,6 +404,8 @@ class PrefillMessenger(MessengerThread):
         self._idle_poller = zmq.Poller()
         self._idle_poller.register(self._chan.sock, zmq.POLLIN)
         self._idle_poller.register(self._cmds.wake_fd, zmq.POLLIN)
+        self._ep.set_wake_fd(self._cmds.wake_fd)
+        self._ep.set_ctl_fd(self._chan.sock.getsockopt(zmq.FD))
         self._tags = list(range(min(self._ep.max_slots, cfg.max_requests * cfg.peer_spec.attn_tp)
                                 - 1, -1, -1))
         self._clock = PeerClock(cfg.peer_timeout_s)
@@ -418,6 +426,7 @@ class PrefillMessenger(MessengerThread):
         self.leaked_tags = 0
         self._bell_seen = 0
         self._word_seen = int(self.progress[0])
+        self._engine_wait_s = self.WAIT_SLICE_S  # ENGINE_WAIT_S once the engine kicks
 
     def _teardown(self) -> None:
         ch = getattr(self, "_chan", None)
@@ -451,15 +460,17 @@ class PrefillMessenger(MessengerThread):
             # engine computed its next pass
             self._ep.wait_idle_or_change(self.progress, self._word_seen, self._cmds.bell,
                                          self._bell_seen, timeout=self.WAIT_SLICE_S)
-        elif waiting and not self._cmds:
+        elif waiting and not self._cmds and not self._chan.pending():
             # nothing in flight, or nothing waits for its completions (every request is still
             # being prefilled; the polls here drain them): the engine is computing (next
-            # layer, pass or finish). Wait in C for the progress word or a command, sleeping
-            # between polls. A Python loop of poll() here spun a core the engine needs and
-            # contended for its GIL, and so did coming back to Python when a pass's writes
-            # completed, which nothing then needed.
+            # layer, pass or finish). Wait in C for the progress word, a command or (once
+            # the engine announces its layers) a control message, sleeping between polls. A
+            # Python loop of poll() here spun a core the engine needs and contended for its
+            # GIL, and so did coming back to Python when a pass's writes completed, which
+            # nothing then needed.
             self._ep.wait_change(self.progress, self._word_seen, self._cmds.bell,
-                                 self._bell_seen, timeout=self.WAIT_SLICE_S)
+                                 self._bell_seen, timeout=self.WAIT_SLICE_S
+                                 if self._chan.holding else self._engine_wait_s)
         else:
             self._ep.poll()
         self._bell_seen = int(self._cmds.bell[0])  # before draining: no wake-up is lost
@@ -815,8 +826,9 @@ class PrefillMessenger(MessengerThread):
         the engine (wait_change) may sleep KICK_SLEEP_S at once. A GPU stream writing
         the word does not kick, so without a layer_done call the wait keeps its backoff."""
         word = getattr(self, "_kick_word", None)
-        if word is not None:
-            self._ep.set_kick(word, self.KICK_SLEEP_S, change_only=True)
+        if word is not None:  # the socket and the pipe are watched too: sleep until one
+            self._ep.set_kick(word, self.ENGINE_WAIT_S, change_only=True)
+            self._engine_wait_s = self.ENGINE_WAIT_S
 
     def _cmd_pass(self, p: _Pass) -> None:
         self._passes.append(p)

@@ -239,5 +239,15 @@ class Channel:
             out.append((peer, msg))
         return out
 
+    def pending(self) -> bool:
+        """Whether a message waits now. A thread about to sleep on the socket's readiness fd
+        (`zmq.FD`, edge-triggered) asks first: a send may have taken the edge."""
+        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    @property
+    def holding(self) -> bool:
+        """Whether the fault hook holds messages back (a later `recv` sends them)."""
+        return bool(self._held)
+
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -207,6 +207,7 @@ class PrefillSide(_Side):
         self.num_layers = self.m.num_layers
         self._todo: dict[str, int] = {}  # rid -> prompt tokens prefilled (all but the last)
         self._finishing = 0  # requests the current pass ends that have not had `finish` yet
+        self._announced = 0.0  # when layer_done last woke the messenger thread
         addrs = [self.m.address]
         if spec.tp > 1:  # the lead publishes every rank's control address in /health
             addrs = [""] * spec.tp
@@ -228,6 +229,11 @@ class PrefillSide(_Side):
         self.m.begin_pass(chunks)
         self._finishing = sum(1 for rid, _lo, hi in chunks if hi == self._todo.get(rid))
 
+    # a pass that ends no prompt wakes the messenger thread only this long after the last one
+    # that did: every wake-up takes the GIL from this thread mid pass (docs/benchmark.md,
+    # "Sixth round"), and only the last pass's writes are on the way to the first token
+    ANNOUNCE_EVERY_S = 0.02
+
     def layer_done(self, layer: int) -> None:
         """Announce the pass's layers to the messenger once, after the last. Per layer, its
         thread woke and took the GIL four times per pass; each handoff cost the engine thread a
@@ -235,9 +241,18 @@ class PrefillSide(_Side):
         against 0.97 s aggregated). On CPU the layers' pages are written right after the pass
         instead, one pass later at most (docs/benchmark.md). A pass that ends some prompt
         announces its last layer only after their `finish`: the thread then wakes once for
-        that layer and the hidden states."""
+        that layer and the hidden states. A pass that ends none announces only if
+        ANNOUNCE_EVERY_S went since the last announcement; the next announced pass's word
+        (or the next pass's start) tells the thread that the ones between are in the cache
+        too, and their pages go in that wake-up."""
         if layer == self.num_layers - 1 and not self._finishing:
-            self.m.layer_done(layer)
+            now = time.monotonic()
+            if now - self._announced >= self.ANNOUNCE_EVERY_S:
+                self._announce(layer, now)
+
+    def _announce(self, layer: int, now: float) -> None:
+        self._announced = now
+        self.m.layer_done(layer)
 
     def finish(self, rid: str, hidden: torch.Tensor) -> None:
         try:
@@ -246,7 +261,7 @@ class PrefillSide(_Side):
             self._finishing -= 1
             if self._finishing <= 0:  # the pass's last finish: its last layer goes now
                 self._finishing = 0
-                self.m.layer_done(self.num_layers - 1)
+                self._announce(self.num_layers - 1, time.monotonic())
 
     def done(self) -> set[str]:
         return self.m.done()
