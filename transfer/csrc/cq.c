@@ -188,10 +188,10 @@ int pd_wait_idle_or_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const in
 
 /* Wait for another thread to write a new value into *a or *b (an engine's per-layer progress
    word, a command doorbell), draining the CQ meanwhile: 1 = changed, 0 = timeout, 2 = the
-   control socket (pd_set_ctl_fd) may have a message. Meant for
-   waits on COMPUTE (a prefill forward pass): after a few empty polls it sleeps `sleep_ns` per
-   poll, so the waiting thread neither spins a core the engine needs nor holds the GIL (a
-   Python loop calling poll() did both). */
+   control socket (pd_set_ctl_fd) may have a message. Meant for waits on COMPUTE (a prefill
+   forward pass): after a few empty polls it sleeps `sleep_ns` per poll, so the waiting
+   thread neither spins a core the engine needs nor holds the GIL (a Python loop calling
+   poll() did both). */
 int pd_wait_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const int64_t *b, int64_t b_seen,
                    int64_t sleep_ns, int64_t timeout_ns) {
     const volatile int64_t *va = a, *vb = b;

@@ -822,11 +822,13 @@ class PrefillMessenger(MessengerThread):
         return d
 
     def _cmd_engine_kicks(self) -> None:
-        """The engine writes the progress word through layer_done, which kicks: the wait for
-        the engine (wait_change) may sleep KICK_SLEEP_S at once. A GPU stream writing
-        the word does not kick, so without a layer_done call the wait keeps its backoff."""
+        """The engine writes the progress word through layer_done, which kicks and writes
+        the command pipe: the wait for the engine (wait_change) may sleep ENGINE_WAIT_S at
+        once, in ppoll on that pipe and the control socket (`Endpoint.set_ctl_fd`). A GPU
+        stream writing the word does not kick, so without a layer_done call the wait keeps
+        its backoff and its WAIT_SLICE_S."""
         word = getattr(self, "_kick_word", None)
-        if word is not None:  # the socket and the pipe are watched too: sleep until one
+        if word is not None:
             self._ep.set_kick(word, self.ENGINE_WAIT_S, change_only=True)
             self._engine_wait_s = self.ENGINE_WAIT_S
 
