@@ -46,24 +46,31 @@ int pd_has_wait_fd(const pd_ep *ep) { return ep->wait_fd >= 0; }
 /* Sleeps on the wait fd that work (or a command) ended early: tests read it. */
 uint64_t pd_fd_wakes(const pd_ep *ep) { return __atomic_load_n(&ep->fd_wakes, __ATOMIC_RELAXED); }
 
-/* A sleep of an endpoint whose CQ has a wait fd (tcp): until the provider has something for
-   it (bytes on one of its sockets), a command comes, or `ts` passed. On tcp the receiver's
-   polls move the bytes, and a blind backoff sleep stalled a peer's stream for up to
+/* A sleep on file descriptors: the CQ's wait fd where it has one (tcp: the provider has
+   something for it, bytes on one of its sockets), the wake pipe (a command; its pending bytes
+   are taken), and `ctl_fd` (-1: none), until one is readable or `ts` passed. On tcp the
+   receiver's polls move the bytes, and a blind backoff sleep stalled a peer's stream for up to
    poll_backoff_s: at 1 MiB pages the messenger ran at half the raw binding's rate. fi_trywait
-   first: with events already pending it refuses and the caller polls again at once. */
-void pd_sleep_fd(pd_ep *ep, const struct timespec *ts) {
-    struct fid *cq = &ep->cq->fid;
-    if (fi_trywait(ep->dom->fabric, &cq, 1) != FI_SUCCESS) return;
-    struct pollfd fds[2] = { { ep->wait_fd, POLLIN, 0 }, { -1, POLLIN, 0 } };
-    int wake = __atomic_load_n(&ep->wake_fd, __ATOMIC_ACQUIRE);
-    fds[1].fd = wake;
-    int n = ppoll(fds, wake >= 0 ? 2 : 1, ts, NULL);
-    if (n <= 0) return;
-    __atomic_add_fetch(&ep->fd_wakes, 1, __ATOMIC_RELAXED);
-    if (wake >= 0 && (fds[1].revents & POLLIN)) {  /* the command is in its queue by now */
-        char buf[64];
-        while (read(wake, buf, sizeof(buf)) == (ssize_t)sizeof(buf)) {}
+   first: with events already pending it refuses and the caller polls again at once.
+   1: `ctl_fd` was readable. */
+static int pd_sleep_fds(pd_ep *ep, const struct timespec *ts, int ctl_fd) {
+    struct pollfd fds[3] = {
+        { -1, POLLIN, 0 },
+        { __atomic_load_n(&ep->wake_fd, __ATOMIC_ACQUIRE), POLLIN, 0 },
+        { ctl_fd, POLLIN, 0 } };
+    if (ep->wait_fd >= 0) {
+        struct fid *cq = &ep->cq->fid;
+        if (fi_trywait(ep->dom->fabric, &cq, 1) != FI_SUCCESS) return 0;  /* work pending */
+        fds[0].fd = ep->wait_fd;
     }
+    int n = ppoll(fds, 3, ts, NULL);  /* negative fds are ignored */
+    if (n <= 0) return 0;
+    __atomic_add_fetch(&ep->fd_wakes, 1, __ATOMIC_RELAXED);
+    if (fds[1].revents & POLLIN) {  /* the command (or announcement) is visible by now */
+        char buf[64];
+        while (read(fds[1].fd, buf, sizeof(buf)) == (ssize_t)sizeof(buf)) {}
+    }
+    return (fds[2].revents & (POLLIN | POLLERR | POLLHUP)) != 0;
 }
 
 /* A control socket's readiness fd (a ZeroMQ socket's ZMQ_FD; -1: none). With it and a wake
@@ -74,28 +81,12 @@ void pd_sleep_fd(pd_ep *ep, const struct timespec *ts) {
    pass. The engine's announcements then come as a byte on the wake pipe (with the kick). */
 void pd_set_ctl_fd(pd_ep *ep, int fd) { __atomic_store_n(&ep->ctl_fd, fd, __ATOMIC_RELEASE); }
 
-/* That sleep: until a byte on the wake pipe (taken), the control socket's fd is readable (its
-   owner reads the socket; ZMQ_FD is edge-triggered, so the owner checks ZMQ_EVENTS before it
-   waits again), the CQ's wait fd has work (tcp), or `ns` passed. 1: the socket's fd. */
+/* That sleep (pd_sleep_fds with the control socket): `ns` at most. 1: the socket's fd is
+   readable (its owner reads the socket; ZMQ_FD is edge-triggered, so the owner checks
+   ZMQ_EVENTS before it waits again). */
 int pd_sleep_watch(pd_ep *ep, int64_t ns) {
     struct timespec ts = { ns / 1000000000LL, (long)(ns % 1000000000LL) };
-    struct pollfd fds[3] = {
-        { __atomic_load_n(&ep->wake_fd, __ATOMIC_ACQUIRE), POLLIN, 0 },
-        { __atomic_load_n(&ep->ctl_fd, __ATOMIC_ACQUIRE), POLLIN, 0 },
-        { -1, POLLIN, 0 } };
-    if (ep->wait_fd >= 0) {
-        struct fid *cq = &ep->cq->fid;
-        if (fi_trywait(ep->dom->fabric, &cq, 1) != FI_SUCCESS) return 0;  /* work pending */
-        fds[2].fd = ep->wait_fd;
-    }
-    int n = ppoll(fds, 3, &ts, NULL);  /* negative fds are ignored */
-    if (n <= 0) return 0;
-    __atomic_add_fetch(&ep->fd_wakes, 1, __ATOMIC_RELAXED);
-    if (fds[0].revents & POLLIN) {  /* the announcement or command is visible by now */
-        char buf[64];
-        while (read(fds[0].fd, buf, sizeof(buf)) == (ssize_t)sizeof(buf)) {}
-    }
-    return (fds[1].revents & (POLLIN | POLLERR | POLLHUP)) != 0;
+    return pd_sleep_fds(ep, &ts, __atomic_load_n(&ep->ctl_fd, __ATOMIC_ACQUIRE));
 }
 
 /* The word's value before a poll: pass it to pd_sleep_ns after the poll found nothing. */
@@ -110,7 +101,7 @@ void pd_sleep_ns(pd_ep *ep, int64_t ns, uint32_t seen) {
     uint32_t *w = __atomic_load_n(&ep->kick, __ATOMIC_ACQUIRE);
     struct timespec ts = { ns / 1000000000LL, (long)(ns % 1000000000LL) };
     if (!w && ep->wait_fd >= 0) {
-        pd_sleep_fd(ep, &ts);
+        pd_sleep_fds(ep, &ts, -1);
         return;
     }
     if (!w) {

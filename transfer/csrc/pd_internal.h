@@ -124,7 +124,6 @@ uint32_t pd_kick_seen(const pd_ep *ep);
 void pd_sleep_ns(pd_ep *ep, int64_t ns, uint32_t seen);
 int64_t pd_max_sleep_ns(const pd_ep *ep);
 int pd_kicked(const pd_ep *ep);
-void pd_sleep_fd(pd_ep *ep, const struct timespec *ts);
 int pd_sleep_watch(pd_ep *ep, int64_t ns);
 int pd_kicked_change(const pd_ep *ep);
 int64_t pd_idle_ns(const pd_ep *ep, int64_t base_ns, unsigned sleeps);

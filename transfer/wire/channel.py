@@ -217,7 +217,7 @@ class Channel:
         for _ in range(limit):
             # ask first: an empty receive raises zmq.Again, and a messenger thread asks many
             # times per forward pass while holding the GIL the engine thread wants
-            if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if not self.pending():
                 break
             try:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
