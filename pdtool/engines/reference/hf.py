@@ -29,7 +29,7 @@ import torch
 from transfer.routes import ShardSpec
 
 from .checkpoint import Arch, read_arch
-from .model import _DTYPES, TP, Batch, TinyModel, _cols, _rows
+from .model import _DTYPES, TP, Batch, PassTables, TinyModel, _cols, _rows
 from .tokenizer import eos_ids
 
 
@@ -191,11 +191,15 @@ class HFModel(TinyModel):
         self.eos_ids = frozenset(eos_ids(Path(cfg.path)))
         self.tokens_seen = 0
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim] at the pass's positions, once per forward pass."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # float32, as transformers
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(x.dtype)[:, None, :]
-        sin = emb.sin().to(x.dtype)[:, None, :]
+        dt = self.cfg.torch_dtype
+        return emb.cos().to(dt)[:, None, :], emb.sin().to(dt)[:, None, :]
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -208,9 +212,10 @@ class HFModel(TinyModel):
         x = self.embed[batch.tokens]
         page = batch.page_table[batch.seq, batch.positions // page_size]
         off = batch.positions % page_size
+        tables, rope = PassTables(batch), self._rope_tables(batch.positions)
         for i, lw in enumerate(self.layers):
-            att = self._attention(_rms32(x, lw["attn_norm"], eps), lw, batch, cache[i], page,
-                                  off, page_size)
+            att = self._attention(_rms32(x, lw["attn_norm"], eps), lw, tables, rope, cache[i],
+                                  page, off, page_size)
             out = self.tp.all_reduce(att @ lw["wo"])
             x = x + (out + lw["bo"] if "bo" in lw else out)
             self._layer_done(i, on_layer)
@@ -223,7 +228,7 @@ class HFModel(TinyModel):
         self._end_pass()
         return x
 
-    def _attention(self, a, lw, batch, buf, page, off, page_size):
+    def _attention(self, a, lw, tables, rope, buf, page, off, page_size):
         t, d, eps = a.shape[0], self.arch.head_dim, self.arch.rms_eps
         q, k, v = a @ lw["wq"], a @ lw["wk"], a @ lw["wv"]
         if "bq" in lw:
@@ -231,10 +236,10 @@ class HFModel(TinyModel):
         q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
         if "q_norm" in lw:  # Qwen3: per-head RMSNorm of q and k before RoPE
             q, k = _rms32(q, lw["q_norm"], eps), _rms32(k, lw["k_norm"], eps)
-        q, k = self._rope(q, batch.positions), self._rope(k, batch.positions)
+        q, k = self._rope(q, *rope), self._rope(k, *rope)
         buf[page, 0, :, off, :] = k.to(buf.dtype)
         buf[page, 1, :, off, :] = v.to(buf.dtype)
-        return self._attend(q, buf, batch, page_size)
+        return self._attend(q, buf, tables, page_size)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (_rms32(hidden, self.final_norm, self.arch.rms_eps) @ self.lm_head).cpu()

@@ -194,16 +194,61 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE on the last dim of x [T, ..., d] at `positions` [T]."""
-    d = x.shape[-1]
-    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
-    ang = positions.to(torch.float64)[:, None] * inv[None, :]
-    shape = [x.shape[0]] + [1] * (x.dim() - 2) + [d // 2]
-    cos = ang.cos().to(x.dtype).view(shape)
-    sin = ang.sin().to(x.dtype).view(shape)
-    a, b = x[..., : d // 2], x[..., d // 2 :]
-    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+class _Rotary:
+    """Rotate-half RoPE at one pass's positions: cos/sin are computed once per forward pass
+    and applied to every layer's q and k, with the same values as computing them for each.
+    With `PassTables`, a CPU decode step of the tiny-local model went from about 1,390 torch
+    ops to 1,100 and from 1.25 to 1.0 ms (docs/benchmark.md, "Seventh round"): on a CPU,
+    such small ops cost their dispatch, not their arithmetic."""
+
+    def __init__(self, positions: torch.Tensor, dim: int, theta: float,
+                 dtype: torch.dtype) -> None:
+        inv = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device)
+                        / dim)
+        ang = positions.to(torch.float64)[:, None] * inv[None, :]
+        self.cos, self.sin = ang.cos().to(dtype), ang.sin().to(dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, ..., dim] rotated at the pass's positions."""
+        d = x.shape[-1]
+        shape = [x.shape[0]] + [1] * (x.dim() - 2) + [d // 2]
+        cos, sin = self.cos.view(shape), self.sin.view(shape)
+        a, b = x[..., : d // 2], x[..., d // 2 :]
+        return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
+class PassTables:
+    """What torch attention reads the same way in every layer of one forward pass: where each
+    cached entry lives and which keys each query sees, built on first use, once per pass
+    instead of once per layer (see `_Rotary`)."""
+
+    def __init__(self, batch: Batch) -> None:
+        self.batch = batch
+        self._where: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._mask: torch.Tensor | None = None
+
+    def where(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page id, offset) of cached entry l of every sequence: [B, L] each, L = longest
+        kv_len."""
+        if self._where is None:
+            b = self.batch
+            pos = torch.arange(b.kv_max or int(b.kv_len.max()), device=b.page_table.device)
+            pid = b.page_table[:, pos // page_size]
+            self._where = pid, (pos % page_size).expand_as(pid)
+        return self._where
+
+    def mask(self) -> torch.Tensor:
+        """[B, 1, q_max, L]: key position <= query position (causal, within kv_len)."""
+        if self._mask is None:
+            b = self.batch
+            dev = b.positions.device
+            qpos = torch.full((b.page_table.shape[0], b.q_max), -1, dtype=torch.long,
+                              device=dev)
+            qpos[b.seq, b.slot] = b.positions
+            length = b.kv_max or int(b.kv_len.max())
+            self._mask = (torch.arange(length, device=dev)[None, None, :]
+                          <= qpos[:, :, None])[:, None]
+        return self._mask
 
 
 class _Weights:
@@ -387,12 +432,16 @@ class TinyModel:
         x = self.embed[batch.tokens]
         page = batch.page_table[batch.seq, batch.positions // page_size]
         off = batch.positions % page_size
+        cfg = self.cfg
+        tables = PassTables(batch)
+        rotary = _Rotary(batch.positions, cfg.head_dim if cfg.attention == "gqa"
+                         else cfg.qk_rope_dim, cfg.rope_theta, cfg.torch_dtype)
         for i, lw in enumerate(self.layers):
             a = _rms(x, lw["attn_norm"])
-            if self.cfg.attention == "gqa":
-                att = self._gqa(a, lw, batch, cache[i], page, off, page_size)
+            if cfg.attention == "gqa":
+                att = self._gqa(a, lw, tables, rotary, cache[i], page, off, page_size)
             else:
-                att = self._mla(a, lw, batch, cache[i], page, off, page_size)
+                att = self._mla(a, lw, tables, rotary, cache[i], page, off, page_size)
             x = x + self.tp.all_reduce(att @ lw["wo"])
             self._layer_done(i, on_layer)
             m = _rms(x, lw["mlp_norm"])
@@ -415,12 +464,9 @@ class TinyModel:
 
     # -- attention ---------------------------------------------------------------------------
 
-    def _gather(self, buf: torch.Tensor, batch: Batch, page_size: int) -> torch.Tensor:
+    def _gather(self, buf: torch.Tensor, tables: PassTables, page_size: int) -> torch.Tensor:
         """Cached entries of every sequence: [B, L, parts, heads, dim] (L = longest kv_len)."""
-        length = batch.kv_max or int(batch.kv_len.max())
-        pos = torch.arange(length, device=batch.page_table.device)
-        pid = batch.page_table[:, pos // page_size]
-        off = (pos % page_size).expand_as(pid)
+        pid, off = tables.where(page_size)
         return buf[pid, :, :, off, :].to(self.cfg.torch_dtype)
 
     def _pad_q(self, q: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -429,64 +475,56 @@ class TinyModel:
         out[batch.seq, batch.slot] = q
         return out
 
-    def _mask(self, batch: Batch, length: int) -> torch.Tensor:
-        """[B, 1, q_max, L]: key position <= query position (causal, within kv_len)."""
-        dev = batch.positions.device
-        qpos = torch.full((batch.page_table.shape[0], batch.q_max), -1, dtype=torch.long,
-                          device=dev)
-        qpos[batch.seq, batch.slot] = batch.positions
-        return (torch.arange(length, device=dev)[None, None, :] <= qpos[:, :, None])[:, None]
-
     def _softmax_av(
-        self, scores: torch.Tensor, v: torch.Tensor, batch: Batch
+        self, scores: torch.Tensor, v: torch.Tensor, tables: PassTables
     ) -> torch.Tensor:
         """scores [B, H, q, L], v [B, L, H, dv] → [T, H*dv]."""
-        scores = scores.masked_fill(~self._mask(batch, scores.shape[-1]), float("-inf"))
+        b = tables.batch
+        scores = scores.masked_fill(~tables.mask(), float("-inf"))
         p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padding rows have no keys
-        out = torch.einsum("bhql,blhd->bqhd", p, v)[batch.seq, batch.slot]
+        out = torch.einsum("bhql,blhd->bqhd", p, v)[b.seq, b.slot]
         return out.reshape(out.shape[0], -1)
 
-    def _gqa(self, a, lw, batch, buf, page, off, page_size):
-        cfg, t = self.cfg, a.shape[0]
-        d = cfg.head_dim
-        q = _rope((a @ lw["wq"]).view(t, -1, d), batch.positions, cfg.rope_theta)
-        k = _rope((a @ lw["wk"]).view(t, -1, d), batch.positions, cfg.rope_theta)
+    def _gqa(self, a, lw, tables, rotary, buf, page, off, page_size):
+        t, d = a.shape[0], self.cfg.head_dim
+        q = rotary((a @ lw["wq"]).view(t, -1, d))
+        k = rotary((a @ lw["wk"]).view(t, -1, d))
         v = (a @ lw["wv"]).view(t, -1, d)
         buf[page, 0, :, off, :] = k.to(buf.dtype)
         buf[page, 1, :, off, :] = v.to(buf.dtype)
-        return self._attend(q, buf, batch, page_size)
+        return self._attend(q, buf, tables, page_size)
 
-    def _attend(self, q: torch.Tensor, buf: torch.Tensor, batch: Batch,
+    def _attend(self, q: torch.Tensor, buf: torch.Tensor, tables: PassTables,
                 page_size: int) -> torch.Tensor:
         """GQA attention of q [T, hq, d] over the pages of `buf` ([pages, 2, hkv, P, d], this
         pass's K/V already written) → [T, hq*d]: FlashInfer for a decode pass on cuda
         (`_begin` planned it), else torch over the gathered pages."""
-        d = q.shape[-1]
+        d, batch = q.shape[-1], tables.batch
         if self.decode_attention is not None and batch.q_max == 1:
             return self.decode_attention.run(q, buf).reshape(q.shape[0], -1)
-        kv = self._gather(buf, batch, page_size)  # [B, L, 2, hkv, d]
+        kv = self._gather(buf, tables, page_size)  # [B, L, 2, hkv, d]
         keys = kv[:, :, 0][:, :, self.kv_map]  # [B, L, hq, d]
         vals = kv[:, :, 1][:, :, self.kv_map]
         scores = torch.einsum("bqhd,blhd->bhql", self._pad_q(q, batch), keys) / math.sqrt(d)
-        return self._softmax_av(scores, vals, batch)
+        return self._softmax_av(scores, vals, tables)
 
-    def _mla(self, a, lw, batch, buf, page, off, page_size):
-        cfg, t = self.cfg, a.shape[0]
+    def _mla(self, a, lw, tables, rotary, buf, page, off, page_size):
+        cfg, t, batch = self.cfg, a.shape[0], tables.batch
         rank, nope, rope, dv = cfg.kv_lora_rank, cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim
         q = (a @ lw["wq"]).view(t, -1, nope + rope)
-        q_nope, q_rope = q[..., :nope], _rope(q[..., nope:], batch.positions, cfg.rope_theta)
+        q_nope, q_rope = q[..., :nope], rotary(q[..., nope:])
         kv_a = a @ lw["wkv_a"]
         latent = _rms(kv_a[:, :rank], lw["kv_norm"])
-        k_rope = _rope(kv_a[:, rank:], batch.positions, cfg.rope_theta)
+        k_rope = rotary(kv_a[:, rank:])
         buf[page, 0, 0, off, :] = torch.cat([latent, k_rope], dim=-1).to(buf.dtype)
-        cached = self._gather(buf, batch, page_size)[:, :, 0, 0, :]  # [B, L, rank+rope]
+        cached = self._gather(buf, tables, page_size)[:, :, 0, 0, :]  # [B, L, rank+rope]
         b, length = cached.shape[:2]
         up = (cached[..., :rank] @ lw["wkv_b"]).view(b, length, -1, nope + dv)
         k_nope, vals = up[..., :nope], up[..., nope:]
         qn, qr = self._pad_q(q_nope, batch), self._pad_q(q_rope, batch)
         scores = torch.einsum("bqhd,blhd->bhql", qn, k_nope)
         scores = scores + torch.einsum("bqhd,bld->bhql", qr, cached[..., rank:])
-        return self._softmax_av(scores / math.sqrt(nope + rope), vals, batch)
+        return self._softmax_av(scores / math.sqrt(nope + rope), vals, tables)
 
 
 def _cols(w: torch.Tensor, heads: range, d: int) -> torch.Tensor:
