@@ -353,14 +353,21 @@ def test_bytes_in_flight_are_capped(provider):
                               src.reshape(n, page))
 
 
+@pytest.mark.parametrize("news", [False, True], ids=["wait-returns", "news-pipe"])
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_receive_lanes_count_into_one_slot_table(provider):
+def test_receive_lanes_count_into_one_slot_table(provider, news):
     """A sender spreading operations over two receive lanes (an owner endpoint and a lane
     counting into the owner's slots from its own C thread): every operation lands once,
     byte-exact, both lanes carry some, the owner's wait_complete sees a slot the LANE
-    completed, and a stale generation arriving on the lane is fenced there."""
+    completed, and a stale generation arriving on the lane is fenced there. With a news pipe
+    (as a decode messenger sets its engine's doorbell), the slot's completion is one byte on
+    the pipe, written by whichever thread counted the last operation, and wait_complete does
+    not return for it."""
     cap, page, n, k = 4 * PAGE, PAGE, 48, 2   # 2 pages per lane in flight: lanes alternate
     nops = n // k
+    news_r, news_w = os.pipe()
+    os.set_blocking(news_r, False)
+    os.set_blocking(news_w, False)
     with Endpoint(provider, max_inflight_bytes=cap, **ep_kwargs(provider)) as a, \
             Endpoint(provider, **ep_kwargs(provider)) as owner, owner.open_lane() as lane:
         src = np.random.default_rng(5).integers(0, 256, n * page, dtype=np.uint8)
@@ -375,6 +382,8 @@ def test_receive_lanes_count_into_one_slot_table(provider):
         targets = np.zeros(owner.max_slots, dtype=np.uint32)
         targets[7] = nops
         owner.watch_targets(targets)
+        if news:
+            owner.set_news_fd(news_w)
         owner.arm(7, 3)
         owner.set_active(True)
         seen: list[int] = []
@@ -400,7 +409,18 @@ def test_receive_lanes_count_into_one_slot_table(provider):
         owner.set_active(False)
         assert lane.progress_stalled_s < 1.0  # between polls, or inside a short one
         assert lane.stop_progress() and lane.progress_stalled_s == 0.0
-        assert int(owner.recv_counts[7]) == nops and 1 in seen
+        assert int(owner.recv_counts[7]) == nops
+        try:
+            rung = os.read(news_r, 64)
+        except BlockingIOError:
+            rung = b""
+        owner.set_news_fd(-1)
+        os.close(news_r)
+        os.close(news_w)
+        if news:  # told once, through the pipe only
+            assert rung == b"\0" and 1 not in seen, (rung, seen)
+        else:
+            assert rung == b"" and 1 in seen, (rung, seen)
         assert lane.stale_writes == 3 and owner.stale_writes == 0
         assert owner.remote_writes > 0 and lane.remote_writes - 3 > 0
         assert owner.remote_writes + lane.remote_writes == nops + 3

@@ -1025,6 +1025,15 @@ class Endpoint:
         each wait. The fd must stay open as long as the endpoint does."""
         _lib.pd_set_ctl_fd(self._live(), int(fd))
 
+    def set_news_fd(self, fd: int) -> None:
+        """Decoder (the lanes' owner): when a slot watched by `watch_targets` reaches its
+        target, whichever thread counted the last write (a `wait_complete` or a lane) writes a
+        byte to `fd` (the write end of a non-blocking pipe the engine polls), and
+        `wait_complete` no longer returns for it: the engine learns of a finished transfer
+        without a hand-off through the messenger thread. -1: no more. The fd must stay open
+        as long as the endpoint does."""
+        _lib.pd_set_news_fd(self._live(), int(fd))
+
     @property
     def fd_wakes(self) -> int:
         """Sleeps on the wait fd that work from the provider or a wake-fd byte ended."""
@@ -1041,8 +1050,8 @@ class Endpoint:
         _lib.pd_set_active(self._live(), int(on))
 
     def wait_complete(self, bell: np.ndarray, bell_seen: int, timeout: float) -> int:
-        """Poll (in C) until a watched slot reaches its target (1), `bell[0]` differs from
-        `bell_seen` (2) or `timeout` seconds pass (0)."""
+        """Poll (in C) until a watched slot reaches its target (1; not with `set_news_fd`),
+        `bell[0]` differs from `bell_seen` (2) or `timeout` seconds pass (0)."""
         with self._lock:
             ret = _lib.pd_wait_complete(self._calls(), _ffi.cast("int64_t *", bell.ctypes.data),
                                         bell_seen, int(timeout * 1e9))

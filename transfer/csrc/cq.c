@@ -3,6 +3,7 @@
    bounded waits built on that drain. */
 #include <sched.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "pd_internal.h"
 
@@ -57,6 +58,22 @@ size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max) {
     return n;
 }
 
+/* A watched slot of `o` reached its target. With a news fd (pd_set_news_fd) the engine is told
+   from this thread, whichever counted the last write (the owner's wait or a lane): the
+   owner's wait then keeps polling in C instead of returning to its messenger thread, which
+   took the GIL and handed the news on, one more wake-up on the way to the first token
+   (docs/benchmark.md, "Seventh round"). Without one, the owner's wait returns. */
+static void pd_slot_complete(pd_ep *o) {
+    int fd = __atomic_load_n(&o->news_fd, __ATOMIC_ACQUIRE);
+    if (fd >= 0) {
+        char byte = 0;
+        ssize_t w = write(fd, &byte, 1);  /* non-blocking pipe; full: news is pending anyway */
+        (void)w;
+    } else {
+        __atomic_store_n(&o->completed, 1, __ATOMIC_RELEASE);
+    }
+}
+
 static void pd_count_remote(pd_ep *ep, uint64_t data) {
     uint32_t imm = (uint32_t)data;
     uint32_t slot = imm >> 16;
@@ -68,7 +85,7 @@ static void pd_count_remote(pd_ep *ep, uint64_t data) {
         /* atomic: the owner's thread and its lanes' threads count the same slots */
         uint32_t c = __atomic_add_fetch(&o->recv_counts[slot], 1, __ATOMIC_ACQ_REL);
         const uint32_t *t = __atomic_load_n(&o->recv_target, __ATOMIC_ACQUIRE);
-        if (t && c == t[slot]) __atomic_store_n(&o->completed, 1, __ATOMIC_RELEASE);
+        if (t && c == t[slot]) pd_slot_complete(o);
     } else
         ep->stale++;
 }

@@ -69,7 +69,7 @@ int pd_ep_open(pd_ep **out, pd_dom *dom, uint32_t ctx_pool, size_t cq_size,
        arrive instead of after a blind backoff (kick.c: pd_sleep_ns). Asked of tcp only, where
        it was measured; shm refuses one, and verbs/efa (the NIC moves the bytes) keep
        FI_WAIT_NONE, as does tcp if it refuses. */
-    ep->wait_fd = ep->wake_fd = ep->ctl_fd = -1;
+    ep->wait_fd = ep->wake_fd = ep->ctl_fd = ep->news_fd = -1;
     const char *prov = fi->fabric_attr->prov_name;
     cq_attr.wait_obj = prov && strncmp(prov, "tcp", 3) == 0 ? FI_WAIT_FD : FI_WAIT_NONE;
     if (cq_attr.wait_obj == FI_WAIT_FD && fi_cq_open(dom->domain, &cq_attr, &ep->cq, NULL) == 0) {

@@ -142,6 +142,7 @@ int pd_progress_start(pd_ep *ep, int64_t sleep_ns);
 int pd_progress_stop(pd_ep *ep, int64_t timeout_ns);
 int64_t pd_progress_stalled_ns(pd_ep *ep);
 int pd_wait_complete(pd_ep *ep, const int64_t *bell, int64_t bell_seen, int64_t timeout_ns);
+void pd_set_news_fd(pd_ep *ep, int fd);
 
 /* kick.c: the decoder sleeps on a shared word the prefill bumps after posting writes (shm) */
 void pd_set_kick(pd_ep *ep, uint32_t *word, int64_t max_sleep_ns, int change_only);

@@ -94,6 +94,8 @@ struct pd_ep {
     uint64_t fd_wakes;         /* sleeps on wait_fd that incoming work or a command ended */
     int ctl_fd;                /* a control socket's readiness fd (ZMQ_FD): pd_wait_change's
                                   kicked sleeps poll it with wake_fd instead of the futex */
+    int news_fd;               /* decoder (owner): a byte goes here when a watched slot's count
+                                  reaches its target, instead of setting `completed` */
     /* context pool */
     struct pd_ctx *ctx;
     uint32_t ctx_n;

@@ -88,10 +88,15 @@ int64_t pd_progress_stalled_ns(pd_ep *ep) {
     return since ? pd_now_ns() - since : 0;
 }
 
+/* The owner's news fd: the read end of the engine's doorbell pipe is polled by the engine;
+   this is its write end (non-blocking), -1: none. It must stay open as long as the endpoint. */
+void pd_set_news_fd(pd_ep *ep, int fd) { __atomic_store_n(&ep->news_fd, fd, __ATOMIC_RELEASE); }
+
 /* The decoder's wait while transfers are being counted: drive progress (on shm this thread
-   does the copies) until some slot's count reaches its target (1), the engine rang *bell (2),
-   or the timeout (0). Returning only then keeps the Python loop out of the copy path: one
-   return per completed request instead of one per short slice. */
+   does the copies) until some slot's count reaches its target (1; not with a news fd, which
+   tells the engine directly), the engine rang *bell (2), or the timeout (0). Returning only
+   then keeps the Python loop out of the copy path: one return per completed request (or
+   none) instead of one per short slice. */
 int pd_wait_complete(pd_ep *ep, const int64_t *bell, int64_t bell_seen, int64_t timeout_ns) {
     const volatile int64_t *vb = bell;
     int64_t deadline = pd_now_ns() + timeout_ns;

@@ -321,13 +321,13 @@ class Doorbell:
     decoder's REQUEST and the start of its prefill)."""
 
     def __init__(self) -> None:
-        self.fd, self._wfd = os.pipe()
+        self.fd, self.write_fd = os.pipe()
         os.set_blocking(self.fd, False)
-        os.set_blocking(self._wfd, False)
+        os.set_blocking(self.write_fd, False)  # C rings it too (`Endpoint.set_news_fd`)
 
     def ring(self) -> None:
         with contextlib.suppress(OSError):  # pipe full: a wake-up is pending anyway
-            os.write(self._wfd, b"\0")
+            os.write(self.write_fd, b"\0")
 
     def clear(self) -> None:
         _drain(self.fd)
@@ -339,7 +339,7 @@ class Doorbell:
         return bool(ready)
 
     def __del__(self) -> None:  # not at close: a late ring must never hit a reused fd
-        for fd in (self.fd, self._wfd):
+        for fd in (self.fd, self.write_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
 

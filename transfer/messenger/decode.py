@@ -25,7 +25,10 @@ allocated (non-evictable), the engine calls `submit`; the messenger
    writes per page summed over its source slices, plus one per aux buffer; the prefill groups
    up to `writes_per_op` consecutive page writes of a slice into one RMA operation, which lands
    as one completion, so the count is per operation) and hands the request to the engine
-   (`ready()`) exactly when `recv_counts[slot]` reaches it. No completion message.
+   (`ready()`) exactly when `recv_counts[slot]` reaches it. No completion message. Whichever
+   thread counts the last write (a receive lane's, or this messenger's wait, both in C) writes
+   the engine's doorbell pipe itself, and `ready()`/`status()` read the count: the messenger
+   thread is not on the way to the first token (docs/messenger.md).
 
 Failure handling. A transfer fails on its timeout, on an ABORTED from any prefill rank, on a
 prefill rank silent for `peer_timeout_s` (its lease: this side stops being sure it is alive),
@@ -112,7 +115,8 @@ class DecodeMessenger(MessengerThread):
 
     role = "decode"
     # longest C wait while writes are due: control messages and timers wait at most this
-    # (commands ring the bell, a completed transfer returns at once). Each return costs a
+    # (commands ring the bell; a completed transfer rings the engine from C, and the thread
+    # settles its slot at its next return). Each return costs a
     # Python round (~0.2 ms of a loaded core) while a prefill computes for the same request
     # on the same cores: at 2 ms that was a tenth of a core per decoder
     POLL_SLICE_S = 0.02
@@ -188,22 +192,32 @@ class DecodeMessenger(MessengerThread):
         return self._silent
 
     def status(self, rid: str) -> TransferState:
-        """Any thread: the latest state; `received` is read live from the counters."""
+        """Any thread: the latest state; `received` is read live from the counters, and a
+        transfer whose count reached exactly the expected number is SUCCESS from that moment
+        (the messenger thread settles its slot at its next return)."""
         with self._lock:
             st = self._states.get(rid)
         if st is None:
             raise KeyError(f"rid: unknown request {rid!r}")
-        if st.slot >= 0 and self._counts is not None and st.status in (
+        counts = self._counts
+        if st.slot >= 0 and counts is not None and st.status in (
                 TransferStatus.PENDING, TransferStatus.TRANSFERRING):
-            received = int(self._counts[st.slot])
-            status = TransferStatus.TRANSFERRING if received else st.status
+            received = int(counts[st.slot])
+            status = (TransferStatus.SUCCESS if received == st.expected > 0 else
+                      TransferStatus.TRANSFERRING if received else st.status)
             return TransferState(rid, status, st.reason, received, st.expected, st.slot)
         return st
 
     def ready(self) -> set[str]:
-        """Level-triggered: requests whose every expected write landed (until `release`)."""
+        """Level-triggered: requests whose every expected write landed (until `release`). The
+        thread that counted the last write rang `news` (`Endpoint.set_news_fd`); a count past
+        the expected number is a protocol error the messenger thread fails."""
+        counts = self._counts
         with self._lock:
-            return {r for r, s in self._states.items() if s.status is TransferStatus.SUCCESS}
+            return {r for r, s in self._states.items() if s.status is TransferStatus.SUCCESS
+                    or (s.status in (TransferStatus.PENDING, TransferStatus.TRANSFERRING)
+                        and counts is not None and s.slot >= 0
+                        and int(counts[s.slot]) == s.expected > 0)}
 
     def failed(self) -> set[str]:
         """Level-triggered: failed requests whose pages are safe to free (until `release`)."""
@@ -321,6 +335,7 @@ class DecodeMessenger(MessengerThread):
         self._slots = SlotTable(cfg.max_inflight, self._ep.recv_counts, self._ep.recv_gen,
                                 cfg.quarantine_grace_s)
         self._ep.watch_targets(self._slots.expected)
+        self._ep.set_news_fd(self.news.write_fd)  # a count reaching its target tells the engine
         self._counts = self._ep.recv_counts
         self._stale = 0
         codec = self._codec = Envelope(cfg.secret, self.identity, MESSENGER)
