@@ -129,6 +129,17 @@ if os.environ.get("PDTOOL_HOPS"):
               logged("prefill.request_in", lambda peer, b, now: b.get("rid", "")))
         _wrap(prefill.PrefillMessenger, "_queue_aux",
               logged("prefill.last_writes", lambda x: x.rid))
+        _wrap(prefill.PrefillMessenger, "_cmd_finish",
+              logged("prefill.cmd_finish", lambda rid, rows: rid))
+
+        def flushed(orig, self):
+            last = {q[0].rid for q in self._queued if q[0].aux_sent}  # a prompt's last writes
+            out = orig(self)
+            for rid in last:
+                _log("prefill.flushed", rid)
+            return out
+
+        _wrap(prefill.PrefillMessenger, "_flush_writes", flushed)
         # the count reaching its target is seen in C (the receive lane rings the decode
         # engine's doorbell itself): no Python point to stamp between the writes and `ready`
 
