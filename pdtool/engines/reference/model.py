@@ -29,6 +29,7 @@ step; either way the text is the greedy one, so the hidden state changes speed, 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -197,9 +198,10 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 class _Rotary:
     """Rotate-half RoPE at one pass's positions: cos/sin are computed once per forward pass
     and applied to every layer's q and k, with the same values as computing them for each.
-    With `PassTables`, a CPU decode step of the tiny-local model went from about 1,390 torch
-    ops to 1,100 and from 1.25 to 1.0 ms (docs/benchmark.md, "Seventh round"): on a CPU,
-    such small ops cost their dispatch, not their arithmetic."""
+    With `PassTables` and the fused attention of `_attend`, a CPU decode step of the
+    tiny-local model went from about 1,390 torch ops to 950 and from 1.1-2.7 to 0.9-1.0 ms
+    (docs/benchmark.md, "Seventh round"): on a CPU such small ops cost their dispatch, not
+    their arithmetic, and a decode instance pays that cost cold."""
 
     def __init__(self, positions: torch.Tensor, dim: int, theta: float,
                  dtype: torch.dtype) -> None:
@@ -503,10 +505,25 @@ class TinyModel:
         if self.decode_attention is not None and batch.q_max == 1:
             return self.decode_attention.run(q, buf).reshape(q.shape[0], -1)
         kv = self._gather(buf, tables, page_size)  # [B, L, 2, hkv, d]
-        keys = kv[:, :, 0][:, :, self.kv_map]  # [B, L, hq, d]
-        vals = kv[:, :, 1][:, :, self.kv_map]
-        scores = torch.einsum("bqhd,blhd->bhql", self._pad_q(q, batch), keys) / math.sqrt(d)
-        return self._softmax_av(scores, vals, tables)
+        keys, vals = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, hkv, L, d]
+        if not self._grouped_heads:
+            keys, vals = keys[:, self.kv_map], vals[:, self.kv_map]  # [B, hq, L, d]
+        # one fused op for scores, mask, softmax and values: the same arithmetic as spelling
+        # them out (float64 results agree to 1e-15) in a third of the CPU time per layer
+        out = torch.nn.functional.scaled_dot_product_attention(
+            self._pad_q(q, batch).transpose(1, 2), keys, vals, attn_mask=tables.mask(),
+            scale=1.0 / math.sqrt(d), enable_gqa=self._grouped_heads)
+        out = out.transpose(1, 2)[batch.seq, batch.slot]  # padding rows (no keys) dropped
+        return out.reshape(out.shape[0], -1)
+
+    @functools.cached_property
+    def _grouped_heads(self) -> bool:
+        """Whether local query head i reads local KV head i // (q heads / KV heads), the
+        grouping `scaled_dot_product_attention(enable_gqa=True)` does without copying keys
+        (true of every split `ShardSpec.heads_of` makes; else `kv_map` picks them)."""
+        hq, hkv = len(self.kv_map), len(self.kv_heads)
+        return hq % hkv == 0 and torch.equal(
+            self.kv_map, torch.arange(hq, device=self.kv_map.device) // (hq // hkv))
 
     def _mla(self, a, lw, tables, rotary, buf, page, off, page_size):
         cfg, t, batch = self.cfg, a.shape[0], tables.batch
