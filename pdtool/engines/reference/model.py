@@ -198,10 +198,10 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 class _Rotary:
     """Rotate-half RoPE at one pass's positions: cos/sin are computed once per forward pass
     and applied to every layer's q and k, with the same values as computing them for each.
-    With `PassTables` and the fused attention of `_attend`, a CPU decode step of the
-    tiny-local model went from about 1,390 torch ops to 950 and from 1.1-2.7 to 0.9-1.0 ms
-    (docs/benchmark.md, "Seventh round"): on a CPU such small ops cost their dispatch, not
-    their arithmetic, and a decode instance pays that cost cold."""
+    With `PassTables`, the fused attention of `_attend` and the fused projections, a CPU
+    decode step of the tiny-local model went from about 1,390 torch ops to 890 and took about
+    half as long (docs/benchmark.md, "Seventh round"): on a CPU such small ops cost their
+    dispatch, not their arithmetic, and a decode instance pays that cost cold."""
 
     def __init__(self, positions: torch.Tensor, dim: int, theta: float,
                  dtype: torch.dtype) -> None:
@@ -511,7 +511,7 @@ class TinyModel:
         if not self._grouped_heads:
             keys, vals = keys[:, self.kv_map], vals[:, self.kv_map]  # [B, hq, L, d]
         # one fused op for scores, mask, softmax and values: the same arithmetic as spelling
-        # them out (float64 results agree to 1e-15) in a third of the CPU time per layer
+        # them out (float64 results agree to 1e-15) in under half the CPU time per layer
         out = torch.nn.functional.scaled_dot_product_attention(
             self._pad_q(q, batch).transpose(1, 2), keys, vals, attn_mask=tables.mask(),
             scale=1.0 / math.sqrt(d), enable_gqa=self._grouped_heads)
