@@ -9,8 +9,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# the tiny-local model prefilling 2,000 tokens in 16-token passes, twice; prints the minor page
-# faults of the second prefill (the first one grows the heap either way)
+# the tiny-local-mla model prefilling 2,000 tokens in 16-token passes, twice; prints the minor
+# page faults of the second prefill (the first one grows the heap either way). MLA: its
+# attention still spells out the scores and up-projects the cached latents every layer, large
+# temporaries that grow with the context; GQA attention is one fused call since the seventh
+# round (docs/benchmark.md) and frees little enough that glibc's defaults fault a few hundred
+# pages per prefill where they faulted 55,000-190,000 before
 PREFILL = """
 import resource, sys, torch
 from pdtool.engines.reference.cache import PagedKV
@@ -22,7 +26,7 @@ from pdtool.render import prepare
 torch.set_num_threads(1)
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
-_cfg, plan, _findings = prepare(["+recipe=tiny-local"])
+_cfg, plan, _findings = prepare(["+recipe=tiny-local-mla"])
 inst = plan.role_instances("prefill")[0]
 cfg = model_config(model_fields(plan.model, inst.kv_dtype, "prefill"))  # as serve._start_rank
 P = inst.page_size

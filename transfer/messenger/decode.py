@@ -107,6 +107,16 @@ class _Xfer:
         self.clock = self.submitted
 
 
+_COUNTING = (TransferStatus.PENDING, TransferStatus.TRANSFERRING)
+
+
+def _landed(st: TransferState, counts: np.ndarray | None) -> bool:
+    """Every write a transfer still being counted expects landed: it is SUCCESS from this
+    moment for the engine, before the messenger thread settles its slot."""
+    return (st.status in _COUNTING and counts is not None and st.slot >= 0
+            and int(counts[st.slot]) == st.expected > 0)
+
+
 class DecodeMessenger(MessengerThread):
     """See the module docstring. `kv_buffers`: one tensor per layer (or per layer and K/V with
     `buffers_per_layer=2`), all of the documented 5-D `layout`; `aux_buffers`: tensors of
@@ -200,10 +210,9 @@ class DecodeMessenger(MessengerThread):
         if st is None:
             raise KeyError(f"rid: unknown request {rid!r}")
         counts = self._counts
-        if st.slot >= 0 and counts is not None and st.status in (
-                TransferStatus.PENDING, TransferStatus.TRANSFERRING):
+        if st.slot >= 0 and counts is not None and st.status in _COUNTING:
             received = int(counts[st.slot])
-            status = (TransferStatus.SUCCESS if received == st.expected > 0 else
+            status = (TransferStatus.SUCCESS if _landed(st, counts) else
                       TransferStatus.TRANSFERRING if received else st.status)
             return TransferState(rid, status, st.reason, received, st.expected, st.slot)
         return st
@@ -214,10 +223,8 @@ class DecodeMessenger(MessengerThread):
         the expected number is a protocol error the messenger thread fails."""
         counts = self._counts
         with self._lock:
-            return {r for r, s in self._states.items() if s.status is TransferStatus.SUCCESS
-                    or (s.status in (TransferStatus.PENDING, TransferStatus.TRANSFERRING)
-                        and counts is not None and s.slot >= 0
-                        and int(counts[s.slot]) == s.expected > 0)}
+            return {r for r, s in self._states.items()
+                    if s.status is TransferStatus.SUCCESS or _landed(s, counts)}
 
     def failed(self) -> set[str]:
         """Level-triggered: failed requests whose pages are safe to free (until `release`)."""
