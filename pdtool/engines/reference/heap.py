@@ -5,9 +5,10 @@ chunks are freed, up to 32 MiB) with its own mapping and unmaps it on free, and 
 top of the heap back to the kernel once more than the trim threshold lies free there. A forward
 pass allocates and frees the same temporaries every layer (gathered pages, attention scores),
 so every pass faulted them back in page by page: 55,000 to 190,000 minor page faults per
-2,000-token prefill of the tiny model, about a third of its time on the dev box (GQA attention
-has since become one fused call that frees much less, a few hundred faults by default; the MLA
-variant's attention still faults about 60,000 times). With the mmap
+2,000-token prefill of the tiny model, about a third of its time on the dev box. (Since GQA
+attention became one fused call, glibc's raised thresholds often absorb what a pass frees: 30
+to 90,000 faults per such prefill depending on the order its first chunks came and went.)
+With the mmap
 threshold at glibc's maximum and no trimming, the heap keeps those pages and, after the first
 prompt, a prefill takes no faults. The price is that a rank's heap stays at its largest
 footprint, which a serving process reaches again with the next long prompt anyway (the role
