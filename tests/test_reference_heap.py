@@ -15,7 +15,7 @@ PREFILL = """
 import resource, sys, torch
 from pdtool.engines.reference.cache import PagedKV
 from pdtool.engines.reference.fromplan import model_fields
-from pdtool.engines.reference.heap import keep_freed_memory
+from pdtool.engines.reference.heap import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, keep_freed_memory
 from pdtool.engines.reference.model import Batch
 from pdtool.engines.reference.models import build_model, model_config
 from pdtool.render import prepare
@@ -27,7 +27,7 @@ else:  # glibc's starting thresholds, held (setting them stops glibc from raisin
     # times here depending on the order the first prompt's chunks came and went)
     import ctypes, ctypes.util
     mallopt = ctypes.CDLL(ctypes.util.find_library("c") or None).mallopt
-    assert mallopt(-3, 128 << 10) and mallopt(-1, 128 << 10)  # M_MMAP_, M_TRIM_THRESHOLD
+    assert mallopt(M_MMAP_THRESHOLD, 128 << 10) and mallopt(M_TRIM_THRESHOLD, 128 << 10)
 _cfg, plan, _findings = prepare(["+recipe=tiny-local"])
 inst = plan.role_instances("prefill")[0]
 cfg = model_config(model_fields(plan.model, inst.kv_dtype, "prefill"))  # as serve._start_rank
@@ -55,7 +55,7 @@ def _faults(mode: str) -> int:
 
 
 def test_a_rank_heap_keeps_the_pages_a_forward_pass_frees() -> None:
-    default, kept = _faults("default"), _faults("keep")
+    default, kept = _faults("held"), _faults("keep")
     # at glibc's starting thresholds a pass's large temporaries are unmapped and the heap
     # trimmed, so the pass faults them back in page by page (88,000-104,000 faults here);
     # kept, the second prefill finds them mapped
