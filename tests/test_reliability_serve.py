@@ -391,7 +391,9 @@ def test_secret_is_0600_and_never_written_anywhere_else(launched):
 
 # ----------------------------------------------------------------------------- decode death
 def test_front_fails_requests_of_a_dead_decode_instance_promptly(tmp_path):
-    dep, url, leaders, _model = deployment(tmp_path / "dep", decoders=2)
+    # the messengers declare a silent peer dead after 2 s: the prefill must still be computing
+    # the long prompt below when it gives up its writes (2 x that after the death)
+    dep, url, leaders, _model = deployment(tmp_path / "dep", decoders=2, peer_timeout_s=2.0)
     dep.start()
     try:
         secret = dep.specs[0].secret_hex  # handed over in 0600 files, not on command lines
@@ -410,8 +412,9 @@ def test_front_fails_requests_of_a_dead_decode_instance_promptly(tmp_path):
         time.sleep(0.5)
         # and a long prompt straight to decode instance 1: the prefill is still computing it
         # when that decoder dies, and must stop (free its pages) instead of finishing it. Its
-        # writes to the dead decoder are given up 2 x peer_timeout_s (10 s) after the death, so
-        # the prompt must take longer than that to compute (8000 tokens sometimes did not):
+        # writes to the dead decoder are given up 2 x peer_timeout_s (4 s) after the death, so
+        # the prompt must take longer than that to compute (8000 tokens at 10 s sometimes did
+        # not, nor 12000 once attention was fused):
         # 12000 tokens = 3000 of the decoder's 4096 pages, next to the other request's
         _, health = get_json(f"{leaders[2]}/health")
         wire = Wire(bytes.fromhex(secret))

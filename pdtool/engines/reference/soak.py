@@ -117,13 +117,15 @@ def run_soak(url: str, leaders: list[str], pids: list[int], model: dict[str, Any
     return res
 
 
-def deployment(log_dir: Path, decoders: int = 2) -> tuple[Deployment, str, list[str], dict]:
+def deployment(log_dir: Path, decoders: int = 2, peer_timeout_s: float = 5.0
+               ) -> tuple[Deployment, str, list[str], dict]:
     """1 prefill (TP1) + `decoders` decode instances (TP1) + the front, from RankSpecs (no
     supervisor: a test may kill one process and watch the others). Not started yet; returns
     (deployment, front URL, leaders' base URLs prefill first, model fields)."""
     secret, model = new_secret(), {"attention": "gqa"}
     p_http, f_http = free_port(), free_port()
     mess = {"provider": "shm", "prefill_tp": 1, "decode_tp": 1, "timeout_s": 60.0,
+            "peer_timeout_s": peer_timeout_s,
             "prefill": [{"health": f"http://127.0.0.1:{p_http}/health"}]}
     common = {"secret_hex": secret, "messenger": mess, "model": model, "page_size": 4,
               "chunk": 16}
