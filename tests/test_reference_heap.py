@@ -15,19 +15,17 @@ PREFILL = """
 import resource, sys, torch
 from pdtool.engines.reference.cache import PagedKV
 from pdtool.engines.reference.fromplan import model_fields
-from pdtool.engines.reference.heap import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, keep_freed_memory
+from pdtool.engines.reference.heap import MMAP_THRESHOLD_START as START, keep_freed_memory, \
+    set_heap_thresholds
 from pdtool.engines.reference.model import Batch
 from pdtool.engines.reference.models import build_model, model_config
 from pdtool.render import prepare
 torch.set_num_threads(1)
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
-else:  # glibc's starting thresholds, held (setting them stops glibc from raising them as it
-    # sees large chunks freed, which makes its defaults fault anywhere from 30 to 90,000
-    # times here depending on the order the first prompt's chunks came and went)
-    import ctypes, ctypes.util
-    mallopt = ctypes.CDLL(ctypes.util.find_library("c") or None).mallopt
-    assert mallopt(M_MMAP_THRESHOLD, 128 << 10) and mallopt(M_TRIM_THRESHOLD, 128 << 10)
+else:  # glibc's starting thresholds, held: left to adapt, glibc raises them as it sees large
+    # chunks freed and absorbs most of what this prefill frees (a few hundred faults)
+    assert set_heap_thresholds(START, START)
 _cfg, plan, _findings = prepare(["+recipe=tiny-local"])
 inst = plan.role_instances("prefill")[0]
 cfg = model_config(model_fields(plan.model, inst.kv_dtype, "prefill"))  # as serve._start_rank

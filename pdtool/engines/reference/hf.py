@@ -29,7 +29,7 @@ import torch
 from transfer.routes import ShardSpec
 
 from .checkpoint import Arch, read_arch
-from .model import _DTYPES, TP, Batch, PassTables, TinyModel, _cols, _rows
+from .model import _DTYPES, TP, Batch, PassTables, TinyModel, _cols, _rows, check_head_groups
 from .tokenizer import eos_ids
 
 
@@ -185,9 +185,7 @@ class HFModel(TinyModel):
         head = self.embed if a.tied or "lm_head.weight" not in w else get("lm_head.weight")
         self.lm_head = head.T.contiguous()
         self.inv_freq = inv_freq(a)
-        group = a.num_q_heads // a.num_kv_heads
-        self.kv_map = torch.tensor([h // group - self.kv_heads.start for h in self.q_heads],
-                                   dtype=torch.long)
+        check_head_groups(self.q_heads, self.kv_heads, a.num_q_heads // a.num_kv_heads)
         self.eos_ids = frozenset(eos_ids(Path(cfg.path)))
         self.tokens_seen = 0
 

@@ -29,7 +29,6 @@ step; either way the text is the greedy one, so the hidden state changes speed, 
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -353,11 +352,7 @@ class TinyModel:
         self.logit_bias = full.logit_bias
         self.mtp = (full.mtp_norm_h, full.mtp_norm_e, full.mtp_proj)
         if cfg.attention == "gqa":
-            group = cfg.num_q_heads // cfg.num_kv_heads
-            # local kv index read by each local q head
-            self.kv_map = torch.tensor(
-                [h // group - self.kv_heads.start for h in self.q_heads], dtype=torch.long
-            )
+            check_head_groups(self.q_heads, self.kv_heads, cfg.num_q_heads // cfg.num_kv_heads)
         self.tokens_seen = 0  # every token any forward pass of this model has processed
 
     # -- device ----------------------------------------------------------------------------
@@ -508,24 +503,14 @@ class TinyModel:
             return self.decode_attention.run(q, buf).reshape(q.shape[0], -1)
         kv = self._gather(buf, tables, page_size)  # [B, L, 2, hkv, d]
         keys, vals = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, hkv, L, d]
-        if not self._grouped_heads:
-            keys, vals = keys[:, self.kv_map], vals[:, self.kv_map]  # [B, hq, L, d]
         # one fused op for scores, mask, softmax and values: the same arithmetic as spelling
-        # them out (float64 results agree to 1e-15) in under half the CPU time per layer
+        # them out (float64 results agree to 1e-15) in under half the CPU time per layer; the
+        # grouped query heads read their KV head without copies (check_head_groups)
         out = torch.nn.functional.scaled_dot_product_attention(
             self._pad_q(q, batch).transpose(1, 2), keys, vals, attn_mask=tables.mask(),
-            scale=1.0 / math.sqrt(d), enable_gqa=self._grouped_heads)
+            scale=1.0 / math.sqrt(d), enable_gqa=True)
         out = out.transpose(1, 2)[batch.seq, batch.slot]  # padding rows (no keys) dropped
         return out.reshape(out.shape[0], -1)
-
-    @functools.cached_property
-    def _grouped_heads(self) -> bool:
-        """Whether local query head i reads local KV head i // (q heads / KV heads), the
-        grouping `scaled_dot_product_attention(enable_gqa=True)` does without copying keys
-        (true of every split `ShardSpec.heads_of` makes; else `kv_map` picks them)."""
-        hq, hkv = len(self.kv_map), len(self.kv_heads)
-        return hq % hkv == 0 and torch.equal(
-            self.kv_map, torch.arange(hq, device=self.kv_map.device) // (hq // hkv))
 
     def _mla(self, a, lw, tables, rotary, buf, page, off, page_size):
         cfg, t, batch = self.cfg, a.shape[0], tables.batch
@@ -544,6 +529,18 @@ class TinyModel:
         scores = torch.einsum("bqhd,blhd->bhql", qn, k_nope)
         scores = scores + torch.einsum("bqhd,bld->bhql", qr, cached[..., rank:])
         return self._softmax_av(scores / math.sqrt(nope + rope), vals, tables)
+
+
+def check_head_groups(q_heads: range, kv_heads: range, group: int) -> None:
+    """Local query head i must read local KV head i // (local q heads / local KV heads), the
+    grouping `scaled_dot_product_attention(enable_gqa=True)` applies. Every split
+    `ShardSpec.heads_of` makes (contiguous, or one replicated KV head per rank) has it: a
+    layout without it is refused here rather than attended wrongly."""
+    hq, hkv = len(q_heads), len(kv_heads)
+    if hkv == 0 or hq % hkv or any(h // group - kv_heads.start != i // (hq // hkv)
+                                   for i, h in enumerate(q_heads)):
+        raise ValueError(f"query heads {q_heads} do not group over KV heads {kv_heads} "
+                         f"({group} query heads per KV head)")
 
 
 def _cols(w: torch.Tensor, heads: range, d: int) -> torch.Tensor:
