@@ -108,8 +108,11 @@ class Served:
         self.model = {"attention": attention}
         self.secret = new_secret()
         p_dist, p_http, f_http = free_port(), free_port(), free_port()
+        # announce every 8 KiB of KV (a chunk or two of these tiny models per rank): the
+        # prompts below stream their pages mid-prompt, where the default waits for their ends
         mess = {"provider": "shm", "prefill_tp": ptp, "decode_tp": dtp, "timeout_s": 60.0,
-                "prefill": [{"health": f"http://127.0.0.1:{p_http}/health"}]}
+                "prefill": [{"health": f"http://127.0.0.1:{p_http}/health"}],
+                "announce_bytes": 8 << 10}
         common = {"secret_hex": self.secret, "messenger": mess, "model": self.model,
                   "page_size": 4, "chunk": CHUNK}
         specs = [RankSpec(role="prefill", tp=ptp, rank=r, dist_port=p_dist, http_port=p_http,

@@ -853,18 +853,22 @@ class PrefillMessenger(MessengerThread):
             self._abort(x, reason)
 
     def _progress(self) -> None:
-        """Queue every layer the progress word says is in the cache (`_queue_write`)."""
+        """Queue every layer the progress word says is in the cache (`_queue_write`). The
+        passes this wake-up covers (several, when the engine announced only every few: see
+        the reference engine's `ANNOUNCE_EVERY_S`) go as one range per request and layer, so
+        the Python that holds the engine's GIL here grows with requests x layers, not with
+        passes (a 2,000-token prompt's wake-up covered seven 16-token passes)."""
         word = int(self.progress[0])
         cur, layers = word >> PASS_SHIFT, min(word & LAYER_MASK, self.num_layers)
         L = self.num_layers
+        ends: dict[str, list[int]] = {}  # rid -> per layer, the end page now in the cache
         while self._passes:
             p = self._passes[0]
             level = L if p.pid < cur else (layers if p.pid == cur else 0)
             while p.layers < level:
-                for rid, lo, hi in p.chunks:
-                    x = self._reqs.get(rid)
-                    if x is not None and x.state == "sending":
-                        self._send_layer(x, p.layers, lo, hi)
+                for rid, _lo, hi in p.chunks:
+                    end = ends.setdefault(rid, [0] * L)
+                    end[p.layers] = max(end[p.layers], hi)
                 p.layers += 1
             if p.layers < L:
                 break
@@ -873,11 +877,18 @@ class PrefillMessenger(MessengerThread):
                 if x is not None:
                     x.pages_ready = max(x.pages_ready, hi)
             self._passes.pop(0)
+        for rid, end in ends.items():
+            x = self._reqs.get(rid)
+            if x is not None and x.state == "sending":
+                for layer, hi in enumerate(end):
+                    if hi:
+                        self._send_layer(x, layer, hi)
         # queued only: _check_requests, next, submits them with any aux rows in one call
 
-    def _send_layer(self, x: _Req, layer: int, lo: int, hi: int) -> None:
-        """Pages [lo, hi) of `layer` are in the cache: queue every whole operation they
-        complete (all of them at the prompt's end), per destination, slice and layer buffer."""
+    def _send_layer(self, x: _Req, layer: int, hi: int) -> None:
+        """Pages [0, hi) of `layer` are in the cache: queue every whole operation they
+        complete that is not queued yet (all of them at the prompt's end), per destination,
+        slice and layer buffer."""
         bpl = self.config.buffers_per_layer
         for d in x.dests:
             for pl in d.plans:

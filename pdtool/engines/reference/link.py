@@ -207,7 +207,12 @@ class PrefillSide(_Side):
         self.num_layers = self.m.num_layers
         self._todo: dict[str, int] = {}  # rid -> prompt tokens prefilled (all but the last)
         self._finishing = 0  # requests the current pass ends that have not had `finish` yet
-        self._announced = 0.0  # when layer_done last woke the messenger thread
+        # this rank's KV bytes per prompt token, and those computed since the last announcement
+        self._token_bytes = sum(b.nbytes for b in kv.buffers) // (kv.pages.num_pages
+                                                                  * kv.page_size)
+        self._pass_bytes = 0
+        self._unannounced = 0
+        self.announce_bytes = int(spec.messenger.get("announce_bytes", self.ANNOUNCE_BYTES))
         addrs = [self.m.address]
         if spec.tp > 1:  # the lead publishes every rank's control address in /health
             addrs = [""] * spec.tp
@@ -228,11 +233,15 @@ class PrefillSide(_Side):
     def begin(self, chunks: list[tuple[str, int, int]]) -> None:
         self.m.begin_pass(chunks)
         self._finishing = sum(1 for rid, _lo, hi in chunks if hi == self._todo.get(rid))
+        self._pass_bytes = sum(hi - lo for _rid, lo, hi in chunks) * self._token_bytes
 
-    # a pass that ends no prompt wakes the messenger thread only this long after the last one
-    # that did: every wake-up takes the GIL from this thread mid pass (docs/benchmark.md,
-    # "Sixth round"), and only the last pass's writes are on the way to the first token
-    ANNOUNCE_EVERY_S = 0.02
+    # a pass that ends no prompt wakes the messenger thread only once this much KV was
+    # computed since it last woke (the RankSpec's messenger["announce_bytes"] may set it:
+    # tests do, to stream short prompts pass by pass). What is left for the prompt's end is
+    # then at most this, about a millisecond of writes on shm, while every wake-up stalled
+    # the engine thread (its GIL) about half a millisecond (docs/benchmark.md, "Eighth
+    # round"): at 2,000 tokens, 40-55 wake-ups per prompt had cost it 11-23 ms.
+    ANNOUNCE_BYTES = 4 << 20
 
     def layer_done(self, layer: int) -> None:
         """Announce the pass's layers to the messenger once, after the last. Per layer, its
@@ -241,17 +250,17 @@ class PrefillSide(_Side):
         against 0.97 s aggregated). On CPU the layers' pages are written right after the pass
         instead, one pass later at most (docs/benchmark.md). A pass that ends some prompt
         announces its last layer only after their `finish`: the thread then wakes once for
-        that layer and the hidden states. A pass that ends none announces only if
-        ANNOUNCE_EVERY_S went since the last announcement; the next announced pass's word
-        (or the next pass's start) tells the thread that the ones between are in the cache
-        too, and their pages go in that wake-up."""
+        that layer and the hidden states. A pass that ends none announces only once
+        ANNOUNCE_BYTES of KV were computed since the last announcement; the next announced
+        pass's word (or the next pass's start) tells the thread that the ones between are in
+        the cache too, and their pages go in that wake-up."""
         if layer == self.num_layers - 1 and not self._finishing:
-            now = time.monotonic()
-            if now - self._announced >= self.ANNOUNCE_EVERY_S:
-                self._announce(layer, now)
+            self._unannounced += self._pass_bytes
+            if self._unannounced >= self.announce_bytes:
+                self._announce(layer)
 
-    def _announce(self, layer: int, now: float) -> None:
-        self._announced = now
+    def _announce(self, layer: int) -> None:
+        self._unannounced = 0
         self.m.layer_done(layer)
 
     def finish(self, rid: str, hidden: torch.Tensor) -> None:
@@ -261,7 +270,7 @@ class PrefillSide(_Side):
             self._finishing -= 1
             if self._finishing <= 0:  # the pass's last finish: its last layer goes now
                 self._finishing = 0
-                self._announce(self.num_layers - 1, time.monotonic())
+                self._announce(self.num_layers - 1)
 
     def done(self) -> set[str]:
         return self.m.done()
