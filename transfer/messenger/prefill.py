@@ -200,8 +200,11 @@ class PrefillMessenger(MessengerThread):
     # control socket and the command pipe (`Endpoint.set_ctl_fd`): nothing it serves comes
     # without waking it, so this bounds only the timers, whose deadlines are seconds. At
     # WAIT_SLICE_S, a 2,000-token prefill's thread came back to Python twice per forward
-    # pass, and its engine thread spent a tenth of each pass waiting for the GIL.
-    ENGINE_WAIT_S = 0.05
+    # pass, and its engine thread spent a tenth of each pass waiting for the GIL; at 50 ms,
+    # once the engine announced only every 4 MiB, these returns were most of the thread's
+    # rounds, and the engine thread still stalled 5-9 ms per 2,000-token prompt (2-4 ms at
+    # 0.25 s; docs/benchmark.md, "Eighth round").
+    ENGINE_WAIT_S = 0.25
 
     def __init__(self, config: PrefillConfig, kv_buffers: Sequence[Any], layout: str = "HND",
                  aux_buffers: Sequence[Any] = (), progress: np.ndarray | None = None) -> None:
