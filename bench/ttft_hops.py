@@ -60,6 +60,10 @@ HOPS = (  # (name, from event, to event)
 )
 
 
+PASS_ROWS = ("prefill passes, wall", "prefill passes, engine thread CPU",
+             "  stalled (off core, waiting for GIL)", "prefill messenger rounds (count)")
+
+
 def ports() -> list[str]:
     from pdtool.engines.reference.local import free_port, free_port_run
 
@@ -255,16 +259,25 @@ def measure(isls: list[int], n: int, overrides: list[str]) -> dict:
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
     events: list[tuple[str, str, float]] = []
+    spans: list[tuple[str, str, float, float, int]] = []  # forward passes, messenger rounds
     for line in Path(hops).read_text().splitlines():
-        ev, rid, t = line.split()
-        events.append((ev, rid, float(t)))
+        f = line.split()
+        if len(f) == 5:
+            spans.append((f[0], f[1], float(f[2]), float(f[3]), int(f[4])))
+        else:
+            events.append((f[0], f[1], float(f[2])))
     os.unlink(hops)
-    return {"client": client, "events": events, "alone": alone, "cpu": cpu}
+    return {"client": client, "events": events, "spans": spans, "alone": alone, "cpu": cpu}
 
 
-def breakdown(client: list[tuple[float, float]], events: list) -> dict[str, float]:
-    """Median milliseconds per hop; each request is the window [send, first token]."""
+def breakdown(client: list[tuple[float, float]], events: list,
+              spans: list) -> dict[str, float]:
+    """Median milliseconds per hop; each request is the window [send, first token]. Also,
+    per request, the prefill engine's forward passes (wall, thread CPU, and the difference:
+    the engine thread off its core or waiting for the GIL) and the prefill messenger
+    thread's rounds in the window."""
     per: dict[str, list[float]] = {name: [] for name, _, _ in HOPS}
+    passes: dict[str, list[float]] = {k: [] for k in PASS_ROWS}
     ttft = []
     for t0, t1 in client:
         seen = {"client.send": t0, "client.first": t1}
@@ -275,7 +288,16 @@ def breakdown(client: list[tuple[float, float]], events: list) -> dict[str, floa
         for name, a, b in HOPS:
             if a in seen and b in seen:
                 per[name].append(seen[b] - seen[a])
+        mine = [s for s in spans if s[0] == "pass" and s[1].startswith("prefill")
+                and t0 <= s[2] and s[3] <= t1]
+        if mine:
+            wall, cpu = sum(s[3] - s[2] for s in mine), sum(s[4] for s in mine) / 1e9
+            rounds = sum(1 for s in spans if s[0] == "step" and t0 <= s[3] <= t1)
+            ms = (1000 * wall, 1000 * cpu, 1000 * (wall - cpu), rounds)  # the last a count
+            for key, v in zip(PASS_ROWS, ms, strict=True):
+                passes[key].append(v)
     out = {name: 1000 * statistics.median(v) for name, v in per.items() if v}
+    out.update({name: statistics.median(v) for name, v in passes.items() if v})
     out["TTFT (client)"] = 1000 * statistics.median(ttft)
     return out
 
@@ -291,7 +313,7 @@ def main() -> int:
     doc = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
            "load": os.getloadavg(), "requests": args.requests, "by_isl": {}}
     for isl in args.isl:
-        table = breakdown(got["client"][isl], got["events"])
+        table = breakdown(got["client"][isl], got["events"], got["spans"])
         alone = got["alone"][isl]
         chunked = 1000 * statistics.median(a[0] for a in alone)
         table["in-process, chunked prefill + step"] = chunked

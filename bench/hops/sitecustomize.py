@@ -143,9 +143,43 @@ if os.environ.get("PDTOOL_HOPS"):
         # the count reaching its target is seen in C (the receive lane rings the decode
         # engine's doorbell itself): no Python point to stamp between the writes and `ready`
 
+    def _install_passes() -> None:
+        """Every forward pass as `pass <process> <start> <end> <thread CPU ns>`, and every
+        round of the prefill messenger thread as `step prefill <start> <end> 0`: a pass's
+        wall time minus its CPU time is how long the engine thread was off its core or
+        waiting for the GIL (in an aggregated instance, about nothing), and the rounds are
+        what takes the GIL from it."""
+        import sys
+
+        from pdtool.engines.reference import model
+        from transfer.messenger import prefill
+
+        args = sys.argv
+        who = (args[args.index("--role") + 1] + args[args.index("--instance") + 1]
+               if "--role" in args and "--instance" in args else "main")
+        forward = model.TinyModel.forward
+
+        def timed_forward(self, *a, **k):
+            c0, t0 = time.thread_time_ns(), time.perf_counter()
+            out = forward(self, *a, **k)
+            t1, c1 = time.perf_counter(), time.thread_time_ns()
+            os.write(_fd, f"pass {who} {t0:.7f} {t1:.7f} {c1 - c0}\n".encode())
+            return out
+
+        model.TinyModel.forward = timed_forward
+
+        def step(orig, self):
+            t0 = time.perf_counter()
+            out = orig(self)
+            os.write(_fd, f"step {who} {t0:.7f} {time.perf_counter():.7f} 0\n".encode())
+            return out
+
+        _wrap(prefill.PrefillMessenger, "_step", step)
+
     import contextlib
 
     _install()
     with contextlib.suppress(ImportError):  # needs torch and libfabric: not in every process
         _install_links()
         _install_messengers()
+        _install_passes()
