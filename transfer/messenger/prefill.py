@@ -857,10 +857,10 @@ class PrefillMessenger(MessengerThread):
 
     def _progress(self) -> None:
         """Queue every layer the progress word says is in the cache (`_queue_write`). The
-        passes this wake-up covers (several, when the engine announced only every few: see
-        the reference engine's `ANNOUNCE_EVERY_S`) go as one range per request and layer, so
-        the Python that holds the engine's GIL here grows with requests x layers, not with
-        passes (a 2,000-token prompt's wake-up covered seven 16-token passes)."""
+        passes this wake-up covers (several, when the engine announces only every few: the
+        reference engine's `ANNOUNCE_BYTES`) go as one range per request and layer, so the
+        Python that holds the engine's GIL here grows with requests x layers, not with
+        passes (the tiny model's 2,000-token prompt is 125 passes, announced once)."""
         word = int(self.progress[0])
         cur, layers = word >> PASS_SHIFT, min(word & LAYER_MASK, self.num_layers)
         L = self.num_layers
