@@ -575,6 +575,28 @@ def test_wait_change_returns_when_another_thread_writes_a_word():
             ep.wait_change(np.zeros(1, np.int32), 0)
 
 
+def test_a_kicked_wait_for_the_engine_ignores_a_word_change_without_a_kick():
+    """Where the engine kicks when it announces layers, the progress word moving without a
+    kick (a pass beginning) does not end the wait: returning for it took the engine's GIL
+    once per pass while write completions kept the wait polling. The kick, or a command (the
+    bell), does; without kicks (a GPU stream writes the word) the change alone does."""
+    from transfer.fabric import kick
+
+    with Endpoint("shm") as ep:
+        word, bell = np.ones(1, np.int64), np.zeros(1, np.int64)  # moved since seen (0)
+        kick_word = np.zeros(1, np.uint32)
+        ep.set_kick(kick_word, WAIT_S, change_only=True)
+        assert not ep.wait_change(word, 0, bell, 0, timeout=0.05)
+        t = threading.Timer(0.02, lambda: kick(kick_word))
+        t.start()
+        assert ep.wait_change(word, 0, bell, 0, timeout=WAIT_S)
+        t.join()
+        bell[0] = 1
+        assert ep.wait_change(word, 1, bell, 0, timeout=WAIT_S)
+        ep.set_kick(None)
+        assert ep.wait_change(word, 0, bell, 1, timeout=WAIT_S)
+
+
 def test_a_kicked_wait_for_the_engine_also_ends_on_its_control_socket_and_pipe():
     """A prefill messenger whose engine kicks waits for the engine with the control socket's
     readiness fd and the command pipe watched (set_ctl_fd), so its sleep can outlast the

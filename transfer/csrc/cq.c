@@ -208,17 +208,23 @@ int pd_wait_idle_or_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const in
    control socket (pd_set_ctl_fd) may have a message. Meant for waits on COMPUTE (a prefill
    forward pass): after a few empty polls it sleeps `sleep_ns` per poll, so the waiting
    thread neither spins a core the engine needs nor holds the GIL (a Python loop calling
-   poll() did both). */
+   poll() did both). When the changes that matter come with a kick (pd_kicked_change: the
+   engine kicks when it announces layers), a change of *a without one (a pass beginning)
+   does not end the wait: while write completions kept this loop polling, returning for it
+   cost the engine thread's GIL 14-19 times per 2,000-token prompt. */
 int pd_wait_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const int64_t *b, int64_t b_seen,
                    int64_t sleep_ns, int64_t timeout_ns) {
     const volatile int64_t *va = a, *vb = b;
     int64_t deadline = pd_now_ns() + timeout_ns;
     unsigned spins = 0;
+    int kicked_only = pd_kicked_change(ep);
+    uint32_t start = pd_kick_seen(ep);
     for (;;) {
         uint32_t kicked = pd_kick_seen(ep);  /* before the checks: no kick is lost */
         int p = pd_poll(ep, PD_CQ_BATCH);
         if (p < 0) return p;
-        if ((va && *va != a_seen) || (vb && *vb != b_seen)) return 1;
+        if ((va && *va != a_seen && (!kicked_only || kicked != start)) || (vb && *vb != b_seen))
+            return 1;
         if (pd_now_ns() > deadline) return 0;
         if (p > 0) { spins = 0; continue; }
         if (pd_kicked_change(ep) && spins >= PD_KICKED_SPINS) {
