@@ -213,6 +213,10 @@ class PrefillSide(_Side):
         self._pass_bytes = 0
         self._unannounced = 0
         self.announce_bytes = int(spec.messenger.get("announce_bytes", self.ANNOUNCE_BYTES))
+        # on a GPU the stream writes the progress word itself (model.progress_writer) and the
+        # host never announces: the messenger's waits then watch the word instead of sleeping
+        # until an announcement's kick, which would hold mid-prompt pages back
+        self._host_progress = getattr(model, "progress_writer", None) is None
         addrs = [self.m.address]
         if spec.tp > 1:  # the lead publishes every rank's control address in /health
             addrs = [""] * spec.tp
@@ -264,6 +268,9 @@ class PrefillSide(_Side):
         self.m.layer_done(layer)
 
     def finish(self, rid: str, hidden: torch.Tensor) -> None:
+        if not self._host_progress:  # the stream wrote the pass's layers: the rows wake it
+            self.m.finish(rid, [hidden.to(torch.float32).contiguous()])
+            return
         try:
             self.m.finish(rid, [hidden.to(torch.float32).contiguous()], wake=False)
         finally:
