@@ -49,6 +49,11 @@ CONFIGS = {
     "gqa-tp4-tp1": ("gqa", 4, 1, 1),  # 2 KV heads on 4 ranks: replicated, random sources
     "gqa-tp1-tp2": ("gqa", 1, 2, 1),
     "mla-tp2-tp1": ("mla", 2, 1, 1),
+    # as gqa-tp2-tp1, but the prefill announces every 8 KiB of KV (a chunk or two of this
+    # tiny model per rank; RankSpec.messenger["announce_bytes"]), so the prompts below stream
+    # their pages mid-prompt, where the default (4 MiB, which the plan keeps) waits for their
+    # ends
+    "gqa-tp2-tp1-streamed": ("gqa", 2, 1, 1),
 }
 
 
@@ -108,11 +113,10 @@ class Served:
         self.model = {"attention": attention}
         self.secret = new_secret()
         p_dist, p_http, f_http = free_port(), free_port(), free_port()
-        # announce every 8 KiB of KV (a chunk or two of these tiny models per rank): the
-        # prompts below stream their pages mid-prompt, where the default waits for their ends
         mess = {"provider": "shm", "prefill_tp": ptp, "decode_tp": dtp, "timeout_s": 60.0,
-                "prefill": [{"health": f"http://127.0.0.1:{p_http}/health"}],
-                "announce_bytes": 8 << 10}
+                "prefill": [{"health": f"http://127.0.0.1:{p_http}/health"}]}
+        if name.endswith("-streamed"):
+            mess["announce_bytes"] = 8 << 10
         common = {"secret_hex": self.secret, "messenger": mess, "model": self.model,
                   "page_size": 4, "chunk": CHUNK}
         specs = [RankSpec(role="prefill", tp=ptp, rank=r, dist_port=p_dist, http_port=p_http,
@@ -188,7 +192,8 @@ def _check_exact(s: Served, prompts: list[str], max_tokens: list[int], workers: 
     return bodies
 
 
-@pytest.mark.parametrize("name", ["gqa-tp2-tp1", "gqa-tp4-tp1", "mla-tp2-tp1", "gqa-tp1-tp2"])
+@pytest.mark.parametrize("name", ["gqa-tp2-tp1", "gqa-tp4-tp1", "mla-tp2-tp1", "gqa-tp1-tp2",
+                                  "gqa-tp2-tp1-streamed"])
 def test_token_exact_across_tp(served, name):
     s = served(name)
     prompts = [*_prompts(5, seed=7, lo=40, hi=140), "ab", "x"]

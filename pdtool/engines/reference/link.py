@@ -208,8 +208,7 @@ class PrefillSide(_Side):
         self._todo: dict[str, int] = {}  # rid -> prompt tokens prefilled (all but the last)
         self._finishing = 0  # requests the current pass ends that have not had `finish` yet
         # this rank's KV bytes per prompt token, and those computed since the last announcement
-        self._token_bytes = sum(b.nbytes for b in kv.buffers) // (kv.pages.num_pages
-                                                                  * kv.page_size)
+        self._token_bytes = kv.page_bytes() * len(kv.buffers) // kv.page_size
         self._pass_bytes = 0
         self._unannounced = 0
         self.announce_bytes = int(spec.messenger.get("announce_bytes", self.ANNOUNCE_BYTES))
