@@ -26,7 +26,11 @@ round so background load hits all of them alike:
 
 Timing: from just before the first submission to when the target has seen all pages (its
 completion count / notification, stamped with CLOCK_MONOTONIC, which both processes share) and
-the initiator's local completions are in. Best of `--rounds` rounds per cell. The table also
+the initiator's local completions are in. Each round measures every system once, in a fixed
+order (a raw binding right before the messenger on the same provider); a ratio is the median
+over `--rounds` rounds of each round's figure over its baseline of the same round, and GB/s is
+the median of the rounds. (Until 2026-12-03 each cell kept its best round, so a ratio compared
+two different phases of a VM whose speed drifts by 30-50 % within minutes.) The table also
 prints CPU seconds per GiB (copy; fabric initiator and target): on a shared 2-core box wall-clock
 GB/s mostly says how much CPU the processes got, while CPU s/GiB says what a transfer costs.
 
@@ -40,16 +44,15 @@ Targets (checked in the table and the JSON's "targets"): messenger on shm >= 0.8
 two-thread copy at 64 KiB and >= 0.9x at 1 MiB, its CPU s/GiB (prefill + decode) <= 1.2x the
 copy's; on tcp;ofi_rxm at least the raw binding's GB/s.
 
-Seen on the 2-core dev box (2026-11-30 17:21 UTC, `--rounds 3`, load average 1.2; GB/s at
-64 KiB / 1 MiB, best of 3 rounds): copy 6.06 / 7.29, fabric shm 5.31 / 5.86, fabric tcp
-4.27 / 4.66, messenger shm 6.92 / 7.59 (1.14x / 1.04x the copy), messenger tcp 3.78 / 4.08
+Seen on the 2-core dev box (2026-11-30 17:21 UTC, `--rounds 3`, load average 1.2; GB/s at 64 KiB
+/ 1 MiB, best of 3 rounds, the method of then): copy 6.06 / 7.29, fabric shm 5.31 / 5.86, fabric
+tcp 4.27 / 4.66, messenger shm 6.92 / 7.59 (1.14x / 1.04x the copy), messenger tcp 3.78 / 4.08
 (2.9x / 2.6x Mooncake), NIXL-UCX 4.79 / 4.86, Mooncake-TCP 1.31 / 1.58. Pages go 4 to an RMA
 operation (the providers' iov limit): before that the raw binding on tcp at 64 KiB ran 2.5 GB/s.
-Wall clock swings by 20-30% between runs on a shared box; CPU s/GiB is steadier: copy
-0.18 / 0.16, fabric shm target 0.20 / 0.18 (the target does the CMA copy), messenger shm decode
-0.23 / 0.19 (both lanes together), prefill 0.04 / 0.06. The messenger beats the single-threaded
-copy on shm because its two lanes copy on two cores at the same CPU cost per GiB.
-"""
+Wall clock swings by 20-30% between runs on a shared box; CPU s/GiB is steadier: copy 0.18 /
+0.16, fabric shm target 0.20 / 0.18 (the target does the CMA copy), messenger shm decode 0.23 /
+0.19 (both lanes together), prefill 0.04 / 0.06. The messenger beats the single-threaded copy on
+shm because its two lanes copy on two cores at the same CPU cost per GiB. """
 
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ import importlib.util
 import json
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -492,13 +496,49 @@ def run_messenger(provider: str, src: np.ndarray, region: int) -> Any:
 # ------------------------------------------------------------------ driver
 @dataclass
 class Results:
-    gbps: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Every round's figure per system and cell, kept in round order: a figure is compared
+    with its baseline of the SAME round (measured seconds apart), and the run reports the
+    median over rounds of those paired ratios. This VM's speed drifts by 30-50 % within
+    minutes, so best-of-N per system compared two different phases of the machine."""
+
+    rounds: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # GB/s per round
+    cpu_rounds: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
-    cpu: dict[str, tuple[float, float]] = field(default_factory=dict)  # last round's
 
     def add(self, system: str, cell: str, value: float) -> None:
-        row = self.gbps.setdefault(system, {})
-        row[cell] = max(row.get(cell, 0.0), value)
+        self.rounds.setdefault(system, {}).setdefault(cell, []).append(value)
+
+    def add_cpu(self, name: str, per_gib: tuple[float, float]) -> None:
+        self.cpu_rounds.setdefault(name, []).append(per_gib)
+
+    @property
+    def gbps(self) -> dict[str, dict[str, float]]:
+        """Median GB/s over the rounds, per system and cell."""
+        return {s: {c: statistics.median(v) for c, v in row.items()}
+                for s, row in self.rounds.items()}
+
+    @property
+    def cpu(self) -> dict[str, tuple[float, float]]:
+        """Median CPU s/GiB over the rounds (initiator, target), per system and cell."""
+        return {k: (statistics.median(a for a, _ in v), statistics.median(b for _, b in v))
+                for k, v in self.cpu_rounds.items()}
+
+    def ratio(self, a: tuple[str, str], b: tuple[str, str]) -> float | None:
+        """Median over rounds of a / b, each round's a against the same round's b; None when
+        either was not measured. A system that failed mid-run has its first rounds only, so
+        the lists pair by round index up to the shorter."""
+        xs, ys = self.rounds.get(a[0], {}).get(a[1]), self.rounds.get(b[0], {}).get(b[1])
+        if not xs or not ys:
+            return None
+        return statistics.median(x / y for x, y in zip(xs, ys, strict=False) if y > 0)
+
+    def cpu_ratio(self, a: str, b: str) -> float | None:
+        """Median over rounds of a's CPU s/GiB (both sides) / b's initiator's, paired."""
+        xs, ys = self.cpu_rounds.get(a), self.cpu_rounds.get(b)
+        if not xs or not ys:
+            return None
+        pairs = [sum(x) / y[0] for x, y in zip(xs, ys, strict=False) if y[0] > 0]
+        return statistics.median(pairs) if pairs else None
 
 
 def _cell(provider: str, page: int) -> str:
@@ -542,7 +582,7 @@ def _measure(runners: dict[tuple[str, str], Any], key: tuple[str, str], w: Workl
         res.add(system, _cell(prov, w.page), gbps(w.nbytes, seconds))
         cpu = getattr(runners[key], "cpu_per_gib", None)
         if cpu is not None:
-            res.cpu[f"{system}/{_cell(prov, w.page)}"] = cpu
+            res.add_cpu(f"{system}/{_cell(prov, w.page)}", cpu)
 
 
 def run(args: argparse.Namespace) -> Results:
@@ -571,11 +611,11 @@ def run(args: argparse.Namespace) -> Results:
                 if "copy" in systems:
                     secs, cpu = run_copy(src, dst, w)
                     res.add("copy", _cell("memcpy", page), gbps(w.nbytes, secs))
-                    res.cpu[f"copy/{_cell('memcpy', page)}"] = (cpu * GIB / w.nbytes, 0.0)
+                    res.add_cpu(f"copy/{_cell('memcpy', page)}", (cpu * GIB / w.nbytes, 0.0))
                 if "copy2" in systems:
                     secs, cpu = run_copy_threads(src, dst, w)
                     res.add("copy2", _cell("memcpy", page), gbps(w.nbytes, secs))
-                    res.cpu[f"copy2/{_cell('memcpy', page)}"] = (cpu * GIB / w.nbytes, 0.0)
+                    res.add_cpu(f"copy2/{_cell('memcpy', page)}", (cpu * GIB / w.nbytes, 0.0))
                 for key in list(runners):
                     _measure(runners, key, w, res)
                     if args.verbose:
@@ -587,25 +627,28 @@ def run(args: argparse.Namespace) -> Results:
 
 
 def report(res: Results, pages: list[int]) -> str:
-    """The table: GB/s per system and cell, with its ratio to the two-thread copy (`copy2`,
-    the 2-core box's real limit) where that ran, else to the one-thread copy; CPU s/GiB; the
-    issue's targets checked on what was measured; what could not run and why."""
-    base_sys = "copy2" if "copy2" in res.gbps else "copy"
-    lines = [f"ratios against {base_sys} ({'two' if base_sys == 'copy2' else 'one'}-thread "
-             f"copy of the same pages, same run)",
+    """The table: median GB/s per system and cell over the rounds, with the median of its
+    per-round ratios to the two-thread copy (`copy2`, the 2-core box's real limit) where that
+    ran, else to the one-thread copy; CPU s/GiB; the issue's targets checked on what was
+    measured; what could not run and why."""
+    base_sys = "copy2" if "copy2" in res.rounds else "copy"
+    lines = [f"GB/s: median of the rounds; ratio: median of each round's ratio to {base_sys} "
+             f"({'two' if base_sys == 'copy2' else 'one'}-thread copy of the same pages) "
+             f"of the same round",
              f"{'system':<22}" + "".join(f"{_size(p):>22}" for p in pages)]
-    copy = res.gbps.get(base_sys, {})
-    for system, row in res.gbps.items():
+    gbps = res.gbps
+    for system, row in gbps.items():
         provs = sorted({cell.split("/")[0] for cell in row})
         for prov in provs:
             cells = []
             for p in pages:
-                v = row.get(f"{prov}/{_size(p)}")
-                base = copy.get(f"memcpy/{_size(p)}")
+                cell = f"{prov}/{_size(p)}"
+                v = row.get(cell)
+                r = res.ratio((system, cell), (base_sys, f"memcpy/{_size(p)}"))
                 if v is None:
                     cells.append(f"{'-':>22}")
-                elif base:
-                    cells.append(f"{v:>9.2f} GB/s {v / base:>5.2f}x")
+                elif r is not None:
+                    cells.append(f"{v:>9.2f} GB/s {r:>5.2f}x")
                 else:
                     cells.append(f"{v:>12.2f} GB/s")
             lines.append(f"{system + '/' + prov:<22}" + "".join(f"{c:>22}" for c in cells))
@@ -628,25 +671,23 @@ CPU_TARGET = 1.2
 
 
 def targets(res: Results, pages: list[int]) -> list[dict[str, Any]]:
-    """Each target the measured cells allow checking: what, the measured ratio, the bound."""
+    """Each target the measured cells allow checking: what, the median of the per-round
+    ratios, the bound."""
     out: list[dict[str, Any]] = []
-    mess, copy2 = res.gbps.get("messenger", {}), res.gbps.get("copy2", {})
-    fabric = res.gbps.get("fabric", {})
     for p in pages:
         size = _size(p)
-        m, c = mess.get(f"shm/{size}"), copy2.get(f"memcpy/{size}")
-        if m and c and p in SHM_TARGETS:
-            out.append({"what": f"messenger shm {size} / two-thread copy", "value": m / c,
-                        "want": f">= {SHM_TARGETS[p]}", "met": m / c >= SHM_TARGETS[p]})
-        mc, cc = res.cpu.get(f"messenger/shm/{size}"), res.cpu.get(f"copy2/memcpy/{size}")
-        if mc and cc and cc[0] > 0:
-            r = sum(mc) / cc[0]
+        r = res.ratio(("messenger", f"shm/{size}"), ("copy2", f"memcpy/{size}"))
+        if r is not None and p in SHM_TARGETS:
+            out.append({"what": f"messenger shm {size} / two-thread copy", "value": r,
+                        "want": f">= {SHM_TARGETS[p]}", "met": r >= SHM_TARGETS[p]})
+        r = res.cpu_ratio(f"messenger/shm/{size}", f"copy2/memcpy/{size}")
+        if r is not None:
             out.append({"what": f"messenger shm {size} CPU s/GiB / two-thread copy's",
                         "value": r, "want": f"<= {CPU_TARGET}", "met": r <= CPU_TARGET})
-        mt, ft = mess.get(f"tcp;ofi_rxm/{size}"), fabric.get(f"tcp;ofi_rxm/{size}")
-        if mt and ft:
-            out.append({"what": f"messenger tcp;ofi_rxm {size} / raw binding", "value": mt / ft,
-                        "want": ">= 1.0", "met": mt >= ft})
+        r = res.ratio(("messenger", f"tcp;ofi_rxm/{size}"), ("fabric", f"tcp;ofi_rxm/{size}"))
+        if r is not None:
+            out.append({"what": f"messenger tcp;ofi_rxm {size} / raw binding", "value": r,
+                        "want": ">= 1.0", "met": r >= 1.0})
     return out
 
 
@@ -662,7 +703,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gib", type=float, default=1.0, help="GiB moved per cell per round")
     ap.add_argument("--region-mib", type=int, default=256, help="buffer size on each side")
     ap.add_argument("--page-kib", default="64,1024", help="page sizes in KiB")
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; best is kept")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved rounds; each ratio is the median of the rounds' ratios")
     ap.add_argument("--mooncake-batch", type=int, default=1024,
                     help="writes per batch_transfer_sync_write (its TCP lane queue is bounded)")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -688,14 +730,15 @@ def main(argv: list[str] | None = None) -> int:
         out: dict[str, Any] = {s: {k: round(v, 3) for k, v in row.items()}
                                for s, row in res.gbps.items()}
         out["cpu_s_per_gib"] = {k: [round(x, 4) for x in v] for k, v in res.cpu.items()}
+        out["rounds"] = {s: {c: [round(x, 3) for x in v] for c, v in row.items()}
+                         for s, row in res.rounds.items()}
         out["targets"] = targets(res, pages)
         if res.skipped:
             out["not_measured"] = res.skipped
         print(json.dumps(out, sort_keys=True))
     else:
         moved = args.gib
-        print(f"{moved:g} GiB per cell, {args.rounds} interleaved round(s), best kept; "
-              f"pid {os.getpid()}")
+        print(f"{moved:g} GiB per cell, {args.rounds} interleaved round(s); pid {os.getpid()}")
         print(report(res, pages))
     return 0
 

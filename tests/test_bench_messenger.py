@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -34,6 +36,27 @@ def test_transfer_bench_reports_the_two_thread_copy_and_the_targets() -> None:
     assert {"messenger shm 64KiB / two-thread copy", "messenger tcp;ofi_rxm 64KiB / raw binding",
             "messenger shm 64KiB CPU s/GiB / two-thread copy's"} <= whats
     assert "copy2/memcpy/64KiB" in out["cpu_s_per_gib"]
+
+
+def test_transfer_bench_pairs_each_round_with_its_baseline() -> None:
+    """A ratio is the median of each round's figure over the same round's baseline: with the
+    machine twice as fast in one round, best-of-rounds would compare two phases of it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_transfer", ROOT / "bench" / "transfer.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    res = mod.Results()
+    for raw, messenger in ((4.0, 3.6), (8.0, 7.6), (4.2, 4.6)):  # the middle round: a fast phase
+        res.add("fabric", "tcp;ofi_rxm/64KiB", raw)
+        res.add("messenger", "tcp;ofi_rxm/64KiB", messenger)
+    r = res.ratio(("messenger", "tcp;ofi_rxm/64KiB"), ("fabric", "tcp;ofi_rxm/64KiB"))
+    assert r == pytest.approx(0.95)  # median of 0.9, 0.95, 1.095 (best-of: 7.6 / 8.0)
+    assert res.gbps["messenger"]["tcp;ofi_rxm/64KiB"] == 4.6
+    [t] = mod.targets(res, [64 * 1024])
+    assert (t["what"], t["met"]) == ("messenger tcp;ofi_rxm 64KiB / raw binding", False)
+    assert res.ratio(("messenger", "shm/64KiB"), ("copy2", "memcpy/64KiB")) is None
 
 
 def test_latency_bench_measures_messenger_and_raw_baselines() -> None:
