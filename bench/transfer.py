@@ -52,7 +52,8 @@ operation (the providers' iov limit): before that the raw binding on tcp at 64 K
 Wall clock swings by 20-30% between runs on a shared box; CPU s/GiB is steadier: copy 0.18 /
 0.16, fabric shm target 0.20 / 0.18 (the target does the CMA copy), messenger shm decode 0.23 /
 0.19 (both lanes together), prefill 0.04 / 0.06. The messenger beats the single-threaded copy on
-shm because its two lanes copy on two cores at the same CPU cost per GiB. """
+shm because its two lanes copy on two cores at the same CPU cost per GiB.
+"""
 
 from __future__ import annotations
 
