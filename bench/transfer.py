@@ -460,10 +460,12 @@ class MessengerRunner:
     REQUEST over the signed control plane, per-layer progress, imm-counted writes, SUCCESS when
     the decoder's count is reached) starts its own prefill and decode processes per call and
     returns GB/s on the decoder's clock (first submit to last SUCCESS), so process start-up is
-    not timed. Pages go where the decoder's allocator puts them, not to `Workload.dst_pages`,
-    but within a KV buffer of the same `--region-mib` per side as the other systems (pages cycle
-    over it), so every system touches the same amount of memory. CPU s/GiB: prefill (initiator)
-    and decode (target) process, all threads, as the messenger's processes measured them.
+    not timed; a first wave of the same size is run and not timed, as the other runners'
+    processes are warm from the warm-up round when they are timed. Pages go where the decoder's
+    allocator puts them, not to `Workload.dst_pages`, but within a KV buffer of the same
+    `--region-mib` per side as the other systems (pages cycle over it), so every system touches
+    the same amount of memory. CPU s/GiB: prefill (initiator) and decode (target) process, all
+    threads, as the messenger's processes measured them.
     """
 
     def __init__(self, provider: str, region: int) -> None:
@@ -474,7 +476,9 @@ class MessengerRunner:
         self.measure = measure_transfer
 
     def run(self, w: Workload) -> float:
-        out = self.measure(self.provider, w.page, w.nbytes, waves=1, region_bytes=self.region)
+        # one untimed wave first in the same processes: the other runners are warm too
+        out = self.measure(self.provider, w.page, w.nbytes, waves=1, warm_waves=1,
+                           region_bytes=self.region)
         if not out["ok"]:
             raise RuntimeError(f"messenger transfer did not succeed: {out}")
         cpu = out.get("cpu_per_gib", {})
