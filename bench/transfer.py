@@ -42,7 +42,7 @@ Usage (from the repository root; both sides busy-poll, so keep other load off th
 
 Targets (checked in the table and the JSON's "targets"): messenger on shm >= 0.8x the
 two-thread copy at 64 KiB and >= 0.9x at 1 MiB, its CPU s/GiB (prefill + decode) <= 1.2x the
-copy's; on tcp;ofi_rxm at least the raw binding's GB/s.
+copy's; on tcp;ofi_rxm at least the raw binding's GB/s and 3x Mooncake-TCP's.
 
 Seen on the 2-core dev box (2026-11-30 17:21 UTC, `--rounds 3`, load average 1.2; GB/s at 64 KiB
 / 1 MiB, best of 3 rounds, the method of then): copy 6.06 / 7.29, fabric shm 5.31 / 5.86, fabric
@@ -670,9 +670,10 @@ def report(res: Results, pages: list[int]) -> str:
 
 
 #: issue 16: messenger on shm against the two-thread copy (GB/s ratio per page size), its CPU
-#: s/GiB (both processes) against the copy's, and on tcp against the raw binding
+#: s/GiB (both processes) against the copy's, and on tcp against the raw binding and Mooncake
 SHM_TARGETS = {64 * KIB: 0.8, MIB: 0.9}
 CPU_TARGET = 1.2
+MOONCAKE_TARGET = 3.0
 
 
 def targets(res: Results, pages: list[int]) -> list[dict[str, Any]]:
@@ -693,6 +694,10 @@ def targets(res: Results, pages: list[int]) -> list[dict[str, Any]]:
         if r is not None:
             out.append({"what": f"messenger tcp;ofi_rxm {size} / raw binding", "value": r,
                         "want": ">= 1.0", "met": r >= 1.0})
+        r = res.ratio(("messenger", f"tcp;ofi_rxm/{size}"), ("mooncake", f"tcp/{size}"))
+        if r is not None:
+            out.append({"what": f"messenger tcp;ofi_rxm {size} / Mooncake-TCP", "value": r,
+                        "want": f">= {MOONCAKE_TARGET}", "met": r >= MOONCAKE_TARGET})
     return out
 
 

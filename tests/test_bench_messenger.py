@@ -54,8 +54,13 @@ def test_transfer_bench_pairs_each_round_with_its_baseline() -> None:
     r = res.ratio(("messenger", "tcp;ofi_rxm/64KiB"), ("fabric", "tcp;ofi_rxm/64KiB"))
     assert r == pytest.approx(0.95)  # median of 0.9, 0.95, 1.095 (best-of: 7.6 / 8.0)
     assert res.gbps["messenger"]["tcp;ofi_rxm/64KiB"] == 4.6
-    [t] = mod.targets(res, [64 * 1024])
-    assert (t["what"], t["met"]) == ("messenger tcp;ofi_rxm 64KiB / raw binding", False)
+    for mooncake in (1.0, 3.0, 1.2):
+        res.add("mooncake", "tcp/64KiB", mooncake)
+    raw, mooncake = mod.targets(res, [64 * 1024])
+    assert (raw["what"], raw["met"]) == ("messenger tcp;ofi_rxm 64KiB / raw binding", False)
+    assert (mooncake["what"], mooncake["met"]) == ("messenger tcp;ofi_rxm 64KiB / Mooncake-TCP",
+                                                   True)
+    assert mooncake["value"] == pytest.approx(3.6)  # median of 3.6, 2.53, 3.83
     assert res.ratio(("messenger", "shm/64KiB"), ("copy2", "memcpy/64KiB")) is None
 
 
