@@ -130,6 +130,13 @@ class DecodeMessenger(MessengerThread):
     # Python round (~0.2 ms of a loaded core) while a prefill computes for the same request
     # on the same cores: at 2 ms that was a tenth of a core per decoder
     POLL_SLICE_S = 0.02
+    # empty polls before a decoder counting writes on tcp sleeps on the CQ's wait fd (the
+    # endpoint's default: 64). There the receiver's polls move the bytes, and a receiver asleep
+    # mid-stream makes the sender wake it at each burst: at 1 MiB pages the gaps between bursts
+    # outlast 256 polls, 4,700-8,600 sleeps per 2 GiB; 1,024 polls (about 2 ms) bridge them
+    # (120-300 sleeps), and the prefill spent 0.255-0.26 CPU s/GiB instead of 0.29-0.305,
+    # 0.89-1.27x the raw binding's GB/s instead of 0.66-1.05x (docs/benchmark.md, "Ninth round")
+    TCP_STREAM_SPINS = 1024
 
     def __init__(self, config: DecodeConfig, kv_buffers: Sequence[Any], layout: str = "HND",
                  aux_buffers: Sequence[Any] = ()) -> None:
@@ -308,7 +315,8 @@ class DecodeMessenger(MessengerThread):
     # ================================================================ messenger thread
     def _setup(self) -> None:
         cfg = self.config
-        self._ep = self._open_endpoint(max_slots=max(cfg.max_inflight, 1))
+        stream = {"idle_spins": self.TCP_STREAM_SPINS} if cfg.provider.startswith("tcp") else {}
+        self._ep = self._open_endpoint(max_slots=max(cfg.max_inflight, 1), **stream)
         limit = self._ep.iov_limit
         self._writes_per_op = min(cfg.writes_per_op or limit, limit)
         self._kv_mrs = [self._ep.register(b.addr, b.nbytes) for b in self._kv]
