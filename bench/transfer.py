@@ -535,7 +535,8 @@ class Results:
         xs, ys = self.rounds.get(a[0], {}).get(a[1]), self.rounds.get(b[0], {}).get(b[1])
         if not xs or not ys:
             return None
-        return statistics.median(x / y for x, y in zip(xs, ys, strict=False) if y > 0)
+        pairs = [x / y for x, y in zip(xs, ys, strict=False) if y > 0]
+        return statistics.median(pairs) if pairs else None
 
     def cpu_ratio(self, a: str, b: str) -> float | None:
         """Median over rounds of a's CPU s/GiB (both sides) / b's initiator's, paired."""
