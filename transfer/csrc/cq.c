@@ -154,18 +154,20 @@ int pd_poll(pd_ep *ep, size_t max_entries) {
     return (int)(total > 0x7fffffff ? 0x7fffffff : total);
 }
 
-/* Bounded busy waits; each drives progress by draining the CQ. 0 = reached, -FI_ETIMEDOUT. */
+/* Bounded busy waits; each drives progress by draining the CQ. 0 = reached, -FI_ETIMEDOUT.
+   The clock is read after every poll, empty ones included: an empty poll may have slept (up
+   to the kicked cap or the backoff's longest sleep), and reading it every 64th let a decoder's
+   20 ms wait for commands run 64 kicked sleeps of up to 5 ms: a command queued just before
+   the wait began sat there 250-320 ms (bench/messenger_scale.py, 100 requests in flight). */
 #define PD_WAIT(cond) do { \
-    int64_t deadline = pd_now_ns() + timeout_ns; unsigned spins = 0, empty = 0; \
+    int64_t deadline = pd_now_ns() + timeout_ns; unsigned empty = 0; \
     for (;;) { \
         uint32_t kicked = pd_kick_seen(ep);  /* before the checks: no kick is lost */ \
         int p = pd_poll(ep, PD_CQ_BATCH); if (p < 0) return p; /* bounded: check often */ \
         if (cond) return 0; \
         if (p == 0) pd_idle_seen(ep, &empty, kicked);  /* let a peer sharing this core run */ \
         else empty = 0; \
-        /* after a poll that did work (on shm: copied up to the bytes in flight) check the \
-           clock at once; empty polls are cheap, check every 64 */ \
-        if ((p > 0 || (++spins & 63) == 0) && pd_now_ns() > deadline) return -FI_ETIMEDOUT; \
+        if (pd_now_ns() > deadline) return -FI_ETIMEDOUT; \
     } } while (0)
 
 int pd_wait_recv(pd_ep *ep, uint32_t slot, uint32_t target, int64_t timeout_ns) {
@@ -190,7 +192,7 @@ int pd_wait_idle_or_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const in
                            int64_t b_seen, int64_t timeout_ns) {
     const volatile int64_t *va = a, *vb = b;
     int64_t deadline = pd_now_ns() + timeout_ns;
-    unsigned spins = 0, empty = 0;
+    unsigned empty = 0;
     for (;;) {
         uint32_t kicked = pd_kick_seen(ep);  /* before the checks: no kick is lost */
         int p = pd_poll(ep, PD_CQ_BATCH);
@@ -199,7 +201,7 @@ int pd_wait_idle_or_change(pd_ep *ep, const int64_t *a, int64_t a_seen, const in
         if ((va && *va != a_seen) || (vb && *vb != b_seen)) return 1;
         if (p == 0) pd_idle_seen(ep, &empty, kicked);
         else empty = 0;
-        if ((p > 0 || (++spins & 63) == 0) && pd_now_ns() > deadline) return -FI_ETIMEDOUT;
+        if (pd_now_ns() > deadline) return -FI_ETIMEDOUT;  /* every round: see PD_WAIT */
     }
 }
 
