@@ -391,6 +391,7 @@ class DecodeMessenger(MessengerThread):
         self._waiting: list[_Xfer] = []      # submitted, no free slot yet
         self._xfers: dict[str, _Xfer] = {}   # holding a slot (active, quarantined or done)
         self._by_slot: dict[int, _Xfer] = {}
+        self._bell_seen = int(self._cmds.bell[0])
 
     def _teardown(self) -> None:
         for group in getattr(self, "_chans", []):
@@ -434,14 +435,18 @@ class DecodeMessenger(MessengerThread):
             self.news.ring()  # ready() / failed() changed: wake the engine loop
 
     def _step(self) -> bool:
-        if not self.config.busy_sleep_s and self._slots.first_active() >= 0:
+        if not self.config.busy_sleep_s and not self._cmds and self._slots.first_active() >= 0:
             # while writes are due, poll in C (the GIL released, an idle loop yields the core)
             # until a transfer completes, the engine sends a command, or a slice passes (control
             # messages and timers wait at most that long): the receiver's polling is what moves
-            # bytes on shm (it does the copies), tcp and verbs
-            self._ep.wait_complete(self._cmds.bell, int(self._cmds.bell[0]), self.POLL_SLICE_S)
+            # bytes on shm (it does the copies), tcp and verbs. The bell as it was before the
+            # last commands were taken: one appended since has changed it. Read here, a command
+            # queued between that and this waited out the slice (and 64 kicked sleeps before
+            # the C waits read their clock every round: 250-320 ms)
+            self._ep.wait_complete(self._cmds.bell, self._bell_seen, self.POLL_SLICE_S)
         else:
             self._ep.poll()
+        self._bell_seen = int(self._cmds.bell[0])  # before taking the commands: none is missed
         while self._cmds:
             cmd = self._cmds.popleft()
             getattr(self, f"_cmd_{cmd[0]}")(*cmd[1:])
