@@ -110,7 +110,7 @@ static int write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_
     }
     size_t i = 0;  /* first write of operation j */
     for (size_t j = 0; j < nops; j++) {
-        unsigned spins = 0, empty = 0;
+        unsigned empty = 0;
         size_t k = n - i < per_op ? n - i : per_op;
         uint64_t op_bytes = 0;
         for (size_t q = 0; q < k; q++) op_bytes += len[i + q];
@@ -191,14 +191,14 @@ static int write_batch(pd_ep *ep, const uint64_t *peers, const uint64_t *remote_
             } else {
                 empty = 0;
             }
-            if ((++spins & 255) == 0) {
-                int64_t now = pd_now_ns();
-                if (!deadline) deadline = now + timeout_ns;
-                else if (now > deadline) {
-                    pd_seterr(errbuf, errlen, "fi_writedata (queue stayed full)", -FI_ETIMEDOUT);
-                    *done = i;
-                    return -FI_ETIMEDOUT;
-                }
+            /* the clock from the first retry on, every retry: one may have slept (see PD_WAIT,
+               cq.c); a batch that never waits for the queue never reads it */
+            int64_t now = pd_now_ns();
+            if (!deadline) deadline = now + timeout_ns;
+            else if (now > deadline) {
+                pd_seterr(errbuf, errlen, "fi_writedata (queue stayed full)", -FI_ETIMEDOUT);
+                *done = i;
+                return -FI_ETIMEDOUT;
             }
         }
         i += k;
