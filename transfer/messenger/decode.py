@@ -439,10 +439,11 @@ class DecodeMessenger(MessengerThread):
             # while writes are due, poll in C (the GIL released, an idle loop yields the core)
             # until a transfer completes, the engine sends a command, or a slice passes (control
             # messages and timers wait at most that long): the receiver's polling is what moves
-            # bytes on shm (it does the copies), tcp and verbs. The bell as it was before the
-            # last commands were taken: one appended since has changed it. Read here, a command
-            # queued between that and this waited out the slice (and 64 kicked sleeps before
-            # the C waits read their clock every round: 250-320 ms)
+            # bytes on shm (it does the copies), tcp and verbs. It compares the bell with its
+            # value from just before the last commands were taken, which any command appended
+            # since has changed; read here instead, a command queued in between waited out the
+            # slice (and, before the C waits read their clock every round, 64 kicked sleeps:
+            # 250-320 ms)
             self._ep.wait_complete(self._cmds.bell, self._bell_seen, self.POLL_SLICE_S)
         else:
             self._ep.poll()
