@@ -312,11 +312,17 @@ class DecodeMessenger(MessengerThread):
         """Writes that arrived for a slot generation no longer current (fenced, not counted)."""
         return self._stale
 
+    def idle_options(self) -> dict[str, Any]:
+        """The common idle options; on tcp, TCP_STREAM_SPINS empty polls before a sleep."""
+        options = super().idle_options()
+        if options and self.config.provider.startswith("tcp"):  # none: it never sleeps
+            options["idle_spins"] = self.TCP_STREAM_SPINS
+        return options
+
     # ================================================================ messenger thread
     def _setup(self) -> None:
         cfg = self.config
-        stream = {"idle_spins": self.TCP_STREAM_SPINS} if cfg.provider.startswith("tcp") else {}
-        self._ep = self._open_endpoint(max_slots=max(cfg.max_inflight, 1), **stream)
+        self._ep = self._open_endpoint(max_slots=max(cfg.max_inflight, 1))
         limit = self._ep.iov_limit
         self._writes_per_op = min(cfg.writes_per_op or limit, limit)
         self._kv_mrs = [self._ep.register(b.addr, b.nbytes) for b in self._kv]
