@@ -532,19 +532,22 @@ class Results:
         """Median over rounds of a / b, each round's a against the same round's b; None when
         either was not measured. A system that failed mid-run has its first rounds only, so
         the lists pair by round index up to the shorter."""
-        xs, ys = self.rounds.get(a[0], {}).get(a[1]), self.rounds.get(b[0], {}).get(b[1])
-        if not xs or not ys:
-            return None
-        pairs = [x / y for x, y in zip(xs, ys, strict=False) if y > 0]
-        return statistics.median(pairs) if pairs else None
+        return _paired_median(self.rounds.get(a[0], {}).get(a[1]),
+                              self.rounds.get(b[0], {}).get(b[1]), lambda x, y: (x, y))
 
     def cpu_ratio(self, a: str, b: str) -> float | None:
         """Median over rounds of a's CPU s/GiB (both sides) / b's initiator's, paired."""
-        xs, ys = self.cpu_rounds.get(a), self.cpu_rounds.get(b)
-        if not xs or not ys:
-            return None
-        pairs = [sum(x) / y[0] for x, y in zip(xs, ys, strict=False) if y[0] > 0]
-        return statistics.median(pairs) if pairs else None
+        return _paired_median(self.cpu_rounds.get(a), self.cpu_rounds.get(b),
+                              lambda x, y: (sum(x), y[0]))
+
+
+def _paired_median(xs: list | None, ys: list | None,
+                   terms: Callable[[Any, Any], tuple[float, float]]) -> float | None:
+    """Median of num / den over the rounds both lists have, `terms` giving (num, den) of a
+    round's pair; None when nothing pairs."""
+    ratios = [n / d for n, d in (terms(x, y) for x, y in zip(xs or (), ys or (), strict=False))
+              if d > 0]
+    return statistics.median(ratios) if ratios else None
 
 
 def _cell(provider: str, page: int) -> str:
