@@ -155,7 +155,7 @@ def test_allocator_counts_and_rejects_double_free():
 
 def test_allocator_hands_out_the_lowest_free_pages_in_ascending_order():
     # what two requests of one size in a row got from a LIFO free list: the second one's
-    # pages in descending order, which the CPU attention gathered at up to half the speed
+    # pages in descending order, which the CPU attention gathered at less than half the speed
     a = PageAllocator(16)
     first = a.alloc(6)
     assert first == [0, 1, 2, 3, 4, 5]
