@@ -533,20 +533,17 @@ class Results:
         either was not measured. A system that failed mid-run has its first rounds only, so
         the lists pair by round index up to the shorter."""
         return _paired_median(self.rounds.get(a[0], {}).get(a[1]),
-                              self.rounds.get(b[0], {}).get(b[1]), lambda x, y: (x, y))
+                              self.rounds.get(b[0], {}).get(b[1]))
 
     def cpu_ratio(self, a: str, b: str) -> float | None:
         """Median over rounds of a's CPU s/GiB (both sides) / b's initiator's, paired."""
-        return _paired_median(self.cpu_rounds.get(a), self.cpu_rounds.get(b),
-                              lambda x, y: (sum(x), y[0]))
+        return _paired_median([sum(x) for x in self.cpu_rounds.get(a, ())],
+                              [y[0] for y in self.cpu_rounds.get(b, ())])
 
 
-def _paired_median(xs: list | None, ys: list | None,
-                   terms: Callable[[Any, Any], tuple[float, float]]) -> float | None:
-    """Median of num / den over the rounds both lists have, `terms` giving (num, den) of a
-    round's pair; None when nothing pairs."""
-    ratios = [n / d for n, d in (terms(x, y) for x, y in zip(xs or (), ys or (), strict=False))
-              if d > 0]
+def _paired_median(xs: list[float] | None, ys: list[float] | None) -> float | None:
+    """Median of x / y over the rounds both lists have; None when nothing pairs."""
+    ratios = [x / y for x, y in zip(xs or (), ys or (), strict=False) if y > 0]
     return statistics.median(ratios) if ratios else None
 
 

@@ -38,8 +38,9 @@ class PageAllocator:
     Why the order matters: the CPU attention gathers a sequence's cached entries page by page,
     and a cache larger than L2 streams them from memory, where ascending addresses are what
     the prefetchers follow. A LIFO free list handed every other request of a size its pages
-    in descending order, and those prefills took 1.3-1.5x as long (docs/benchmark.md, "Tenth
-    round"). SGLang's allocators sort their free pages too (`merge_and_sort_free`)."""
+    in descending order, and those prefills took 1.3-1.6x as long (median 1.4x;
+    docs/benchmark.md, "Tenth round"). SGLang's allocators sort their free pages too
+    (`merge_and_sort_free`)."""
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
