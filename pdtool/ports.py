@@ -91,6 +91,6 @@ def instance_ports(cfg: Config, rname: str, i: int) -> list[tuple[int, str, str]
     dist = rc.dist_init_port + i * dist_stride(cfg, rname)
     out = [(http + o, f"{rname}.http_port", what) for o, what in http_offsets(cfg, rc)]
     out += [(dist + o, f"{rname}.dist_init_port", what) for o, what in dist_offsets(cfg, rc)]
-    if rname == "prefill":
+    if rname == "prefill" and cfg.mode != "aggregated":  # no KV transfer, no bootstrap
         out.append((rc.bootstrap_port + i, f"{rname}.bootstrap_port", "bootstrap"))
     return out

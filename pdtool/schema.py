@@ -272,8 +272,10 @@ class Config:
     engine: EngineConfig = MISSING
     router: RouterConfig = field(default_factory=RouterConfig)
     # disaggregated: prefill instances send KV pages to decode instances; aggregated: every
-    # instance (both roles' GPUs) runs prefill and decode of its own requests, batched
-    # together, behind the same front (the reference engine's baseline for comparisons)
+    # instance (both roles' GPUs, each with its role's sharding) runs prefill and decode of
+    # its own requests, batched together, behind the same router: the baseline `pdtool bench
+    # --compare aggregated` measures against. Without a KV transfer, `transfer.*` and the
+    # bootstrap ports are not used then.
     mode: str = "disaggregated"
 
 

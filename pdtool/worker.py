@@ -173,13 +173,14 @@ def kv_in_gpu_memory(plan: Any) -> bool:
 
 def gpu_memory_choice(ctx: WorkerContext) -> Any:
     """The path KV in GPU memory takes on this node (`transfer.gpu_memory.GpuMemoryChoice`),
-    or None when the KV is in host memory or SGLang's own backend (transfer.backend) moves it
-    and registers the GPU memory itself. `auto`/`direct` ask the node's libfabric
+    or None when the KV is in host memory, nothing moves it (mode=aggregated), or SGLang's own
+    backend (transfer.backend) moves it and registers the GPU memory itself. `auto`/`direct`
+    ask the node's libfabric
     (`transfer.fabric.gpu_direct_support`, on the rank's NIC: one endpoint, no GPU and no CUDA
     needed); a provider that never has FI_HMEM, or `staged`, needs no probe. `direct` on a node
     that cannot is a WorkerError with the probe's reason, before any engine starts."""
     if ctx.instance is None or not kv_in_gpu_memory(ctx.plan) \
-            or ctx.plan.transfer.backend != "pdtool":
+            or ctx.plan.mode == "aggregated" or ctx.plan.transfer.backend != "pdtool":
         return None
     from transfer.gpu_memory import NO_HMEM_PROVIDERS, choose_gpu_memory
 
@@ -212,9 +213,12 @@ def _gpu_direct_probe(provider: str, nics: Any) -> tuple[bool, str]:
 
 def _gpu_memory_field(plan: Any, choice: Any) -> str:
     """The start line's `gpu_memory=`: direct | staged (pdtool's backend), the SGLang backend
-    that registers it itself (`sglang-mooncake`), or `host` (KV in host memory)."""
+    that registers it itself (`sglang-mooncake`), `host` (KV in host memory), or `none`
+    (mode=aggregated: the KV stays where it was computed)."""
     if choice is not None:
         return choice.path
+    if plan.mode == "aggregated":
+        return "none"
     if kv_in_gpu_memory(plan):
         return f"sglang-{plan.transfer.backend}"
     return "host"

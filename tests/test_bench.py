@@ -180,11 +180,24 @@ def bench_cli(*args: str) -> subprocess.CompletedProcess[str]:
     (["--url", "http://x", "--launch"], "--url and --launch"),
     (["--compare", "aggregated"], "--compare aggregated: needs --launch"),
     (["--compare-url", "http://x"], "--compare-url: only with --compare"),
+    (["mode=aggregated", "--compare", "aggregated", "--compare-url", "http://x"],
+     "--compare aggregated: the deployment is already mode=aggregated"),
 ])
 def test_bad_arguments_give_one_clear_line(args: list[str], why: str):
     p = bench_cli(*args)
     assert p.returncode == 2, p.stdout + p.stderr
     assert why in " ".join(p.stderr.split()), p.stderr
+
+
+def test_sglang_twin_on_the_same_gpus_is_refused(tmp_path):
+    """--launch --compare starts both deployments side by side: with SGLang they would take the
+    same GPUs, so the command says to start the aggregated one apart and pass its URL."""
+    p = bench_cli("+recipe=tiny-local", "engine=sglang", "transfer=tcp", "cluster.device=cuda",
+                  f"launcher.output_dir={tmp_path}", "--launch", "--compare", "aggregated")
+    assert p.returncode == 2, p.stdout + p.stderr
+    err = " ".join(p.stderr.split())
+    assert "would start both deployments on the same GPUs" in err and "--compare-url" in err
+    assert not list(tmp_path.iterdir())  # refused before anything was rendered or started
 
 
 def test_no_deployment_is_a_clear_error(tmp_path):

@@ -75,6 +75,7 @@ def test_compare_aggregated_runs_both_deployments_interleaved(tmp_path: Path):
     assert set(runs) == {"disaggregated", "aggregated"}
     for r in runs.values():
         assert r["summary"]["completed"] == 4
+    assert runs["aggregated"]["advice"] is None  # no prefill:decode ratio to balance there
     # the same prompts went to both
     assert [x["input_tokens"] for x in runs["disaggregated"]["records"]] == \
         [x["input_tokens"] for x in runs["aggregated"]["records"]]

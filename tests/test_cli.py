@@ -55,6 +55,26 @@ def test_validate_json_and_options_after_overrides():
     assert dec["role"] == "decode" and dec["kv_bytes_per_token"] == 61 * 576 * 2
 
 
+def test_aggregated_plan_shows_no_transfer_and_no_bootstrap():
+    """mode=aggregated (SGLang, as `pdtool bench --compare aggregated` starts it): the plan says
+    what runs, whole requests on every instance, and no KV transfer, routes or bootstrap port;
+    a bootstrap port no process binds meets no other port."""
+    args = ("+recipe=deepseek-r1", "mode=aggregated", "prefill.bootstrap_port=30000")
+    p = pdtool("validate", *args)
+    assert p.returncode == 0, p.stdout
+    assert "GPU memory: not used (mode=aggregated: no KV transfer)" in p.stdout
+    p = pdtool("plan", *args)
+    assert p.returncode == 0, p.stdout
+    text = " ".join(p.stdout.split())
+    assert "engine sglang | mode aggregated" in text
+    assert "whole requests to prefill-0@node0:30000, decode-0@node1:31000," in text
+    assert "transfer: none (mode=aggregated" in text and "routes for" not in text
+    plan = json.loads(pdtool("plan", *args, "--json").stdout)
+    assert [i["bootstrap_port"] for i in plan["instances"]] == [None] * 4
+    p = pdtool("validate", "+recipe=deepseek-r1", "prefill.bootstrap_port=30000")
+    assert p.returncode == 1 and "prefill.bootstrap_port" in p.stdout  # disaggregated: it does
+
+
 def test_validate_states_the_gpu_memory_path():
     p = pdtool("validate", "+recipe=deepseek-r1")
     assert p.returncode == 0, p.stdout

@@ -249,16 +249,19 @@ def test_worker_sets_fabric_environment_and_serves_health(plan_file: Path) -> No
             p.wait()
 
 
-def test_worker_execs_the_sglang_line_with_messenger_environment(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["disaggregated", "aggregated"])
+def test_worker_execs_the_sglang_line_with_messenger_environment(tmp_path: Path,
+                                                                 mode: str) -> None:
     """engine=sglang: the worker (real) execs the rendered SGLang line unchanged, with the plan,
-    NIC and deployment secret in the environment of pdtool's SGLang backend."""
+    NIC and deployment secret in the environment of pdtool's SGLang backend. With
+    mode=aggregated nothing moves KV: no GPU-memory path is chosen or probed."""
     from pdtool.compose import load_config
     from pdtool.launch.shell import resolve
     from pdtool.plan import build_plan
     from pdtool.render import write_job_folder
 
     cfg, findings = load_config([*overrides(27700), "engine=sglang", "transfer=tcp",
-                                 "cluster.device=cuda"])
+                                 "cluster.device=cuda", f"mode={mode}"])
     assert cfg is not None, findings
     cfg.engine.python = str(Path(__file__).parent / "argv_dump.py")
     rendered = write_job_folder(cfg, build_plan(cfg), tmp_path / "job")
@@ -292,6 +295,10 @@ def test_worker_execs_the_sglang_line_with_messenger_environment(tmp_path: Path)
     assert e["PDTOOL_FI_PROVIDER"] == "tcp;ofi_rxm" and e["PDTOOL_FI_DOMAIN"] == "lo"
     assert json.loads(e["PDTOOL_NICS"]) == {"2": "lo"}
     assert "pdtool-worker: start role=decode" in out
+    if mode == "aggregated":
+        assert " gpu_memory=none " in out and "transfer.gpu_memory" not in out
+        assert "--disaggregation-mode" not in dump["argv"]
+        return
     # tcp;ofi_rxm never registers GPU memory: auto is staged, decided without a probe
     assert " gpu_memory=staged " in out
     assert "pdtool-worker: transfer.gpu_memory=auto: staged (tcp;ofi_rxm has no FI_HMEM)" in out
@@ -327,32 +334,40 @@ class _StandInWorker:
 
 
 @pytest.mark.sglang
-def test_sglang_router_is_ready_once_every_instance_is_registered(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["disaggregated", "aggregated"])
+def test_sglang_router_is_ready_once_every_instance_is_registered(tmp_path: Path,
+                                                                  mode: str) -> None:
     """engine=sglang: the real sglang-router, started with the rendered line, answers /health
     while decode-1 is not registered; the readiness the scripts and the supervisor wait on
-    (its /workers list) holds until every prefill and decode instance is, then passes."""
+    (its /workers list) holds until every prefill and decode instance is, then passes. With
+    mode=aggregated every instance is one of its regular workers."""
     from pdtool.engines.reference.local import free_port_run
     from pdtool.launch.health import check, wait_healthy
     from pdtool.launch.shell import resolve
 
     base = free_port_run(60)
     rendered, findings = render([*overrides(base), "engine=sglang", "transfer=tcp",
-                                 "cluster.device=cuda"], tmp_path / "job")
+                                 "cluster.device=cuda", f"mode={mode}"], tmp_path / "job")
     assert rendered is not None, findings
     (router,) = rendered.spec.router
     variables = {"RUN_DIR": str(rendered.out), "LOG_DIR": str(tmp_path), "HOSTS[0]": "127.0.0.1"}
     argv = resolve(router.engine_argv, variables)
     ready = resolve([router.ready], variables)[0]
     health = resolve([router.health], variables)[0]
-    assert ready == f"http://127.0.0.1:{base + 50}/workers#prefill=1,decode=2"
+    want, missing, stats_keys, counts = {
+        "disaggregated": ("prefill=1,decode=2", "1 of 2 decode",
+                          ("prefill_count", "decode_count"), (1, 2)),
+        "aggregated": ("regular=3", "2 of 3 regular", ("regular_count",), (3,)),
+    }[mode]
+    assert ready == f"http://127.0.0.1:{base + 50}/workers#{want}"
     script = rendered.script.read_text()  # the wait; the watchdog probes /health
-    assert f"router=http://\"${{HOSTS[0]}}\"':{base + 50}/workers#prefill=1,decode=2'" in script
+    assert f"router=http://\"${{HOSTS[0]}}\"':{base + 50}/workers#{want}'" in script
     workers = [_StandInWorker(base), _StandInWorker(base + 10)]  # decode-1 (base + 11) is not up
     log = open(tmp_path / "router.log", "w")  # noqa: SIM115
     p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while check(health) or check(ready) != "registered healthy: 1 of 2 decode":
+        while check(health) or check(ready) != f"registered healthy: {missing}":
             assert p.poll() is None, (tmp_path / "router.log").read_text()
             assert time.monotonic() < deadline, (check(health), check(ready))
             time.sleep(0.5)
@@ -361,7 +376,7 @@ def test_sglang_router_is_ready_once_every_instance_is_registered(tmp_path: Path
         wait_healthy({"router": ready}, lambda: [], timeout=120)
         with urllib.request.urlopen(ready.split("#")[0], timeout=5) as r:
             stats = json.loads(r.read())["stats"]
-        assert (stats["prefill_count"], stats["decode_count"]) == (1, 2)
+        assert tuple(stats[k] for k in stats_keys) == counts
     finally:
         os.killpg(p.pid, signal.SIGTERM)
         p.wait(timeout=30)

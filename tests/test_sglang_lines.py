@@ -174,6 +174,36 @@ def test_router_line_parses(recipe, router_parser, tmp_path: Path) -> None:
     assert a.port == plan.router.port and a.policy == plan.router.policy
 
 
+@pytest.mark.parametrize("recipe", SGLANG_RECIPES)
+def test_aggregated_lines_parse(recipe, server_parser, router_parser, tmp_path: Path) -> None:
+    """mode=aggregated, the baseline `pdtool bench --compare aggregated` measures against:
+    every instance is a plain SGLang server (SGLang's default mode, no --disaggregation-*
+    flag) with its role's sharding on its own GPUs, and the router takes them all as regular
+    workers."""
+    from sglang_router.router_args import RouterArgs
+
+    _cfg, plan, rendered = render_slurm([f"+recipe={recipe}", "mode=aggregated"], tmp_path)
+    hosts = variables(plan.nodes)
+    insts = {(i.role, i.index): i for i in plan.instances}
+    assert {(p.role, p.instance) for p in rendered.spec.procs} == set(insts)
+    for p in rendered.spec.procs:
+        argv = resolve(p.engine_argv, hosts)
+        assert not [f for f in argv if f.startswith("--disaggregation")], argv
+        a = server_parser.parse_args(argv[3:])
+        inst = insts[(p.role, p.instance)]
+        assert a.disaggregation_mode == "null"
+        assert (a.tp_size, a.port, a.chunked_prefill_size) == (
+            inst.tp, inst.http_port, inst.chunked_prefill_size)
+        assert a.base_gpu_id == min(r.gpu for r in inst.ranks if r.rank in p.ranks)
+    (router,) = rendered.spec.router
+    argv = resolve(router.engine_argv, hosts)
+    a = RouterArgs.from_cli_args(router_parser.parse_args(argv[3:]), use_router_prefix=False)
+    assert not a.pd_disaggregation and not a.prefill_urls and not a.decode_urls
+    assert a.worker_urls == [f"http://{hosts[f'HOSTS[{t.node}]']}:{t.http_port}"
+                             for t in (*plan.router.prefill, *plan.router.decode)]
+    assert resolve([router.ready], hosts)[0].endswith(f"/workers#regular={len(plan.instances)}")
+
+
 def test_misspelt_flag_is_caught(server_parser) -> None:
     """The parser really rejects unknown flags (so the tests above prove something)."""
     with pytest.raises((SystemExit, argparse.ArgumentError)):

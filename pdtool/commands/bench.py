@@ -125,6 +125,9 @@ def aggregated_overrides(cfg: Any, overrides: list[str], offset: int = 100) -> l
     if not hasattr(cfg, "mode"):
         raise BenchError("--compare aggregated: this pdtool's config has no `mode` key "
                          "(the aggregated mode of the engine); nothing to compare against")
+    if cfg.mode == "aggregated":
+        raise BenchError("--compare aggregated: the deployment is already mode=aggregated; "
+                         "drop mode=aggregated to compare the disaggregated one with it")
     moved = []
     for key in COMPARE_PORT_KEYS:
         section, _, name = key.partition(".")
@@ -213,7 +216,10 @@ def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
 
     for res in results:
         res["summary"] = summarize(res["records"], settings["slo"])
-        rates = stage_rates(res["records"], cfg.prefill.instances, cfg.decode.instances)
+        # per-instance prefill and decode rates, and the ratio that balances them, exist only
+        # where prefill and decode run on instances of their own
+        rates = (stage_rates(res["records"], cfg.prefill.instances, cfg.decode.instances)
+                 if res["target"] == "disaggregated" else None)
         res["rates"] = rates
         res["advice"] = ratio_advice(rates, cfg.prefill.instances) if rates else None
     by_pace: dict[str, dict[str, dict]] = {}
@@ -227,7 +233,7 @@ def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
             a["summary"]["ttft_added_ms"] = ttft_added(a["records"], b["records"])
             con.print(added_text([name_a, name_b], a["summary"]["ttft_added_ms"]))
         first = next(iter(per.values()))
-        if first["advice"] is not None and first["target"] == "disaggregated":
+        if first["advice"] is not None:
             con.print(advice_text(first["rates"], first["advice"], cfg.decode.instances))
     out.mkdir(parents=True, exist_ok=True)
     plain = {"paces": [str(p) for p in settings["paces"]], "isl": str(settings["isl"]),
@@ -291,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.launch:
         url = args.url or f"http://127.0.0.1:{cfg.router.port}"
-        targets = {"disaggregated": url}
+        targets = {cfg.mode: url}
         if args.compare:
             try:
                 aggregated_overrides(cfg, [])  # refuses a config without `mode`
@@ -315,6 +321,13 @@ def _launch_and_bench(args: argparse.Namespace, cfg: Any, bench: Any, err: Any) 
         return EXIT_USAGE
     overrides = list(args.overrides)
     twin = None
+    if args.compare and cfg.engine.kind == "sglang":
+        # side by side, both would take the same GPUs, each with mem_fraction_static of them
+        err.print("[bold red]pdtool bench:[/] --launch --compare aggregated with engine=sglang "
+                  "would start both deployments on the same GPUs; start the aggregated one on "
+                  "GPUs of its own (pdtool launch ... mode=aggregated) and pass its router's "
+                  "URL with --compare-url, the disaggregated one's with --url")
+        return EXIT_USAGE
     if args.compare:
         try:
             twin = aggregated_overrides(cfg, overrides)
@@ -333,7 +346,7 @@ def _launch_and_bench(args: argparse.Namespace, cfg: Any, bench: Any, err: Any) 
 
     if twin is None:
         return supervisor(rendered).run(
-            smoke=lambda url: bench({"disaggregated": url}, out), task="bench")
+            smoke=lambda url: bench({cfg.mode: url}, out), task="bench")
     # its own job folder inside the first one: two folders named by the same second would
     # be one, and the first deployment's workers would read the twin's plan
     agg, code = render_or_explain(twin, rendered.out / "aggregated")

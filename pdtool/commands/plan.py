@@ -82,8 +82,9 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
         f"model [cyan]{m.name}[/] ({m.attention}, {m.num_layers} layers, {heads}, {m.dtype}, "
         f"{m.num_params_b:g}B params) | cluster [cyan]{c.name}[/] ({c.gpus_per_node}x "
         f"{c.gpu_type}, {c.device}) | {plan.nodes} node(s) | launcher [cyan]{plan.launcher}[/]"
-        f" | engine [cyan]{plan.engine}[/]"
+        f" | engine [cyan]{plan.engine}[/] | mode [cyan]{plan.mode}[/]"
     )
+    aggregated = plan.mode == "aggregated"
 
     it = Table(title="instances", title_justify="left")
     for col in ("instance", "TP", "DP", "GPUs", "nodes", "HTTP", "bootstrap", "dist-init"):
@@ -102,14 +103,20 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
         )
     con.print(it)
     r = plan.router
-    con.print(
-        f"router on node {r.node}:{r.port} ({r.policy}): prefill "
-        + ", ".join(
-            f"{x.instance}@node{x.node}:{x.http_port}+{x.bootstrap_port}" for x in r.prefill
+    if aggregated:
+        con.print(
+            f"router on node {r.node}:{r.port} ({r.policy}): whole requests to "
+            + ", ".join(f"{x.instance}@node{x.node}:{x.http_port}" for x in (*r.prefill, *r.decode))
         )
-        + " | decode "
-        + ", ".join(f"{x.instance}@node{x.node}:{x.http_port}" for x in r.decode)
-    )
+    else:
+        con.print(
+            f"router on node {r.node}:{r.port} ({r.policy}): prefill "
+            + ", ".join(
+                f"{x.instance}@node{x.node}:{x.http_port}+{x.bootstrap_port}" for x in r.prefill
+            )
+            + " | decode "
+            + ", ".join(f"{x.instance}@node{x.node}:{x.http_port}" for x in r.decode)
+        )
 
     if show_ranks:
         rt = Table(title="ranks", title_justify="left")
@@ -143,6 +150,10 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
             mm.kv_dtype,
         )
     con.print(mt)
+    if aggregated:
+        con.print("transfer: none (mode=aggregated: every instance prefills and decodes its "
+                  "own requests; transfer.* is not used)")
+        return
 
     con.print(
         f"transfer: provider [cyan]{t.provider}[/], layout [cyan]{_layout(t)}[/], page "

@@ -10,8 +10,9 @@ until the timeout; a timeout names every endpoint that never answered. Progress 
 few seconds so a user watching a slow model load sees what is still pending.
 
 Readiness can be more than a 2xx: an URL whose fragment names worker counts
-(`http://host:8000/workers#prefill=1,decode=2`, SGLang's router with engine=sglang) is ready
-once the router's worker list holds that many healthy workers of each type. The router answers
+(`http://host:8000/workers#prefill=1,decode=2`, SGLang's router with engine=sglang;
+`#regular=3` with mode=aggregated) is ready once the router's worker list holds that many
+healthy workers of each type. The router answers
 `/health` 200 as soon as it listens, while it registers its workers in the background (seen
 with sglang-router 0.3.2: "Workers initialized: 0 total, 0 healthy", then /model_info and
 /server_info of each worker); a deployment called ready then would refuse its first requests.

@@ -26,15 +26,21 @@ def transfer_backend(cfg: Config, plan: Plan) -> str:
 
 def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPlan],
                 node_host: Var, head_host: Var) -> list[str | Word]:
-    """`python -m sglang.launch_server ...` for the ranks of `inst` on one node."""
+    """`python -m sglang.launch_server ...` for the ranks of `inst` on one node. With
+    mode=aggregated the instance is a plain server (no --disaggregation-* flag: SGLang's
+    default mode prefills and decodes its own requests) with its role's sharding."""
     rc = cfg.prefill if inst.role == "prefill" else cfg.decode
     model = cfg.model
+    disaggregated = plan.mode != "aggregated"
     argv: list[str | Word] = [
         cfg.engine.python, "-m", "sglang.launch_server",
         "--model-path", model.path or model.name,
         "--served-model-name", model.name,
-        "--disaggregation-mode", inst.role,
-        "--disaggregation-transfer-backend", transfer_backend(cfg, plan),
+    ]
+    if disaggregated:
+        argv += ["--disaggregation-mode", inst.role,
+                 "--disaggregation-transfer-backend", transfer_backend(cfg, plan)]
+    argv += [
         "--host", node_host,
         "--port", str(inst.http_port),
         "--tp-size", str(inst.tp),
@@ -66,7 +72,7 @@ def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPla
     # one entry per GPU of this process, from the plan's GPU -> NIC choice (SGLang's
     # get_ib_devices_for_gpu reads it for pdtool, mooncake and nixl's UCX alike)
     ib = {str(r.gpu): ",".join(r.nics) for r in ranks if r.nics}
-    if ib:
+    if ib and disaggregated:
         argv += ["--disaggregation-ib-device", json.dumps(ib, separators=(",", ":"))]
     if cfg.cluster.device == "cuda" and cfg.cluster.gpu_numa:
         # SGLang reads numa_node[gpu_id] with the absolute GPU id (base_gpu_id + local index,
@@ -81,14 +87,19 @@ def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPla
 
 def router_argv(cfg: Config, plan: Plan, host: Callable[[int], Var]) -> list[str | Word]:
     """`python -m sglang_router.launch_router --pd-disaggregation ...`: every prefill URL with
-    its bootstrap port, every decode URL."""
+    its bootstrap port, every decode URL. With mode=aggregated: `--worker-urls` with every
+    instance's URL (both roles'), each a regular worker taking whole requests."""
     rp = plan.router
-    argv: list[str | Word] = [cfg.engine.python, "-m", "sglang_router.launch_router",
-                              "--pd-disaggregation"]
-    for t in rp.prefill:
-        argv += ["--prefill", word("http://", host(t.node), f":{t.http_port}"),
-                 str(t.bootstrap_port)]
-    for t in rp.decode:
-        argv += ["--decode", word("http://", host(t.node), f":{t.http_port}")]
+    argv: list[str | Word] = [cfg.engine.python, "-m", "sglang_router.launch_router"]
+    if plan.mode == "aggregated":
+        argv += ["--worker-urls", *(word("http://", host(t.node), f":{t.http_port}")
+                                    for t in (*rp.prefill, *rp.decode))]
+    else:
+        argv.append("--pd-disaggregation")
+        for t in rp.prefill:
+            argv += ["--prefill", word("http://", host(t.node), f":{t.http_port}"),
+                     str(t.bootstrap_port)]
+        for t in rp.decode:
+            argv += ["--decode", word("http://", host(t.node), f":{t.http_port}")]
     argv += ["--host", host(rp.node), "--port", str(rp.port), "--policy", rp.policy]
     return argv

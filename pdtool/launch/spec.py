@@ -304,18 +304,22 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str,
 
 def _router_proc(cfg: Config, plan: Plan, launcher: str, secret_roles: frozenset[str]) -> Proc:
     rp = plan.router
+    aggregated = plan.mode == "aggregated"
+    serves = (f"{len(rp.prefill) + len(rp.decode)} aggregated instances" if aggregated else
+              f"{len(rp.prefill)} prefill + {len(rp.decode)} decode instances")
     p = Proc(name="router", role="router", instance=0, node=rp.node, ranks=(),
-             comment=(f"router: node {rp.node}, port {rp.port}, "
-                      f"{len(rp.prefill)} prefill + {len(rp.decode)} decode instances"),
+             comment=f"router: node {rp.node}, port {rp.port}, {serves}",
              health=_url(rp.node, rp.port))
     env = _role_env(cfg, "router")
     # the router starts through the worker entry too (SGLang's router line after `--`), so
     # placement checks and --preflight cover it like every other process
     p.engine_argv = router_argv(cfg, plan, host) if cfg.engine.kind == "sglang" else []
     if cfg.engine.kind == "sglang":
-        # sglang-router answers /health before it registered its workers (in the background)
-        p.ready = _url(rp.node, rp.port, f"/workers#prefill={len(rp.prefill)},"
-                                         f"decode={len(rp.decode)}")
+        # sglang-router answers /health before it registered its workers (in the background);
+        # aggregated instances are its "regular" workers
+        want = (f"regular={len(rp.prefill) + len(rp.decode)}" if aggregated else
+                f"prefill={len(rp.prefill)},decode={len(rp.decode)}")
+        p.ready = _url(rp.node, rp.port, f"/workers#{want}")
     inner: list[str | Word] = [cfg.engine.python, "-m", "pdtool.worker",
                                "--plan", word(RUN_DIR, "/plan.json"),
                                "--role", "router", "--host", host(rp.node)]

@@ -86,7 +86,9 @@ def _instances(cfg: Config) -> tuple[InstancePlan, ...]:
                     nodes=nodes,
                     # packed instances' derived ports must not meet (pdtool.ports)
                     http_port=rc.http_port + i * http_stride(cfg, rname),
-                    bootstrap_port=rc.bootstrap_port + i if rname == "prefill" else None,
+                    # only a disaggregated prefill instance has a bootstrap server
+                    bootstrap_port=(rc.bootstrap_port + i if rname == "prefill"
+                                    and cfg.mode != "aggregated" else None),
                     dist_init_port=rc.dist_init_port + i * dist_stride(cfg, rname),
                     page_size=rc.page_size,
                     kv_dtype=kv_dtype(cfg.model, rc),

@@ -230,6 +230,8 @@ def route_summary(cfg: Config) -> str:
 def gpu_memory_path(cfg: Config) -> str:
     """How KV in GPU memory reaches the fabric, as the host can tell (the worker decides `auto`
     from the node's probe); the reference engine's KV is in host memory."""
+    if cfg.mode == "aggregated":
+        return "not used (mode=aggregated: no KV transfer)"
     if cfg.engine.kind == "reference":
         return "host memory (the reference engine's KV is not on a GPU)"
     if cfg.transfer.backend != "pdtool":

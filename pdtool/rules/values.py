@@ -352,10 +352,6 @@ def check_engine_router(cfg: Config) -> list[Finding]:
                          "set router.policy=round_robin, or use engine=sglang (sglang-router)"))
     out += check_engine_version(cfg)
     out += _choice("mode", cfg.mode, MODES)
-    if cfg.mode == "aggregated" and cfg.engine.kind != "reference":
-        out.append(error("mode", "mode=aggregated is implemented by the reference engine "
-                         f"only, engine.kind={cfg.engine.kind}",
-                         "use engine=reference, or mode=disaggregated"))
     return out
 
 
