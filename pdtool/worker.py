@@ -180,7 +180,7 @@ def gpu_memory_choice(ctx: WorkerContext) -> Any:
     needed); a provider that never has FI_HMEM, or `staged`, needs no probe. `direct` on a node
     that cannot is a WorkerError with the probe's reason, before any engine starts."""
     if ctx.instance is None or not kv_in_gpu_memory(ctx.plan) \
-            or ctx.plan.mode == "aggregated" or ctx.plan.transfer.backend != "pdtool":
+            or ctx.plan.aggregated or ctx.plan.transfer.backend != "pdtool":
         return None
     from transfer.gpu_memory import NO_HMEM_PROVIDERS, choose_gpu_memory
 
@@ -217,7 +217,7 @@ def _gpu_memory_field(plan: Any, choice: Any) -> str:
     (mode=aggregated: the KV stays where it was computed)."""
     if choice is not None:
         return choice.path
-    if plan.mode == "aggregated":
+    if plan.aggregated:
         return "none"
     if kv_in_gpu_memory(plan):
         return f"sglang-{plan.transfer.backend}"

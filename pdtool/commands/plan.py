@@ -84,7 +84,6 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
         f"{c.gpu_type}, {c.device}) | {plan.nodes} node(s) | launcher [cyan]{plan.launcher}[/]"
         f" | engine [cyan]{plan.engine}[/] | mode [cyan]{plan.mode}[/]"
     )
-    aggregated = plan.mode == "aggregated"
 
     it = Table(title="instances", title_justify="left")
     for col in ("instance", "TP", "DP", "GPUs", "nodes", "HTTP", "bootstrap", "dist-init"):
@@ -103,10 +102,10 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
         )
     con.print(it)
     r = plan.router
-    if aggregated:
+    if plan.aggregated:
         con.print(
             f"router on node {r.node}:{r.port} ({r.policy}): whole requests to "
-            + ", ".join(f"{x.instance}@node{x.node}:{x.http_port}" for x in (*r.prefill, *r.decode))
+            + ", ".join(f"{x.instance}@node{x.node}:{x.http_port}" for x in r.targets)
         )
     else:
         con.print(
@@ -150,7 +149,7 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
             mm.kv_dtype,
         )
     con.print(mt)
-    if aggregated:
+    if plan.aggregated:
         con.print("transfer: none (mode=aggregated: every instance prefills and decodes its "
                   "own requests; transfer.* is not used)")
         return

@@ -31,7 +31,7 @@ def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPla
     default mode prefills and decodes its own requests) with its role's sharding."""
     rc = cfg.prefill if inst.role == "prefill" else cfg.decode
     model = cfg.model
-    disaggregated = plan.mode != "aggregated"
+    disaggregated = not plan.aggregated
     argv: list[str | Word] = [
         cfg.engine.python, "-m", "sglang.launch_server",
         "--model-path", model.path or model.name,
@@ -91,9 +91,9 @@ def router_argv(cfg: Config, plan: Plan, host: Callable[[int], Var]) -> list[str
     instance's URL (both roles'), each a regular worker taking whole requests."""
     rp = plan.router
     argv: list[str | Word] = [cfg.engine.python, "-m", "sglang_router.launch_router"]
-    if plan.mode == "aggregated":
+    if plan.aggregated:
         argv += ["--worker-urls", *(word("http://", host(t.node), f":{t.http_port}")
-                                    for t in (*rp.prefill, *rp.decode))]
+                                    for t in rp.targets)]
     else:
         argv.append("--pd-disaggregation")
         for t in rp.prefill:

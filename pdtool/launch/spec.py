@@ -304,8 +304,7 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str,
 
 def _router_proc(cfg: Config, plan: Plan, launcher: str, secret_roles: frozenset[str]) -> Proc:
     rp = plan.router
-    aggregated = plan.mode == "aggregated"
-    serves = (f"{len(rp.prefill) + len(rp.decode)} aggregated instances" if aggregated else
+    serves = (f"{len(rp.targets)} aggregated instances" if plan.aggregated else
               f"{len(rp.prefill)} prefill + {len(rp.decode)} decode instances")
     p = Proc(name="router", role="router", instance=0, node=rp.node, ranks=(),
              comment=f"router: node {rp.node}, port {rp.port}, {serves}",
@@ -317,7 +316,7 @@ def _router_proc(cfg: Config, plan: Plan, launcher: str, secret_roles: frozenset
     if cfg.engine.kind == "sglang":
         # sglang-router answers /health before it registered its workers (in the background);
         # aggregated instances are its "regular" workers
-        want = (f"regular={len(rp.prefill) + len(rp.decode)}" if aggregated else
+        want = (f"regular={len(rp.targets)}" if plan.aggregated else
                 f"prefill={len(rp.prefill)},decode={len(rp.decode)}")
         p.ready = _url(rp.node, rp.port, f"/workers#{want}")
     inner: list[str | Word] = [cfg.engine.python, "-m", "pdtool.worker",

@@ -89,6 +89,12 @@ class RouterPlan:
     prefill: tuple[RouterTarget, ...]
     decode: tuple[RouterTarget, ...]
 
+    @property
+    def targets(self) -> tuple[RouterTarget, ...]:
+        """Every instance behind the router, prefill first (mode=aggregated: all take whole
+        requests)."""
+        return (*self.prefill, *self.decode)
+
 
 @dataclass(frozen=True)
 class SlicePlan:
@@ -201,6 +207,11 @@ class Plan:
     memory: tuple[RoleMemory, ...]
     mode: str = "disaggregated"  # config `mode`: aggregated instances run whole requests
     engine_version: str = ""  # engine.version: the SGLang release the worker checks at start
+
+    @property
+    def aggregated(self) -> bool:
+        """mode=aggregated: every instance prefills and decodes its own requests, no KV moves."""
+        return self.mode == "aggregated"
 
     def role_instances(self, role_name: str) -> tuple[InstancePlan, ...]:
         return tuple(i for i in self.instances if i.role == role_name)

@@ -99,13 +99,10 @@ def spec_from_context(ctx: Any) -> RankSpec:
     from .checkpoint import is_local
 
     plan = ctx.plan
-    aggregated = plan.mode == "aggregated"
     if ctx.role == "router":
-        urls = [f"http://{_host_of(t.node, ctx.host)}:{t.http_port}/health"
-                for t in plan.router.decode]
-        if aggregated:  # every instance serves whole requests: the prefill ones too
-            urls = [f"http://{_host_of(i.nodes[0], ctx.host)}:{i.http_port}/health"
-                    for i in plan.role_instances("prefill")] + urls
+        # aggregated: every instance serves whole requests, the prefill ones too
+        targets = plan.router.targets if plan.aggregated else plan.router.decode
+        urls = [f"http://{_host_of(t.node, ctx.host)}:{t.http_port}/health" for t in targets]
         return RankSpec(role="front", host=ctx.host, http_port=plan.router.port,
                         secret_hex=_secret_hex(), decoders=urls, model_name=plan.model.name,
                         tokenizer=plan.model.path if is_local(plan.model.path) else "")
@@ -118,7 +115,7 @@ def spec_from_context(ctx: Any) -> RankSpec:
         if mem.role == ctx.role and mem.kv_tokens > 0:
             pages = max(1, min(MAX_PAGES, mem.kv_tokens // inst.page_size))
     return RankSpec(
-        role="aggregated" if aggregated else ctx.role, instance=inst.index, tp=inst.tp,
+        role="aggregated" if plan.aggregated else ctx.role, instance=inst.index, tp=inst.tp,
         rank=rank.rank, host=ctx.host,
         leader_host=_host_of(inst.nodes[0], ctx.host), dist_port=inst.dist_init_port,
         http_port=inst.http_port, page_size=inst.page_size, layout=inst.kv_layout,
