@@ -484,3 +484,14 @@ def test_gpu_memory_is_pdtools_backend_only():
     assert "transfer.gpu_memory=auto" in f.fix
     t = build_plan(recipe("deepseek-r1", "transfer.backend=mooncake")).transfer
     assert (t.backend, t.gpu_memory_path.split(" ")[:2]) == ("mooncake", ["SGLang's", "mooncake"])
+
+
+def test_aggregated_sglang_twin_says_when_roles_carry_phase_flags():
+    """mode=aggregated runs both phases on every instance with its role's extra_args: the
+    DP-attention recipe's DeepEP modes (normal on prefill, low_latency on decode) are named;
+    roles with the same flags, and the disaggregated deployment, get no warning."""
+    cfg = recipe("deepseek-r1-dp-attention", "mode=aggregated")
+    f = assert_warning(cfg, "mode", "prefill-side instances", "'low_latency'")
+    assert "--deepep-mode auto" in f.fix
+    assert not [f for f in validate(recipe("deepseek-r1-dp-attention")) if f.key == "mode"]
+    assert not [f for f in validate(recipe("deepseek-r1", "mode=aggregated")) if f.key == "mode"]

@@ -23,7 +23,7 @@ from pdtool.plan import (
     sglang_flag_value,
     sglang_speculative,
 )
-from pdtool.rules.finding import Finding, error
+from pdtool.rules.finding import Finding, error, warning
 from pdtool.schema import Config
 from transfer.geometry import (
     SGLANG_SPEC_ALGORITHMS,
@@ -167,4 +167,22 @@ def check_sglang_speculative(cfg: Config) -> list[Finding]:
     return out
 
 
-ALL = (check_sglang_unsupported_args, check_sglang_speculative)
+def check_sglang_aggregated_args(cfg: Config) -> list[Finding]:
+    """engine=sglang, mode=aggregated: every instance runs both phases with its role's
+    extra_args, which were chosen for one phase (DeepSeek's DP-attention recipe runs DeepEP
+    `normal` on prefill and `low_latency` on decode); said once, so the baseline is not
+    compared without knowing."""
+    if cfg.engine.kind != "sglang" or cfg.mode != "aggregated":
+        return []
+    pre, dec = list(cfg.prefill.extra_args), list(cfg.decode.extra_args)
+    if pre == dec:
+        return []
+    return [warning(
+        "mode",
+        f"mode=aggregated: every instance prefills and decodes with its role's extra_args "
+        f"(prefill-side instances {pre}, decode-side {dec}), flags chosen for one phase",
+        "give both roles the same flags for a like-for-like baseline (DeepEP: "
+        "--deepep-mode auto), or accept the difference")]
+
+
+ALL = (check_sglang_unsupported_args, check_sglang_speculative, check_sglang_aggregated_args)
