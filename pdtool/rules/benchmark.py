@@ -1,16 +1,17 @@
 """`launcher.benchmark`: the `pdtool bench` arguments a Slurm job runs once it is healthy.
 
-Checked here with the bench command's own parser and argument checks, so a typo fails at
-validate time on the login node, not an hour later inside the allocation after the model
-loaded. What the job decides itself is refused in the list: the target (`--url`, `--launch`,
-the config overrides: it is this deployment), where results go (`--out`: the job folder), and
-`--compare` (a second, aggregated deployment the job does not start).
+Checked here with the bench command's own options and checks (`pdtool.bench.args`), so a
+typo fails at validate time on the login node, not an hour later inside the allocation after
+the model loaded. What the job decides itself is refused in the list: the target (`--url`,
+`--launch`, the config overrides: it is this deployment), where results go (`--out`: the job
+folder), and `--compare` (a second, aggregated deployment the job does not start).
 """
 
 from __future__ import annotations
 
 import argparse
 
+from pdtool.bench.args import BenchError, add_arguments, check_args
 from pdtool.rules.finding import Finding, error
 from pdtool.schema import Config
 
@@ -39,9 +40,8 @@ class _Parser(argparse.ArgumentParser):
 
 def parse(args: list[str]) -> argparse.Namespace:
     """The bench arguments as `pdtool bench` parses them; raises ValueError naming the problem."""
-    from pdtool.commands.bench import BenchError, add_arguments, check_args
-
     p = _Parser(prog="pdtool bench", add_help=False)
+    p.add_argument("overrides", nargs="*")  # parsed only to be refused below
     add_arguments(p)
     try:
         ns = p.parse_args([str(a) for a in args])

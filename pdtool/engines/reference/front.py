@@ -39,6 +39,8 @@ import logging
 import queue
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -75,6 +77,16 @@ class _Pending:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 1024  # many clients connect at once; the default 5 resets them
+
+
+def engine_address(health_url: str) -> str:
+    """The request socket a decode leader publishes in its /health ('' while it answers
+    nothing): the front reconnects there after the instance restarted."""
+    try:
+        with urllib.request.urlopen(health_url, timeout=2) as r:
+            return str(json.loads(r.read())["engine"])
+    except (urllib.error.URLError, OSError, KeyError, ValueError):
+        return ""
 
 
 class Front:
@@ -154,8 +166,6 @@ class Front:
     def _rediscover(self) -> None:
         """Read each down instance's /health; a new request socket address (the instance was
         restarted) goes to the dispatcher, which reconnects its dealer there."""
-        from .serve import engine_address
-
         while not self._stop.wait(REDISCOVER_S):
             for i, url in enumerate(self.health_urls or ()):
                 if self.up[i]:

@@ -352,19 +352,6 @@ def discover(health_urls: list[str], timeout_s: float = 300.0) -> list[dict[str,
     return out
 
 
-def engine_address(health_url: str) -> str:
-    """The request socket a decode leader publishes in its /health ('' while it answers
-    nothing): the front reconnects there after the instance restarted."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(health_url, timeout=2) as r:
-            return str(json.loads(r.read())["engine"])
-    except (urllib.error.URLError, OSError, KeyError, ValueError):
-        return ""
-
-
 def serve_front(spec: RankSpec, stop: threading.Event) -> int:
     """Serve until `stop`; returns 1 if the front broke (its dispatcher died) so the process
     exits with an error and the launcher stops the deployment."""

@@ -1,0 +1,97 @@
+"""`pdtool bench`'s options and their checks: one schema for the command and for validate's
+`launcher.benchmark` (rules.benchmark), which checks a Slurm job's bench arguments with it on
+the login node. No I/O here, so the rules can import it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+class BenchError(ValueError):
+    """Bad bench arguments or an unusable target: one line, naming the option."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The bench options (the caller adds the config overrides' positional argument)."""
+    pace = p.add_mutually_exclusive_group()
+    pace.add_argument("--concurrency", metavar="N[,N...]",
+                      help="requests kept in flight (a comma list sweeps); default 4")
+    pace.add_argument("--rate", metavar="R[,R...]",
+                      help="Poisson arrivals, requests per second (a comma list sweeps)")
+    p.add_argument("--requests", type=int, default=32, help="requests per load point (32)")
+    p.add_argument("--isl", default="128", help="prompt tokens: N, A-B or A-B:log (128)")
+    p.add_argument("--osl", default="32", help="output tokens: N, A-B or A-B:log (32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of lengths, prompts, arrivals (0)")
+    p.add_argument("--slo", help="goodput counts requests within these, e.g. ttft_ms=200,tpot_ms=50"
+                   " (keys ttft_ms, tpot_ms, itl_ms, e2e_ms)")
+    p.add_argument("--url", help="the deployment's OpenAI base URL "
+                   "(default http://127.0.0.1:<router.port>)")
+    p.add_argument("--launch", action="store_true",
+                   help="start the deployment described by the overrides, benchmark it, stop it")
+    p.add_argument("--compare", choices=["aggregated"],
+                   help="also run the same load against mode=aggregated, interleaved")
+    p.add_argument("--compare-url", help="with --compare and without --launch: the aggregated "
+                   "deployment's URL")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="with --compare: rounds each load point is split into (4)")
+    p.add_argument("--job", type=Path, metavar="DIR",
+                   help="bench the deployment of this job folder (its config.yaml, no "
+                   "overrides); results into DIR/bench unless --out (launcher.benchmark)")
+    p.add_argument("--out", type=Path, help="folder for results.json and latency.png")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds one request may take before it counts as failed (300)")
+    p.add_argument("--json", action="store_true", help="print results.json's summary on stdout")
+
+
+# -- arguments -> settings ---------------------------------------------------------------------
+
+def _paces(args: argparse.Namespace) -> list[Any]:
+    from pdtool.bench.load import Pace
+
+    if args.rate:
+        vals = _numbers(args.rate, "--rate", float)
+        if any(not v > 0 for v in vals):
+            raise BenchError(f"--rate: expected positive requests per second, got {args.rate!r}")
+        return [Pace(rate=v) for v in vals]
+    vals = _numbers(args.concurrency or "4", "--concurrency", int)
+    if any(v < 1 for v in vals):
+        raise BenchError(f"--concurrency: expected integers >= 1, got {args.concurrency!r}")
+    return [Pace(concurrency=v) for v in vals]
+
+
+def _numbers(text: str, option: str, kind: type) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()] or [kind("")]
+    except ValueError:
+        what = "integers" if kind is int else "numbers"
+        raise BenchError(f"{option}: expected {what} separated by commas, got {text!r}") from None
+
+
+def check_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Every argument checked before anything starts; BenchError names the first bad one."""
+    from pdtool.bench.lengths import SpecError, parse_lengths
+    from pdtool.bench.stats import SloError, parse_slo
+
+    if args.requests < 1:
+        raise BenchError(f"--requests: expected at least 1, got {args.requests}")
+    if args.rounds < 1:
+        raise BenchError(f"--rounds: expected at least 1, got {args.rounds}")
+    if not args.timeout > 0:
+        raise BenchError(f"--timeout: expected positive seconds, got {args.timeout}")
+    if args.url and args.launch:
+        raise BenchError("--url and --launch: give one (--launch benchmarks what it starts)")
+    if getattr(args, "job", None) and (args.launch or args.overrides):
+        raise BenchError("--job: the job folder's config.yaml is the deployment; give no "
+                         "overrides and no --launch with it")
+    if args.compare_url and not args.compare:
+        raise BenchError("--compare-url: only with --compare aggregated")
+    if args.compare and not args.launch and not args.compare_url:
+        raise BenchError("--compare aggregated: needs --launch (starts both deployments) or "
+                         "--compare-url URL of the running aggregated deployment")
+    try:
+        return {"paces": _paces(args), "isl": parse_lengths(args.isl, "--isl"),
+                "osl": parse_lengths(args.osl, "--osl"), "slo": parse_slo(args.slo)}
+    except (SpecError, SloError) as exc:
+        raise BenchError(str(exc)) from None
