@@ -23,7 +23,7 @@ from pdtool.plan import build_plan
 from pdtool.rules import has_errors, validate
 from pdtool.schema import Config
 from transfer import geometry as G
-from transfer.layout import LayoutError
+from transfer.layout import LayoutError, sglang_buffer_layouts
 from transfer.parallel import ParallelDims
 from transfer.routes import ShardSpec, pages_for, routes_for
 
@@ -71,7 +71,7 @@ def sglang_backend_writes(cfg: Config, tokens: int, decode_rank: int, **meta: bo
     args, _keep = sglang_kvargs(cfg, d.attn_tp, **meta)
     mla = cfg.model.attention == "mla"
     heads_local = 1 if mla else args.kv_head_num
-    G.sglang_buffer_layouts(args.kv_data_lens, args.kv_item_lens, heads_local, args.page_size)
+    sglang_buffer_layouts(args.kv_data_lens, args.kv_item_lens, heads_local, args.page_size)
     first = 3 * args.page_size  # the request's slots start on some page boundary
     kv_indices = kv_to_page_indices(torch.arange(first, first + tokens), args.page_size)
     return G.sglang_decode_writes(
@@ -180,11 +180,11 @@ def reference_messenger_writes(cfg: Config, tokens: int, decode_rank: int) -> in
 
 def test_buffer_layouts_read_sglang_item_lengths() -> None:
     # MHA K buffer: 64 slots x 2 heads x 8 dims x bf16, page size 4 -> item 128 B
-    (lay,) = G.sglang_buffer_layouts([64 * 2 * 8 * 2], [128], heads_local=2, page_size=4)
+    (lay,) = sglang_buffer_layouts([64 * 2 * 8 * 2], [128], heads_local=2, page_size=4)
     assert (lay.kind, lay.num_pages, lay.heads_local, lay.page_size, lay.head_dim) == \
         ("NHD", 16, 2, 4, 16)
     with pytest.raises(LayoutError, match="KV buffer 1: item length 100 B"):
-        G.sglang_buffer_layouts([2048, 2000], [128, 100], heads_local=2, page_size=4)
+        sglang_buffer_layouts([2048, 2000], [128, 100], heads_local=2, page_size=4)
 
 
 @pytest.mark.parametrize(("mla", "heads", "p_tp", "d_tp", "per_page"), [

@@ -41,12 +41,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .routes import LAYOUTS, RouteError, ShardSpec, Slice, pages_for, routes_for
-
-if TYPE_CHECKING:  # transfer.layout needs numpy; `pdtool validate` must not load it
-    from .layout import KVLayout
 
 
 # --------------------------------------------------------------------------- page pools
@@ -260,32 +256,7 @@ def expected_writes(slices: Sequence[Slice], src: ShardSpec, dst: ShardSpec, *,
     return num_layers * buffers_per_layer * per_buffer + aux_writes
 
 
-# --------------------------------------------------------------------------- SGLang's buffers
-def sglang_buffer_layouts(data_lens: list[int], item_lens: list[int],
-                          heads_local: int | Sequence[int], page_size: int) -> list[KVLayout]:
-    """NHD KVLayout of each SGLang layer buffer (KVArgs.kv_data_lens/kv_item_lens), in bytes
-    (itemsize 1).
-
-    An SGLang item is one page of one buffer: `page_size` tokens × `heads_local` heads ×
-    head bytes. kv_parts is 1: K and V live in separate buffers, MLA has one latent buffer.
-    `heads_local` is one count for every buffer, or one per buffer (a draft model's buffers,
-    appended after the target's, count their own head units: `sglang_draft_group`).
-    """
-    from .layout import KVLayout, LayoutError
-
-    heads = [heads_local] * len(item_lens) if isinstance(heads_local, int) else list(heads_local)
-    out = []
-    for i, (dlen, ilen, h) in enumerate(zip(data_lens, item_lens, heads, strict=True)):
-        head_bytes, rem = divmod(ilen, page_size * h)
-        if rem or head_bytes < 1:
-            raise LayoutError(
-                f"KV buffer {i}: item length {ilen} B is not page_size {page_size} × "
-                f"{h} heads × whole head bytes"
-            )
-        out.append(KVLayout("NHD", dlen // ilen, h, 1, page_size, head_bytes, 1))
-    return out
-
-
+# --------------------------------------------------------------------------- SGLang's shards
 def sglang_specs(is_mla: bool, total_heads: int, src_tp: int,
                  dst_tp: int) -> tuple[ShardSpec, ShardSpec]:
     """Shard specs of both sides from SGLang's attention TP sizes (MLA: one latent head)."""

@@ -95,13 +95,12 @@ from sglang.srt.utils.network import NetworkAddress
 from transfer import fabric, workerenv
 from transfer.geometry import (
     KVGroup,
-    sglang_buffer_layouts,
     sglang_decode_writes,
     sglang_draft_group,
     sglang_group_slices,
     sglang_slices,
 )
-from transfer.layout import KVLayout, LayoutError
+from transfer.layout import KVLayout, LayoutError, sglang_buffer_layouts
 from transfer.routes import RouteError, ShardSpec, Slice
 from transfer.sglang.decode_plane import DecodePlane
 from transfer.sglang.prefill_plane import PrefillPlane
