@@ -346,9 +346,19 @@ class DecodeEngine:
         """One iteration on every rank; `new` ({"rid", "tokens", "max_tokens", "peer"}, already
         broadcast by the serving loop) must be the same on every rank. Returns the events
         (identical on every rank); `self.ran` says whether a forward pass ran."""
-        new = new or []
         self.ran = False
         events: list[Event] = []
+        self._take_new(new or [], events)
+        self._admit()
+        self._collect_transfers(events)
+        if self.running:
+            self._decode(events)
+            self.ran = True
+        return events
+
+    def _take_new(self, new: list[dict], events: list[Event]) -> None:
+        """Queue the serving loop's new requests and apply its cancels; a request the model
+        cannot run is answered at once (an event with its error) and goes no further."""
         for m in new:
             if m.get("cancel"):
                 self._cancel(m["rid"], events)
@@ -364,14 +374,8 @@ class DecodeEngine:
             faults = Faults(**m["faults"]) if m.get("faults") else None
             sampling = m.get("sampling")
             sampler = Sampler(**sampling) if sampling and sampling.get("temperature") else None
-            self.waiting.append(_DReq(m["rid"], toks, int(m["max_tokens"]), int(m["peer"]),
-                                      faults=faults, sampler=sampler))
-        self._admit()
-        self._collect_transfers(events)
-        if self.running:
-            self._decode(events)
-            self.ran = True
-        return events
+            self.waiting.append(_DReq(m["rid"], toks, int(m["max_tokens"]),
+                                      int(m.get("peer", 0)), faults=faults, sampler=sampler))
 
     def _take_waiting(self) -> _DReq | None:
         """The first waiting request with its pages allocated, or None while none fits now.
@@ -583,21 +587,9 @@ class AggregatedEngine(DecodeEngine):
         super()._cancel(rid, events)
 
     def step(self, new: list[dict] | None = None) -> list[Event]:
-        new = new or []
         self.ran = False
         events: list[Event] = []
-        for m in new:
-            if m.get("cancel"):
-                self._cancel(m["rid"], events)
-                continue
-            if not m["tokens"] or max(m["tokens"]) >= self.vocab:
-                events.append(Event(m["rid"], [], True, {"error": "prompt: empty, or a token "
-                                    f"id outside the model's {self.vocab} rows"}))
-                continue
-            sampling = m.get("sampling")
-            sampler = Sampler(**sampling) if sampling and sampling.get("temperature") else None
-            self.waiting.append(_DReq(m["rid"], list(m["tokens"]), int(m["max_tokens"]), 0,
-                                      sampler=sampler))
+        self._take_new(new or [], events)
         self._admit()
         P, left, chunks, picked = self.kv.page_size, self.chunk, [], []
         for r in self.prefilling:  # chunks of prompt[:-1], page-aligned but for the last
