@@ -24,11 +24,21 @@ from pathlib import Path
 
 from .serve import RankSpec
 
+#: ports handed out by this process: a port is free only until something binds it, so two
+#: calls building one config could otherwise return the same port (the kernel's ephemeral
+#: range and free_port_run's random bases overlap) and validate refuses the pair
+_handed_out: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no free port found that this process has not handed out")
 
 
 def free_port_run(n: int) -> int:
@@ -36,18 +46,22 @@ def free_port_run(n: int) -> int:
     rng = random.Random()
     for _ in range(200):
         base = rng.randint(20000, 60000)
+        run = range(base, base + n)
+        if _handed_out.intersection(run):
+            continue
         socks: list[socket.socket] = []
         try:
-            for i in range(n):
+            for port in run:
                 s = socket.socket()
                 socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
+                s.bind(("127.0.0.1", port))
         except OSError:
             continue
         finally:
             for s in socks:
                 s.close()
+        _handed_out.update(run)
+        return base
     raise RuntimeError(f"no run of {n} free ports found")
 
 
