@@ -102,6 +102,8 @@ from transfer.geometry import (
 )
 from transfer.layout import KVLayout, LayoutError, sglang_buffer_layouts
 from transfer.routes import RouteError, ShardSpec, Slice
+from transfer.sglang import layer_stream
+from transfer.sglang.chunk import Chunk
 from transfer.sglang.decode_plane import DecodePlane
 from transfer.sglang.prefill_plane import PrefillPlane
 from transfer.sglang.rails import RailError, Rails, rail_specs
@@ -232,21 +234,6 @@ class RoomTarget:
     landing_unit: int = 0
 
 
-@dataclass
-class Chunk:
-    """One `add_transfer_request` call. `kv_indices` may be a pinned host tensor still being
-    filled by a device->host copy until `indices_event`; `wait_event` guards the pages
-    themselves (early send of a cached prefix under overlap scheduling)."""
-
-    room: int
-    kv_indices: Any
-    index_slice: slice
-    is_last: bool
-    aux_index: int | None
-    wait_event: Any = None
-    indices_event: Any = None
-
-
 @dataclass(frozen=True)
 class PrefillGeometry:
     """What one prefill rank answered to this decode rank's registration (KIND_PEER)."""
@@ -340,9 +327,10 @@ class PdtoolKVManager(CommonKVManager):
                                           device=self.kv_device)
             self.plane = PrefillPlane(self, self.ep, tags, timeout, stuck_s=timeout,
                                       staging=self.staging, rails=self.rails)
-            from transfer.sglang import layer_stream  # it imports this module
-
-            self.layer_stream = layer_stream.start(self)  # None: PDTOOL_LAYER_STREAM off
+            try:
+                self.layer_stream = layer_stream.start(self)  # None: PDTOOL_LAYER_STREAM off
+            except workerenv.WorkerEnvError as exc:
+                raise PdtoolBackendError(str(exc)) from None
             # frames to decode ranks go out from their own thread: SGLang's PUSH sockets wait
             # up to 30 s for a dead peer, which must stall neither writes nor control frames
             self._outbox: queue.SimpleQueue[tuple[str, int, list[bytes]] | None] = \

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from transfer import workerenv
-from transfer.sglang.conn import Chunk
+from transfer.sglang.chunk import Chunk
 
 logger = logging.getLogger(__name__)
 
@@ -318,12 +318,7 @@ def after_attention(backend: Any, layer: Any, forward_batch: Any) -> None:
 def start(mgr: Any) -> LayerStream | None:
     """The prefill manager's layer stream, or None where PDTOOL_LAYER_STREAM says no."""
     on_cuda = mgr.kv_device.type == "cuda"
-    try:
-        on = enabled_for(on_cuda)
-    except workerenv.WorkerEnvError as exc:
-        from transfer.sglang.conn import PdtoolBackendError
-
-        raise PdtoolBackendError(str(exc)) from None
+    on = enabled_for(on_cuda)  # WorkerEnvError: the caller names it the backend's error
     if not on:
         logger.info("pdtool: per-layer KV streaming off (PDTOOL_LAYER_STREAM=%s%s)",
                     workerenv.layer_stream(), ", CUDA pool" if on_cuda else "")
