@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pdtool.bench.args import BenchError, check_args
+from pdtool.bench.args import add_arguments as add_bench_options
 
 NAME = "bench"
 HELP = "measure a deployment under an OpenAI-compatible load (TTFT, TPOT, throughput, goodput)"
@@ -31,7 +32,6 @@ COMPARE_PORT_KEYS = ("router.port", "prefill.http_port", "prefill.bootstrap_port
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pdtool.bench.args import add_arguments as add_bench_options
     from pdtool.commands._common import add_overrides_argument
 
     add_overrides_argument(p)
