@@ -495,3 +495,13 @@ def test_aggregated_sglang_twin_says_when_roles_carry_phase_flags():
     assert "--deepep-mode auto" in f.fix
     assert not [f for f in validate(recipe("deepseek-r1-dp-attention")) if f.key == "mode"]
     assert not [f for f in validate(recipe("deepseek-r1", "mode=aggregated")) if f.key == "mode"]
+
+
+def test_aggregated_mode_says_which_keys_it_does_not_read():
+    """mode=aggregated keeps the disaggregated deployment's transfer.* and bootstrap port (the
+    twin of `--compare aggregated`) but runs nothing that reads them: validate says so."""
+    f = assert_warning(recipe("deepseek-r1", "mode=aggregated"), "transfer",
+                       "nothing reads transfer.*", "prefill.bootstrap_port")
+    assert "mode=disaggregated" in f.fix
+    assert not [f for f in validate(recipe("deepseek-r1")) if f.key == "transfer"
+                and f.severity == "warning" and "mode=aggregated" in f.message]

@@ -352,6 +352,13 @@ def check_engine_router(cfg: Config) -> list[Finding]:
                          "set router.policy=round_robin, or use engine=sglang (sglang-router)"))
     out += check_engine_version(cfg)
     out += _choice("mode", cfg.mode, MODES)
+    if cfg.mode == "aggregated":  # said, not refused: the twin keeps its original's keys
+        out.append(warning(
+            "transfer",
+            "mode=aggregated: no KV moves between instances, so nothing reads transfer.* or "
+            "prefill.bootstrap_port; they are still checked as the disaggregated deployment "
+            "this one mirrors (the baseline of `pdtool bench --compare aggregated`)",
+            "nothing to change for a comparison; with mode=disaggregated they apply"))
     return out
 
 
