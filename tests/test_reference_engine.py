@@ -291,8 +291,10 @@ def test_a_token_outside_the_vocabulary_fails_only_its_request():
     cfg = TinyConfig()
     kv = PagedKV(cfg, cfg.cache_heads, 64, PAGE)
     engine = AggregatedEngine(TinyModel(cfg), kv, Coord(), 8)
-    events = engine.step([{"rid": "bad", "tokens": [1, 9999], "max_tokens": 2},
-                          {"rid": "good", "tokens": encode("fine"), "max_tokens": 3}])
+    # as the serving loop builds them (serve._take_requests): every field, peer 0 there
+    events = engine.step([{"rid": "bad", "tokens": [1, 9999], "max_tokens": 2, "peer": 0},
+                          {"rid": "good", "tokens": encode("fine"), "max_tokens": 3,
+                           "peer": 0}])
     assert [(e.rid, e.done) for e in events] == [("bad", True)]
     assert "outside the model" in events[0].info["error"]
     out = []

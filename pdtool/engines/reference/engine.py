@@ -375,7 +375,7 @@ class DecodeEngine:
             sampling = m.get("sampling")
             sampler = Sampler(**sampling) if sampling and sampling.get("temperature") else None
             self.waiting.append(_DReq(m["rid"], toks, int(m["max_tokens"]),
-                                      int(m.get("peer", 0)), faults=faults, sampler=sampler))
+                                      int(m["peer"]), faults=faults, sampler=sampler))
 
     def _take_waiting(self) -> _DReq | None:
         """The first waiting request with its pages allocated, or None while none fits now.
