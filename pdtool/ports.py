@@ -84,6 +84,12 @@ def dist_stride(cfg: Config, rname: str) -> int:
     return stride(dist_offsets(cfg, rc), rc.instances)
 
 
+def has_bootstrap(cfg: Config, rname: str) -> bool:
+    """A prefill instance of a disaggregated deployment listens on its bootstrap port; with
+    mode=aggregated no KV moves and nothing does."""
+    return rname == "prefill" and cfg.mode != "aggregated"
+
+
 def instance_ports(cfg: Config, rname: str, i: int) -> list[tuple[int, str, str]]:
     """(port, config key, what) of every listener of instance `i` of a role, on its head node."""
     rc = role(cfg, rname)
@@ -91,6 +97,6 @@ def instance_ports(cfg: Config, rname: str, i: int) -> list[tuple[int, str, str]
     dist = rc.dist_init_port + i * dist_stride(cfg, rname)
     out = [(http + o, f"{rname}.http_port", what) for o, what in http_offsets(cfg, rc)]
     out += [(dist + o, f"{rname}.dist_init_port", what) for o, what in dist_offsets(cfg, rc)]
-    if rname == "prefill" and cfg.mode != "aggregated":  # no KV transfer, no bootstrap
+    if has_bootstrap(cfg, rname):
         out.append((rc.bootstrap_port + i, f"{rname}.bootstrap_port", "bootstrap"))
     return out

@@ -26,7 +26,7 @@ from pdtool.plan.records import (
     RouterTarget,
 )
 from pdtool.plan.routes import kv_pool, layout_source, transfer_plan
-from pdtool.ports import dist_stride, http_stride
+from pdtool.ports import dist_stride, has_bootstrap, http_stride
 from pdtool.schema import ROLES, Config, kv_dtype, role, role_dims
 from transfer import routes as R
 from transfer.workerenv import DRAFT_LAYERS
@@ -86,9 +86,7 @@ def _instances(cfg: Config) -> tuple[InstancePlan, ...]:
                     nodes=nodes,
                     # packed instances' derived ports must not meet (pdtool.ports)
                     http_port=rc.http_port + i * http_stride(cfg, rname),
-                    # only a disaggregated prefill instance has a bootstrap server
-                    bootstrap_port=(rc.bootstrap_port + i if rname == "prefill"
-                                    and cfg.mode != "aggregated" else None),
+                    bootstrap_port=rc.bootstrap_port + i if has_bootstrap(cfg, rname) else None,
                     dist_init_port=rc.dist_init_port + i * dist_stride(cfg, rname),
                     page_size=rc.page_size,
                     kv_dtype=kv_dtype(cfg.model, rc),
