@@ -14,7 +14,8 @@ managers/data_parallel_controller.py):
   DP_ATTENTION_HANDSHAKE_PORT_DELTA), plus `--nccl-port`;
 * with DP attention across nodes, on the head node: the dist-init port, its `+1 .. +6` and its
   `+13` (the handshake is derived from `--dist-init-addr` then).
-The reference engine binds its HTTP port, prefill's bootstrap port and its dist-init port.
+The reference engine binds its HTTP port, its dist-init port (TP > 1) and, on prefill, the
+bootstrap port: the lead rank's messenger control socket, where decode ranks reach it.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 
@@ -30,3 +31,29 @@ def test_launch_smoke_serves_one_prompt_and_exits_0(tmp_path):
              if line.startswith("STATS ")]
     assert len(stats) == 3, res.stdout  # one prefill and two decode ranks
     assert all(s["pages_free"] == s["pages_total"] for s in stats)
+
+
+def test_a_taken_bootstrap_port_is_one_clear_line_and_the_launch_stops_at_once(tmp_path):
+    """The prefill lead listens on its planned bootstrap port (the decode ranks reach it
+    there); taken by another process, the prefill exits naming the key with no traceback, and
+    the decode ranks, still waiting for its /health, stop on the launcher's SIGTERM instead of
+    sitting out their grace period (launcher.stop_grace_s) until SIGKILL."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
+             f"router.port={free_port()}", f"prefill.bootstrap_port={port}"]
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "pdtool.cli", "launch", "+recipe=tiny-local", *ports,
+             "--smoke", "--out", str(tmp_path / "job")],
+            capture_output=True, text=True, timeout=300)
+    finally:
+        taken.close()
+    out = res.stdout + res.stderr
+    assert res.returncode == 1, out
+    assert (f"pdtool-reference: ERROR: prefill 0 rank 0: prefill.bootstrap_port (base + "
+            f"instance 0): bind_host/port: cannot listen on 127.0.0.1:{port}") in out
+    assert "Traceback" not in out
+    assert "SIGKILL" not in out and "ignored SIGTERM" not in out, out

@@ -5,9 +5,10 @@ Under load from several concurrent clients, one decode instance is killed (SIGKI
 requests in flight on it fail with a reason naming it, every other request completes exact
 (the engine's oracle), the supervisor restarts the instance, the front reconnects to its new
 request socket and routes to it again, exact. Then the same for the prefill instance: requests
-whose KV it was computing fail naming it, the others are exact, and once restarted (new control
-addresses, which the decode ranks read from its /health) it serves exact again. A process that
-fails on every start ends the deployment after launcher.max_restarts restarts.
+whose KV it was computing fail naming it, the others are exact, and once restarted (its lead's
+control socket on the same bootstrap port, where the decode ranks greet it again) it serves
+exact again. A process that fails on every start ends the deployment after
+launcher.max_restarts restarts.
 """
 
 from __future__ import annotations
@@ -39,13 +40,16 @@ class Launched:
 
     def __init__(self, tmp: Path, *overrides: str) -> None:
         p, d, r = free_port(), free_port_run(2), free_port()
+        self.prefill_health = f"http://127.0.0.1:{p}/health"
+        self.bootstrap = free_port()
         self.run_dir = tmp / "job"
         self.log = tmp / "launch.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdtool.cli", "launch", "+recipe=tiny-local",
              f"prefill.http_port={p}", f"decode.http_port={d}", f"router.port={r}",
              f"prefill.dist_init_port={free_port()}", f"decode.dist_init_port={free_port_run(2)}",
-             "launcher.restart=on-failure", "launcher.restart_backoff_s=0.5", *overrides,
+             f"prefill.bootstrap_port={self.bootstrap}", "launcher.restart=on-failure",
+             "launcher.restart_backoff_s=0.5", *overrides,
              "--out", str(self.run_dir)],
             stdout=open(self.log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
@@ -177,6 +181,8 @@ def test_a_killed_decode_then_prefill_instance_is_restarted_and_serves_again(lau
         time.sleep(0.2)
     _exact_after_restart(dep, oracle, want_instance=1)
 
+    before = get_json(dep.prefill_health)[1]  # the lead listens on the planned bootstrap port
+    assert before["control"] == [f"tcp://127.0.0.1:{dep.bootstrap}"], before
     mark = len(dep.output())
     results = _kill_under_load(dep, "prefill", 0)
     failed = [(c, b) for _, _, c, b in results if c != 200]
@@ -196,6 +202,7 @@ def test_a_killed_decode_then_prefill_instance_is_restarted_and_serves_again(lau
         assert time.monotonic() < deadline, body
         time.sleep(0.5)
     _exact_after_restart(dep, oracle)
+    assert get_json(dep.prefill_health)[1]["control"] == before["control"]
     assert dep.proc.poll() is None, dep.output()
 
 

@@ -131,10 +131,12 @@ def spec_from_context(ctx: Any) -> RankSpec:
 
 
 def messenger_settings(plan: Any, inst: Any, rank: Any, host: str) -> dict[str, Any]:
-    """What the messenger adapter needs from the plan (plain data). Prefill ranks' control
-    addresses are read at start-up from each prefill lead's /health (see link.py); the
-    libfabric domain is the NIC the plan chose for this rank's GPU, as the worker exported it
-    (transfer.workerenv)."""
+    """What the messenger adapter needs from the plan (plain data). A prefill instance's lead
+    binds its control socket on the instance's bootstrap port, the planned and port-checked
+    listener decode ranks reach it at (SGLang's prefill serves its bootstrap there); the other
+    ranks take a free port. Decode ranks read every rank's control address at start-up from
+    each prefill lead's /health (see link.py). The libfabric domain is the NIC the plan chose
+    for this rank's GPU, as the worker exported it (transfer.workerenv)."""
     t = plan.transfer
     prefill = [{"health": f"http://{_host_of(i.nodes[0], host)}:{i.http_port}/health"}
                for i in plan.role_instances("prefill")]
@@ -142,4 +144,5 @@ def messenger_settings(plan: Any, inst: Any, rank: Any, host: str) -> dict[str, 
             "timeout_s": t.timeout_s,
             "peer_timeout_s": t.peer_timeout_s, "heartbeat_s": t.heartbeat_s, "lanes": t.lanes,
             "connect_timeout_s": max(t.connect_timeout_s, 120.0), "prefill": prefill,
-            "prefill_tp": t.prefill.attn_tp, "decode_tp": t.decode.attn_tp}
+            "prefill_tp": t.prefill.attn_tp, "decode_tp": t.decode.attn_tp,
+            "control_port": (inst.bootstrap_port or 0) if rank.rank == 0 else 0}

@@ -134,7 +134,9 @@ class DecodeSide(_Side):
 
     def _rediscover(self) -> None:
         """A silent prefill instance publishing new control addresses was restarted: move
-        the messenger's channels there (its old process is gone: the launcher stopped it)."""
+        the messenger's channels there (its old process is gone: the launcher stopped it).
+        Its lead listens on its bootstrap port again, an address that does not change: the
+        messenger greets a silent rank there anew by itself (only the other ranks move)."""
         while not self._stop.wait(REDISCOVER_S):
             for g in self.m.silent_groups():
                 try:
@@ -196,14 +198,22 @@ class PrefillSide(_Side):
     def __init__(self, spec: Any, kv: PagedKV, model: TinyModel) -> None:
         import torch.distributed as dist
 
-        from transfer.messenger.common import PrefillConfig
+        from transfer.messenger.common import MessengerError, PrefillConfig
         from transfer.messenger.prefill import PrefillMessenger
+        from transfer.wire import WireError
 
         self.aux = torch.zeros(AUX_ROWS, model.cfg.hidden, dtype=torch.float32)
-        config = PrefillConfig(**_common(spec, model), bind_host=spec.host, port=0,
+        port = int(spec.messenger.get("control_port", 0))  # the lead's: its bootstrap port
+        config = PrefillConfig(**_common(spec, model), bind_host=spec.host, port=port,
                                max_requests=AUX_ROWS)
-        self.m = PrefillMessenger(config, kv.buffers, kv.layout, [self.aux],
-                                  progress=kv.progress.array)
+        try:
+            self.m = PrefillMessenger(config, kv.buffers, kv.layout, [self.aux],
+                                      progress=kv.progress.array)
+        except MessengerError as exc:
+            if port and isinstance(exc.__cause__, WireError):  # its control socket
+                raise MessengerError(f"prefill.bootstrap_port (base + instance {spec.instance}"
+                                     f"): {exc.__cause__}") from None
+            raise
         self.num_layers = self.m.num_layers
         self._todo: dict[str, int] = {}  # rid -> prompt tokens prefilled (all but the last)
         self._finishing = 0  # requests the current pass ends that have not had `finish` yet

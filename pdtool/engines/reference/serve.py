@@ -33,6 +33,8 @@ from .spec import RankSpec
 from .wire import Wire, router
 
 if TYPE_CHECKING:  # torch is imported by the prefill/decode roles only: the front starts fast
+    from collections.abc import Callable
+
     from .cache import PagedKV
     from .engine import Coord, Event
     from .model import TP, TinyModel
@@ -68,13 +70,31 @@ def _init(spec: RankSpec) -> tuple[Coord, TP]:
     return Coord(spec.tp, spec.rank), TP(spec.tp, spec.rank, None)
 
 
-def _stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
-    """SIGTERM/SIGINT set `stop`; the loops then shut down cleanly and print their STATS.
+class StartError(RuntimeError):
+    """This rank could not start (a port taken, a peer that never came up); the text says
+    which and why. `run` prints it as one line and exits 1."""
 
-    Called again once the messenger is up: libfabric's shm provider installs its own handlers
+
+def _exit_on_signals() -> None:
+    """Until a rank serves, SIGTERM/SIGINT end its process at once: it holds nothing that
+    needs a clean shutdown yet, and its start-up waits (a peer's /health, the process
+    group's rendezvous) watch no stop flag, so a launcher stopping a deployment whose
+    prefill died at start would otherwise wait its whole grace period for the decoders."""
+
+    def handler(signum: int, frame: Any) -> None:
+        os._exit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    """From the moment a rank serves, SIGTERM/SIGINT set `stop`; the loops then shut down
+    cleanly and print their STATS.
+
+    Installed once the messenger is up: libfabric's shm provider installs its own handlers
     (unlink its files, then die by the signal), which would skip the clean shutdown that
     closes the endpoint anyway."""
-    stop = stop or threading.Event()
 
     def handler(signum: int, frame: Any) -> None:
         if stop.is_set():  # second signal: a follower stuck waiting for a dead leader
@@ -83,7 +103,17 @@ def _stop_on_signals(stop: threading.Event | None = None) -> threading.Event:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
-    return stop
+
+
+def _health(spec: RankSpec, info: Callable[[], dict[str, Any]],
+            stats: Callable[[], dict[str, Any]], problem: Callable[[], str]) -> HealthServer:
+    """The leader's /health on its planned HTTP port, or a StartError naming the port."""
+    try:
+        return HealthServer(spec.host, spec.http_port, info, stats, problem)
+    except OSError as exc:
+        raise StartError(f"{spec.role} {spec.instance}: cannot serve /health on "
+                         f"{spec.host}:{spec.http_port} (its HTTP port): "
+                         f"{exc.strerror or exc}") from None
 
 
 def make_link(spec: RankSpec, kv: PagedKV, model: TinyModel) -> Any:
@@ -91,6 +121,17 @@ def make_link(spec: RankSpec, kv: PagedKV, model: TinyModel) -> Any:
     from .link import messenger_link
 
     return messenger_link(spec, kv, model)
+
+
+def _start_link(spec: RankSpec, kv: PagedKV, model: TinyModel) -> Any:
+    """make_link, its start-up failures (a control port taken, a prefill instance that never
+    published its addresses) as a StartError."""
+    from transfer.messenger.common import MessengerError
+
+    try:
+        return make_link(spec, kv, model)
+    except (MessengerError, TimeoutError) as exc:
+        raise StartError(f"{spec.role} {spec.instance} rank {spec.rank}: {exc}") from None
 
 
 def _start_rank(spec: RankSpec, stop: threading.Event, link: Any) -> tuple[Any, ...]:
@@ -112,7 +153,7 @@ def _start_rank(spec: RankSpec, stop: threading.Event, link: Any) -> tuple[Any, 
 
         link = _NoTransfer()
     else:
-        link = link if link is not None else make_link(spec, kv, model)
+        link = link if link is not None else _start_link(spec, kv, model)
         log.info("%s %d rank %d: messenger ready", spec.role, spec.instance, spec.rank)
     _stop_on_signals(stop)
     return coord, model, kv, link
@@ -152,10 +193,9 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
         address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         context = decode_context(spec, getattr(link, "peer_context", 0),
                                  getattr(model.cfg, "max_context", 0))
-        health = HealthServer(spec.host, spec.http_port,
-                              lambda: {"role": spec.role, "engine": address,
-                                       "context": context}, stats,
-                              getattr(link, "problem", lambda: ""))
+        health = _health(spec, lambda: {"role": spec.role, "engine": address,
+                                        "context": context}, stats,
+                         getattr(link, "problem", lambda: ""))
         health.ready = True
     news = getattr(link, "news_fd", None)  # the messenger's doorbell: a transfer settled
     if sock is not None:
@@ -269,10 +309,9 @@ def serve_prefill(spec: RankSpec, stop: threading.Event, link: Any = None) -> di
     if coord.leader:
         control = list(getattr(link, "control", []))
         context = spec.num_pages * spec.page_size  # pages_for(prompt) must fit the cache
-        health = HealthServer(spec.host, spec.http_port,
-                              lambda: {"role": "prefill", "control": control,
-                                       "context": context}, stats,
-                              getattr(link, "problem", lambda: ""))
+        health = _health(spec, lambda: {"role": "prefill", "control": control,
+                                        "context": context}, stats,
+                         getattr(link, "problem", lambda: ""))
         health.ready = True
     ran = False
     idle = PREFILL_IDLE_S[0]
@@ -359,12 +398,20 @@ def serve_front(spec: RankSpec, stop: threading.Event) -> int:
     from .tokenizer import load_tokenizer
     from .wire import MAX_PROMPT
 
-    found = discover(spec.decoders)
+    try:
+        found = discover(spec.decoders)
+    except TimeoutError as exc:
+        raise StartError(f"front: {exc}") from None
     context = min((d["context"] for d in found if d["context"] > 0), default=MAX_PROMPT)
-    front = Front([d["engine"] for d in found], spec.secret, spec.host, spec.http_port,
-                  model_name=spec.model_name, context=context,
-                  tokenizer=load_tokenizer(spec.tokenizer), health_urls=list(spec.decoders))
+    try:
+        front = Front([d["engine"] for d in found], spec.secret, spec.host, spec.http_port,
+                      model_name=spec.model_name, context=context,
+                      tokenizer=load_tokenizer(spec.tokenizer), health_urls=list(spec.decoders))
+    except OSError as exc:
+        raise StartError(f"front: cannot listen on {spec.host}:{spec.http_port} (router.port): "
+                         f"{exc.strerror or exc}") from None
     front.start()
+    _stop_on_signals(stop)
     log.info("front on http://%s:%d over %d decode instances, context %d tokens", spec.host,
              front.port, len(found), context)
     try:
@@ -398,18 +445,23 @@ def run_worker(ctx: Any) -> int:
 def run(spec: RankSpec) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     log.info("%s %d rank %d: starting", spec.role, spec.instance, spec.rank)
-    stop = _stop_on_signals()
-    if spec.role in ("decode", "aggregated"):
-        stats = serve_decode(spec, stop)
-    elif spec.role == "prefill":
-        stats = serve_prefill(spec, stop)
-    elif spec.role == "front":
-        code = serve_front(spec, stop)
-        log.info("front: stopped")
-        return code
-    else:
-        raise ValueError(f"role: expected prefill, decode, aggregated or front, got "
-                         f"{spec.role!r}")
+    stop = threading.Event()
+    _exit_on_signals()  # until the rank serves: then _stop_on_signals
+    try:
+        if spec.role in ("decode", "aggregated"):
+            stats = serve_decode(spec, stop)
+        elif spec.role == "prefill":
+            stats = serve_prefill(spec, stop)
+        elif spec.role == "front":
+            code = serve_front(spec, stop)
+            log.info("front: stopped")
+            return code
+        else:
+            raise ValueError(f"role: expected prefill, decode, aggregated or front, got "
+                             f"{spec.role!r}")
+    except StartError as exc:
+        print(f"pdtool-reference: ERROR: {exc}", file=sys.stderr, flush=True)
+        return 1
     print("STATS " + json.dumps(stats), flush=True)
     log.info("%s %d rank %d: stopped", spec.role, spec.instance, spec.rank)
     return 0
