@@ -165,7 +165,8 @@ class TransferConfig:
     provider: str = "shm"  # efa | verbs;ofi_rxm | tcp;ofi_rxm | shm
     layout: str = "HND"  # HND | NHD
     timeout_s: float = 60.0
-    connect_timeout_s: float = 30.0
+    connect_timeout_s: float = 120.0  # reference engine: decode ranks wait this long for a
+    # prefill lead's /health (its control addresses) at start
     peer_timeout_s: float = 5.0  # a messenger peer silent this long is dead (its lease)
     heartbeat_s: float = 0.5  # messenger liveness pings; must be < peer_timeout_s
     lanes: int = 0  # receive endpoints per decode rank, each copying on its own thread (0: 2 on

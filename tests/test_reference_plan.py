@@ -59,13 +59,14 @@ def test_what_the_engine_cannot_run_names_the_key(override, key):
 
 
 def test_liveness_timeouts_reach_the_messenger_settings(secret):
-    """transfer.peer_timeout_s / heartbeat_s (reliability issue) and transfer.lanes travel
-    plan -> RankSpec."""
+    """transfer.peer_timeout_s / heartbeat_s (reliability issue), transfer.lanes and
+    transfer.connect_timeout_s travel plan -> RankSpec, as set (a shorter start-up wait too)."""
     plan = build_plan(recipe("tiny-local", "transfer.peer_timeout_s=2.5",
-                             "transfer.heartbeat_s=0.25", "transfer.lanes=3"))
+                             "transfer.heartbeat_s=0.25", "transfer.lanes=3",
+                             "transfer.connect_timeout_s=7"))
     spec = spec_from_context(_ctx(plan, "decode", 1))
     assert spec.messenger["peer_timeout_s"] == 2.5 and spec.messenger["heartbeat_s"] == 0.25
-    assert spec.messenger["lanes"] == 3
+    assert spec.messenger["lanes"] == 3 and spec.messenger["connect_timeout_s"] == 7
 
 
 def test_a_peer_timeout_not_above_the_heartbeat_is_refused():

@@ -143,6 +143,6 @@ def messenger_settings(plan: Any, inst: Any, rank: Any, host: str) -> dict[str, 
     return {"provider": t.provider, "domain": workerenv.domain_for(rank.gpu),
             "timeout_s": t.timeout_s,
             "peer_timeout_s": t.peer_timeout_s, "heartbeat_s": t.heartbeat_s, "lanes": t.lanes,
-            "connect_timeout_s": max(t.connect_timeout_s, 120.0), "prefill": prefill,
+            "connect_timeout_s": t.connect_timeout_s, "prefill": prefill,
             "prefill_tp": t.prefill.attn_tp, "decode_tp": t.decode.attn_tp,
             "control_port": (inst.bootstrap_port or 0) if rank.rank == 0 else 0}
