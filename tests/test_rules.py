@@ -505,3 +505,21 @@ def test_aggregated_mode_says_which_keys_it_does_not_read():
     assert "mode=disaggregated" in f.fix
     assert not [f for f in validate(recipe("deepseek-r1")) if f.key == "transfer"
                 and f.severity == "warning" and "mode=aggregated" in f.message]
+
+
+@pytest.mark.parametrize(("override", "names"), [
+    ("transfer.timeout_s=600", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"),
+    ("transfer.connect_timeout_s=10", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"),
+    ("transfer.peer_timeout_s=10", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"),
+    ("transfer.heartbeat_s=1", "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"),
+    ("transfer.lanes=2", "cluster.nics"),
+])
+def test_messenger_only_transfer_keys_are_refused_with_sglang(override: str, names: str):
+    """engine=sglang keeps SGLang's own timers and a lane per NIC: a messenger key set away
+    from its default would change nothing, so validate refuses it and names what to set."""
+    key = override.split("=")[0]
+    assert_error(recipe("deepseek-r1", override), key, "with engine=sglang nothing reads it",
+                 names)
+    assert not [f for f in validate(recipe("deepseek-r1")) if f.key == key]
+    assert not [f for f in validate(recipe("tiny-local", override)) if f.key == key
+                and f.severity == "error"]  # the reference engine's messenger reads it

@@ -24,7 +24,7 @@ from pdtool.plan import (
     sglang_speculative,
 )
 from pdtool.rules.finding import Finding, error, warning
-from pdtool.schema import Config
+from pdtool.schema import Config, TransferConfig
 from transfer.geometry import (
     SGLANG_SPEC_ALGORITHMS,
     SGLANG_SPEC_DRAFT_KV,
@@ -185,4 +185,44 @@ def check_sglang_aggregated_args(cfg: Config) -> list[Finding]:
         "--deepep-mode auto), or accept the difference")]
 
 
-ALL = (check_sglang_unsupported_args, check_sglang_speculative, check_sglang_aggregated_args)
+#: transfer.* keys only pdtool's messenger reads (the reference engine's), and what governs
+#: the same thing with engine=sglang: the backend keeps SGLang's bootstrap, heartbeats and
+#: timeouts (SGLang 0.5.23 environ.py) and receives on one lane per NIC of the rank.
+#: key -> (what governs it, the environment variable to set instead or None)
+SGLANG_OWN: dict[str, tuple[str, str | None]] = {
+    "timeout_s": ("SGLANG_DISAGGREGATION_WAITING_TIMEOUT (whole seconds, default 300)",
+                  "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"),
+    "connect_timeout_s": ("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT (whole seconds, default "
+                          "300): decode ranks reach a prefill's bootstrap server per request, "
+                          "SGLang has no start-up wait", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"),
+    "peer_timeout_s": ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL x "
+                       "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE (default 5 s x 2)",
+                       "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"),
+    "heartbeat_s": ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL (seconds, at least 2)",
+                    "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"),
+    "lanes": ("cluster.nics: one receive lane per NIC of the rank", None),
+}
+
+
+def check_sglang_unread_transfer_keys(cfg: Config) -> list[Finding]:
+    """engine=sglang: a messenger-only transfer key set away from its default would be read
+    by nothing; refused, naming what governs it under SGLang."""
+    if cfg.engine.kind != "sglang":
+        return []
+    defaults = TransferConfig()
+    out = []
+    for name, (own, env) in SGLANG_OWN.items():
+        value, default = getattr(cfg.transfer, name), getattr(defaults, name)
+        if value != default:
+            fix = f"leave transfer.{name} at its default ({default})"
+            if env:
+                fix += f" and set +launcher.env.all.{env}=... instead"
+            out.append(error(
+                f"transfer.{name}",
+                f"transfer.{name}={value}: with engine=sglang nothing reads it (the reference "
+                f"engine's messenger does); SGLang's own setting governs it: {own}", fix))
+    return out
+
+
+ALL = (check_sglang_unsupported_args, check_sglang_speculative, check_sglang_aggregated_args,
+       check_sglang_unread_transfer_keys)
