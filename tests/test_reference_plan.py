@@ -40,6 +40,10 @@ def test_tiny_local_specs_pair_decoders_with_the_prefill(secret):
     assert d1.messenger["prefill_tp"] == 2 and d1.messenger["decode_tp"] == 1
     assert d1.messenger["prefill"] == [{"health": f"http://127.0.0.1:{p1.http_port}/health"}]
     assert not d1.allow_faults  # test hooks stay off unless the deployment's env sets them
+    # the prefill lead's control socket is the instance's bootstrap port; rank 1 takes any
+    p0 = spec_from_context(_ctx(plan, "prefill", 0, 0))
+    assert p0.messenger["control_port"] == plan.role_instances("prefill")[0].bootstrap_port
+    assert p1.messenger["control_port"] == 0
     front = spec_from_context(_ctx(plan, "router"))
     assert front.role == "front" and front.http_port == plan.router.port
     assert front.decoders == [f"http://127.0.0.1:{i.http_port}/health"
@@ -51,6 +55,7 @@ def test_tiny_local_specs_pair_decoders_with_the_prefill(secret):
     ("prefill.kv_dtype=fp8_e4m3", "prefill.kv_dtype"),
     ("prefill.tp=8", "prefill.tp"),  # 4 query heads cannot be split 8 ways
     ("model.head_dim=15", "model.head_dim"),
+    ("prefill.max_running_requests=257", "prefill.max_running_requests"),  # the aux rows
 ])
 def test_what_the_engine_cannot_run_names_the_key(override, key):
     plan = build_plan(recipe("tiny-local", override))
@@ -74,3 +79,13 @@ def test_a_peer_timeout_not_above_the_heartbeat_is_refused():
 
     assert_error(recipe("tiny-local", "transfer.peer_timeout_s=0.5", "transfer.heartbeat_s=0.5"),
                  "transfer.peer_timeout_s", "not longer than transfer.heartbeat_s")
+
+
+def test_max_running_requests_reaches_each_engine():
+    """role.max_running_requests bounds the requests an instance holds at once; 0 leaves the
+    engine's default (serve: 64 running on decode, the 256 aux rows on prefill)."""
+    plan = build_plan(recipe("tiny-local", "decode.max_running_requests=3",
+                             "prefill.max_running_requests=5"))
+    assert spec_from_context(_ctx(plan, "decode", 1)).max_running == 3
+    assert spec_from_context(_ctx(plan, "prefill")).max_running == 5
+    assert spec_from_context(_ctx(build_plan(recipe("tiny-local")), "decode")).max_running == 0

@@ -93,6 +93,7 @@ def _instances(cfg: Config) -> tuple[InstancePlan, ...]:
                     kv_layout=pools or rc.kv_layout,
                     chunked_prefill_size=rc.chunked_prefill_size,
                     mem_fraction=rc.mem_fraction,
+                    max_running_requests=rc.max_running_requests,
                     ranks=tuple(ranks),
                 )
             )

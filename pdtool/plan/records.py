@@ -66,6 +66,7 @@ class InstancePlan:
     kv_layout: str
     chunked_prefill_size: int
     mem_fraction: float
+    max_running_requests: int  # 0: the engine's default
     ranks: tuple[RankPlan, ...]
 
     @property

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from transfer.routes import pages_for
 
 from .cache import PagedKV
+from .limits import AUX_ROWS, DEFAULT_MAX_RUNNING
 from .model import EOS, Batch, TinyModel
 
 log = logging.getLogger("pdtool.reference.engine")
@@ -158,7 +159,7 @@ class PrefillEngine:
         coord: Coord,
         chunk_size: int,
         max_batch_tokens: int | None = None,
-        max_requests: int = 256,
+        max_requests: int = AUX_ROWS,
     ) -> None:
         if chunk_size % kv.page_size:
             raise ValueError(
@@ -323,7 +324,7 @@ class DecodeEngine:
         kv: PagedKV,
         link: DecodeLink,
         coord: Coord,
-        max_running: int = 64,
+        max_running: int = DEFAULT_MAX_RUNNING,
     ) -> None:
         self.model, self.kv, self.link, self.coord = model, kv, link, coord
         self.max_running = max_running
@@ -553,7 +554,7 @@ class AggregatedEngine(DecodeEngine):
     output is the same as disaggregated serving's."""
 
     def __init__(self, model: TinyModel, kv: PagedKV, coord: Coord, chunk_size: int,
-                 max_running: int = 64) -> None:
+                 max_running: int = DEFAULT_MAX_RUNNING) -> None:
         if chunk_size % kv.page_size:
             raise ValueError(f"chunked_prefill_size={chunk_size} must be a multiple of "
                              f"page_size={kv.page_size}")

@@ -121,7 +121,7 @@ def spec_from_context(ctx: Any) -> RankSpec:
         http_port=inst.http_port, page_size=inst.page_size, layout=inst.kv_layout,
         device=plan.cluster.device,
         num_pages=pages,
-        chunk=inst.chunked_prefill_size,
+        chunk=inst.chunked_prefill_size, max_running=inst.max_running_requests,
         model=fields, secret_hex=_secret_hex(),
         messenger=messenger_settings(plan, inst, rank, ctx.host),
         peer=pair_of(plan, inst.index) if ctx.role == "decode" else 0,

@@ -10,6 +10,11 @@ from typing import Any
 
 #: plan/config KV dtypes the engine has CPU kernels for, and their torch names
 TORCH_KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+#: the messenger's hidden-state rows per rank (link.py): a prefill instance holds at most this
+#: many requests at once (its default `max_running_requests`), a decode rank this many transfers
+AUX_ROWS = 256
+#: requests a decode (or aggregated) instance runs at once with max_running_requests=0
+DEFAULT_MAX_RUNNING = 64
 
 
 def checkpoint_problems(model: Any) -> list[tuple[str, str]]:
@@ -64,6 +69,10 @@ def instance_problems(model: Any, inst: Any, role: str) -> list[tuple[str, str]]
         out.append((f"{role}.chunked_prefill_size",
                     f"{inst.chunked_prefill_size} is not a multiple of "
                     f"{role}.page_size={inst.page_size}"))
+    if role == "prefill" and inst.max_running_requests > AUX_ROWS:
+        out.append((f"{role}.max_running_requests",
+                    f"a reference prefill instance holds at most {AUX_ROWS} requests at once "
+                    f"(the messenger's hidden-state rows), got {inst.max_running_requests}"))
     if inst.tp < 1 or model.num_q_heads % inst.tp or model.intermediate_size % inst.tp:
         out.append((f"{role}.tp",
                     f"tp={inst.tp} must divide model.num_q_heads={model.num_q_heads} and "

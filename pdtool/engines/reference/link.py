@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from .cache import PagedKV
+from .limits import AUX_ROWS
 from .model import TinyModel
 
 log = logging.getLogger("pdtool.reference.link")
-AUX_ROWS = 256  # hidden-state rows: transfer slots on decode, requests in flight on prefill
 # How long an idle messenger thread sleeps on its sockets and command doorbell (either wakes it
 # at once): only its timers (heartbeats every 0.5 s, timeouts) wait for it. At the messenger's
 # default 5 ms, each idle decoder's thread took the GIL 200 times a second, ~4 % of a loaded core

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from .health import HealthServer
+from .limits import AUX_ROWS, DEFAULT_MAX_RUNNING
 from .spec import RankSpec
 from .wire import Wire, router
 
@@ -168,10 +169,11 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
     from .engine import AggregatedEngine, DecodeEngine
 
     coord, model, kv, link = _start_rank(spec, stop, link)
+    max_running = spec.max_running or DEFAULT_MAX_RUNNING
     if spec.role == "aggregated":
-        engine = AggregatedEngine(model, kv, coord, spec.chunk, spec.max_running)
+        engine = AggregatedEngine(model, kv, coord, spec.chunk, max_running)
     else:
-        engine = DecodeEngine(model, kv, link, coord, spec.max_running)
+        engine = DecodeEngine(model, kv, link, coord, max_running)
 
     def stats() -> dict[str, Any]:
         return {"role": spec.role, "instance": spec.instance, "rank": spec.rank,
@@ -297,7 +299,8 @@ def serve_prefill(spec: RankSpec, stop: threading.Event, link: Any = None) -> di
     from .engine import PrefillEngine
 
     coord, model, kv, link = _start_rank(spec, stop, link)
-    engine = PrefillEngine(model, kv, link, coord, spec.chunk)
+    engine = PrefillEngine(model, kv, link, coord, spec.chunk,
+                           max_requests=spec.max_running or AUX_ROWS)
 
     def stats() -> dict[str, Any]:
         return {"role": "prefill", "instance": spec.instance, "rank": spec.rank,

@@ -32,7 +32,7 @@ class RankSpec:
     device: str = "cpu"  # cluster.device: cpu, or cuda (weights on the GPU, FlashInfer decode)
     num_pages: int = DEFAULT_PAGES
     chunk: int = 16
-    max_running: int = 64
+    max_running: int = 0  # requests in flight at once (role.max_running_requests); 0: default
     model: dict[str, Any] = field(default_factory=dict)  # models.model_config's fields
     secret_hex: str = ""
     messenger: dict[str, Any] = field(default_factory=dict)  # passed to the messenger adapter
