@@ -171,13 +171,13 @@ class TransferConfig:
     heartbeat_s: float = 0.5  # messenger liveness pings; must be < peer_timeout_s
     lanes: int = 0  # receive endpoints per decode rank, each copying on its own thread (0: 2 on
     # shm, where the receiver does every copy; 1 elsewhere)
-    backend_name: str = "pdtool"  # name given to SGLang's --disaggregation-transfer-backend
     # how KV in GPU memory reaches the fabric: auto | direct (FI_HMEM) | staged (host bounce
     # buffers); transfer.gpu_memory has the rule (engine=sglang; the reference engine's KV is
     # in host memory)
     gpu_memory: str = "auto"
     # engine=sglang: who moves the KV: pdtool's messenger (its plugin, registered as
-    # backend_name), or SGLang's own mooncake / nixl backends on the plan's per-GPU NICs
+    # `pdtool`, transfer.sglang.BACKEND_NAME), or SGLang's own mooncake / nixl backends on the
+    # plan's per-GPU NICs
     backend: str = "pdtool"
 
 

@@ -31,7 +31,6 @@ from pdtool.schema import NicConfig
         ("transfer.provider", "ucx", "transfer.provider", "efa | verbs;ofi_rxm"),
         ("transfer.layout", "NDH", "transfer.layout", "HND | NHD"),
         ("transfer.timeout_s", 0.0, "transfer.timeout_s", "> 0"),
-        ("transfer.backend_name", "Bad Name", "transfer.backend_name", "not a backend"),
         ("transfer.lanes", 9, "transfer.lanes", "0 (automatic) to 8"),
         ("launcher.kind", "k8s", "launcher.kind", "local | slurm"),
         ("launcher.job_name", " ", "launcher.job_name", "empty"),
@@ -276,18 +275,16 @@ def test_local_launcher_is_one_machine():
 
 def test_engine_must_suit_device():
     assert_error(compose("engine=sglang"), "engine.kind", "need GPUs")
-    cfg = recipe("deepseek-r1", "engine=reference", "model=tiny", "model.num_q_heads=8",
-                 "model.num_kv_heads=8", "prefill.chunked_prefill_size=64",
-                 "prefill.kv_dtype=fp16", "decode.kv_dtype=fp16")
+    # the R1 cluster with a model the reference engine runs (and without SGLang's flags)
+    tiny = ("engine=reference", "engine.extra_args=[]", "model=tiny", "model.num_q_heads=8",
+            "model.num_kv_heads=8", "prefill.chunked_prefill_size=64")
+    cfg = recipe("deepseek-r1", *tiny, "prefill.kv_dtype=fp16", "decode.kv_dtype=fp16")
     assert_warning(cfg, "engine.kind", "FlashInfer decode attention")
     # what the GPU path cannot read is refused, naming the key
-    assert_error(recipe("deepseek-r1", "engine=reference", "model=tiny", "model.num_q_heads=8",
-                        "model.num_kv_heads=8", "prefill.chunked_prefill_size=64",
-                        "transfer.layout=NHD", "decode.kv_dtype=fp32"),
+    assert_error(recipe("deepseek-r1", *tiny, "transfer.layout=NHD", "decode.kv_dtype=fp32"),
                  "decode.kv_layout", "HND pages")
-    assert_error(recipe("deepseek-r1", "engine=reference", "model=tiny", "model.num_q_heads=8",
-                        "model.num_kv_heads=8", "prefill.chunked_prefill_size=64",
-                        "decode.kv_dtype=fp32"), "decode.kv_dtype", "fp16 or bf16")
+    assert_error(recipe("deepseek-r1", *tiny, "decode.kv_dtype=fp32"), "decode.kv_dtype",
+                 "fp16 or bf16")
 
 
 @pytest.mark.parametrize(
@@ -523,3 +520,17 @@ def test_messenger_only_transfer_keys_are_refused_with_sglang(override: str, nam
     assert not [f for f in validate(recipe("deepseek-r1")) if f.key == key]
     assert not [f for f in validate(recipe("tiny-local", override)) if f.key == key
                 and f.severity == "error"]  # the reference engine's messenger reads it
+
+
+@pytest.mark.parametrize(("override", "key", "fragment"), [
+    ("decode.extra_args=[--enable-mixed-chunk]", "decode.extra_args", "read by nothing"),
+    ("engine.extra_args=[--foo]", "engine.extra_args", "read by nothing"),
+    ("launcher.container_mounts=[/data:/data]", "launcher.container_mounts",
+     "no launcher.container_image"),
+    ("launcher.watchdog_s=-1", "launcher.watchdog_s", ">= 0"),
+])
+def test_keys_nothing_would_read_are_refused(override: str, key: str, fragment: str):
+    """A value validate accepted and nothing then read: flags for SGLang's line on the
+    reference engine, container mounts without a container, a negative watchdog period (the
+    rendered scripts would take it for a health wait and stop the deployment once ready)."""
+    assert_error(recipe("tiny-local", override), key, fragment)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pdtool.launch.shell import Var, Word, word
 from pdtool.plan import InstancePlan, Plan, RankPlan, gpu_numa
 from pdtool.schema import Config
+from transfer.sglang import BACKEND_NAME
 
 #: pdtool KV dtype names -> SGLang 0.5.23 --kv-cache-dtype choices (it has no fp16/fp32 cache:
 #: validate refuses those for engine=sglang, rules.launch)
@@ -19,9 +20,9 @@ SGLANG_KV_DTYPES = {"bf16": "bfloat16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8
 
 
 def transfer_backend(cfg: Config, plan: Plan) -> str:
-    """SGLang's --disaggregation-transfer-backend: pdtool's plugin under its registered name, or
-    one of SGLang's own (transfer.backend)."""
-    return plan.transfer.backend_name if cfg.transfer.backend == "pdtool" else cfg.transfer.backend
+    """SGLang's --disaggregation-transfer-backend: pdtool's plugin under the name it registers,
+    or one of SGLang's own (transfer.backend)."""
+    return BACKEND_NAME if cfg.transfer.backend == "pdtool" else cfg.transfer.backend
 
 
 def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPlan],

@@ -136,7 +136,6 @@ class ShardPlan:
 class TransferPlan:
     provider: str
     layout: str  # the page layout written (routes.kv_pool), not always transfer.layout
-    backend_name: str
     timeout_s: float
     connect_timeout_s: float
     aux_writes: int  # metadata buffers written once per request (the engine's, geometry)

@@ -259,7 +259,6 @@ def transfer_plan(cfg: Config, tokens: int) -> TransferPlan:
         provider=tr.provider,
         layout=pool.layout,
         layout_source=layout_source(cfg),
-        backend_name=tr.backend_name,
         timeout_s=tr.timeout_s,
         connect_timeout_s=tr.connect_timeout_s,
         peer_timeout_s=tr.peer_timeout_s,

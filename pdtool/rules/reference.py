@@ -23,7 +23,15 @@ def check_reference_limits(cfg: Config) -> list[Finding]:
         for key, msg in instance_problems(cfg.model, rc, name):
             problems.setdefault(key, msg)
     fix = "change it, or use engine=sglang for this model"
-    return [error(key, f"engine=reference: {msg}", fix) for key, msg in problems.items()]
+    out = [error(key, f"engine=reference: {msg}", fix) for key, msg in problems.items()]
+    for key, argv in (("engine.extra_args", cfg.engine.extra_args),
+                      *((f"{name}.extra_args", role(cfg, name).extra_args) for name in ROLES)):
+        if argv:
+            out.append(error(key, f"engine=reference: {list(argv)} would be read by nothing "
+                             "(extra_args are appended to SGLang's launch lines; the reference "
+                             "engine takes its settings from the config keys)",
+                             f"drop {key}, or use engine=sglang"))
+    return out
 
 
 ALL = (check_reference_limits,)

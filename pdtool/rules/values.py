@@ -271,14 +271,6 @@ def check_transfer(cfg: Config) -> list[Finding]:
                          f"{t.peer_timeout_s} s is not longer than transfer.heartbeat_s "
                          f"({t.heartbeat_s} s): every peer would look dead",
                          "set transfer.peer_timeout_s to several heartbeats (default 5.0)"))
-    if not t.backend_name or not re.fullmatch(r"[a-z][a-z0-9_-]*", t.backend_name):
-        out.append(
-            error(
-                "transfer.backend_name",
-                f"{t.backend_name!r} is not a backend name (lowercase letters, digits, - or _)",
-                "set transfer.backend_name=pdtool",
-            )
-        )
     return out
 
 
@@ -323,6 +315,11 @@ def check_launcher(cfg: Config) -> list[Finding]:
                     "write mounts as /host/path:/container/path[:ro]",
                 )
             )
+    if lc.container_mounts and not lc.container_image:
+        out.append(error("launcher.container_mounts",
+                         f"{len(lc.container_mounts)} mount(s) but no launcher.container_image: "
+                         f"mounts go into the container, and without one nothing reads them",
+                         "set launcher.container_image, or drop launcher.container_mounts"))
     for scope in ("all", "prefill", "decode", "router"):
         for name in getattr(lc.env, scope):
             if not _ENV_NAME.match(name):
@@ -338,6 +335,7 @@ def check_launcher(cfg: Config) -> list[Finding]:
     out += _at_least("launcher.max_restarts", lc.max_restarts, 0)
     out += _at_least("launcher.restart_backoff_s", lc.restart_backoff_s, 0)
     out += _at_least("launcher.stop_grace_s", lc.stop_grace_s, 1)
+    out += _at_least("launcher.watchdog_s", lc.watchdog_s, 0, "0: off")
     return out
 
 
