@@ -71,10 +71,6 @@ def jinja_env():
 def script_text(cfg: Any, plan: Any, spec: LaunchSpec, run_dir: Path) -> str:
     """The launcher's script as text."""
     lc = cfg.launcher
-    venv_activate = str(Path(lc.venv) / "bin" / "activate") if lc.venv else ""
-    for i, line in enumerate(lc.setup):
-        if "\n" in line or "\r" in line:
-            raise LaunchError(f"launcher.setup.{i}: one shell line per entry, no line breaks")
     ctx = {
         "version": __version__,
         "recipe": cfg.recipe or "default",
@@ -84,9 +80,9 @@ def script_text(cfg: Any, plan: Any, spec: LaunchSpec, run_dir: Path) -> str:
         "secret_name": SECRET_NAME,
         "slurm": spec.launcher == "slurm",
         "job": spec.job,
-        "setup": list(lc.setup),
+        "setup": spec.setup,
         "venv": lc.venv,
-        "venv_activate": venv_activate,
+        "venv_activate": spec.venv_activate,
         "procs": spec.procs,
         "router_procs": spec.router,
         "health": spec.health(),

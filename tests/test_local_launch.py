@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from pdtool.engines.reference.local import free_port_run
 from pdtool.render import render
 
 
@@ -341,7 +342,6 @@ def test_sglang_router_is_ready_once_every_instance_is_registered(tmp_path: Path
     while decode-1 is not registered; the readiness the scripts and the supervisor wait on
     (its /workers list) holds until every prefill and decode instance is, then passes. With
     mode=aggregated every instance is one of its regular workers."""
-    from pdtool.engines.reference.local import free_port_run
     from pdtool.launch.health import check, wait_healthy
     from pdtool.launch.shell import resolve
 
@@ -383,3 +383,39 @@ def test_sglang_router_is_ready_once_every_instance_is_registered(tmp_path: Path
         log.close()
         for w in workers:
             w.close()
+
+
+@pytest.mark.parametrize("how", ["supervisor", "script"])
+def test_setup_lines_and_the_virtualenv_reach_every_process(how: str, tmp_path: Path) -> None:
+    """launcher.setup runs once before any process starts and launcher.venv is activated after
+    it, in the supervisor (`pdtool launch`) as in the rendered run_local.sh: both shape the
+    environment every worker starts with."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(
+        'export VIRTUAL_ENV="$(dirname "$(dirname "${BASH_SOURCE[0]}")")"\n'
+        'export PDTOOL_TEST_MARK="venv after $PDTOOL_TEST_MARK"\n')
+    base = free_port_run(60)
+    run = STARTERS[how](base, tmp_path / "job", f"launcher.venv={venv}",
+                        "launcher.setup=['export PDTOOL_TEST_MARK=setup']")
+    try:
+        run.wait_for("deployment ready")
+        for role, instance in (("prefill", 0), ("decode", 1)):
+            pid = worker_pid(run.run_dir, role, instance)
+            env = dict(e.split(b"=", 1) for e in
+                       Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in e)
+            assert env[b"PDTOOL_TEST_MARK"] == b"venv after setup", (role, env)
+            assert env[b"VIRTUAL_ENV"] == str(venv).encode()
+        os.kill(run.p.pid, signal.SIGINT if how == "supervisor" else signal.SIGTERM)
+        run.finish()
+        wait_gone(run.run_dir)
+    finally:
+        run.kill_everything()
+
+
+def test_a_failing_setup_line_stops_the_supervisor_before_anything_starts(tmp_path):
+    base = free_port_run(60)
+    run = supervisor(base, tmp_path / "job", "launcher.setup=['false']")
+    code, out = run.finish(timeout=60)
+    assert code == 1 and "launcher.setup / launcher.venv failed (exit 1)" in out, out
+    assert "started" not in out

@@ -8,16 +8,19 @@ SIGTERM, or when a process exits on its own or stops answering its health check
 (launcher.watchdog_s) and launcher.restart does not restart its instance (pdtool.launch.restart:
 `on-failure` stops that instance, waits, starts it again and waits for its health, at most
 launcher.max_restarts times per instance); the router stops first, then decode, then prefill.
-It runs the same launch spec the rendered `run_local.sh` prints, so the two never disagree.
+It runs the same launch spec the rendered `run_local.sh` prints, so the two never disagree:
+launcher.setup's lines and launcher.venv's activation shape both one's processes' environment.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +37,29 @@ from transfer.workerenv import launch_env
 STOP_ORDER = ("router", "decode", "prefill")
 #: health checks in a row a running process may miss before the watchdog ends the run
 WATCHDOG_MISSES = 3
+
+
+def prelude_env(spec: LaunchSpec, cwd: Path) -> dict[str, str]:
+    """The environment every process starts with: this one, plus what launcher.setup's lines
+    and the virtualenv's activate script leave behind, run once in one bash before anything
+    starts, as the rendered run_local.sh runs them. A failing line is a HealthFailure naming
+    it (bash's own message)."""
+    if not spec.setup and not spec.venv_activate:
+        return dict(os.environ)
+    lines = ["set -euo pipefail", *spec.setup]
+    if spec.venv_activate:
+        lines += ["set +u", f"source {shlex.quote(spec.venv_activate)}", "set -u"]
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = Path(tmp) / "env"
+        lines.append(f"env -0 > {shlex.quote(str(dump))}")
+        done = subprocess.run(["bash", "-c", "\n".join(lines)], cwd=cwd, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            said = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise HealthFailure("launcher.setup / launcher.venv failed (exit "
+                                f"{done.returncode}): " + " | ".join(said), 1)
+        entries = dump.read_bytes().decode(errors="surrogateescape").split("\0")
+    return dict(e.split("=", 1) for e in entries if "=" in e)
 
 
 class Stop(Exception):
@@ -67,6 +93,7 @@ class Supervisor:
         self.restarts: dict[str, int] = {}  # restarts so far, per instance (group_of)
         self.force = False
         self.running: list[Running] = []
+        self.base_env = dict(os.environ)  # run() adds launcher.setup's and the venv's
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.log_dir = self.run_dir / "logs" / f"local-{stamp}-{os.getpid()}"
         self.vars = {"RUN_DIR": str(self.run_dir), "LOG_DIR": str(self.log_dir)}
@@ -81,7 +108,7 @@ class Supervisor:
     def start(self, p: Proc) -> Running:
         argv = resolve(p.argv, self.vars)
         log = Path(resolve([p.log], self.vars)[0])
-        env = {**os.environ, **launch_env(
+        env = {**self.base_env, **launch_env(
             run_dir=str(self.run_dir), secret_file=str(self.run_dir / "secret.key"),
             hosts=["127.0.0.1"] * self.spec.job.nodes, preflight=self.preflight)}
         with open(log, "ab") as fh:
@@ -157,6 +184,7 @@ class Supervisor:
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self.say(f"logs in {self.log_dir}")
+            self.base_env = prelude_env(self.spec, self.run_dir)
             for p in self.spec.procs:
                 self.start(p)
             self._health(self.spec.procs)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pdtool.launch import secrets
 from pdtool.launch.backends import backend_env
@@ -101,6 +102,11 @@ class LaunchSpec:
     router: list[Proc]
     job: JobSpec
     router_url: Word
+    # launcher=local: launcher.setup's shell lines, run once before any process starts, and
+    # the virtualenv activated after them; their environment is every process's (the rendered
+    # run_local.sh and the supervisor alike)
+    setup: list[str] = field(default_factory=list)
+    venv_activate: str = ""
 
     def health(self) -> list[Word]:
         return [word(f"{p.name}=", *p.health.parts) for p in self.procs if p.health]
@@ -379,6 +385,12 @@ def build_launch(cfg: Config, plan: Plan, run_dir: str,
              for p in _instance_procs(cfg, plan, inst, launcher, secret_roles)]
     router = _router_proc(cfg, plan, launcher, secret_roles)
     job = _job(cfg, plan, run_dir, [*procs, router])
+    lc = cfg.launcher
+    for i, line in enumerate(lc.setup):
+        if "\n" in line or "\r" in line:
+            raise LaunchError(f"launcher.setup.{i}: one shell line per entry, no line breaks")
     return LaunchSpec(launcher=launcher, engine=cfg.engine.kind, python=cfg.engine.python,
                       procs=procs, router=[router], job=job,
-                      router_url=word("http://", host(plan.router.node), f":{plan.router.port}"))
+                      router_url=word("http://", host(plan.router.node), f":{plan.router.port}"),
+                      setup=list(lc.setup),
+                      venv_activate=str(Path(lc.venv) / "bin" / "activate") if lc.venv else "")
