@@ -208,13 +208,16 @@ def test_nhd_with_tp_mismatch_warns_with_op_count():
     assert "128 writes per page and layer (HND: 4)" in f.message
     assert f"costs {64 * 80 * 128 + 1} writes instead of {64 * 80 * 4 + 1}" in f.message
     # equal TP: an NHD page of all local heads is still one write: no warning
-    assert not validate(recipe("qwen3-coder-480b", "transfer.layout=NHD"))
+    assert not validate(recipe("llama-3.1-70b", "transfer.layout=NHD", "engine=reference",
+                               "model.vocab_size=256", "cluster.device=cpu", "decode.tp=8",
+                               "decode.instances=1"))
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_sglang_tp_mismatch_packs_head_slices_without_a_warning(layout):
-    # SGLang's NHD pools (separate K and V buffers) apply whatever transfer.layout says; the
-    # backend gathers each page's head slice into staging, so TP8 -> TP4 costs one write per
+    # SGLang's NHD pools (separate K and V buffers) apply whatever transfer.layout says (which
+    # is why validate refuses NHD there: test_messenger_only_transfer_keys_...); the backend
+    # gathers each page's head slice into staging, so TP8 -> TP4 costs one write per
     # (page, buffer, source shard) and validate has nothing to warn of
     cfg = recipe("llama-3.1-70b", f"transfer.layout={layout}")  # GQA 8 heads, TP8 -> TP4
     assert not [f for f in validate(cfg) if f.key == "decode.tp"]
@@ -510,6 +513,7 @@ def test_aggregated_mode_says_which_keys_it_does_not_read():
     ("transfer.peer_timeout_s=10", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"),
     ("transfer.heartbeat_s=1", "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"),
     ("transfer.lanes=2", "cluster.nics"),
+    ("transfer.layout=NHD", "SGLang's own KV pools"),
 ])
 def test_messenger_only_transfer_keys_are_refused_with_sglang(override: str, names: str):
     """engine=sglang keeps SGLang's own timers and a lane per NIC: a messenger key set away

@@ -187,7 +187,7 @@ def check_sglang_aggregated_args(cfg: Config) -> list[Finding]:
 
 #: transfer.* keys only pdtool's messenger reads (the reference engine's), and what governs
 #: the same thing with engine=sglang: the backend keeps SGLang's bootstrap, heartbeats and
-#: timeouts (SGLang 0.5.23 environ.py) and receives on one lane per NIC of the rank.
+#: timeouts (SGLang 0.5.23 environ.py) and pools, and receives on one lane per NIC of the rank.
 #: key -> (what governs it, the environment variable to set instead or None)
 SGLANG_OWN: dict[str, tuple[str, str | None]] = {
     "timeout_s": ("SGLANG_DISAGGREGATION_WAITING_TIMEOUT (whole seconds, default 300)",
@@ -201,6 +201,8 @@ SGLANG_OWN: dict[str, tuple[str, str | None]] = {
     "heartbeat_s": ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL (seconds, at least 2)",
                     "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"),
     "lanes": ("cluster.nics: one receive lane per NIC of the rank", None),
+    "layout": ("SGLang's own KV pools, NHD per layer buffer with K and V apart (MLA: one "
+               "latent buffer); `pdtool plan` shows the layout written", None),
 }
 
 
