@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdtool.engines.reference.limits import MAX_KV_PAGES
 from pdtool.schema import (
     DTYPE_BYTES,
+    ROLES,
     ClusterConfig,
+    Config,
     ModelConfig,
     RoleConfig,
     attn_tp,
@@ -24,6 +27,7 @@ from pdtool.schema import (
     kv_head_width,
     kv_heads,
     kv_parts,
+    role,
 )
 
 GIB = 1024**3
@@ -45,7 +49,13 @@ class RoleMemory:
     kv_bytes_per_token: int  # on this rank, all layers
     kv_bytes_per_page: int  # on this rank, one page of all layers
     kv_bytes_per_token_model: int  # whole model (all heads, all layers), before sharding
-    kv_tokens: int  # tokens the KV budget holds (0 if it does not fit)
+    kv_tokens: int  # tokens the KV cache holds (0 if it does not fit)
+    kv_cap_tokens: int = 0  # the engine's own ceiling on kv_tokens (0: the budget decides)
+
+    @property
+    def capped(self) -> bool:
+        """The engine's ceiling, not the budget, sets kv_tokens."""
+        return 0 < self.kv_cap_tokens == self.kv_tokens
 
 
 def kv_heads_per_rank(model: ModelConfig, rc: RoleConfig) -> int:
@@ -69,12 +79,14 @@ def weights_bytes_per_rank(model: ModelConfig, rc: RoleConfig) -> tuple[float, f
 
 
 def role_memory(
-    role: str, model: ModelConfig, cluster: ClusterConfig, rc: RoleConfig
+    role: str, model: ModelConfig, cluster: ClusterConfig, rc: RoleConfig,
+    kv_cap_tokens: int = 0,
 ) -> RoleMemory:
     dense, experts = weights_bytes_per_rank(model, rc)
     weights = dense + experts
     budget = cluster.gpu_memory_gb * GIB * rc.mem_fraction - weights
     per_tok = kv_bytes_per_token(model, rc)
+    tokens = int(budget // per_tok) if budget > 0 and per_tok > 0 else 0
     return RoleMemory(
         role=role,
         gpu_memory_gb=cluster.gpu_memory_gb,
@@ -88,8 +100,20 @@ def role_memory(
         kv_bytes_per_token=per_tok,
         kv_bytes_per_page=per_tok * rc.page_size,
         kv_bytes_per_token_model=kv_bytes_per_token(model, rc, per_rank=False),
-        kv_tokens=int(budget // per_tok) if budget > 0 and per_tok > 0 else 0,
+        kv_tokens=min(tokens, kv_cap_tokens) if kv_cap_tokens else tokens,
+        kv_cap_tokens=kv_cap_tokens,
     )
+
+
+def deployment_memory(cfg: Config) -> tuple[RoleMemory, ...]:
+    """Both roles' memory as their engine runs it (plan, validate and the engine read this):
+    a reference rank allocates at most MAX_KV_PAGES pages, whatever its budget."""
+    out = []
+    for r in ROLES:
+        rc = role(cfg, r)
+        cap = MAX_KV_PAGES * rc.page_size if cfg.engine.kind == "reference" else 0
+        out.append(role_memory(r, cfg.model, cfg.cluster, rc, cap))
+    return tuple(out)
 
 
 def human_bytes(n: float) -> str:

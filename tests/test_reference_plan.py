@@ -89,3 +89,21 @@ def test_max_running_requests_reaches_each_engine():
     assert spec_from_context(_ctx(plan, "decode", 1)).max_running == 3
     assert spec_from_context(_ctx(plan, "prefill")).max_running == 5
     assert spec_from_context(_ctx(build_plan(recipe("tiny-local")), "decode")).max_running == 0
+
+
+def test_kv_pages_are_what_the_plan_shows():
+    """The plan's KV tokens are what a reference rank allocates: at most MAX_KV_PAGES pages
+    (the plan says it is the cap), and below the cap the budget decides, so mem_fraction
+    changes what runs."""
+    from pdtool.engines.reference.limits import MAX_KV_PAGES
+
+    plan = build_plan(recipe("tiny-local"))
+    decode = {m.role: m for m in plan.memory}["decode"]
+    assert decode.capped and decode.kv_tokens == MAX_KV_PAGES * 4
+    assert spec_from_context(_ctx(plan, "decode")).num_pages == MAX_KV_PAGES
+    small = build_plan(recipe("tiny-local", "decode.mem_fraction=0.001"))
+    decode = {m.role: m for m in small.memory}["decode"]
+    assert not decode.capped and 0 < decode.kv_tokens < MAX_KV_PAGES * 4
+    assert spec_from_context(_ctx(small, "decode")).num_pages == decode.kv_tokens // 4
+    sglang = {m.role: m for m in build_plan(recipe("deepseek-r1")).memory}["decode"]
+    assert sglang.kv_cap_tokens == 0 and not sglang.capped  # SGLang sizes its own pool

@@ -31,15 +31,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def memory_rows(run: Run) -> list[Any] | None:
     """Per-role memory fit, when the values are sane enough to compute it."""
-    from pdtool.memory import role_memory
+    from pdtool.memory import deployment_memory
     from pdtool.rules import has_errors, values
     from pdtool.rules import run as run_rules
-    from pdtool.schema import ROLES, role
 
     cfg = run.cfg
     if cfg is None or has_errors(run_rules(values.ALL, cfg)):
         return None
-    return [role_memory(r, cfg.model, cfg.cluster, role(cfg, r)) for r in ROLES]
+    return list(deployment_memory(cfg))
 
 
 def gpu_memory_path(run: Run) -> str | None:
@@ -85,7 +84,8 @@ def _print_run(con: Any, run: Run) -> None:
     for m in mem or []:
         con.print(
             f"  {m.role:8s} weights {human_bytes(m.weights_gb * GIB)}/GPU, KV budget "
-            f"{human_bytes(m.kv_budget_gb * GIB)} ({m.kv_tokens:,} tokens), "
+            f"{human_bytes(m.kv_budget_gb * GIB)} ({m.kv_tokens:,} tokens"
+            f"{': the engine allocates no more' if m.capped else ''}), "
             f"KV {human_bytes(m.kv_bytes_per_token)}/token and "
             f"{human_bytes(m.kv_bytes_per_page)}/page per rank ({m.kv_dtype})"
         )

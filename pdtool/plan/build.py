@@ -10,7 +10,7 @@ else it may raise `PlanError`.
 
 from __future__ import annotations
 
-from pdtool.memory import role_memory
+from pdtool.memory import deployment_memory
 from pdtool.plan.placement import choose_nics, gpu_numa, nic_env, placements, rank_cpus
 from pdtool.plan.records import (
     DEFAULT_TOKENS,
@@ -164,5 +164,5 @@ def build_plan(cfg: Config, tokens: int = DEFAULT_TOKENS) -> Plan:
         instances=instances,
         router=_router(cfg, instances),
         transfer=transfer,
-        memory=tuple(role_memory(r, m, cfg.cluster, role(cfg, r)) for r in ROLES),
+        memory=deployment_memory(cfg),
     )

@@ -7,7 +7,7 @@ chunk is an error; one that cannot hold a single full-context request is a warni
 
 from __future__ import annotations
 
-from pdtool.memory import human_bytes, role_memory
+from pdtool.memory import deployment_memory, human_bytes
 from pdtool.rules.finding import Finding, error, warning
 from pdtool.schema import ROLES, Config, attn_tp, role
 
@@ -15,9 +15,8 @@ from pdtool.schema import ROLES, Config, attn_tp, role
 def check_memory(cfg: Config) -> list[Finding]:
     out: list[Finding] = []
     m, cl = cfg.model, cfg.cluster
-    for r in ROLES:
+    for r, mem in zip(ROLES, deployment_memory(cfg), strict=True):
         rc = role(cfg, r)
-        mem = role_memory(r, m, cl, rc)
         avail = cl.gpu_memory_gb * rc.mem_fraction
         if mem.kv_budget_gb <= 0:
             split = (

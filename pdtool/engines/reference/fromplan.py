@@ -13,11 +13,10 @@ from typing import Any
 
 from transfer import workerenv
 
-from .limits import TORCH_KV_DTYPES, instance_problems, model_problems
+from .limits import MAX_KV_PAGES, TORCH_KV_DTYPES, instance_problems, model_problems
 from .spec import RankSpec
 
 ALLOW_FAULTS_ENV = "PDTOOL_REFERENCE_ALLOW_FAULTS"
-MAX_PAGES = 4096  # the CPU engine needs far less than a "GPU" budget; keep processes small
 
 
 class SpecError(ValueError):
@@ -110,10 +109,10 @@ def spec_from_context(ctx: Any) -> RankSpec:
     fields = model_fields(plan.model, inst.kv_dtype, ctx.role)
     check_instance(plan.model, fields, inst, ctx.role)
     rank = ctx.ranks[0]
-    pages = MAX_PAGES
+    pages = MAX_KV_PAGES  # the plan's memory holds the same cap (pdtool.memory)
     for mem in plan.memory:
         if mem.role == ctx.role and mem.kv_tokens > 0:
-            pages = max(1, min(MAX_PAGES, mem.kv_tokens // inst.page_size))
+            pages = max(1, mem.kv_tokens // inst.page_size)
     return RankSpec(
         role="aggregated" if plan.aggregated else ctx.role, instance=inst.index, tp=inst.tp,
         rank=rank.rank, host=ctx.host,

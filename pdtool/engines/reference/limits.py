@@ -15,6 +15,9 @@ TORCH_KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 AUX_ROWS = 256
 #: requests a decode (or aggregated) instance runs at once with max_running_requests=0
 DEFAULT_MAX_RUNNING = 64
+#: KV pages one rank allocates at most, whatever the memory budget says: the CPU engine needs
+#: far less than a GPU's budget, and this keeps its processes small (the plan shows the cap)
+MAX_KV_PAGES = 4096
 
 
 def checkpoint_problems(model: Any) -> list[tuple[str, str]]:

@@ -9,10 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .limits import MAX_KV_PAGES
+
 if TYPE_CHECKING:
     from .models import ModelConfig
 
-DEFAULT_PAGES = 4096
+DEFAULT_PAGES = MAX_KV_PAGES
 
 
 @dataclass
