@@ -107,3 +107,15 @@ def test_kv_pages_are_what_the_plan_shows():
     assert spec_from_context(_ctx(small, "decode")).num_pages == decode.kv_tokens // 4
     sglang = {m.role: m for m in build_plan(recipe("deepseek-r1")).memory}["decode"]
     assert sglang.kv_cap_tokens == 0 and not sglang.capped  # SGLang sizes its own pool
+
+
+def test_the_model_context_length_bounds_what_the_front_takes():
+    """model.context_length reaches every serving rank (RankSpec.context); the decode lead
+    publishes min(its cache, the prefill's, the wire's, this) and the front refuses longer
+    requests (serve.decode_context)."""
+    from pdtool.engines.reference.serve import decode_context
+
+    plan = build_plan(recipe("tiny-local", "model.context_length=1000"))
+    spec = spec_from_context(_ctx(plan, "decode"))
+    assert spec.context == 1000 and decode_context(spec) == 1000
+    assert spec_from_context(_ctx(plan, "prefill")).context == 1000

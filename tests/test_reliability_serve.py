@@ -462,7 +462,7 @@ def test_a_streaming_client_that_goes_away_is_cancelled(launched):
     import socket
 
     host, port = launched.url.removeprefix("http://").split(":")
-    body = json.dumps({"prompt": "talk for a long time", "max_tokens": 4096,
+    body = json.dumps({"prompt": "talk for a long time", "max_tokens": 4000,
                        "stream": True}).encode()
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "

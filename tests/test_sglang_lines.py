@@ -129,6 +129,7 @@ def test_server_lines_parse(overrides, server_parser, tmp_path: Path) -> None:
             assert (a.attn_dp_size, a.dp_size) == (1, inst.dp)
         assert a.ep_size == rc.ep
         assert a.max_running_requests == (rc.max_running_requests or None)
+        assert a.context_length == cfg.model.context_length
         assert a.kv_cache_dtype == {"auto": "auto", "bf16": "bfloat16"}.get(
             rc.kv_dtype, rc.kv_dtype)
         assert a.trust_remote_code == cfg.model.name.startswith("deepseek")

@@ -48,6 +48,7 @@ def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPla
         "--page-size", str(inst.page_size),
         "--mem-fraction-static", str(inst.mem_fraction),
         "--chunked-prefill-size", str(inst.chunked_prefill_size),
+        "--context-length", str(model.context_length),
     ]
     if inst.bootstrap_port is not None:
         argv += ["--disaggregation-bootstrap-port", str(inst.bootstrap_port)]

@@ -148,6 +148,7 @@ def build_plan(cfg: Config, tokens: int = DEFAULT_TOKENS) -> Plan:
             qk_rope_head_dim=m.qk_rope_head_dim,
             intermediate_size=m.intermediate_size,
             vocab_size=m.vocab_size,
+            context_length=m.context_length,
             dtype=m.dtype,
             num_params_b=m.num_params_b,
             num_experts=m.num_experts,

@@ -175,6 +175,7 @@ class ModelSummary:
     qk_rope_head_dim: int
     intermediate_size: int
     vocab_size: int
+    context_length: int  # prompt + new tokens one request may span
     dtype: str
     num_params_b: float
     num_experts: int

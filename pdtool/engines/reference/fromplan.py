@@ -121,7 +121,7 @@ def spec_from_context(ctx: Any) -> RankSpec:
         device=plan.cluster.device,
         num_pages=pages,
         chunk=inst.chunked_prefill_size, max_running=inst.max_running_requests,
-        model=fields, secret_hex=_secret_hex(),
+        model=fields, secret_hex=_secret_hex(), context=plan.model.context_length,
         messenger=messenger_settings(plan, inst, rank, ctx.host),
         peer=pair_of(plan, inst.index) if ctx.role == "decode" else 0,
         # test hook, off unless the deployment's env sets it (launcher.env.decode.*)
