@@ -118,19 +118,15 @@ def _health(spec: RankSpec, info: Callable[[], dict[str, Any]],
 
 
 def make_link(spec: RankSpec, kv: PagedKV, model: TinyModel) -> Any:
-    """The messenger adapter for this rank (imported late: it needs the libfabric binding)."""
-    from .link import messenger_link
-
-    return messenger_link(spec, kv, model)
-
-
-def _start_link(spec: RankSpec, kv: PagedKV, model: TinyModel) -> Any:
-    """make_link, its start-up failures (a control port taken, a prefill instance that never
-    published its addresses) as a StartError."""
+    """The messenger adapter for this rank (imported late: it needs the libfabric binding);
+    its start-up failures (a control port taken, a prefill instance that never published its
+    addresses) as a StartError."""
     from transfer.messenger.common import MessengerError
 
+    from .link import messenger_link
+
     try:
-        return make_link(spec, kv, model)
+        return messenger_link(spec, kv, model)
     except (MessengerError, TimeoutError) as exc:
         raise StartError(f"{spec.role} {spec.instance} rank {spec.rank}: {exc}") from None
 
@@ -154,7 +150,7 @@ def _start_rank(spec: RankSpec, stop: threading.Event, link: Any) -> tuple[Any, 
 
         link = _NoTransfer()
     else:
-        link = link if link is not None else _start_link(spec, kv, model)
+        link = link if link is not None else make_link(spec, kv, model)
         log.info("%s %d rank %d: messenger ready", spec.role, spec.instance, spec.rank)
     _stop_on_signals(stop)
     return coord, model, kv, link
