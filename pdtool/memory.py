@@ -6,7 +6,8 @@ dense/shared MLPs, embeddings) is sharded over the attention TP group and, with 
 replicated in each of the `dp` groups. `mem_fraction` is SGLang's `--mem-fraction-static`:
 the share of GPU memory for weights + KV pool, so KV budget = memory x fraction - weights.
 
-Pure arithmetic on the typed config: no torch, no engine.
+Pure arithmetic on the typed config, no torch; the one engine fact here is the reference
+engine's own KV cap (`engines.reference.limits`, torch-free), so the plan shows what it allocates.
 """
 
 from __future__ import annotations
