@@ -532,9 +532,11 @@ def test_messenger_only_transfer_keys_are_refused_with_sglang(override: str, nam
     ("launcher.container_mounts=[/data:/data]", "launcher.container_mounts",
      "no launcher.container_image"),
     ("launcher.watchdog_s=-1", "launcher.watchdog_s", ">= 0"),
+    ("decode.bootstrap_port=9998", "decode.bootstrap_port", "listen on no bootstrap port"),
 ])
 def test_keys_nothing_would_read_are_refused(override: str, key: str, fragment: str):
     """A value validate accepted and nothing then read: flags for SGLang's line on the
     reference engine, container mounts without a container, a negative watchdog period (the
-    rendered scripts would take it for a health wait and stop the deployment once ready)."""
+    rendered scripts would take it for a health wait and stop the deployment once ready), a
+    decode instance's bootstrap port."""
     assert_error(recipe("tiny-local", override), key, fragment)

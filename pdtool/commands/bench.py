@@ -27,8 +27,7 @@ NAME = "bench"
 HELP = "measure a deployment under an OpenAI-compatible load (TTFT, TPOT, throughput, goodput)"
 
 COMPARE_PORT_KEYS = ("router.port", "prefill.http_port", "prefill.bootstrap_port",
-                     "prefill.dist_init_port", "decode.http_port", "decode.bootstrap_port",
-                     "decode.dist_init_port")
+                     "prefill.dist_init_port", "decode.http_port", "decode.dist_init_port")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pdtool.plan import placements
 from pdtool.ports import instance_ports
 from pdtool.rules.finding import Finding, error
-from pdtool.schema import ROLES, Config, role
+from pdtool.schema import ROLES, Config, RoleConfig, role
 
 LOW, HIGH = 1024, 65535
 
@@ -76,4 +76,18 @@ def check_ports(cfg: Config) -> list[Finding]:
     return out
 
 
-ALL = (check_ports,)
+def check_decode_bootstrap_port(cfg: Config) -> list[Finding]:
+    """`bootstrap_port` is a field of both roles' schema, but only a prefill instance listens
+    on one (SGLang's bootstrap server, the reference lead's control socket): a decode value
+    set away from the default would be read by nothing."""
+    default = RoleConfig().bootstrap_port
+    if cfg.decode.bootstrap_port == default:
+        return []
+    return [error("decode.bootstrap_port",
+                  f"{cfg.decode.bootstrap_port}: decode instances listen on no bootstrap port "
+                  f"(only prefill instances serve one), so nothing would read it",
+                  f"leave decode.bootstrap_port at its default ({default}); the prefill "
+                  f"instances' is prefill.bootstrap_port")]
+
+
+ALL = (check_ports, check_decode_bootstrap_port)
