@@ -39,8 +39,6 @@ import logging
 import queue
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -50,6 +48,7 @@ import zmq
 
 from . import api
 from .api import BadRequest, GenRequest, parse_request
+from .health import read_health
 from .tokenizer import ByteTokenizer, HFTokenizer, StreamText
 from .wire import MAX_PROMPT, PROTOCOL, Wire, WireError, dealer
 
@@ -83,9 +82,8 @@ def engine_address(health_url: str) -> str:
     """The request socket a decode leader publishes in its /health ('' while it answers
     nothing): the front reconnects there after the instance restarted."""
     try:
-        with urllib.request.urlopen(health_url, timeout=2) as r:
-            return str(json.loads(r.read())["engine"])
-    except (urllib.error.URLError, OSError, KeyError, ValueError):
+        return str(read_health(health_url, ("engine",), 0)["engine"])
+    except TimeoutError:
         return ""
 
 

@@ -10,9 +10,32 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+
+def read_health(url: str, keys: tuple[str, ...], timeout_s: float) -> dict[str, Any]:
+    """A peer's /health body once it answers 200 with every one of `keys` (a starting
+    instance answers 503), polled every 0.1 s; TimeoutError after `timeout_s` (0: one try).
+    The one reader of the instances' side door: the front, the decode ranks and the front's
+    rediscovery all wait on it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                body = json.loads(r.read())
+            if all(k in body for k in keys):
+                return body
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{url} did not answer with {', '.join(keys)} within "
+                               f"{timeout_s:.0f} s")
+        time.sleep(0.1)
 
 
 class HealthServer:

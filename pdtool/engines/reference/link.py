@@ -22,18 +22,15 @@ addresses (`DecodeMessenger.reconnect`).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
-import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 import numpy as np
 import torch
 
 from .cache import PagedKV
+from .health import read_health
 from .limits import AUX_ROWS
 from .model import TinyModel
 
@@ -49,17 +46,12 @@ REDISCOVER_S = 1.0  # a silent prefill instance's /health is read this often (ne
 def _endpoints(health_url: str, timeout_s: float) -> tuple[tuple[str, ...], int]:
     """A prefill instance's per-rank control addresses and the longest prompt it holds (tokens,
     0 = not published), read from its lead's /health."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(health_url, timeout=2) as r:
-                health = json.loads(r.read())
-                return tuple(health["control"]), int(health.get("context", 0))
-        except (urllib.error.URLError, OSError, KeyError, ValueError):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"prefill instance at {health_url} did not publish its "
-                                   f"control addresses within {timeout_s:.0f} s") from None
-            time.sleep(0.1)
+    try:
+        health = read_health(health_url, ("control",), timeout_s)
+    except TimeoutError:
+        raise TimeoutError(f"prefill instance at {health_url} did not publish its control "
+                           f"addresses within {timeout_s:.0f} s") from None
+    return tuple(health["control"]), int(health.get("context", 0))
 
 
 def _common(spec: Any, model: TinyModel) -> dict[str, Any]:

@@ -369,24 +369,17 @@ def _close_link(link: Any) -> None:
 def discover(health_urls: list[str], timeout_s: float = 300.0) -> list[dict[str, Any]]:
     """Wait for every decode leader's /health: its request socket address ("engine") and the
     context it takes ("context")."""
-    import urllib.error
-    import urllib.request
+    from .health import read_health
 
-    out: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout_s
+    out = []
     for url in health_urls:
-        while True:
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    health = json.loads(r.read())
-                    out.append({"engine": str(health["engine"]),
-                                "context": int(health.get("context", 0))})
-                    break
-            except (urllib.error.URLError, OSError, KeyError, ValueError):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"decode instance at {url} not healthy after "
-                                       f"{timeout_s:.0f} s") from None
-                time.sleep(0.1)
+        try:
+            health = read_health(url, ("engine",), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise TimeoutError(f"decode instance at {url} not healthy after "
+                               f"{timeout_s:.0f} s") from None
+        out.append({"engine": str(health["engine"]), "context": int(health.get("context", 0))})
     return out
 
 

@@ -14,8 +14,6 @@ from .limits import MAX_KV_PAGES
 if TYPE_CHECKING:
     from .models import ModelConfig
 
-DEFAULT_PAGES = MAX_KV_PAGES
-
 
 @dataclass
 class RankSpec:
@@ -32,7 +30,7 @@ class RankSpec:
     page_size: int = 4
     layout: str = "HND"  # the KV pages' layout (the role's kv_layout = transfer.layout)
     device: str = "cpu"  # cluster.device: cpu, or cuda (weights on the GPU, FlashInfer decode)
-    num_pages: int = DEFAULT_PAGES
+    num_pages: int = MAX_KV_PAGES
     chunk: int = 16
     max_running: int = 0  # requests in flight at once (role.max_running_requests); 0: default
     model: dict[str, Any] = field(default_factory=dict)  # models.model_config's fields
