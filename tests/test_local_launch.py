@@ -164,6 +164,52 @@ def test_one_process_dying_stops_everything(how: str, tmp_path: Path) -> None:
         run.kill_everything()
 
 
+def signalled_script(tmp_path: Path, body: str, delay_s: float) -> tuple[int, str, Path]:
+    """Run the rendered local script's own set-up and helpers with BODY in place of its
+    start-up, SIGTERM it DELAY_S after BODY begins; its exit code, output and job folder."""
+    rendered, findings = render(overrides(27500), tmp_path / "job")
+    assert rendered is not None, findings
+    text = rendered.script.read_text()
+    setup = text[:text.index('log "logs in ${LOG_DIR}')]
+    driver = tmp_path / "driver.sh"
+    driver.write_text(f'{setup}log "body begins"\n{body}\nsleep 600 & wait "$!"\n')
+    run = Running(["bash", str(driver)], rendered.script.parent,
+                  {**os.environ, "PDTOOL_RUN_DIR": "/nonexistent"})
+    try:
+        run.wait_for("body begins")
+        time.sleep(delay_s)
+        os.kill(run.p.pid, signal.SIGTERM)
+        code, out = run.finish(timeout=30)  # a hang: TimeoutExpired
+        wait_gone(run.run_dir)
+        return code, out, run.run_dir
+    finally:
+        run.kill_everything()
+
+
+@pytest.mark.parametrize("delay_s", [0.02, 0.05, 0.11, 0.17, 0.23])
+def test_a_signal_while_processes_start_stops_every_one_of_them(delay_s: float,
+                                                                tmp_path: Path) -> None:
+    """SIGTERM at any moment of start-up: whichever processes were started are stopped, the
+    script exits 130 with no shell error. Many quick starts make the signal land between a
+    start and its record often: that gap once left a worker running (the script then waited
+    on it for ever) or PIDS longer than NAMES (`NAMES[$i]: unbound variable`)."""
+    starts = 'for n in $(seq 400); do start_proc "decode-0.r${n}" /dev/null sleep 600; done'
+    code, out, _ = signalled_script(tmp_path, starts, delay_s)
+    assert code == 130, out
+    assert "unbound variable" not in out and "received SIGTERM" in out, out
+
+
+def test_a_signal_while_waiting_for_health_stops_at_once(tmp_path: Path) -> None:
+    """The health wait does not delay a SIGTERM to the script alone (`kill PID`,
+    `scancel --batch`) until the poll ends (here: never healthy, a 600 s timeout)."""
+    port = free_port_run(1)
+    body = (f'start_proc decode-0.r0 /dev/null sleep 600\n'
+            f'wait_healthy 600 decode-0.r0=http://127.0.0.1:{port}/health')
+    code, out, _ = signalled_script(tmp_path, body, 0.5)
+    assert code == 130, out
+    assert "stopping decode-0.r0" in out, out
+
+
 def test_worker_that_never_comes_up_fails_clearly(tmp_path: Path) -> None:
     base = 27400
     blocker = socket.socket()
