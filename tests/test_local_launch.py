@@ -199,6 +199,43 @@ def test_a_signal_while_processes_start_stops_every_one_of_them(delay_s: float,
     assert "unbound variable" not in out and "received SIGTERM" in out, out
 
 
+SUPERVISED_STARTS = """
+import dataclasses, sys
+from pathlib import Path
+from pdtool.launch.local import Supervisor
+from pdtool.render import render
+rendered, _ = render(sys.argv[2:], Path(sys.argv[1]))
+spec = rendered.spec
+first = spec.procs[0]
+spec.procs = [dataclasses.replace(first, name=f"prefill-0.r{n}", argv=["sleep", "600"],
+                                  health=None, ready=None) for n in range(400)]
+spec.router = []
+sup = Supervisor(spec, rendered.out, stop_grace=rendered.cfg.launcher.stop_grace_s)
+print("body begins", flush=True)
+sys.exit(sup.run())
+"""
+
+
+@pytest.mark.parametrize("delay_s", [0.02, 0.05, 0.11, 0.17, 0.23])
+def test_a_signal_while_the_supervisor_starts_processes_stops_every_one(
+        delay_s: float, tmp_path: Path) -> None:
+    """The supervisor (`pdtool launch`) the same way: its own start-up with many quick starts
+    in place of the workers, SIGTERM at any moment, no process left running."""
+    run_dir = tmp_path / "job"
+    run = Running([sys.executable, "-c", SUPERVISED_STARTS, str(run_dir), *overrides(27600)],
+                  run_dir, {**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        run.wait_for("body begins")
+        time.sleep(delay_s)
+        os.kill(run.p.pid, signal.SIGTERM)
+        code, out = run.finish(timeout=60)
+        assert code == 130, out
+        assert "received SIGTERM" in out, out
+        wait_gone(run.run_dir)
+    finally:
+        run.kill_everything()
+
+
 def test_a_signal_while_waiting_for_health_stops_at_once(tmp_path: Path) -> None:
     """The health wait does not delay a SIGTERM to the script alone (`kill PID`,
     `scancel --batch`) until the poll ends (here: never healthy, a 600 s timeout)."""

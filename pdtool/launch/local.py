@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -92,6 +92,8 @@ class Supervisor:
         self.restart = restart or RestartPolicy()
         self.restarts: dict[str, int] = {}  # restarts so far, per instance (group_of)
         self.force = False
+        self.held: str | None = None  # a signal that came while a process was being started
+        self.holding = False
         self.running: list[Running] = []
         self.base_env = dict(os.environ)  # run() adds launcher.setup's and the venv's
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -111,17 +113,31 @@ class Supervisor:
         env = {**self.base_env, **launch_env(
             run_dir=str(self.run_dir), secret_file=str(self.run_dir / "secret.key"),
             hosts=["127.0.0.1"] * self.spec.job.nodes, preflight=self.preflight)}
-        with open(log, "ab") as fh:
+        with self._signals_held(), open(log, "ab") as fh:
             try:
                 popen = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env,
                                          start_new_session=True, cwd=self.run_dir)
             except OSError as e:
                 raise HealthFailure(f"cannot start {p.name}: {argv[0]}: {e.strerror}", 1) from e
-        r = Running(p, popen, log)
-        self.running.append(r)
+            r = Running(p, popen, log)
+            self.running.append(r)
         self.say(f"started {p.name} (pid {popen.pid}, log {log})")
         return r
+
+    @contextlib.contextmanager
+    def _signals_held(self) -> Iterator[None]:
+        """Hold SIGINT/SIGTERM while a process is started and recorded: a Stop raised between
+        the two would leave it running unrecorded (in its own session: an orphan holding its
+        ports). A signal that came meanwhile is raised once the record is made."""
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        held, self.held = self.held, None
+        if held is not None:
+            raise Stop(held)
 
     def dead(self) -> list[tuple[str, str, str]]:
         out = []
@@ -177,6 +193,9 @@ class Supervisor:
         old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
         def raise_stop(signum, _frame):
+            if self.holding:  # start(): raised once the new process is recorded
+                self.held = signal.Signals(signum).name
+                return
             raise Stop(signal.Signals(signum).name)
 
         for s in old:
