@@ -192,8 +192,9 @@ def test_bad_arguments_give_one_clear_line(args: list[str], why: str):
 def test_sglang_twin_on_the_same_gpus_is_refused(tmp_path):
     """--launch --compare starts both deployments side by side: with SGLang they would take the
     same GPUs, so the command says to start the aggregated one apart and pass its URL."""
-    p = bench_cli("+recipe=tiny-local", "engine=sglang", "transfer=tcp", "cluster.device=cuda",
-                  f"launcher.output_dir={tmp_path}", "--launch", "--compare", "aggregated")
+    p = bench_cli("+recipe=tiny-local", "engine=sglang", "model.seed=0", "transfer=tcp",
+                  "cluster.device=cuda", f"launcher.output_dir={tmp_path}", "--launch",
+                  "--compare", "aggregated")
     assert p.returncode == 2, p.stdout + p.stderr
     err = " ".join(p.stderr.split())
     assert "would start both deployments on the same GPUs" in err and "--compare-url" in err

@@ -88,7 +88,9 @@ def _sglang(*overrides: str, base: str = "llama-3.1-70b") -> Config:
     return cfg
 
 
-TINY = ("model=tiny", "model.dtype=bf16", "prefill.instances=1", "decode.instances=1")
+# the tiny model's shape on SGLang (which loads weights: the built-in model's seed is refused)
+TINY = ("model=tiny", "model.seed=0", "model.dtype=bf16", "prefill.instances=1",
+        "decode.instances=1")
 GEOMETRIES = {
     "MHA equal TP": _sglang(*TINY, "model.attention=mha", "model.num_kv_heads=4",
                             "prefill.tp=2", "decode.tp=2"),

@@ -344,7 +344,7 @@ def test_worker_execs_the_sglang_line_with_messenger_environment(tmp_path: Path,
     from pdtool.plan import build_plan
     from pdtool.render import write_job_folder
 
-    cfg, findings = load_config([*overrides(27700), "engine=sglang", "transfer=tcp",
+    cfg, findings = load_config([*overrides(27700), "engine=sglang", "model.seed=0", "transfer=tcp",
                                  "cluster.device=cuda", f"mode={mode}"])
     assert cfg is not None, findings
     cfg.engine.python = str(Path(__file__).parent / "argv_dump.py")
@@ -429,7 +429,7 @@ def test_sglang_router_is_ready_once_every_instance_is_registered(tmp_path: Path
     from pdtool.launch.shell import resolve
 
     base = free_port_run(60)
-    rendered, findings = render([*overrides(base), "engine=sglang", "transfer=tcp",
+    rendered, findings = render([*overrides(base), "engine=sglang", "model.seed=0", "transfer=tcp",
                                  "cluster.device=cuda", f"mode={mode}"], tmp_path / "job")
     assert rendered is not None, findings
     (router,) = rendered.spec.router

@@ -13,10 +13,10 @@ RECIPES = sorted(recipe_files())
 
 #: HND counts are the reference engine's (its pages follow transfer.layout); SGLang recipes keep
 #: SGLang's NHD pools. A byte vocabulary makes these model shapes ones it could run.
-#: the same deployment on the reference engine (no experts: the recipes' SGLang --ep-size goes,
-#: and so do their SGLang flags)
-REFERENCE = ("engine=reference", "model.vocab_size=256", "prefill.ep=1", "decode.ep=1",
-             "engine.extra_args=[]", "prefill.extra_args=[]", "decode.extra_args=[]")
+#: the same deployment on the reference engine, whose MLP is dense (no experts: the recipes'
+#: SGLang --ep-size goes, and so do their SGLang flags)
+REFERENCE = ("engine=reference", "model.vocab_size=256", "model.num_experts=0", "prefill.ep=1",
+             "decode.ep=1", "engine.extra_args=[]", "prefill.extra_args=[]", "decode.extra_args=[]")
 
 
 def test_the_required_recipes_exist():

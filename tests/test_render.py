@@ -18,7 +18,7 @@ from pdtool_cfg import recipe_args
 
 from pdtool.compose import load_config, recipe_files
 from pdtool.launch.shell import Var, q, word, words
-from pdtool.plan import build_plan, expand_cpus, from_json
+from pdtool.plan import build_plan, compress_cpus, expand_cpus, from_json
 from pdtool.render import SECRET_NAME, render, write_job_folder
 from pdtool.schema import gpus_per_instance
 
@@ -151,8 +151,8 @@ HOSTILE = {
 
 def hostile_cfg(launcher: str):
     # ports of their own: a server of another test on the default ports would answer /health
-    cfg, findings = load_config(["+recipe=tiny-local", "engine=sglang", "cluster.device=cuda",
-                                 f"launcher={launcher}",
+    cfg, findings = load_config(["+recipe=tiny-local", "engine=sglang", "model.seed=0",
+                                 "cluster.device=cuda", f"launcher={launcher}",
                                  "cluster.nodes=4", "launcher.health_timeout_s=2",
                                  "transfer=tcp", "prefill.http_port=38100",
                                  "decode.http_port=38110", "prefill.bootstrap_port=38120",
@@ -277,6 +277,29 @@ def test_exclusive_steps_bind_to_their_ranks_cpus(tmp_path: Path) -> None:
     assert "--cpu-bind=none" in router.argv
 
 
+def test_local_per_node_processes_are_bound_to_their_ranks_cpus(tmp_path: Path) -> None:
+    """launcher=local, engine=sglang: one process drives an instance's ranks on a node;
+    numactl binds it to their CPUs and NUMA nodes, as srun's --cpu-bind does on Slurm."""
+    # 16 GPUs on one machine, the prefill instance's 8 over both NUMA nodes
+    over = [*launcher_overrides("llama-3.1-70b", "local"),
+            "cluster.gpu_numa=[0,0,0,0,1,1,1,1,0,0,0,0,1,1,1,1]"]
+    rendered, findings = render(over, tmp_path / "job")
+    assert rendered is not None, findings
+    plan = rendered.plan
+    spans = set()
+    for p in rendered.spec.procs:
+        ranks = [r for i in plan.instances if i.role == p.role and i.index == p.instance
+                 for r in i.ranks if r.rank in p.ranks]
+        cpus = sorted({c for r in ranks for c in expand_cpus(r.cpus)})
+        nodes = ",".join(str(n) for n in sorted({r.numa for r in ranks}))
+        at = p.argv.index("numactl")
+        assert p.argv[at + 1:at + 3] == [f"--physcpubind={compress_cpus(cpus)}",
+                                         f"--membind={nodes}"], p.argv
+        assert p.argv.index("sglang.launch_server") > at
+        spans.add(nodes)
+    assert "0,1" in spans  # an instance over both NUMA nodes of a p5 node
+
+
 def test_stop_grace_sets_the_scripts_grace_and_the_slurm_signal_lead(tmp_path: Path) -> None:
     """launcher.stop_grace_s: SIGTERM to SIGKILL in the scripts' stop, and the batch script is
     signalled 3 x that + 30 s before the time limit (30 s: --signal=B:TERM@120)."""
@@ -308,7 +331,7 @@ def test_secrets_reach_processes_only_through_0600_files(tmp_path: Path) -> None
     out, dumps = tmp_path / "job", tmp_path / "dumps"
     dumps.mkdir()
     token, password = "hf_Zq81secret", "pw 'quoted' $(touch PWNED)"
-    over = ["+recipe=tiny-local", "engine=sglang", "cluster.device=cuda",
+    over = ["+recipe=tiny-local", "engine=sglang", "model.seed=0", "cluster.device=cuda",
             "launcher.health_timeout_s=2", "prefill.http_port=38200", "decode.http_port=38210",
             "prefill.bootstrap_port=38220", "prefill.dist_init_port=38230",
             "decode.dist_init_port=38240", "router.port=38250",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pdtool_cfg import assert_error, assert_warning, compose, recipe
+from pdtool_cfg import assert_error, assert_warning, compose, findings_for, recipe
 
 from pdtool.compose import load_config
 from pdtool.plan import build_plan
@@ -166,7 +166,7 @@ def test_prefill_decode_tp_must_divide():
 
 def test_mla_accepts_any_tp_pair():
     # tp=3 does not divide the tiny model's 4 query heads: an SGLang deployment on GPUs
-    cfg = recipe("tiny-local-mla", "prefill.tp=2", "decode.tp=3", "engine=sglang",
+    cfg = recipe("tiny-local-mla", "prefill.tp=2", "decode.tp=3", "engine=sglang", "model.seed=0",
                  "cluster.device=cuda")
     assert not validate(cfg)
 
@@ -259,6 +259,7 @@ def test_idle_gpus_are_reported():
         "prefill.tp=3",
         "decode.tp=3",
         "engine=sglang",
+        "model.seed=0",
     )
     assert_warning(cfg, "prefill.tp", "2 idle on every prefill node")
 
@@ -299,6 +300,8 @@ def test_engine_must_suit_device():
          "must divide model.num_q_heads=6 and model.intermediate_size"),
         (("model.head_dim=15",), "model.head_dim", "even width"),
         (("decode.kv_dtype=fp8_e4m3", "prefill.kv_dtype=fp8_e4m3"), "decode.kv_dtype", "supports"),
+        (("model.num_experts=8", "model.expert_params_b=0.0001"), "model.num_experts",
+         "dense models"),
     ],
 )
 def test_reference_engine_limits(overrides, key, fragment):
@@ -331,6 +334,7 @@ def test_shm_only_within_one_node():
         "decode.dp=4",
         "decode.instances=1",
         "model=tiny",
+        "model.seed=0",
         "prefill.ep=1",  # the recipe's expert parallelism: model=tiny has no experts
         "decode.ep=1",
     )
@@ -524,6 +528,19 @@ def test_messenger_only_transfer_keys_are_refused_with_sglang(override: str, nam
     assert not [f for f in validate(recipe("deepseek-r1")) if f.key == key]
     assert not [f for f in validate(recipe("tiny-local", override)) if f.key == key
                 and f.severity == "error"]  # the reference engine's messenger reads it
+
+
+def test_a_model_seed_is_refused_where_no_weights_are_drawn_from_it():
+    """model.seed draws the reference engine's built-in weights; SGLang, and the reference
+    engine serving a checkpoint folder, load weights instead and would read nothing."""
+    f = assert_error(recipe("llama-3.1-70b", "model.seed=7"), "model.seed",
+                     "with engine=sglang nothing reads it")
+    assert "--random-seed" in f.fix
+    assert not findings_for(recipe("llama-3.1-70b"), "model.seed")
+    assert_error(recipe("hf-local", "model.seed=7"), "model.seed", "engine=reference",
+                 "checkpoint")
+    assert not findings_for(recipe("hf-local"), "model.seed")
+    assert not findings_for(recipe("tiny-local", "model.seed=7"), "model.seed")
 
 
 @pytest.mark.parametrize(("override", "key", "fragment"), [

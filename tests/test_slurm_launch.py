@@ -135,8 +135,8 @@ def test_worker_that_cannot_start_fails_the_job(slurm, tmp_path: Path) -> None:
 #: a GPU site: 2 GPUs per node (the emulated nodes' fake devices), GPU g on CPU g; prefill TP2
 #: on node 0, two TP1 decode instances packed on node 1
 GPU_SITE = [
-    "+recipe=tiny-local", "launcher=slurm", "engine=sglang", "transfer=tcp", "cluster.nodes=2",
-    "cluster.one_host=true",
+    "+recipe=tiny-local", "launcher=slurm", "engine=sglang", "model.seed=0", "transfer=tcp",
+    "cluster.nodes=2", "cluster.one_host=true",
     "cluster.device=cuda", "cluster.gpus_per_node=2", "cluster.gpu_numa=[0,0]",
     "cluster.numa_cpus=[0-1]", "prefill.tp=2", "decode.instances=2",
     "prefill.http_port=26400", "decode.http_port=26500", "prefill.bootstrap_port=26450",

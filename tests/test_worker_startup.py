@@ -44,7 +44,7 @@ def _start_fields(stdout: str) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in line.split()[2:])
 
 
-SGLANG_ON_GPUS = ("engine=sglang", "cluster.device=cuda")
+SGLANG_ON_GPUS = ("engine=sglang", "model.seed=0", "cluster.device=cuda")
 
 
 def test_auto_asks_the_nodes_libfabric_and_prints_the_path(tmp_path: Path) -> None:

@@ -38,6 +38,18 @@ def cpu_mask(cpus: list[int]) -> str:
     return hex(sum(1 << c for c in set(cpus)))
 
 
+def numactl_binding(ranks: list[RankPlan]) -> list[str]:
+    """`numactl` prefix binding a process to its ranks' CPUs and NUMA nodes (none when the
+    cluster preset lists no CPUs): what srun's --cpu-bind does on Slurm, for processes that
+    bind themselves (the reference engine's, on both launchers) or that no srun starts (a
+    per-node engine under launcher=local)."""
+    cpus = compress_cpus(rank_cpu_list(ranks))
+    if not cpus:
+        return []
+    nodes = ",".join(str(n) for n in sorted({r.numa for r in ranks}))
+    return ["numactl", f"--physcpubind={cpus}", f"--membind={nodes}"]
+
+
 def gpus_requested(cfg: Config) -> int:
     """GPUs the job asks per node: none on device=cpu (worker slots, not devices)."""
     return cfg.launcher.gpus_per_node if cfg.cluster.device == "cuda" else 0

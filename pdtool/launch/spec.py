@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pdtool.launch import secrets
 from pdtool.launch.backends import backend_env
-from pdtool.launch.resources import describe_cpus, job_options, step_options
+from pdtool.launch.resources import describe_cpus, job_options, numactl_binding, step_options
 from pdtool.launch.restart import group_of
 from pdtool.launch.sglang import router_argv, server_argv
 from pdtool.launch.shell import Var, Word, word
@@ -243,13 +243,6 @@ def _wrap(cfg: Config, launcher: str, p: Proc, ranks: list[RankPlan], env: dict[
     return (_srun(cfg, p, ranks) if launcher == "slurm" else []) + inner
 
 
-def _numactl(ranks: list[RankPlan]) -> list[str]:
-    r = ranks[0]
-    if not r.cpus:
-        return []
-    return ["numactl", f"--physcpubind={r.cpus}", f"--membind={r.numa}"]
-
-
 def _ranks_text(ranks: list[RankPlan]) -> str:
     if len(ranks) == 1:
         return f"rank {ranks[0].rank}"
@@ -290,12 +283,13 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str,
             p.engine_argv = server_argv(cfg, plan, inst, ranks, host(node),
                                         host(inst.head_node))
             select = ["--node-rank", str(ranks[0].node_rank)]
-            numa: list[str] = []
+            # on Slurm, srun binds the step to the same CPUs (resources.step_options)
+            numa = numactl_binding(ranks) if launcher == "local" else []
             env = {**_common_env(ranks), **backend_env(cfg), **env_user}
         else:
             p.engine_argv = []
             select = ["--rank", str(ranks[0].rank)]
-            numa = _numactl(ranks)
+            numa = numactl_binding(ranks)
             env = {**ranks[0].env, **env_user}
         if len(inst.nodes) > 1 and cfg.cluster.socket_ifname:
             # NCCL's and Gloo's bootstrap sockets between the instance's nodes

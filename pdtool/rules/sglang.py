@@ -226,5 +226,18 @@ def check_sglang_unread_transfer_keys(cfg: Config) -> list[Finding]:
     return out
 
 
+def check_sglang_model_seed(cfg: Config) -> list[Finding]:
+    """engine=sglang: model.seed draws the reference engine's built-in weights; SGLang loads
+    model.path's checkpoint and nothing reads the seed."""
+    if cfg.engine.kind != "sglang" or not cfg.model.seed:
+        return []
+    return [error(
+        "model.seed",
+        f"model.seed={cfg.model.seed}: with engine=sglang nothing reads it (it draws the "
+        "reference engine's built-in weights; SGLang loads model.path)",
+        "drop model.seed; for SGLang's sampling seed pass "
+        "+engine.extra_args=[--random-seed,N]")]
+
+
 ALL = (check_sglang_unsupported_args, check_sglang_speculative, check_sglang_aggregated_args,
-       check_sglang_unread_transfer_keys)
+       check_sglang_unread_transfer_keys, check_sglang_model_seed)

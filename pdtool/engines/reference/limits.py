@@ -44,9 +44,17 @@ def model_problems(model: Any, kv_dtype: str, role: str) -> list[tuple[str, str]
     if kv_dtype not in TORCH_KV_DTYPES:
         out.append((f"{role}.kv_dtype",
                     f"the reference engine supports {sorted(TORCH_KV_DTYPES)}, got {kv_dtype!r}"))
+    if model.num_experts:
+        out.append(("model.num_experts",
+                    f"the reference engine runs dense models (an MLP without experts; a MoE "
+                    f"model runs with engine=sglang), got {model.num_experts}"))
     from .checkpoint import is_local
 
     if is_local(model.path):
+        if model.seed:
+            out.append(("model.seed",
+                        f"the weights come from model.path's checkpoint (the seed draws only "
+                        f"the built-in model's), got {model.seed}"))
         return checkpoint_problems(model) + out
     if model.vocab_size != 256:
         out.append(("model.vocab_size",
