@@ -74,8 +74,9 @@ def process_names(plan, engine: str) -> dict[str, tuple[str, int]]:
 @pytest.mark.parametrize("engine", ["reference", "sglang"])
 def test_job_places_each_role_on_its_node_group(engine: str, slurm, tmp_path: Path) -> None:
     out = tmp_path / "job"
-    # SGLang needs GPUs: the emulated nodes pose as a GPU cluster (--preflight loads no engine)
-    gpu = ["cluster.device=cuda"] if engine == "sglang" else []
+    # SGLang needs GPUs: the emulated nodes pose as a GPU cluster (--preflight loads no engine);
+    # it loads weights, so the built-in model's seed goes
+    gpu = ["cluster.device=cuda", "model.seed=0"] if engine == "sglang" else []
     job = launch(slurm, out, "launcher.job_name=pdtool-ok", f"engine={engine}", *gpu)
     state, code = slurm.wait_job(job, timeout=180)
     batch = (out / "logs" / f"slurm-{job}.out").read_text()
