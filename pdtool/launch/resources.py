@@ -40,9 +40,8 @@ def cpu_mask(cpus: list[int]) -> str:
 
 def numactl_binding(ranks: list[RankPlan]) -> list[str]:
     """`numactl` prefix binding a process to its ranks' CPUs and NUMA nodes (none when the
-    cluster preset lists no CPUs): what srun's --cpu-bind does on Slurm, for processes that
-    bind themselves (the reference engine's, on both launchers) or that no srun starts (a
-    per-node engine under launcher=local)."""
+    cluster preset lists no CPUs). It wraps each reference engine rank, on both launchers, and
+    a per-node engine's process under launcher=local, where no srun --cpu-bind binds it."""
     cpus = compress_cpus(rank_cpu_list(ranks))
     if not cpus:
         return []

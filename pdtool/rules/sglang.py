@@ -234,7 +234,7 @@ def check_sglang_model_seed(cfg: Config) -> list[Finding]:
     return [error(
         "model.seed",
         f"model.seed={cfg.model.seed}: with engine=sglang nothing reads it (it draws the "
-        "reference engine's built-in weights; SGLang loads model.path)",
+        "reference engine's built-in weights; SGLang loads the checkpoint in model.path)",
         "drop model.seed; for SGLang's sampling seed pass "
         "+engine.extra_args=[--random-seed,N]")]
 
