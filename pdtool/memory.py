@@ -58,6 +58,13 @@ class RoleMemory:
         """The engine's ceiling, not the budget, sets kv_tokens."""
         return 0 < self.kv_cap_tokens == self.kv_tokens
 
+    @property
+    def kv_pages(self) -> int:
+        """Whole pages the KV tokens fill: what a reference rank allocates."""
+        if not self.kv_bytes_per_page:
+            return 0
+        return self.kv_tokens * self.kv_bytes_per_token // self.kv_bytes_per_page
+
 
 def kv_heads_per_rank(model: ModelConfig, rc: RoleConfig) -> int:
     """KV heads one attention rank stores (replicated heads count once per rank)."""

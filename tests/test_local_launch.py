@@ -210,7 +210,7 @@ first = spec.procs[0]
 spec.procs = [dataclasses.replace(first, name=f"prefill-0.r{n}", argv=["sleep", "600"],
                                   health=None, ready=None) for n in range(400)]
 spec.router = []
-sup = Supervisor(spec, rendered.out, stop_grace=rendered.cfg.launcher.stop_grace_s)
+sup = Supervisor.for_job(rendered)  # as `pdtool bench` builds it
 print("body begins", flush=True)
 sys.exit(sup.run())
 """

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import tempfile
+from pathlib import Path
 
 import pytest
 from pdtool_cfg import recipe
 
 from pdtool.engines.reference.fromplan import SpecError, spec_from_context
-from pdtool.plan import build_plan
+from pdtool.plan import build_plan, to_json
+from pdtool.worker import parse_args, resolve
 from transfer.wire import write_secret
 
 
@@ -21,11 +23,15 @@ def secret(tmp_path, monkeypatch):
 
 
 def _ctx(plan, role: str, index: int = 0, rank: int = 0):
-    if role == "router":
-        return SimpleNamespace(plan=plan, role=role, instance=None, ranks=[], host="127.0.0.1")
-    inst = plan.role_instances(role)[index]
-    return SimpleNamespace(plan=plan, role=role, instance=inst, ranks=[inst.ranks[rank]],
-                           host="127.0.0.1")
+    """The worker's context as `pdtool.worker` builds it: from the job's plan.json (the plan
+    after its JSON round trip) and the rendered line's arguments."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "plan.json"
+        path.write_text(to_json(plan))
+        argv = ["--plan", str(path), "--role", role, "--host", "127.0.0.1"]
+        if role != "router":
+            argv += ["--instance", str(index), "--rank", str(rank)]
+        return resolve(parse_args(argv))
 
 
 def test_tiny_local_specs_pair_decoders_with_the_prefill(secret):

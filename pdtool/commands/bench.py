@@ -259,9 +259,7 @@ def _launch_and_bench(args: argparse.Namespace, cfg: Any, bench: Any, err: Any) 
     out = args.out or rendered.out / "bench"
 
     def supervisor(r: Any) -> Any:  # with --json, stdout carries the JSON alone
-        return Supervisor(r.spec, r.out, out=sys.stderr if args.json else sys.stdout,
-                          health_timeout=r.cfg.launcher.health_timeout_s,
-                          stop_grace=r.cfg.launcher.stop_grace_s)
+        return Supervisor.for_job(r, out=sys.stderr if args.json else sys.stdout)
 
     if twin is None:
         return supervisor(rendered).run(

@@ -100,13 +100,9 @@ def run(args: argparse.Namespace) -> int:
     from pdtool.launch.local import Supervisor
     from pdtool.launch.restart import RestartPolicy
 
-    sup = Supervisor(
-        rendered.spec,
-        rendered.out,
-        health_timeout=rendered.cfg.launcher.health_timeout_s,
-        stop_grace=rendered.cfg.launcher.stop_grace_s,
+    sup = Supervisor.for_job(
+        rendered,
         preflight=args.preflight,
-        watchdog_s=rendered.cfg.launcher.watchdog_s,
         # --smoke checks one start: a restart would hide the failure it is there to show
         restart=None if args.smoke else RestartPolicy.of(rendered.cfg.launcher),
     )

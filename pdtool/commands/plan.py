@@ -151,8 +151,7 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
     con.print(mt)
     for mm in plan.memory:
         if mm.capped:
-            pages = mm.kv_tokens * mm.kv_bytes_per_token // mm.kv_bytes_per_page
-            con.print(f"{mm.role}: the reference engine allocates {pages:,} KV pages "
+            con.print(f"{mm.role}: the reference engine allocates {mm.kv_pages:,} KV pages "
                       f"({mm.kv_tokens:,} tokens) per rank at most, whatever the budget")
     if plan.aggregated:
         con.print("transfer: none (mode=aggregated: every instance prefills and decodes its "

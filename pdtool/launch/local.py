@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from pdtool.launch.health import EXIT_DIED, HealthFailure, log_tail, wait_healthy, watchdog
 from pdtool.launch.restart import RestartPolicy, group_of
@@ -102,6 +102,16 @@ class Supervisor:
         for k in range(spec.job.nodes):
             self.vars[f"HOSTS[{k}]"] = "127.0.0.1"
             self.vars[f"NODE_NAMES[{k}]"] = "localhost"
+
+    @classmethod
+    def for_job(cls, rendered: Any, out: TextIO = sys.stdout, preflight: bool = False,
+                restart: RestartPolicy | None = None) -> Supervisor:
+        """The supervisor of a rendered job folder (`pdtool.render.Rendered`), its timers
+        from the job's launcher.* keys: what `pdtool launch` and `pdtool bench` run."""
+        lc = rendered.cfg.launcher
+        return cls(rendered.spec, rendered.out, out=out, stop_grace=lc.stop_grace_s,
+                   health_timeout=lc.health_timeout_s, preflight=preflight,
+                   watchdog_s=lc.watchdog_s, restart=restart)
 
     def say(self, msg: str) -> None:
         print(f"[pdtool {time.strftime('%H:%M:%S')}] {msg}", file=self.out, flush=True)

@@ -112,7 +112,7 @@ def spec_from_context(ctx: Any) -> RankSpec:
     pages = MAX_KV_PAGES  # the plan's memory holds the same cap (pdtool.memory)
     for mem in plan.memory:
         if mem.role == ctx.role and mem.kv_tokens > 0:
-            pages = max(1, mem.kv_tokens // inst.page_size)
+            pages = max(1, mem.kv_pages)
     return RankSpec(
         role="aggregated" if plan.aggregated else ctx.role, instance=inst.index, tp=inst.tp,
         rank=rank.rank, host=ctx.host,

@@ -372,7 +372,7 @@ def discover(health_urls: list[str], timeout_s: float = 300.0) -> list[dict[str,
     from .health import read_health
 
     deadline = time.monotonic() + timeout_s
-    out = []
+    out: list[dict[str, Any]] = []
     for url in health_urls:
         try:
             health = read_health(url, ("engine",), max(0.0, deadline - time.monotonic()))
