@@ -154,10 +154,14 @@ def build_job(cfg: Any, plan: Any, out: Path) -> tuple[Rendered, str, dict[str, 
 
 
 def write_job_folder(cfg: Any, plan: Any, out: Path) -> Rendered:
-    """Render scripts, config, plan and secret into `out` (created if needed)."""
+    """Render scripts, config, plan and secret into `out` (created if needed). A builtin
+    checkpoint (`model.path=builtin:NAME`) is built into the cache first, if it is not there
+    yet: the job's command lines name its folder."""
+    from pdtool.checkpoints import ensure
     from pdtool.compose import config_to_yaml
     from pdtool.plan import to_json
 
+    ensure(cfg.model.path)
     rendered, text, secret_env = build_job(cfg, plan, out)
     out, spec = rendered.out, rendered.spec
     out.mkdir(parents=True, exist_ok=True)

@@ -269,6 +269,14 @@ def run_sglang(ctx: WorkerContext) -> int:
             read_secret(secret_file)
         except WireError as e:
             raise WorkerError(f"{workerenv.SECRET_FILE.name}: {e}") from None
+    if ctx.instance is not None and ctx.plan.cluster.device == "cpu":
+        from pdtool.engines.sglang import cpu
+
+        env = cpu.environment(ctx.host, [(r.gpu, r.cpus) for r in ctx.ranks],
+                              ctx.plan.cluster.gpus_per_node, os.environ.get("PYTHONPATH", ""))
+        os.environ.update(env)
+        print("pdtool-worker: SGLang on CPU: " + " ".join(f"{k}={v}" for k, v in env.items()),
+              flush=True)
     print("pdtool-worker: exec " + " ".join(ctx.engine_argv[:3]) + " ...", flush=True)
     try:
         os.execvp(ctx.engine_argv[0], ctx.engine_argv)

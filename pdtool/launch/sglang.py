@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+from pdtool.checkpoints import local_path
+from pdtool.engines.sglang import cpu
 from pdtool.launch.shell import Var, Word, word
 from pdtool.plan import InstancePlan, Plan, RankPlan, gpu_numa
 from pdtool.schema import Config
@@ -17,6 +19,9 @@ from transfer.sglang import BACKEND_NAME
 #: pdtool KV dtype names -> SGLang 0.5.23 --kv-cache-dtype choices (it has no fp16/fp32 cache:
 #: validate refuses those for engine=sglang, rules.launch)
 SGLANG_KV_DTYPES = {"bf16": "bfloat16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+#: model.dtype -> SGLang's --dtype (fp8 checkpoints keep SGLang's own choice: their
+#: quantization config says how the weights are stored)
+SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def transfer_backend(cfg: Config, plan: Plan) -> str:
@@ -35,7 +40,7 @@ def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPla
     disaggregated = not plan.aggregated
     argv: list[str | Word] = [
         cfg.engine.python, "-m", "sglang.launch_server",
-        "--model-path", model.path or model.name,
+        "--model-path", local_path(model.path) or model.name,
         "--served-model-name", model.name,
     ]
     if disaggregated:
@@ -67,6 +72,8 @@ def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPla
     first_gpu = min(r.gpu for r in ranks)
     if first_gpu:
         argv += ["--base-gpu-id", str(first_gpu)]
+    if model.dtype in SGLANG_DTYPES:
+        argv += ["--dtype", SGLANG_DTYPES[model.dtype]]
     if rc.kv_dtype != "auto":
         argv += ["--kv-cache-dtype", SGLANG_KV_DTYPES[inst.kv_dtype]]
     if rc.max_running_requests:
@@ -83,6 +90,9 @@ def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPla
                  *(str(gpu_numa(cfg.cluster, g)) for g in range(cfg.cluster.gpus_per_node))]
     if cfg.cluster.device != "cuda":
         argv += ["--device", cfg.cluster.device]
+    if cfg.cluster.device == "cpu":
+        mem = next(m for m in plan.memory if m.role == inst.role)
+        argv += cpu.server_flags(inst.role, disaggregated, mem.kv_tokens)
     argv += [*cfg.engine.extra_args, *rc.extra_args]
     return argv
 

@@ -4,8 +4,9 @@
   multi-node instance uses whole nodes; a single-node instance fits in one node. GPUs left idle
   by packing are reported (never dropped silently).
 * Slurm: the node groups of both roles must fit `cluster.nodes`. Local: one machine.
-* The engine must suit the device (SGLang needs GPUs; the reference engine runs on CPUs, and
-  on cuda only as a check, with HND pages in fp16/bf16 that FlashInfer reads).
+* The engine must suit the device (SGLang serves on GPUs and, with its CPU engine, on CPUs:
+  pdtool.engines.sglang.cpu; the reference engine runs on CPUs, and on cuda only as a check,
+  with HND pages in fp16/bf16 that FlashInfer reads).
 * Every GPU rank needs a NIC its provider can drive, preferably on its PCIe switch, at least on
   its NUMA node; `shm` only works when prefill and decode share a node.
 """
@@ -112,14 +113,6 @@ def check_node_budget(cfg: Config) -> list[Finding]:
 
 def check_engine_device(cfg: Config) -> list[Finding]:
     e, dev = cfg.engine.kind, cfg.cluster.device
-    if e == "sglang" and dev != "cuda":
-        return [
-            error(
-                "engine.kind",
-                f"SGLang workers need GPUs; cluster={cfg.cluster.name} has device={dev}",
-                "use engine=reference on this machine, or a GPU cluster preset",
-            )
-        ]
     if e == "reference" and dev != "cpu":
         out = [
             warning(
