@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from pdtool_cfg import recipe_args
 
+from pdtool.checkpoints import local_path
 from pdtool.compose import load_config, recipe_files
 from pdtool.launch.shell import resolve
 from pdtool.plan import build_plan
@@ -115,7 +116,7 @@ def test_server_lines_parse(overrides, server_parser, tmp_path: Path) -> None:
         assert a.disaggregation_mode == p.role
         assert a.disaggregation_transfer_backend == {"pdtool": "pdtool"}.get(
             cfg.transfer.backend, cfg.transfer.backend)
-        assert a.model_path == (cfg.model.path or cfg.model.name)
+        assert a.model_path == (local_path(cfg.model.path) or cfg.model.name)
         assert a.tp_size == inst.tp
         assert a.page_size == inst.page_size
         assert a.port == inst.http_port
@@ -144,6 +145,8 @@ def test_server_lines_parse(overrides, server_parser, tmp_path: Path) -> None:
         for r in ranks:  # as SGLang's backends read it for each GPU
             assert get_ib_devices_for_gpu(a.disaggregation_ib_device, r.gpu).replace(
                 " ", "") == ",".join(r.nics)
+        if cfg.cluster.device != "cuda":
+            continue  # --numa-node is rendered for GPUs only
         # SGLang indexes --numa-node by absolute GPU id (numa_utils: numa_node[gpu_id]):
         # one entry per GPU of the node, and each rank's GPU finds its own NUMA node
         assert len(a.numa_node) == cfg.cluster.gpus_per_node

@@ -25,8 +25,9 @@ def server_flags(role: str, disaggregated: bool, max_total_tokens: int) -> list[
         # the attention backend SGLang's CPU path runs without Intel AMX (its `intel_amx`
         # backend needs sgl_kernel's compiled ops)
         "--attention-backend", "torch_native",
-        # no CUDA graphs and no server warm-up request on CPU
-        "--disable-cuda-graph", "--skip-server-warmup",
+        # no server warm-up request (CUDA graphs are not captured on CPU, and 0.5.23 deprecates
+        # --disable-cuda-graph)
+        "--skip-server-warmup",
         # xgrammar's compiled backend is not needed for plain completions
         "--grammar-backend", "none",
         # an idle scheduler otherwise spins a core (managers/scheduler.py's event loop)
