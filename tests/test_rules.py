@@ -558,3 +558,10 @@ def test_keys_nothing_would_read_are_refused(override: str, key: str, fragment: 
     rendered scripts would take it for a health wait and stop the deployment once ready), a
     decode instance's bootstrap port."""
     assert_error(recipe("tiny-local", override), key, fragment)
+
+
+def test_builtin_checkpoint_is_refused_where_nothing_loads_it():
+    assert_error(compose("+recipe=sglang-local", "model.path=builtin:nope"), "model.path",
+                 "not a builtin checkpoint")
+    assert_error(compose("+recipe=sglang-local", "engine=reference"), "model.path",
+                 "only engine=sglang loads it")

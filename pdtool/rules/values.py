@@ -376,4 +376,23 @@ def check_engine_version(cfg: Config) -> list[Finding]:
     return []
 
 
-ALL = (check_model, check_cluster, check_roles, check_transfer, check_launcher, check_engine_router)
+def check_builtin_checkpoint(cfg: Config) -> list[Finding]:
+    """`model.path=builtin:NAME`: a checkpoint pdtool builds (pdtool.checkpoints), for an
+    engine that loads checkpoint folders (SGLang); the reference engine would ignore it."""
+    from pdtool.checkpoints import BUILTIN, BUILTIN_PREFIX, builtin_name
+
+    name = builtin_name(cfg.model.path)
+    if name is None:
+        return []
+    if name not in BUILTIN:
+        return [error("model.path", f"{cfg.model.path!r} is not a builtin checkpoint",
+                      "use one of " + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN))]
+    if cfg.engine.kind != "sglang":
+        return [error("model.path", f"{cfg.model.path!r}: only engine=sglang loads it; the "
+                      f"{cfg.engine.kind} engine would build its own random model instead",
+                      "use engine=sglang, or model=tiny for the reference engine")]
+    return []
+
+
+ALL = (check_model, check_cluster, check_roles, check_transfer, check_launcher, check_engine_router,
+       check_builtin_checkpoint)
