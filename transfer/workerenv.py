@@ -166,6 +166,8 @@ BY_NAME: dict[str, Var] = {v.name: v for v in VARIABLES}
 #: `PDTOOL_*` names that are not part of a deployment's environment: they steer the command-line
 #: tool or the build on the user's machine.
 TOOL_VARIABLES: dict[str, str] = {
+    "PDTOOL_CACHE": "where pdtool.checkpoints builds builtin:NAME checkpoints (default "
+                    "$XDG_CACHE_HOME/pdtool, else ~/.cache/pdtool)",
     "PDTOOL_DEBUG": "pdtool's CLI prints the traceback of an internal error instead of one line",
     "PDTOOL_FABRIC_INCLUDE": "where transfer/_fabric_build.py looks for rdma/fabric.h",
     "PDTOOL_FABRIC_WERROR": "set: transfer/_fabric_build.py compiles the C with -Werror",
