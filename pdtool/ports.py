@@ -14,6 +14,9 @@ managers/data_parallel_controller.py):
   DP_ATTENTION_HANDSHAKE_PORT_DELTA), plus `--nccl-port`;
 * with DP attention across nodes, on the head node: the dist-init port, its `+1 .. +6` and its
   `+13` (the handshake is derived from `--dist-init-addr` then).
+sglang-router 0.3.2 binds `router.port` and its Prometheus exporter, which defaults to one fixed
+port (29000) whatever `--port` says, so two deployments on one machine collided on it: pdtool
+gives it `router.port + 1` (`router_ports`).
 The reference engine binds its HTTP port, its dist-init port (TP > 1) and, on prefill, the
 bootstrap port: the lead rank's messenger control socket, where decode ranks reach it.
 """
@@ -29,6 +32,24 @@ from pdtool.schema import Config, RoleConfig, gpus_per_instance, role
 ZMQ_TCP_PORT_DELTA = 233
 DP_ATTENTION_HANDSHAKE_PORT_DELTA = 13
 DERIVED_PORTS = 6
+
+
+#: sglang-router's Prometheus exporter, relative to router.port
+ROUTER_METRICS_OFFSET = 1
+
+
+def router_metrics_port(cfg: Config) -> int | None:
+    """The port of sglang-router's Prometheus exporter (None: the reference front has none)."""
+    return cfg.router.port + ROUTER_METRICS_OFFSET if cfg.engine.kind == "sglang" else None
+
+
+def router_ports(cfg: Config) -> list[tuple[int, str]]:
+    """(port, what) of every socket the router binds on its node."""
+    metrics = router_metrics_port(cfg)
+    out = [(cfg.router.port, "router")]
+    if metrics is not None:
+        out.append((metrics, f"router metrics (router.port + {ROUTER_METRICS_OFFSET})"))
+    return out
 
 
 def _dp_attention(cfg: Config, rc: RoleConfig) -> bool:

@@ -116,6 +116,8 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
             + " | decode "
             + ", ".join(f"{x.instance}@node{x.node}:{x.http_port}" for x in r.decode)
         )
+    if r.metrics_port is not None:
+        con.print(f"router metrics (Prometheus): node {r.node}:{r.metrics_port}/metrics")
 
     if show_ranks:
         rt = Table(title="ranks", title_justify="left")

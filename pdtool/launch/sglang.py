@@ -114,4 +114,6 @@ def router_argv(cfg: Config, plan: Plan, host: Callable[[int], Var]) -> list[str
         for t in rp.decode:
             argv += ["--decode", word("http://", host(t.node), f":{t.http_port}")]
     argv += ["--host", host(rp.node), "--port", str(rp.port), "--policy", rp.policy]
+    if rp.metrics_port is not None:
+        argv += ["--prometheus-host", host(rp.node), "--prometheus-port", str(rp.metrics_port)]
     return argv

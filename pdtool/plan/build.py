@@ -26,7 +26,7 @@ from pdtool.plan.records import (
     RouterTarget,
 )
 from pdtool.plan.routes import kv_pool, layout_source, transfer_plan
-from pdtool.ports import dist_stride, has_bootstrap, http_stride
+from pdtool.ports import dist_stride, has_bootstrap, http_stride, router_metrics_port
 from pdtool.schema import ROLES, Config, kv_dtype, role, role_dims
 from transfer import routes as R
 from transfer.workerenv import DRAFT_LAYERS
@@ -114,6 +114,7 @@ def _router(cfg: Config, instances: tuple[InstancePlan, ...]) -> RouterPlan:
         policy=cfg.router.policy,
         prefill=targets("prefill"),
         decode=targets("decode"),
+        metrics_port=router_metrics_port(cfg),
     )
 
 

@@ -89,6 +89,7 @@ class RouterPlan:
     policy: str
     prefill: tuple[RouterTarget, ...]
     decode: tuple[RouterTarget, ...]
+    metrics_port: int | None = None  # sglang-router's Prometheus exporter (pdtool.ports)
 
     @property
     def targets(self) -> tuple[RouterTarget, ...]:

@@ -4,15 +4,16 @@ Instance i of a role listens on the ports `pdtool.ports.instance_ports` models: 
 and what SGLang derives from it (with DP attention: +13 and +233..+239), its dist-init port
 (and, across nodes with DP attention, +1..+6 and +13), and for prefill its bootstrap port,
 all on its head node; packed instances' bases are spaced so their own ports never meet. The
-router binds `router.port` on node 0. With the local launcher every process shares one
-machine, so all of them must differ. The router's prefill entries (URL + bootstrap port) are
-derived from the same numbers in the plan, so they agree with the workers by construction.
+router binds `router.port` on node 0 (sglang-router also `router.port + 1`, its metrics).
+With the local launcher every process shares one machine, so all of them must differ. The
+router's prefill entries (URL + bootstrap port) are derived from the same numbers in the plan,
+so they agree with the workers by construction.
 """
 
 from __future__ import annotations
 
 from pdtool.plan import placements
-from pdtool.ports import instance_ports
+from pdtool.ports import instance_ports, router_ports
 from pdtool.rules.finding import Finding, error
 from pdtool.schema import ROLES, Config, RoleConfig, role
 
@@ -23,7 +24,7 @@ def _bindings(cfg: Config) -> list[tuple[int, int, str, str]]:
     """(host, port, config key, what) for every listening socket of the deployment."""
     local = cfg.launcher.kind == "local"
     places = placements(cfg)
-    out = [(0, cfg.router.port, "router.port", "router")]
+    out = [(0, port, "router.port", what) for port, what in router_ports(cfg)]
     for r in ROLES:
         for i in range(role(cfg, r).instances):
             host = 0 if local else places[(r, i)][0][0]
