@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pdtool.checkpoints import TEXT
-from pdtool.engines.reference.local import free_port, free_port_run
+from pdtool.engines.reference.local import free_port_run
 
 #: greedy prompts as token ids of the tiny tokenizer's range: short, multi-page and
 #: multi-chunk (chunked_prefill_size 32), and two that share a long prefix (a prefix-cache hit
@@ -46,7 +46,7 @@ class Served:
     def __init__(self, tmp: Path, *overrides: str, recipe: str = "sglang-local") -> None:
         self.run_dir = tmp / "job"
         self.log = tmp / "launch.log"
-        router = free_port()
+        router = free_port_run(2)  # router.port and its metrics port
         ports = [f"prefill.http_port={free_port_run(4)}",
                  f"prefill.bootstrap_port={free_port_run(4)}",
                  f"prefill.dist_init_port={free_port_run(4)}",

@@ -1,9 +1,8 @@
 """pdtool's SGLang backend over tcp;ofi_rxm at page size 1 (one page per token), on real SGLang
 servers started by `pdtool launch +recipe=sglang-local transfer=tcp`, token-exact against
 transformers' greedy `generate` (which the aggregated SGLang deployment equals:
-test_sglang_servers.py). Its own module: sglang-router 0.3.2 binds its Prometheus exporter on
-a fixed port, so two routers cannot run at once (test_sglang_servers.py's deployment is
-stopped when its module ends).
+test_sglang_servers.py). Its own module, so that each deployment is stopped before the next
+starts: three SGLang processes take about 4.7 GB and both cores of a CI box.
 """
 
 from __future__ import annotations
