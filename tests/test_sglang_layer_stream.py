@@ -24,6 +24,7 @@ import ctypes
 import functools
 import logging
 import os
+import threading
 import time
 import types
 from array import array
@@ -91,8 +92,9 @@ def _layers_forward(st: Any, fb: Any, lo: int, hi: int, loc: Any, per_layer: int
         st.order.append(("attn", i, st.ops_now() - base))
         if st.stream:
             st.backend.forward(q, k, v, layer, fb)  # the real base-class dispatch
-            st.wait_ops(base + per_layer * (i + 1))
-            st.order.append(("posted", i, st.ops_now() - base))
+            if st.late is None:
+                st.wait_ops(base + per_layer * (i + 1))
+                st.order.append(("posted", i, st.ops_now() - base))
         else:
             st.pool.set_kv_buffer(layer, loc, k, v)
 
@@ -113,7 +115,7 @@ def stream_prefill(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from transfer.sglang import plugin
+    from transfer.sglang import layer_stream, plugin
     from transfer.sglang.conn import PdtoolKVBootstrapServer, PdtoolKVManager, PdtoolKVSender
 
     lines = _Lines()
@@ -153,6 +155,12 @@ def stream_prefill(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     report: dict[int, Any] = {}
     for slot, (room, req_cfg) in enumerate(cfg["rooms"].items(), start=1):
         stream = req_cfg["stream"]
+        # a late room: its layer parts wait (as behind a slow layer thread or CUDA event)
+        # until the writer planned the chunk SGLang sends after the forward
+        late: list[threading.Event] | None = [] if req_cfg.get("late") else None
+        if late is not None:
+            layer_stream._marker = lambda _on_cuda, late=late: types.SimpleNamespace(
+                synchronize=late[-1].wait)
         src = np.asarray(req_cfg["src_pages"])
         prompt, pages = req_cfg["prompt"], len(src)
         slots = (src[:, None] * PAGE + np.arange(PAGE)).reshape(-1)[:prompt]
@@ -185,8 +193,11 @@ def stream_prefill(cfg: dict[str, Any], rank: int, conn: Any) -> None:
 
             forward = functools.partial(_layers_forward, types.SimpleNamespace(
                 stream=stream, kv_in=kv_in, order=order, backend=backend, layers=layers,
-                pool=pool, ops_now=ops_now, wait_ops=wait_ops), fb, lo, hi, loc, per_layer)
+                pool=pool, ops_now=ops_now, wait_ops=wait_ops, late=late), fb, lo, hi, loc,
+                per_layer)
             start_ops = ops_now()
+            if late is not None:
+                late.append(threading.Event())
             plugin.run_batch_hook(forward, sched, batch)
             time.sleep(0.2)  # anything a layer part would still post
             after_forward.append(ops_now() - start_ops)
@@ -194,6 +205,9 @@ def stream_prefill(cfg: dict[str, Any], rank: int, conn: Any) -> None:
             if last:
                 req.output_ids.append(7)  # the sampled token set_buf copies
             SchedulerDisaggregationPrefillMixin._send_kv_chunk(sched, req, last_chunk=last)
+            if late is not None:  # the chunk's writes posted, then its layer parts come
+                wait_ops(start_ops + 1)
+                late[-1].set()
             _poll_until({room: sender}, lambda st, last=last: not last or st in (
                 KVPoll.Success, KVPoll.Failed), 60)
             time.sleep(0.2)
@@ -251,6 +265,28 @@ def test_layers_stream_during_the_forward_and_fall_back_without_callbacks() -> N
     assert stats["layer_parts"] == 2 * LAYERS, stats
     said = [x for x in stats["log"] if "no attention callback" in x]
     assert len(said) == 1, stats["log"]
+
+
+@pytest.mark.timeout(600)
+def test_layer_parts_after_their_chunk_write_nothing_twice() -> None:
+    """The layer thread may fall behind the scheduler: a chunk's post-forward send reaches the
+    writer before that forward's layer parts. Those pages must not be written again (the
+    decoder counts operations: a second write of them failed the request on real servers)."""
+    rooms = {43: {**ROOMS[41], "stream": True, "late": True}}
+    cfg = {"mla": False, "heads": HEADS, "prefill_tp": 1, "decode_tp": 1, "rooms": rooms}
+    res = run_pair(cfg, targets=(stream_prefill, decode_rank))
+    (_, report, stats, _aux), = res["prefill"]
+    (_, out, _bufs, _dec_aux, remote_writes, stale, _), = res["decode"]
+    assert report[43]["state"] == 4, report
+    check_bytes_kv(cfg, res)
+    want = sglang_decode_writes(
+        is_mla=False, total_heads=HEADS, prefill_tp=1, decode_tp=1, decode_rank=0,
+        page_size=PAGE, num_pages=len(rooms[43]["src_pages"]), num_buffers=2 * LAYERS,
+        num_aux=N_AUX, writes_per_op=PER_OP)
+    assert out[43]["count"] == want and remote_writes == want and stale == 0
+    # the forwards did stream: their layer parts reached the writer, and found nothing left
+    assert stats["forwards_streamed"] == 2 and stats["layer_parts"] == 2 * LAYERS, stats
+    assert report[43]["after_forward"] == [0, 0]
 
 
 def check_bytes_kv(cfg: dict[str, Any], res: dict[str, Any]) -> None:

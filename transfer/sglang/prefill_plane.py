@@ -76,9 +76,9 @@ class Send:
     staged_done: int = 0      # operations from bounce buffers known complete (staging_plane)
     # writes held back per layer-buffer group: (src, dst, len) not yet a whole operation
     tails: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
-    # layer buffer -> the decoder's page positions already planned, once layer streaming
-    # (layer_stream.py) planned some: every (page, buffer) is written once, by whichever of
-    # the layer part or the chunk reached the writer first
+    # layer buffer -> the decoder's page positions already planned: with layer streaming
+    # (layer_stream.py) every (page, buffer) is written once, by whichever of the layer part
+    # or the chunk reached the writer first (a chunk may come first: then it must mark too)
     planned: dict[int, np.ndarray] = field(default_factory=dict)
 
 
@@ -223,9 +223,9 @@ class PrefillPlane:
             for i in range(len(mgr.kv_layouts)) if buffers is None else buffers:
                 if peer.buffer_slice(i) is None:
                     continue
-                pages, pos = src_pages, positions
-                if buffers is not None or s.planned:
-                    pages, pos = self._unplanned(s, i, len(t.kv_indices), pages, pos)
+                # every (page, buffer) is planned once, whichever of a layer part and the
+                # chunk after the forward reaches this thread first (either order happens)
+                pages, pos = self._unplanned(s, i, len(t.kv_indices), src_pages, positions)
                 gather, region, plan = self.staging.writes(peer, t, pages, pos, i)
                 so, do, ln = self._with_tail(s, i, plan)
                 n = len(ln) if chunk.is_last else sendable(0, len(ln), len(ln) + 1, s.per_op)
