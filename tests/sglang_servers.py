@@ -38,6 +38,8 @@ PROMPTS = [
 ]
 MAX_NEW = 12
 START_TIMEOUT_S = 420.0
+#: what SGLang logs for a failed transfer (decode, prefill) and pdtool's prefill for a failed room
+FAILURE_MARKS = ("transfer failed", "KVTransferError", "pdtool room ")
 
 
 class Served:
@@ -86,6 +88,12 @@ class Served:
         """Each process's log of the (one) run, by process name (`prefill-0.n0`, ...)."""
         runs = sorted((self.run_dir / "logs").glob("local-*"))
         return {p.stem: p.read_text(errors="replace") for p in runs[-1].glob("*.log")}
+
+    def failures(self) -> list[str]:
+        """Log lines of failed transfers. The router retries a request that failed, so a
+        test that only compares tokens would not see them."""
+        return [f"{name}: {line}" for name, text in self.logs().items()
+                for line in text.splitlines() if any(m in line for m in FAILURE_MARKS)]
 
     def tail(self, n: int = 4000) -> str:
         out = [self.output()[-n:]]

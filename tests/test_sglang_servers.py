@@ -67,6 +67,7 @@ def test_pd_over_shm_is_token_exact(oracle, pd_shm: Served) -> None:
         assert pd_shm.generate(p) == oracle[tuple(p)], p
     got = pd_shm.generate_all(prompts * 2, concurrency=8)
     assert got == [oracle[tuple(p)] for p in prompts * 2]
+    assert not pd_shm.failures()
 
 
 def test_prefill_streams_layer_by_layer(pd_shm: Served) -> None:

@@ -26,6 +26,7 @@ def test_pd_over_tcp_at_page_size_1_is_token_exact(tmp_path: Path) -> None:
                     "decode.instances=1").start()
     try:
         assert served.generate_all(prompts, concurrency=4) == want
+        assert not served.failures()
         assert "per-layer KV streaming" in served.logs()["prefill-0.n0"]
     finally:
         served.stop()
