@@ -21,14 +21,18 @@ from __future__ import annotations
 from pdtool.schema import Config
 
 
+def rdma_provider(cfg: Config) -> bool:
+    """Whether transfer.provider drives RDMA NICs (efa, verbs), which SGLang's own backends
+    are given by name; over tcp and shm they use none."""
+    return cfg.transfer.provider == "efa" or cfg.transfer.provider.startswith("verbs")
+
+
 def backend_env(cfg: Config) -> dict[str, str]:
     """Variables a worker process of SGLang's own backend gets for transfer.provider."""
     backend, provider = cfg.transfer.backend, cfg.transfer.provider
     if backend == "mooncake":
-        if provider == "efa":
-            return {"MOONCAKE_PROTOCOL": "efa"}
-        if provider.startswith("verbs"):
-            return {"MOONCAKE_PROTOCOL": "rdma"}
+        if rdma_provider(cfg):
+            return {"MOONCAKE_PROTOCOL": "efa" if provider == "efa" else "rdma"}
         return {"MC_FORCE_TCP": "1"}  # tcp, or shm: no RDMA device to use
     if backend == "nixl":
         return {"SGLANG_DISAGGREGATION_NIXL_BACKEND": "LIBFABRIC" if provider == "efa"

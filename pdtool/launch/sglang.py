@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from pdtool.checkpoints import local_path
 from pdtool.engines.sglang import cpu
+from pdtool.launch.backends import rdma_provider
 from pdtool.launch.shell import Var, Word, word
 from pdtool.plan import InstancePlan, Plan, RankPlan, gpu_numa
 from pdtool.schema import Config
@@ -79,9 +80,11 @@ def server_argv(cfg: Config, plan: Plan, inst: InstancePlan, ranks: list[RankPla
     if rc.max_running_requests:
         argv += ["--max-running-requests", str(rc.max_running_requests)]
     # one entry per GPU of this process, from the plan's GPU -> NIC choice (SGLang's
-    # get_ib_devices_for_gpu reads it for pdtool, mooncake and nixl's UCX alike)
+    # get_ib_devices_for_gpu reads it for pdtool, mooncake and nixl's UCX alike). SGLang
+    # checks the names against /sys/class/infiniband for its own backends, which over tcp
+    # and shm use no RDMA device (backends.py): none is given then
     ib = {str(r.gpu): ",".join(r.nics) for r in ranks if r.nics}
-    if ib and disaggregated:
+    if ib and disaggregated and (cfg.transfer.backend == "pdtool" or rdma_provider(cfg)):
         argv += ["--disaggregation-ib-device", json.dumps(ib, separators=(",", ":"))]
     if cfg.cluster.device == "cuda" and cfg.cluster.gpu_numa:
         # SGLang reads numa_node[gpu_id] with the absolute GPU id (base_gpu_id + local index,
