@@ -513,8 +513,6 @@ def test_aggregated_mode_says_which_keys_it_does_not_read():
 
 
 @pytest.mark.parametrize(("override", "names"), [
-    ("transfer.timeout_s=600", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"),
-    ("transfer.connect_timeout_s=10", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"),
     ("transfer.peer_timeout_s=10", "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"),
     ("transfer.heartbeat_s=1", "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL"),
     ("transfer.lanes=2", "cluster.nics"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from pdtool_cfg import recipe_args
 
 from pdtool.checkpoints import local_path
 from pdtool.compose import load_config, recipe_files
+from pdtool.launch.health import WATCHDOG_MISSES
 from pdtool.launch.shell import resolve
 from pdtool.plan import build_plan
 from pdtool.render import write_job_folder
@@ -176,6 +178,11 @@ def test_router_line_parses(recipe, router_parser, tmp_path: Path) -> None:
     assert a.prefill_urls == want_prefill
     assert a.decode_urls == want_decode
     assert a.port == plan.router.port and a.policy == plan.router.policy
+    # its Prometheus exporter beside its port; its workers probed as the watchdog probes
+    assert (a.prometheus_port, a.prometheus_host) == (plan.router.port + 1,
+                                                      hosts[f"HOSTS[{plan.router.node}]"])
+    assert (a.health_check_interval_secs, a.health_failure_threshold) == (
+        math.ceil(_cfg.launcher.watchdog_s), WATCHDOG_MISSES)
 
 
 @pytest.mark.parametrize("recipe", SGLANG_RECIPES)

@@ -49,6 +49,21 @@ def test_each_backend_gets_its_environment_and_nic_map(over, backend, var, value
         assert len(gpus) == len(p.ranks) and all(ib.values()), ib  # one entry per GPU
 
 
+@pytest.mark.parametrize("backend", ["pdtool", "mooncake", "nixl"])
+def test_sglang_timers_follow_the_transfer_keys(backend):
+    """Every backend runs under SGLang's request timers: transfer.timeout_s and
+    transfer.connect_timeout_s set them (whole seconds, rounded up), and validate accepts
+    both with engine=sglang."""
+    over = ("transfer.timeout_s=45.5", "transfer.connect_timeout_s=30")
+    cfg = recipe("llama-3.1-70b", "launcher=slurm", f"transfer.backend={backend}", *over)
+    assert not [f for f in validate(cfg) if f.key.startswith("transfer.")
+                and f.severity == "error"]
+    for p, argv in _workers(cfg):
+        env = argv[argv.index("env"):argv.index("pdtool.worker")]
+        assert "SGLANG_DISAGGREGATION_WAITING_TIMEOUT=46" in env, p.name
+        assert "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=30" in env, p.name
+
+
 def test_launcher_env_overrides_the_backend_default():
     cfg = recipe("llama-3.1-70b", "launcher=slurm", "transfer.backend=nixl", "transfer=efa",
                  "cluster=p5", "+launcher.env.all.SGLANG_DISAGGREGATION_NIXL_BACKEND=UCX")

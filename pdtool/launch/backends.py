@@ -1,4 +1,13 @@
-"""The environment SGLang 0.5.23's own transfer backends need (transfer.backend=mooncake|nixl).
+"""The environment an SGLang worker's transfer backend reads (pdtool's, mooncake or nixl).
+
+Every backend runs under SGLang's own request timers (0.5.23 `environ.py`), which pdtool sets
+from the transfer keys: `transfer.timeout_s` -> `SGLANG_DISAGGREGATION_WAITING_TIMEOUT` (a
+decode request that bootstrapped and whose KV stops arriving fails after it; SGLang's default
+is 300 s), `transfer.connect_timeout_s` -> `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT` (a
+prefill request whose decode never sent its page list, e.g. a dead decode server, fails after
+it). Both in whole seconds, rounded up.
+
+What SGLang 0.5.23's own backends (transfer.backend=mooncake|nixl) need besides:
 
 pdtool renders their NICs itself (one `--disaggregation-ib-device` entry per GPU, from the
 plan's GPU -> NIC map: pdtool.launch.sglang); what each backend reads besides, checked in
@@ -18,6 +27,8 @@ launcher.env overrides any of these (the role's launcher.env is applied after th
 
 from __future__ import annotations
 
+import math
+
 from pdtool.schema import Config
 
 
@@ -25,6 +36,13 @@ def rdma_provider(cfg: Config) -> bool:
     """Whether transfer.provider drives RDMA NICs (efa, verbs), which SGLang's own backends
     are given by name; over tcp and shm they use none."""
     return cfg.transfer.provider == "efa" or cfg.transfer.provider.startswith("verbs")
+
+
+def timeout_env(cfg: Config) -> dict[str, str]:
+    """SGLang's request timers from transfer.timeout_s and transfer.connect_timeout_s."""
+    t = cfg.transfer
+    return {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(math.ceil(t.timeout_s)),
+            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(math.ceil(t.connect_timeout_s))}
 
 
 def backend_env(cfg: Config) -> dict[str, str]:

@@ -146,6 +146,11 @@ def wait_healthy(
     return time.monotonic() - start
 
 
+#: health checks in a row a running process may miss before it counts as hung (the
+#: launchers' watchdog; sglang-router's --health-failure-threshold for its workers)
+WATCHDOG_MISSES = 3
+
+
 def watchdog(endpoints: Mapping[str, str], logs: Mapping[str, str], interval: float,
              failures: int, out: TextIO = sys.stdout,
              stop: Callable[[], bool] = lambda: False) -> HealthFailure | None:

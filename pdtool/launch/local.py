@@ -27,7 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from pdtool.launch.health import EXIT_DIED, HealthFailure, log_tail, wait_healthy, watchdog
+from pdtool.launch.health import (
+    EXIT_DIED,
+    WATCHDOG_MISSES,
+    HealthFailure,
+    log_tail,
+    wait_healthy,
+    watchdog,
+)
 from pdtool.launch.restart import RestartPolicy, group_of
 from pdtool.launch.shell import resolve
 from pdtool.launch.spec import LaunchSpec, Proc
@@ -35,8 +42,6 @@ from transfer.workerenv import launch_env
 
 #: the stop order (pdtool's scripts use the same): no new requests first, prefill last
 STOP_ORDER = ("router", "decode", "prefill")
-#: health checks in a row a running process may miss before the watchdog ends the run
-WATCHDOG_MISSES = 3
 
 
 def prelude_env(spec: LaunchSpec, cwd: Path) -> dict[str, str]:

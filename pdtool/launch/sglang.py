@@ -7,11 +7,13 @@ addresses exist only inside the allocation.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 
 from pdtool.checkpoints import local_path
 from pdtool.engines.sglang import cpu
 from pdtool.launch.backends import rdma_provider
+from pdtool.launch.health import WATCHDOG_MISSES
 from pdtool.launch.shell import Var, Word, word
 from pdtool.plan import InstancePlan, Plan, RankPlan, gpu_numa
 from pdtool.schema import Config
@@ -119,4 +121,10 @@ def router_argv(cfg: Config, plan: Plan, host: Callable[[int], Var]) -> list[str
     argv += ["--host", host(rp.node), "--port", str(rp.port), "--policy", rp.policy]
     if rp.metrics_port is not None:
         argv += ["--prometheus-host", host(rp.node), "--prometheus-port", str(rp.metrics_port)]
+    if cfg.launcher.watchdog_s > 0:
+        # the router probes its workers as the launcher's watchdog does: its default (every
+        # 60 s, 3 misses) kept sending requests to a dead decode server for 3 minutes, each
+        # waiting on the prefill for transfer.connect_timeout_s
+        argv += ["--health-check-interval-secs", str(math.ceil(cfg.launcher.watchdog_s)),
+                 "--health-failure-threshold", str(WATCHDOG_MISSES)]
     return argv

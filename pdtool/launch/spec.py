@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdtool.launch import secrets
-from pdtool.launch.backends import backend_env
+from pdtool.launch.backends import backend_env, timeout_env
 from pdtool.launch.resources import describe_cpus, job_options, numactl_binding, step_options
 from pdtool.launch.restart import group_of
 from pdtool.launch.sglang import router_argv, server_argv
@@ -285,7 +285,7 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str,
             select = ["--node-rank", str(ranks[0].node_rank)]
             # on Slurm, srun binds the step to the same CPUs (resources.step_options)
             numa = numactl_binding(ranks) if launcher == "local" else []
-            env = {**_common_env(ranks), **backend_env(cfg), **env_user}
+            env = {**_common_env(ranks), **timeout_env(cfg), **backend_env(cfg), **env_user}
         else:
             p.engine_argv = []
             select = ["--rank", str(ranks[0].rank)]

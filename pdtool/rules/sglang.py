@@ -186,15 +186,11 @@ def check_sglang_aggregated_args(cfg: Config) -> list[Finding]:
 
 
 #: transfer.* keys only pdtool's messenger reads (the reference engine's), and what governs
-#: the same thing with engine=sglang: the backend keeps SGLang's bootstrap, heartbeats and
-#: timeouts (SGLang 0.5.23 environ.py) and pools, and receives on one lane per NIC of the rank.
+#: the same thing with engine=sglang: the backend keeps SGLang's bootstrap and heartbeats (SGLang
+#: 0.5.23 environ.py) and pools, and receives on one lane per NIC of the rank. (timeout_s and
+#: connect_timeout_s are read: pdtool.launch.backends sets SGLang's timers from them.)
 #: key -> (what governs it, the environment variable to set instead or None)
 SGLANG_OWN: dict[str, tuple[str, str | None]] = {
-    "timeout_s": ("SGLANG_DISAGGREGATION_WAITING_TIMEOUT (whole seconds, default 300)",
-                  "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"),
-    "connect_timeout_s": ("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT (whole seconds, default "
-                          "300): decode ranks reach a prefill's bootstrap server per request, "
-                          "SGLang has no start-up wait", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"),
     "peer_timeout_s": ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL x "
                        "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE (default 5 s x 2)",
                        "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE"),
