@@ -866,3 +866,55 @@ def test_write_groups_cover_several_registrations_in_one_call(provider):
         assert got == [True] and np.array_equal(
             dst[0].reshape(n, PAGE)[(order // np.uint64(PAGE)).astype(int)],
             src[0].reshape(n, PAGE))
+
+
+def _target_then_count(provider: str, poll: bool, conn) -> None:
+    """A decode-like target: register pages, arm slot 0; count 4 writes when `poll`, else
+    never poll (a process about to die with its queue full)."""
+    ep = Endpoint(provider, remote_counter=True, **ep_kwargs(provider))
+    buf = np.zeros((N_DST_PAGES, PAGE), dtype=np.uint8)
+    mr = ep.register_buffer(buf)
+    ep.arm(0, 1)
+    conn.send((ep.name, mr.descriptor().to_dict()))
+    if poll:
+        conn.send(bool(ep.wait_recv(0, 4, WAIT_S)))
+    conn.recv()
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_a_peer_that_replaces_a_dead_one_is_reached(provider):
+    """A decode process dies with writes queued to it; the writer removes it and inserts its
+    restarted successor. The new one must get the writes: on shm, reusing the removed peer's
+    AV index kept its connection state, and the first write to the new process timed out
+    ('queue stayed full'; on real SGLang servers the restarted decode crashed in its progress)."""
+    with Endpoint(provider, **ep_kwargs(provider)) as ep:
+        src = np.ones((4, PAGE), dtype=np.uint8)
+        mr = ep.register_buffer(src)
+        lens, offs = np.full(4, PAGE, dtype=np.uint64), off(range(4))
+        dead, conn = _spawn(_target_then_count, provider, False)
+        try:
+            name, desc = _recv(conn, dead)
+            first = ep.insert_peer(name)
+            with contextlib.suppress(FabricError):  # it never polls: its queue fills
+                for _ in range(64):
+                    ep.write_batch(first, mr, RemoteRegion.from_dict(desc), offs, offs, lens,
+                                   encode_imm(0, 1), tag=1, timeout=0.2)
+        finally:
+            dead.kill()
+            dead.join()
+        ep.remove_peer(first)
+        proc, conn = _spawn(_target_then_count, provider, True)
+        try:
+            name, desc = _recv(conn, proc)
+            peer = ep.insert_peer(name)
+            ep.write_batch(peer, mr, RemoteRegion.from_dict(desc), offs, offs, lens,
+                           encode_imm(0, 1), tag=2)
+            assert _recv(conn, proc) is True
+            assert ep.wait_send(2, 1, WAIT_S) and ep.errors == []
+            assert ep.kept_peers == (1 if provider == "shm" else 0)
+            conn.send("bye")
+        finally:
+            proc.join(WAIT_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()

@@ -375,6 +375,7 @@ class Endpoint:
         self._h: Any = None
         self._lane_mrs: dict[int, MemoryRegion] = {}
         self._peers: set[int] = set()
+        self.kept_peers = 0  # shm: removed peers left in the AV (remove_peer)
         self._lane_arrays: dict[tuple, np.ndarray] = {}  # see _lanes
         self._progress = False
         self._owner: Endpoint | None = None
@@ -648,11 +649,20 @@ class Endpoint:
 
     def remove_peer(self, fi_addr: int) -> None:
         """Forget a peer (e.g. a dead one). Writes still in flight to it may complete with
-        errors; drain them with poll()/wait_idle() first where possible."""
+        errors; drain them with poll()/wait_idle() first where possible.
+
+        On shm the address stays in the provider's AV (`kept_peers` counts them): shm gives a
+        removed peer's index to the next peer inserted, with the old peer's connection state,
+        so writes to a restarted decode process queued behind a dead one's full queue (the
+        first write timed out) or crashed it (SIGSEGV in its progress, on real SGLang servers).
+        A new index is a new connection. Each restart costs one of shm's AV entries."""
         if fi_addr not in self._peers:
             raise ValueError(f"remove_peer: {fi_addr} is not a peer of this endpoint")
         self._peers.discard(fi_addr)
         self._lane_arrays.clear()  # they were checked against the peers
+        if self.provider == "shm":
+            self.kept_peers += 1
+            return
         with self._lock:
             ret = _lib.pd_av_remove(self._calls(), fi_addr)
         _check(ret, "fi_av_remove", f"fi_addr={fi_addr}")

@@ -121,6 +121,13 @@ def router_argv(cfg: Config, plan: Plan, host: Callable[[int], Var]) -> list[str
     argv += ["--host", host(rp.node), "--port", str(rp.port), "--policy", rp.policy]
     if rp.metrics_port is not None:
         argv += ["--prometheus-host", host(rp.node), "--prometheus-port", str(rp.metrics_port)]
+    if not plan.aggregated:
+        # a request whose decode server died fails on the prefill (after
+        # transfer.connect_timeout_s, waiting for the page list that never comes); the breaker
+        # counts that against the healthy prefill and, 10 such failures later, refused every
+        # request for a minute (measured: tests/test_sglang_servers_faults.py). Dead workers
+        # are found by the health checks below instead
+        argv.append("--disable-circuit-breaker")
     if cfg.launcher.watchdog_s > 0:
         # the router probes its workers as the launcher's watchdog does: its default (every
         # 60 s, 3 misses) kept sending requests to a dead decode server for 3 minutes, each
