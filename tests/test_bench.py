@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from pdtool.bench.args import compare_sets
 from pdtool.bench.lengths import Lengths, SpecError, parse_lengths, prompts
 from pdtool.bench.stats import (
     Record,
@@ -22,7 +23,7 @@ from pdtool.bench.stats import (
     summarize,
     ttft_added,
 )
-from pdtool.commands.bench import aggregated_overrides, interleave
+from pdtool.commands.bench import interleave, target_modes, twin_overrides
 
 
 def rec(start: float, stamps: list[float], tokens: list[int] | None = None, inp: int = 10,
@@ -52,7 +53,7 @@ def test_one_request_ttft_tpot_itl_e2e():
 def test_summary_of_fixed_records():
     rs = [rec(0.0, [0.1, 0.2, 0.3]), rec(0.0, [0.2, 0.4, 0.6]),
           rec(0.5, [], error="HTTP 503: no decode instance is up")]
-    s = summarize(rs)
+    s = summarize([rs])
     assert (s["requests"], s["completed"], s["failed"]) == (3, 2, 1)
     assert s["errors"] == {"HTTP 503: no decode instance is up": 1}
     assert s["duration_s"] == pytest.approx(1.5)  # the failed one ends at start + 1
@@ -65,6 +66,17 @@ def test_summary_of_fixed_records():
     assert s["itl_ms"]["p50"] == pytest.approx(150.0)
     assert s["e2e_ms"]["p90"] == pytest.approx(300 + 300 * 0.9)
     assert summarize([])["requests"] == 0
+
+
+def test_an_interleaved_target_is_timed_by_its_own_rounds():
+    """A comparison runs A B, B A: the 10 s B ran between A's two rounds are not A's time.
+    (Taking first send to last end over all of A's rounds halved its throughput.)"""
+    first = [rec(0.0, [0.5, 1.0]), rec(0.0, [0.5, 1.0])]
+    second = [rec(11.0, [11.5, 12.0]), rec(11.0, [11.5, 12.0])]
+    s = summarize([first, second])
+    assert s["duration_s"] == pytest.approx(2.0)
+    assert s["request_throughput"] == pytest.approx(4 / 2.0)
+    assert s["output_throughput"] == pytest.approx(8 / 2.0)
 
 
 def test_ttft_added_pairs_the_same_prompts():
@@ -88,7 +100,7 @@ def test_goodput_counts_requests_within_every_slo():
     assert slo == {"ttft_ms": 100.0, "tpot_ms": 50.0}
     assert [meets(r, slo) for r in (fast, slow_start, slow_steps, failed)] == \
         [True, False, False, False]
-    s = summarize([fast, slow_start, slow_steps, failed], slo)
+    s = summarize([[fast, slow_start, slow_steps, failed]], slo)
     assert s["good_requests"] == 1
     assert s["goodput"] == pytest.approx(1 / s["duration_s"])
     assert meets(slow_steps, {}) and not meets(failed, {})  # no SLO: every finished request
@@ -150,16 +162,26 @@ def test_interleave_alternates_targets_and_covers_every_request():
     assert len(interleave(["a", "b"], [0, 1], rounds=8)) == 4  # never more rounds than requests
 
 
-def test_aggregated_twin_moves_every_port():
+def test_each_compared_twin_moves_every_port():
     from pdtool.compose import load_config
 
     cfg, _ = load_config(["+recipe=tiny-local"])
-    over = aggregated_overrides(cfg, ["+recipe=tiny-local"], offset=100)
-    assert over[:2] == ["+recipe=tiny-local", "mode=aggregated"]
-    assert f"router.port={cfg.router.port + 100}" in over
-    assert f"decode.http_port={cfg.decode.http_port + 100}" in over
-    twin, _ = load_config(over)
-    assert twin.mode == "aggregated" and twin.prefill.http_port == cfg.prefill.http_port + 100
+    compare = compare_sets(["aggregated", "transfer=tcp transfer.timeout_s=30"])
+    assert compare == [("aggregated", ["mode=aggregated"]),
+                       ("transfer=tcp transfer.timeout_s=30",
+                        ["transfer=tcp", "transfer.timeout_s=30"])]
+    assert target_modes(cfg, compare) == {"disaggregated": "disaggregated",
+                                          "aggregated": "aggregated",
+                                          "transfer=tcp transfer.timeout_s=30": "disaggregated"}
+    for k, (_, extra) in enumerate(compare, start=1):
+        over = twin_overrides(cfg, ["+recipe=tiny-local"], extra, offset=1000 * k)
+        assert over[:1 + len(extra)] == ["+recipe=tiny-local", *extra]
+        assert f"router.port={cfg.router.port + 1000 * k}" in over
+        assert f"decode.http_port={cfg.decode.http_port + 1000 * k}" in over
+        twin, _ = load_config(over)
+        assert twin.prefill.http_port == cfg.prefill.http_port + 1000 * k
+    assert load_config(twin_overrides(cfg, [], ["mode=aggregated"], 100))[0].mode == \
+        "aggregated"
 
 
 def bench_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -179,6 +201,10 @@ def bench_cli(*args: str) -> subprocess.CompletedProcess[str]:
     (["--slo", "ttft=3"], "--slo: expected KEY=MILLISECONDS"),
     (["--url", "http://x", "--launch"], "--url and --launch"),
     (["--compare", "aggregated"], "--compare aggregated: needs --launch"),
+    (["--compare", "aggregated", "--compare", "transfer=tcp", "--compare-url", "http://x"],
+     "--compare transfer=tcp: needs --launch"),
+    (["--compare", "tcp"], "expected KEY=VALUE overrides"),
+    (["--compare", "aggregated", "--compare", "mode=aggregated", "--launch"], "given twice"),
     (["--compare-url", "http://x"], "--compare-url: only with --compare"),
     (["mode=aggregated", "--compare", "aggregated", "--compare-url", "http://x"],
      "--compare aggregated: the deployment is already mode=aggregated"),
@@ -197,7 +223,7 @@ def test_sglang_twin_on_the_same_gpus_is_refused(tmp_path):
                   "--compare", "aggregated")
     assert p.returncode == 2, p.stdout + p.stderr
     err = " ".join(p.stderr.split())
-    assert "would start both deployments on the same GPUs" in err and "--compare-url" in err
+    assert "would start the deployments on the same GPUs" in err and "--compare-url" in err
     assert not list(tmp_path.iterdir())  # refused before anything was rendered or started
 
 

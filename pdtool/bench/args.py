@@ -30,10 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default http://127.0.0.1:<router.port>)")
     p.add_argument("--launch", action="store_true",
                    help="start the deployment described by the overrides, benchmark it, stop it")
-    p.add_argument("--compare", choices=["aggregated"],
-                   help="also run the same load against mode=aggregated, interleaved")
-    p.add_argument("--compare-url", help="with --compare and without --launch: the aggregated "
-                   "deployment's URL")
+    p.add_argument("--compare", action="append", metavar="OVERRIDES",
+                   help="also run the same load against the deployment with these overrides "
+                   "(space-separated, e.g. transfer.backend=nixl; `aggregated` is "
+                   "mode=aggregated), interleaved round by round; repeatable")
+    p.add_argument("--compare-url", action="append", metavar="URL",
+                   help="without --launch: the running deployment of each --compare, in order")
     p.add_argument("--rounds", type=int, default=4,
                    help="with --compare: rounds each load point is split into (4)")
     p.add_argument("--job", type=Path, metavar="DIR",
@@ -69,6 +71,26 @@ def _numbers(text: str, option: str, kind: type) -> list:
         raise BenchError(f"{option}: expected {what} separated by commas, got {text!r}") from None
 
 
+def compare_sets(values: list[str]) -> list[tuple[str, list[str]]]:
+    """Each --compare value as (label, overrides): `aggregated` is mode=aggregated; the label
+    names the target in tables and results.json."""
+    out: list[tuple[str, list[str]]] = []
+    for value in values:
+        overrides = ["mode=aggregated" if w == "aggregated" else w for w in value.split()]
+        if not overrides:
+            raise BenchError("--compare: expected overrides such as transfer.backend=nixl or "
+                             "aggregated, got an empty value")
+        bad = [w for w in overrides if "=" not in w]
+        if bad:
+            raise BenchError(f"--compare {value!r}: expected KEY=VALUE overrides (or "
+                             f"aggregated), got {bad[0]!r}")
+        label = "aggregated" if overrides == ["mode=aggregated"] else " ".join(overrides)
+        if label in [x for x, _ in out]:
+            raise BenchError(f"--compare {value!r}: given twice")
+        out.append((label, overrides))
+    return out
+
+
 def check_args(args: argparse.Namespace) -> dict[str, Any]:
     """Every argument checked before anything starts; BenchError names the first bad one."""
     from pdtool.bench.lengths import SpecError, parse_lengths
@@ -85,13 +107,17 @@ def check_args(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "job", None) and (args.launch or args.overrides):
         raise BenchError("--job: the job folder's config.yaml is the deployment; give no "
                          "overrides and no --launch with it")
-    if args.compare_url and not args.compare:
-        raise BenchError("--compare-url: only with --compare aggregated")
-    if args.compare and not args.launch and not args.compare_url:
-        raise BenchError("--compare aggregated: needs --launch (starts both deployments) or "
-                         "--compare-url URL of the running aggregated deployment")
+    compare = compare_sets(args.compare or [])
+    urls = args.compare_url or []
+    if urls and not compare:
+        raise BenchError("--compare-url: only with --compare")
+    if compare and not args.launch and len(urls) != len(compare):
+        raise BenchError(f"--compare {compare[len(urls)][0]}: needs --launch (starts every "
+                         f"deployment) or one --compare-url per --compare (the running "
+                         f"deployments' URLs, in order)")
     try:
         return {"paces": _paces(args), "isl": parse_lengths(args.isl, "--isl"),
-                "osl": parse_lengths(args.osl, "--osl"), "slo": parse_slo(args.slo)}
+                "osl": parse_lengths(args.osl, "--osl"), "slo": parse_slo(args.slo),
+                "compare": compare}
     except (SpecError, SloError) as exc:
         raise BenchError(str(exc)) from None

@@ -5,7 +5,9 @@ Definitions (the ones SGLang's and vLLM's serving benchmarks use, so figures com
 * TPOT: per request, (end-to-end - TTFT) / (output tokens - 1); requests of one token have none.
 * ITL: every gap between two consecutive token-carrying chunks, pooled over requests.
 * E2E: request sent -> last chunk.
-* Throughputs divide by the run's wall time (first send -> last end).
+* Throughputs divide by the run's wall time: first send -> last end of each round the target
+  ran, summed (a comparison interleaves targets round by round: the other targets' rounds are
+  not this one's time).
 * Goodput: requests per second that finished without error AND met every SLO given.
 """
 
@@ -131,13 +133,23 @@ def busy_instance_seconds(intervals: Iterable[tuple[float, float]], instances: i
     return total
 
 
-def summarize(records: Sequence[Record], slo: dict[str, float] | None = None) -> dict:
-    """Every figure of one run (JSON-ready)."""
+def wall_time(rounds: Sequence[Sequence[Record]]) -> float:
+    """Seconds the target ran: per round, its first send to its last end, summed."""
+    total = 0.0
+    for records in rounds:
+        if records:
+            t0 = min(r.start for r in records)
+            total += max((r.end for r in records if r.end is not None), default=t0) - t0
+    return total
+
+
+def summarize(rounds: Sequence[Sequence[Record]], slo: dict[str, float] | None = None) -> dict:
+    """Every figure of one target at one load point (JSON-ready), from its `rounds` (one list
+    of records per round it ran; a run without comparison is one round)."""
     slo = slo or {}
+    records = [r for rnd in rounds for r in rnd]
     ok = [r for r in records if r.ok]
-    t0 = min((r.start for r in records), default=0.0)
-    t1 = max((r.end for r in records if r.end is not None), default=t0)
-    wall = max(t1 - t0, 1e-9)
+    wall = max(wall_time(rounds), 1e-9)
     itls = [x for r in ok for x in r.itls]
     errors: dict[str, int] = {}
     for r in records:

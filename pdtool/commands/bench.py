@@ -7,9 +7,11 @@ latency.png in `--out` (default: the job folder with --launch, else
 <launcher.output_dir>/bench-<timestamp>). Comma lists sweep (`--concurrency 1,4,16`); every
 load point and every target gets the same seeded prompts.
 
-`--compare aggregated` runs the same load against the aggregated deployment of the same engine
-(`mode=aggregated`) too, interleaved round by round (A B, B A, ...) so drift on a shared machine
-hits both alike, and prints each figure side by side with its ratio.
+`--compare OVERRIDES` (repeatable) runs the same load against the deployment with those
+overrides too (`aggregated` is mode=aggregated; `transfer.backend=nixl` SGLang's nixl backend),
+interleaved round by round (A B C, C B A, ...) so drift on a shared machine hits all alike;
+each target's figures come from its own rounds, printed side by side, with the TTFT each adds
+over the aggregated one (or over the first) prompt by prompt.
 """
 
 from __future__ import annotations
@@ -37,14 +39,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_bench_options(p)
 
 
-def aggregated_overrides(cfg: Any, overrides: list[str], offset: int = 100) -> list[str]:
-    """The overrides of the aggregated twin: `mode=aggregated` and every port moved by `offset`
-    so both deployments run side by side on one machine. Refused where the config has no
-    `mode`: comparing against a second disaggregated deployment would be the wrong figure."""
-    if not hasattr(cfg, "mode"):
+def twin_overrides(cfg: Any, overrides: list[str], extra: list[str], offset: int) -> list[str]:
+    """The overrides of a compared deployment: the base's, then `extra`, then every port moved
+    by `offset` so the deployments run side by side on one machine. Refused where it would
+    compare a deployment with itself."""
+    if "mode=aggregated" in extra and not hasattr(cfg, "mode"):
         raise BenchError("--compare aggregated: this pdtool's config has no `mode` key "
                          "(the aggregated mode of the engine); nothing to compare against")
-    if cfg.mode == "aggregated":
+    if "mode=aggregated" in extra and cfg.mode == "aggregated":
         raise BenchError("--compare aggregated: the deployment is already mode=aggregated; "
                          "drop mode=aggregated to compare the disaggregated one with it")
     moved = []
@@ -53,7 +55,15 @@ def aggregated_overrides(cfg: Any, overrides: list[str], offset: int = 100) -> l
         port = getattr(getattr(cfg, section), name, None)
         if isinstance(port, int) and port > 0:
             moved.append(f"{key}={port + offset}")
-    return [*overrides, "mode=aggregated", *moved]
+    return [*overrides, *extra, *moved]
+
+
+def target_modes(cfg: Any, compare: list[tuple[str, list[str]]]) -> dict[str, str]:
+    """Target name -> its mode (disaggregated | aggregated), the base deployment first."""
+    modes = {cfg.mode: cfg.mode}
+    for label, extra in compare:
+        modes[label] = "aggregated" if "mode=aggregated" in extra else cfg.mode
+    return modes
 
 
 # -- running ------------------------------------------------------------------------------------
@@ -114,12 +124,13 @@ def measure(targets: dict[str, str], requests: list[Any], settings: dict, args: 
                 got: dict[str, list] = {name: [] for name in targets}
                 for name, part in interleave(list(targets), requests, args.rounds):
                     bar.update(task, description=f"{name} {pace}")
-                    got[name] += await drive(apis[name], models[name],
-                                             [requests[i] for i in part], pace, args.seed,
-                                             lambda _r: bar.advance(task))
-                for name in targets:
+                    got[name].append(await drive(apis[name], models[name],
+                                                 [requests[i] for i in part], pace, args.seed,
+                                                 lambda _r: bar.advance(task)))
+                for name in targets:  # records in prompt order, and the rounds they ran in
                     results.append({"target": name, "pace": str(pace), "label": pace.label,
-                                    "records": got[name]})
+                                    "records": [r for rnd in got[name] for r in rnd],
+                                    "rounds": got[name]})
         for api in apis.values():
             await api.close()
         return results
@@ -133,12 +144,13 @@ def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
     from pdtool.bench.report import added_text, advice_text, table, write_json
     from pdtool.bench.stats import ratio_advice, stage_rates, summarize, ttft_added
 
+    modes = target_modes(cfg, settings["compare"])
     for res in results:
-        res["summary"] = summarize(res["records"], settings["slo"])
+        res["summary"] = summarize(res.pop("rounds"), settings["slo"])
         # per-instance prefill and decode rates, and the ratio that balances them, exist only
         # where prefill and decode run on instances of their own
         rates = (stage_rates(res["records"], cfg.prefill.instances, cfg.decode.instances)
-                 if res["target"] == "disaggregated" else None)
+                 if modes[res["target"]] == "disaggregated" else None)
         res["rates"] = rates
         res["advice"] = ratio_advice(rates, cfg.prefill.instances) if rates else None
     by_pace: dict[str, dict[str, dict]] = {}
@@ -147,10 +159,13 @@ def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
     for pace, per in by_pace.items():
         con.print(table(f"{pace}, isl {settings['isl']}, osl {settings['osl']}",
                         {t: r["summary"] for t, r in per.items()}))
-        if len(per) == 2:  # the same prompts in the same order on both: pair them
-            (name_a, a), (name_b, b) = per.items()
-            a["summary"]["ttft_added_ms"] = ttft_added(a["records"], b["records"])
-            con.print(added_text([name_a, name_b], a["summary"]["ttft_added_ms"]))
+        # the same prompts in the same order on every target: pair them with the baseline's
+        base = "aggregated" if "aggregated" in per else next(iter(per))
+        for name, res in per.items():
+            if name != base:
+                res["summary"]["ttft_added_ms"] = ttft_added(res["records"],
+                                                             per[base]["records"])
+                con.print(added_text([name, base], res["summary"]["ttft_added_ms"]))
         first = next(iter(per.values()))
         if first["advice"] is not None:
             con.print(advice_text(first["rates"], first["advice"], cfg.decode.instances))
@@ -158,6 +173,7 @@ def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
     plain = {"paces": [str(p) for p in settings["paces"]], "isl": str(settings["isl"]),
              "osl": str(settings["osl"]), "slo": settings["slo"], "seed": args.seed,
              "requests": args.requests, "rounds": args.rounds if args.compare else 1,
+             "compare": [label for label, _ in settings["compare"]],
              "prefill_instances": cfg.prefill.instances, "decode_instances": cfg.decode.instances,
              "overrides": list(args.overrides), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     write_json(out / "results.json", plain, results)
@@ -217,19 +233,22 @@ def run(args: argparse.Namespace) -> int:
     if not args.launch:
         url = args.url or f"http://127.0.0.1:{cfg.router.port}"
         targets = {cfg.mode: url}
-        if args.compare:
-            try:
-                aggregated_overrides(cfg, [])  # refuses a config without `mode`
-            except BenchError as exc:
-                err.print(f"[bold red]pdtool bench:[/] {exc}")
-                return EXIT_USAGE
-            targets["aggregated"] = args.compare_url
+        try:
+            for (label, extra), compare_url in zip(settings["compare"], args.compare_url or [],
+                                                   strict=True):
+                twin_overrides(cfg, [], extra, 0)  # refuses comparing a deployment with itself
+                targets[label] = compare_url
+        except BenchError as exc:
+            err.print(f"[bold red]pdtool bench:[/] {exc}")
+            return EXIT_USAGE
         return bench(targets, args.out or Path(cfg.launcher.output_dir) / f"bench-{stamp}")
-    return _launch_and_bench(args, cfg, bench, err)
+    return _launch_and_bench(args, cfg, settings["compare"], bench, err)
 
 
-def _launch_and_bench(args: argparse.Namespace, cfg: Any, bench: Any, err: Any) -> int:
-    """Start the deployment (and its aggregated twin with --compare), bench, stop them."""
+def _launch_and_bench(args: argparse.Namespace, cfg: Any, compare: list[tuple[str, list[str]]],
+                      bench: Any, err: Any) -> int:
+    """Start the deployment and one per --compare, bench them, stop them. The k-th compared
+    deployment's ports are moved by 1000 * k (a recipe spaces its own ports by 100)."""
     from pdtool.commands._common import EXIT_USAGE
     from pdtool.commands.render import render_or_explain
     from pdtool.launch.local import Supervisor
@@ -239,40 +258,39 @@ def _launch_and_bench(args: argparse.Namespace, cfg: Any, bench: Any, err: Any) 
                   "(launcher=local); on Slurm launch it and pass --url")
         return EXIT_USAGE
     overrides = list(args.overrides)
-    twin = None
-    if args.compare and cfg.engine.kind == "sglang":
-        # side by side, both would take the same GPUs, each with mem_fraction_static of them
-        err.print("[bold red]pdtool bench:[/] --launch --compare aggregated with engine=sglang "
-                  "would start both deployments on the same GPUs; start the aggregated one on "
-                  "GPUs of its own (pdtool launch ... mode=aggregated) and pass its router's "
-                  "URL with --compare-url, the disaggregated one's with --url")
+    if compare and cfg.engine.kind == "sglang" and cfg.cluster.device == "cuda":
+        # side by side, they would take the same GPUs, each with mem_fraction_static of them
+        err.print("[bold red]pdtool bench:[/] --launch --compare with engine=sglang on GPUs "
+                  "would start the deployments on the same GPUs; start each on GPUs of its "
+                  "own (pdtool launch ...) and pass their routers' URLs with --url and "
+                  "--compare-url")
         return EXIT_USAGE
-    if args.compare:
-        try:
-            twin = aggregated_overrides(cfg, overrides)
-        except BenchError as exc:
-            err.print(f"[bold red]pdtool bench:[/] {exc}")
-            return EXIT_USAGE
+    try:
+        twins = [(label, twin_overrides(cfg, overrides, extra, 1000 * k))
+                 for k, (label, extra) in enumerate(compare, start=1)]
+    except BenchError as exc:
+        err.print(f"[bold red]pdtool bench:[/] {exc}")
+        return EXIT_USAGE
     rendered, code = render_or_explain(overrides, None)
     if rendered is None:
         return code
     out = args.out or rendered.out / "bench"
+    # each twin in a job folder inside the first one: two folders named by the same second
+    # would be one, and the first deployment's workers would read a twin's plan
+    jobs = [(cfg.mode, rendered)]
+    for k, (label, twin) in enumerate(twins, start=1):
+        job, code = render_or_explain(twin, rendered.out / ("aggregated" if label == "aggregated"
+                                                             else f"compare-{k}"))
+        if job is None:
+            return code
+        jobs.append((label, job))
 
-    def supervisor(r: Any) -> Any:  # with --json, stdout carries the JSON alone
-        return Supervisor.for_job(r, out=sys.stderr if args.json else sys.stdout)
+    def start(k: int, urls: dict[str, str]) -> int:
+        """Start jobs[k] (its supervisor stops it when the bench returns), then the next."""
+        if k == len(jobs):
+            return bench(urls, out)
+        name, job = jobs[k]
+        supervisor = Supervisor.for_job(job, out=sys.stderr if args.json else sys.stdout)
+        return supervisor.run(smoke=lambda url: start(k + 1, {**urls, name: url}), task="bench")
 
-    if twin is None:
-        return supervisor(rendered).run(
-            smoke=lambda url: bench({cfg.mode: url}, out), task="bench")
-    # its own job folder inside the first one: two folders named by the same second would
-    # be one, and the first deployment's workers would read the twin's plan
-    agg, code = render_or_explain(twin, rendered.out / "aggregated")
-    if agg is None:
-        return code
-
-    def with_twin(url: str) -> int:
-        return supervisor(agg).run(
-            smoke=lambda agg_url: bench({"disaggregated": url, "aggregated": agg_url}, out),
-            task="bench")
-
-    return supervisor(rendered).run(smoke=with_twin, task="bench")
+    return start(0, {})
