@@ -10,6 +10,7 @@ where the OpenAI surface is the point.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -42,6 +43,17 @@ START_TIMEOUT_S = 420.0
 FAILURE_MARKS = ("transfer failed", "KVTransferError", "pdtool room ")
 
 
+#: every deployment a test started: stopped at exit should a test end without stopping it
+#: (each runs in its own session, so nothing else would: four SGLang processes left spinning)
+_started: list[Served] = []
+
+
+@atexit.register
+def _stop_all() -> None:
+    for served in _started:
+        served.stop()
+
+
 class Served:
     """One deployment of `+recipe=RECIPE` (default sglang-local) with `overrides`."""
 
@@ -60,6 +72,7 @@ class Served:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> Served:
+        _started.append(self)
         self.proc = subprocess.Popen(
             self.argv, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
