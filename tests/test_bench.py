@@ -239,3 +239,20 @@ def test_no_deployment_is_a_clear_error(tmp_path):
 def test_concurrency_and_rate_are_exclusive():
     p = bench_cli("--concurrency", "2", "--rate", "3")
     assert p.returncode == 2 and "not allowed with argument" in p.stderr
+
+
+def test_text_prompts_tokenize_back_to_the_drawn_lengths():
+    """sglang-router takes text prompts: made of whole-word tokens, they tokenize back to the
+    drawn length exactly (decoded random ids came back 60 % longer)."""
+    from tokenizers import Tokenizer
+
+    from pdtool.checkpoints import ensure
+    from pdtool.commands.bench import text_prompts
+
+    rng = np.random.default_rng(3)
+    lengths = [1, 17, 64, 300]
+    texts = text_prompts(prompts(rng, lengths, 320), "builtin:tiny-llama")
+    tok = Tokenizer.from_file(f"{ensure('builtin:tiny-llama')}/tokenizer.json")
+    assert [len(tok.encode(t, add_special_tokens=False).ids) for t in texts] == lengths
+    assert text_prompts(prompts(np.random.default_rng(3), lengths, 320),
+                        "builtin:tiny-llama") == texts  # the same seed, the same prompts

@@ -92,3 +92,22 @@ def test_openai_client_through_the_router(pd_shm: Served) -> None:
         model="tiny-llama", messages=[{"role": "user", "content": "hello"}], max_tokens=6,
         temperature=0, stream=True))
     assert sum(bool(c.choices and c.choices[0].delta.content) for c in chunks) >= 1
+
+
+def test_pdtool_bench_against_the_router(pd_shm: Served, tmp_path: Path) -> None:
+    """`pdtool bench --url` through sglang-router: text prompts of the drawn lengths (the
+    router takes no token ids), every request completed, the server's prompt token counts."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench"
+    p = subprocess.run(
+        [sys.executable, "-m", "pdtool.cli", "bench", "+recipe=sglang-local", "--url",
+         pd_shm.url, "--concurrency", "2", "--requests", "6", "--isl", "40", "--osl", "4",
+         "--out", str(out)], capture_output=True, text=True, timeout=300, check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert run["summary"]["completed"] == 6
+    assert [r["input_tokens"] for r in run["records"]] == [40] * 6
+    assert run["summary"]["output_tokens"] == 6 * 4

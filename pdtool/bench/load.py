@@ -29,7 +29,8 @@ class LoadError(RuntimeError):
 
 @dataclass(frozen=True)
 class Request:
-    prompt: list[int]  # token ids
+    # token ids, or their text where the front takes no ids (sglang-router: `text_prompts`)
+    prompt: list[int] | str
     max_tokens: int
 
 
@@ -90,7 +91,8 @@ async def one(api: Any, model: str, req: Request, clock: Callable[[], float]) ->
     """Send one streamed completion; the record says what happened, errors included."""
     import openai
 
-    rec = Record(start=clock(), input_tokens=len(req.prompt))
+    rec = Record(start=clock(),
+                 input_tokens=len(req.prompt) if isinstance(req.prompt, list) else 0)
     try:
         stream = await api.completions.create(
             model=model, prompt=req.prompt, max_tokens=req.max_tokens, stream=True,
@@ -104,6 +106,7 @@ async def one(api: Any, model: str, req: Request, clock: Callable[[], float]) ->
                 rec.tokens.append(n)
             if getattr(chunk, "usage", None) is not None:
                 usage = chunk.usage.completion_tokens
+                rec.input_tokens = chunk.usage.prompt_tokens or rec.input_tokens
         rec.end = clock()
         if usage is not None and rec.tokens and usage != sum(rec.tokens):
             rec.tokens[-1] += usage - sum(rec.tokens)  # the server's count is the truth

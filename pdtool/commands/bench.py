@@ -77,8 +77,40 @@ def build_requests(cfg: Any, settings: dict, n: int, seed: int) -> list[Any]:
     rng = np.random.default_rng(seed)
     isl = settings["isl"].draw(rng, n)
     osl = settings["osl"].draw(rng, n)
-    return [Request(p, o) for p, o in zip(prompts(rng, isl, cfg.model.vocab_size), osl,
-                                          strict=True)]
+    ids = prompts(rng, isl, cfg.model.vocab_size)
+    if cfg.engine.kind == "sglang":
+        ids = text_prompts(ids, cfg.model.path)
+    return [Request(p, o) for p, o in zip(ids, osl, strict=True)]
+
+
+def text_prompts(ids: list[list[int]], model_path: str) -> list[str]:
+    """The prompts as text: sglang-router's /v1/completions takes a string, not token ids
+    (HTTP 422 "prompt: data did not match any variant of StringOrArray"). Random ids decode to
+    stray bytes that tokenize back into far more tokens (64 became 102-112 with the tiny
+    tokenizer), so each drawn id picks one of the checkpoint's whole-word tokens instead
+    (a space, then printable text, that tokenizes back to itself alone): words joined by
+    spaces tokenize back to exactly the drawn length. Each request also records the server's
+    prompt_tokens."""
+    from pdtool.checkpoints import local_path
+
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(local_path(model_path))
+    except (ImportError, OSError, ValueError) as exc:
+        raise BenchError(f"model.path={model_path}: sglang-router takes text prompts, and its "
+                         f"tokenizer cannot be loaded here to make them ({exc}); run the bench "
+                         f"where the checkpoint folder is readable") from None
+    words = []
+    for i in range(len(tok)):
+        s = tok.decode([i])
+        if len(s) > 1 and s[0] == " " and s[1:].isprintable() and " " not in s[1:] and \
+                tok.encode(s, add_special_tokens=False) == [i]:
+            words.append(i)
+    if len(words) < 2:
+        raise BenchError(f"model.path={model_path}: its tokenizer has no whole-word tokens to "
+                         f"make text prompts of a known length from")
+    return [tok.decode([words[t % len(words)] for t in p]) for p in ids]
 
 
 def interleave(targets: list[str], requests: list[Any], rounds: int) -> list[tuple[str, range]]:
@@ -216,7 +248,11 @@ def run(args: argparse.Namespace) -> int:
         err.print("[bold red]pdtool bench:[/] the config does not compose")
         print_findings(err, problems)
         return EXIT_USAGE
-    requests = build_requests(cfg, settings, args.requests, args.seed)
+    try:
+        requests = build_requests(cfg, settings, args.requests, args.seed)
+    except BenchError as exc:
+        err.print(f"[bold red]pdtool bench:[/] {exc}")
+        return EXIT_USAGE
     stamp = time.strftime("%Y%m%d-%H%M%S")
 
     def bench(targets: dict[str, str], out: Path) -> int:

@@ -13,6 +13,14 @@ assume a GPU whatever the device (paths under `sglang/srt/disaggregation/`):
 * nixl labels every KV region "VRAM" (`nixl/conn.py:206,225,862,865,979,2023` and its
   defaults), which UCX without CUDA refuses. The NIXL agent's four descriptor calls get "DRAM"
   for "VRAM" instead: on the CPU engine every pool is host memory.
+
+And one in its DeepSeek model (MLA): `AttentionBackendRegistry` has no handler for
+`torch_native`, the CPU's backend, and falls back to triton's (`models/deepseek_common/
+attention_backend_handler.py:55`), which sends a prefill down the MHA path; that path calls
+attention with `save_kv_cache=False` and writes the latent cache itself, which torch_native's
+extend ignores (`layers/attention/torch_native_backend.py`): the cache stayed empty and decode
+read zeros. Under `torch_native` every batch takes the absorbed MLA path, which writes the
+latent through the backend as decode reads it.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
+MLA_HANDLER = ("sglang.srt.models.deepseek_common.attention_backend_handler."
+               "AttentionBackendRegistry.get_handler")
 #: nixl_agent methods that take a memory type (NIXL 1.5.1's python API)
 NIXL_MEM_TYPE_CALLS = ("register_memory", "prep_xfer_dlist", "get_xfer_descs", "get_reg_descs")
 
@@ -71,11 +81,28 @@ def get_kv_class_hook(original: Any, transfer_backend: Any, class_type: Any) -> 
     return cls
 
 
+def _absorbed_mla(attn: Any, forward_batch: Any) -> Any:
+    from sglang.srt.models.deepseek_common.attention_backend_handler import (
+        _dispatch_mla_subtype,
+    )
+
+    return _dispatch_mla_subtype(attn, forward_batch)
+
+
+def mla_handler_hook(original: Any, registry: Any, backend_name: str) -> Any:
+    """AROUND AttentionBackendRegistry.get_handler: the absorbed MLA path for torch_native
+    (which has no handler of its own), SGLang's answer for every other backend."""
+    if backend_name == "torch_native" and backend_name not in registry._handlers:
+        return _absorbed_mla
+    return original(registry, backend_name)
+
+
 def register() -> None:
     """Entry point (`sglang.srt.plugins`): idempotent; SGLang applies the hook afterwards."""
     if os.environ.get("SGLANG_USE_CPU_ENGINE", "0") != "1":  # as utils/common.py is_cpu()
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    if not any(h is get_kv_class_hook for _, h, _ in HookRegistry._hooks.get(GET_KV_CLASS, [])):
-        HookRegistry.register(GET_KV_CLASS, get_kv_class_hook, HookType.AROUND)
+    for target, hook in ((GET_KV_CLASS, get_kv_class_hook), (MLA_HANDLER, mla_handler_hook)):
+        if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, [])):
+            HookRegistry.register(target, hook, HookType.AROUND)
