@@ -133,6 +133,17 @@ class Served:
             return list(pool.map(lambda p: self.generate(p, max_new), prompts))
 
 
+def transformers_tokens(builtin: str = "builtin:tiny-llama") -> dict[tuple[int, ...], list[int]]:
+    """Each prompt (PROMPTS and the tokenized TEXT) -> transformers' greedy tokens on the
+    builtin checkpoint: what every deployment of it must produce."""
+    from hf_checkpoints import greedy
+
+    from pdtool.checkpoints import ensure
+
+    folder = Path(ensure(builtin))
+    return {tuple(p): greedy(folder, p, MAX_NEW) for p in [*PROMPTS, tokenize()]}
+
+
 def tokenize(text: str = TEXT) -> list[int]:
     """Token ids of `text` in the builtin tiny tokenizer (as the servers tokenize it)."""
     from tokenizers import Tokenizer

@@ -12,10 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hf_checkpoints import greedy
-from sglang_servers import MAX_NEW, PROMPTS, Served, tokenize
-
-from pdtool.checkpoints import ensure
+from sglang_servers import Served, transformers_tokens
 
 pytestmark = pytest.mark.sglang_servers
 
@@ -24,8 +21,7 @@ EOS = 2  # the builtin tokenizer's end of sequence: transformers' generate stops
 
 @pytest.fixture(scope="module")
 def want() -> dict[tuple[int, ...], list[int]]:
-    folder = Path(ensure("builtin:tiny-deepseek-v2"))
-    return {tuple(p): greedy(folder, p, MAX_NEW) for p in [*PROMPTS, tokenize()]}
+    return transformers_tokens("builtin:tiny-deepseek-v2")
 
 
 def _until_eos(tokens: list[int]) -> list[int]:

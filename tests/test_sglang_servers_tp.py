@@ -13,18 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hf_checkpoints import greedy
-from sglang_servers import MAX_NEW, PROMPTS, Served, tokenize
-
-from pdtool.checkpoints import ensure
+from sglang_servers import Served, transformers_tokens
 
 pytestmark = pytest.mark.sglang_servers
 
 
 @pytest.fixture(scope="module")
 def want() -> dict[tuple[int, ...], list[int]]:
-    folder = Path(ensure("builtin:tiny-llama"))
-    return {tuple(p): greedy(folder, p, MAX_NEW) for p in [*PROMPTS, tokenize()]}
+    return transformers_tokens()
 
 
 @pytest.mark.parametrize("overrides", [
