@@ -234,6 +234,8 @@ def gpu_memory_path(cfg: Config) -> str:
         return "not used (mode=aggregated: no KV transfer)"
     if cfg.engine.kind == "reference":
         return "host memory (the reference engine's KV is not on a GPU)"
+    if cfg.cluster.device == "cpu":
+        return "host memory (SGLang's CPU engine keeps its KV pools in RAM)"
     if cfg.transfer.backend != "pdtool":
         return (f"SGLang's {cfg.transfer.backend} backend registers the GPU memory itself "
                 f"(transfer.gpu_memory is pdtool's backend's)")
