@@ -256,3 +256,39 @@ def test_text_prompts_tokenize_back_to_the_drawn_lengths():
     assert [len(tok.encode(t, add_special_tokens=False).ids) for t in texts] == lengths
     assert text_prompts(prompts(np.random.default_rng(3), lengths, 320),
                         "builtin:tiny-llama") == texts  # the same seed, the same prompts
+
+
+def test_a_token_with_no_text_still_counts():
+    """A token whose text is empty (a partial UTF-8 sequence the server holds back) arrived on
+    every deployment for one 900-token prompt at max_tokens=1: the stream's chunks carry no
+    text and the usage says one token. It is one token at the last chunk, not a failure."""
+    import asyncio
+
+    from openai.types import Completion, CompletionChoice, CompletionUsage
+
+    from pdtool.bench.load import Request, one
+
+    def chunk(text: str | None, usage: dict | None = None) -> Completion:
+        # built unvalidated, as the client builds streamed chunks (finish_reason may be None)
+        choices = [] if text is None else [CompletionChoice.model_construct(
+            index=0, text=text, finish_reason="length" if usage else None)]
+        return Completion.model_construct(
+            id="c", object="text_completion", created=0, model="m", choices=choices,
+            usage=CompletionUsage.model_construct(**usage) if usage else None)
+
+    class Completions:
+        def __init__(self, chunks: list[Completion]) -> None:
+            self.chunks = chunks
+
+        async def create(self, **_kw):
+            async def stream():
+                for c in self.chunks:
+                    yield c
+            return stream()
+
+    ticks = iter(range(100))
+    usage = {"prompt_tokens": 900, "completion_tokens": 1, "total_tokens": 901}
+    for chunks in ([chunk(""), chunk(None, usage)], [chunk("", usage)]):
+        api = type("Api", (), {"completions": Completions(chunks)})()
+        rec = asyncio.run(one(api, "m", Request("some text", 1), lambda: float(next(ticks))))
+        assert rec.ok and rec.tokens == [1] and rec.input_tokens == 900, rec

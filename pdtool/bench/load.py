@@ -99,16 +99,23 @@ async def one(api: Any, model: str, req: Request, clock: Callable[[], float]) ->
             temperature=0.0, stream_options={"include_usage": True},
             extra_body={"ignore_eos": True})
         usage = None
+        last_choice = None  # arrival of the last chunk with a choice, text or not
         async for chunk in stream:
             n = _chunk_tokens(chunk)
+            if chunk.choices:
+                last_choice = clock()
             if n:
-                rec.stamps.append(clock())
+                rec.stamps.append(last_choice or clock())
                 rec.tokens.append(n)
             if getattr(chunk, "usage", None) is not None:
                 usage = chunk.usage.completion_tokens
                 rec.input_tokens = chunk.usage.prompt_tokens or rec.input_tokens
         rec.end = clock()
-        if usage is not None and rec.tokens and usage != sum(rec.tokens):
+        if usage and not rec.tokens and last_choice is not None:
+            # tokens whose text is empty (a partial UTF-8 sequence the server holds back):
+            # they arrived with the last choice, the usage says how many
+            rec.stamps, rec.tokens = [last_choice], [usage]
+        elif usage is not None and rec.tokens and usage != sum(rec.tokens):
             rec.tokens[-1] += usage - sum(rec.tokens)  # the server's count is the truth
         if not rec.stamps:
             rec.error = "the response carried no tokens"

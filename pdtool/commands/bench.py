@@ -248,6 +248,10 @@ def run(args: argparse.Namespace) -> int:
         err.print("[bold red]pdtool bench:[/] the config does not compose")
         print_findings(err, problems)
         return EXIT_USAGE
+    problem = launch_problem(cfg, settings["compare"]) if args.launch else None
+    if problem:
+        err.print(f"[bold red]pdtool bench:[/] {problem}")
+        return EXIT_USAGE
     try:
         requests = build_requests(cfg, settings, args.requests, args.seed)
     except BenchError as exc:
@@ -281,6 +285,19 @@ def run(args: argparse.Namespace) -> int:
     return _launch_and_bench(args, cfg, settings["compare"], bench, err)
 
 
+def launch_problem(cfg: Any, compare: list[tuple[str, list[str]]]) -> str | None:
+    """Why `--launch` cannot start these deployments here, or None."""
+    if cfg.launcher.kind != "local":
+        return ("--launch runs the deployment on this machine (launcher=local); on Slurm "
+                "launch it and pass --url")
+    if compare and cfg.engine.kind == "sglang" and cfg.cluster.device == "cuda":
+        # side by side, they would take the same GPUs, each with mem_fraction_static of them
+        return ("--launch --compare with engine=sglang on GPUs would start the deployments "
+                "on the same GPUs; start each on GPUs of its own (pdtool launch ...) and pass "
+                "their routers' URLs with --url and --compare-url")
+    return None
+
+
 def _launch_and_bench(args: argparse.Namespace, cfg: Any, compare: list[tuple[str, list[str]]],
                       bench: Any, err: Any) -> int:
     """Start the deployment and one per --compare, bench them, stop them. The k-th compared
@@ -289,18 +306,7 @@ def _launch_and_bench(args: argparse.Namespace, cfg: Any, compare: list[tuple[st
     from pdtool.commands.render import render_or_explain
     from pdtool.launch.local import Supervisor
 
-    if cfg.launcher.kind != "local":
-        err.print("[bold red]pdtool bench:[/] --launch runs the deployment on this machine "
-                  "(launcher=local); on Slurm launch it and pass --url")
-        return EXIT_USAGE
     overrides = list(args.overrides)
-    if compare and cfg.engine.kind == "sglang" and cfg.cluster.device == "cuda":
-        # side by side, they would take the same GPUs, each with mem_fraction_static of them
-        err.print("[bold red]pdtool bench:[/] --launch --compare with engine=sglang on GPUs "
-                  "would start the deployments on the same GPUs; start each on GPUs of its "
-                  "own (pdtool launch ...) and pass their routers' URLs with --url and "
-                  "--compare-url")
-        return EXIT_USAGE
     try:
         twins = [(label, twin_overrides(cfg, overrides, extra, 1000 * k))
                  for k, (label, extra) in enumerate(compare, start=1)]
