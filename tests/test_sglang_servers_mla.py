@@ -4,7 +4,8 @@ over shm. Greedy tokens must equal transformers' `generate` at TP1 -> TP1, TP2 -
 recipe: either prefill rank may send the latent) and TP1 -> TP2 (one prefill rank feeds both
 decode ranks the same latent), with concurrent requests and prefix-cache hits, and no transfer
 may have failed. The CPU engine serves MLA through the `pdtool-cpu` plugin's torch_native
-routing (pdtool/engines/sglang/cpu_plugin.py): without it the decode read an empty cache.
+routing (pdtool/engines/sglang/cpu_plugin.py): without it the servers failed their first
+prefill (a shape error in torch_native's extend).
 """
 
 from __future__ import annotations

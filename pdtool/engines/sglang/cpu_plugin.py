@@ -16,11 +16,11 @@ assume a GPU whatever the device (paths under `sglang/srt/disaggregation/`):
 
 And one in its DeepSeek model (MLA): `AttentionBackendRegistry` has no handler for
 `torch_native`, the CPU's backend, and falls back to triton's (`models/deepseek_common/
-attention_backend_handler.py:55`), which sends a prefill down the MHA path; that path calls
-attention with `save_kv_cache=False` and writes the latent cache itself, which torch_native's
-extend ignores (`layers/attention/torch_native_backend.py`): the cache stayed empty and decode
-read zeros. Under `torch_native` every batch takes the absorbed MLA path, which writes the
-latent through the backend as decode reads it.
+attention_backend_handler.py:55`), which sends a prefill down the MHA path, whose shapes
+torch_native's extend does not take (the server failed its first prefill: "Expected size for
+first two dimensions of batch2 tensor to be: [4, 32] but got: [4, 48]"; that path also relies
+on `save_kv_cache=False`, which torch_native ignores). Under `torch_native` every batch takes
+the absorbed MLA path, which writes the latent through the backend as decode reads it.
 """
 
 from __future__ import annotations
