@@ -41,11 +41,24 @@ def free_port() -> int:
     raise RuntimeError("no free port found that this process has not handed out")
 
 
+def _ephemeral_low() -> int:
+    """Where the kernel's ephemeral ports start (Linux: 32768 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port_run(n: int) -> int:
-    """First of `n` consecutive free ports (instances of a role bind base + i)."""
+    """First of `n` consecutive free ports (instances of a role bind base + i), below the
+    kernel's ephemeral range: a port in it that is free now can be taken before the server
+    binds it by any process's outgoing connection or bind to port 0 (a real SGLang prefill
+    failed so, with "address already in use", while its own TP group's sockets came up)."""
     rng = random.Random()
+    top = _ephemeral_low() - n - 1
     for _ in range(200):
-        base = rng.randint(20000, 60000)
+        base = rng.randint(10000, top) if top > 12000 else rng.randint(20000, 60000)
         run = range(base, base + n)
         if _handed_out.intersection(run):
             continue
