@@ -918,3 +918,61 @@ def test_a_peer_that_replaces_a_dead_one_is_reached(provider):
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+
+
+def _target_that_stops(provider: str, conn) -> None:
+    """A decode-like target that counts 4 writes, then stops polling (hung, about to die)."""
+    ep = Endpoint(provider, remote_counter=True, **ep_kwargs(provider))
+    buf = np.zeros((N_DST_PAGES, PAGE), dtype=np.uint8)
+    mr = ep.register_buffer(buf)
+    ep.arm(0, 1)
+    conn.send((ep.name, mr.descriptor().to_dict()))
+    conn.send(bool(ep.wait_recv(0, 4, WAIT_S)))
+    conn.recv()
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_shm_dead_peer_stalls_others_until_reset(provider):
+    """A peer dies with writes in flight to it. On tcp the provider fails those writes and the
+    other peers are served. On shm nothing completes for ANY peer after them (shm retires a
+    sender's writes in order), until `reset` cancels every write in flight: each is reported
+    once on its tag, the peers keep their fi_addrs, and writes to the live peer complete."""
+    with Endpoint(provider, **ep_kwargs(provider)) as ep:
+        src = np.ones((16, PAGE), dtype=np.uint8)
+        mr = ep.register_buffer(src)
+        lens, offs = np.full(4, PAGE, dtype=np.uint64), off(range(4))
+        dying, dconn = _spawn(_target_that_stops, provider)
+        live, lconn = _spawn(_target_then_count, provider, True)
+        try:
+            dname, ddesc = _recv(dconn, dying)
+            lname, ldesc = _recv(lconn, live)
+            dead, peer = ep.insert_peer(dname), ep.insert_peer(lname)
+            dregion, lregion = RemoteRegion.from_dict(ddesc), RemoteRegion.from_dict(ldesc)
+            ep.write_batch(dead, mr, dregion, offs, offs, lens, encode_imm(0, 1), tag=1)
+            assert _recv(dconn, dying) is True and ep.wait_send(1, 4, WAIT_S)
+            # it no longer polls: these wait for it, then it dies
+            ep.write_batch(dead, mr, dregion, offs, offs, lens, encode_imm(0, 1), tag=2)
+            dying.kill()
+            dying.join()
+            try:  # on shm its queue fills: the dead peer's writes hold every completion
+                ep.write_batch(peer, mr, lregion, offs, offs, lens, encode_imm(0, 1), tag=3,
+                               timeout=3.0)
+                served = ep.wait_send(3, 4, 3.0)
+            except FabricError:
+                served = False
+            assert served == (provider != "shm")
+            if provider == "shm":
+                ep.reset("peer died")
+                cancelled = [e for e in ep.errors if e[1] == 125]
+                assert {t for t, _, _ in cancelled} <= {2, 3} and \
+                    sum(t == 2 for t, _, _ in cancelled) == 4 - int(ep.send_done[2])
+                assert ep.inflight == 0 and ep.resets == 1
+                ep.write_batch(peer, mr, lregion, offs, offs, lens, encode_imm(0, 1), tag=4)
+                assert ep.wait_send(4, 4, WAIT_S)
+            assert _recv(lconn, live) is True
+            lconn.send("bye")
+        finally:
+            for proc in (dying, live):
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()

@@ -375,7 +375,9 @@ class Endpoint:
         self._h: Any = None
         self._lane_mrs: dict[int, MemoryRegion] = {}
         self._peers: set[int] = set()
+        self._names: list[bytes] = []  # every name inserted, at its fi_addr (reset)
         self.kept_peers = 0  # shm: removed peers left in the AV (remove_peer)
+        self.resets = 0  # reset() calls
         self._lane_arrays: dict[tuple, np.ndarray] = {}  # see _lanes
         self._progress = False
         self._owner: Endpoint | None = None
@@ -452,12 +454,7 @@ class Endpoint:
             _ffi.cast("uint32_t *", self.send_done.ctypes.data),
             max_slots,
         )
-        namelen = _ffi.new("size_t *", 256)
-        namebuf = _ffi.new("char[]", 256)
-        ret = _lib.pd_getname(self._h, namebuf, namelen)
-        _check(ret, "fi_getname", self.provider)
-        # passed through unchanged: shm names end with a NUL that is part of the address
-        self.name: bytes = bytes(_ffi.buffer(namebuf, namelen[0]))
+        self.name: bytes = self._getname()
         # read in place, without a call (each call releases the GIL): see pd_inflight_word
         self._inflight_word = np.frombuffer(
             _ffi.buffer(_lib.pd_inflight_word(self._h), 8), dtype=np.uint64)
@@ -469,6 +466,14 @@ class Endpoint:
         self._errbuf = _ffi.new("char[]", _ERRBUF)
 
     # ----------------------------------------------------------------- lifecycle
+    def _getname(self) -> bytes:
+        namelen = _ffi.new("size_t *", 256)
+        namebuf = _ffi.new("char[]", 256)
+        ret = _lib.pd_getname(self._h, namebuf, namelen)
+        _check(ret, "fi_getname", self.provider)
+        # passed through unchanged: shm names end with a NUL that is part of the address
+        return bytes(_ffi.buffer(namebuf, namelen[0]))
+
     def _live(self) -> Any:
         if self._h is None:
             raise ValueError("endpoint is closed")
@@ -645,6 +650,8 @@ class Endpoint:
             ret = _lib.pd_av_insert(self._calls(), buf, out)
         _check(ret, "fi_av_insert", f"name={bytes(name)!r}")
         self._peers.add(int(out[0]))
+        self._names.extend([b""] * (int(out[0]) + 1 - len(self._names)))
+        self._names[int(out[0])] = bytes(name)
         return int(out[0])
 
     def remove_peer(self, fi_addr: int) -> None:
@@ -666,6 +673,36 @@ class Endpoint:
         with self._lock:
             ret = _lib.pd_av_remove(self._calls(), fi_addr)
         _check(ret, "fi_av_remove", f"fi_addr={fi_addr}")
+
+    def reset(self, why: str) -> None:
+        """Cancel every write in flight and reopen this (sending) endpoint on its domain.
+
+        Each cancelled write is reported once in `errors` on its tag (ECANCELED, `why`), so a
+        caller settles it as any failed write. Registrations stay valid and every peer keeps
+        its fi_addr (inserted again in order; a removed peer's index gets this endpoint's own
+        name, never written to). The name changes: a sender's peers never address it.
+
+        For shm, where nothing else can drop a write to a dead peer: shm retires a sender's
+        writes from one response queue in order, so a write to a peer that died with writes in
+        flight stays at its head and no write to any other peer completes after it
+        (tests/test_fabric.py::test_shm_dead_peer_stalls_others_until_reset). Refused
+        (FabricError) on a receiving endpoint (progress thread, lanes, kick word, counter)."""
+        with self._lock:
+            ret = _lib.pd_ep_reset(self._live(), why.encode(errors="replace"), self._errbuf,
+                                   _ERRBUF)
+        _check(ret, "reset endpoint", self.provider, self._errbuf)
+        self.name = self._getname()
+        names, self._names = self._names, []
+        out = _ffi.new("uint64_t *")
+        for addr, name in enumerate(names):
+            with self._lock:
+                ret = _lib.pd_av_insert(self._h, name if addr in self._peers else self.name, out)
+            _check(ret, "fi_av_insert", f"reset, fi_addr={addr}")
+            if int(out[0]) != addr:
+                raise FabricError("reset endpoint", 22, f"peer {addr} came back as {out[0]}")
+            self._names.append(name)
+        self._lane_arrays.clear()
+        self.resets += 1
 
     # ----------------------------------------------------------------- data path
     def write_batch(
@@ -1102,6 +1139,12 @@ class Endpoint:
         """Bytes of local writes submitted and not yet completed (capped by the
         `max_inflight_bytes` the endpoint was opened with, except for a single larger write)."""
         return int(_lib.pd_inflight_bytes(self._live()))
+
+    @property
+    def completions(self) -> int:
+        """Local writes settled (completed, failed or cancelled by `reset`) since opening: a
+        sender with writes in flight whose count stands still is waiting on a peer."""
+        return int(_lib.pd_completions(self._live()))
 
     @property
     def inflight(self) -> int:

@@ -38,6 +38,7 @@ void pd_set_targets(pd_ep *ep, const uint32_t *targets) {
 uint64_t pd_stale(pd_ep *ep) { return ep->stale; }
 uint64_t pd_remote_writes(pd_ep *ep) { return ep->remote_writes; }
 uint64_t pd_inflight_bytes(pd_ep *ep) { return ep->inflight_bytes; }
+uint64_t pd_completions(pd_ep *ep) { return ep->completions; }
 
 /* Where the in-flight and error counts live, for a reader that must not call in: every call
    through the binding releases the GIL, and a messenger thread taking it back after each
@@ -91,6 +92,7 @@ static void pd_count_remote(pd_ep *ep, uint64_t data) {
 }
 
 static void pd_unaccount(pd_ep *ep, struct pd_ctx *c) {
+    ep->completions++;
     ep->inflight--;
     ep->inflight_bytes -= c->len;
     if (c->peer != PD_NO_PEER) ep->peer_bytes[c->peer] -= c->len;

@@ -42,8 +42,55 @@ void pd_close(pd_ep *ep) {
     free(ep);
 }
 
-#define PD_TRY(call, what) do { int _r = (int)(call); if (_r) { \
-    pd_seterr(errbuf, errlen, what, _r); pd_close(ep); return _r; } } while (0)
+
+#define PD_FID(call, what) do { int _r = (int)(call); if (_r) { \
+    pd_seterr(errbuf, errlen, what, _r); return _r; } } while (0)
+
+/* The endpoint's CQ, address vector and RDM endpoint, bound and enabled (opening and reset). */
+static int pd_ep_fids(pd_ep *ep, char *errbuf, size_t errlen) {
+    pd_dom *dom = ep->dom;
+    struct fi_info *fi = dom->info;
+    struct fi_cq_attr cq_attr;
+    memset(&cq_attr, 0, sizeof(cq_attr));
+    cq_attr.format = FI_CQ_FORMAT_DATA;
+    /* A bounded CQ bounds the work of ONE fi_cq_read: shm's progress copies every queued
+       write (process_vm_readv) until the CQ is full, so with the default size one call could
+       copy a whole GiB queue and the caller's timeout/slice was never checked. 0 = default. */
+    cq_attr.size = ep->cq_size;
+    /* tcp's CQ offers a wait fd (its sockets' epoll set): the idle sleeps end when bytes
+       arrive instead of after a blind backoff (kick.c: pd_sleep_ns). Asked of tcp only, where
+       it was measured; shm refuses one, and verbs/efa (the NIC moves the bytes) keep
+       FI_WAIT_NONE, as does tcp if it refuses. */
+    ep->wait_fd = -1;
+    const char *prov = fi->fabric_attr->prov_name;
+    cq_attr.wait_obj = prov && strncmp(prov, "tcp", 3) == 0 ? FI_WAIT_FD : FI_WAIT_NONE;
+    if (cq_attr.wait_obj == FI_WAIT_FD && fi_cq_open(dom->domain, &cq_attr, &ep->cq, NULL) == 0) {
+        if (fi_control(&ep->cq->fid, FI_GETWAIT, &ep->wait_fd) != 0) ep->wait_fd = -1;
+    } else {
+        ep->cq = NULL;
+        cq_attr.wait_obj = FI_WAIT_NONE;
+        PD_FID(fi_cq_open(dom->domain, &cq_attr, &ep->cq, NULL), "fi_cq_open");
+    }
+    struct fi_av_attr av_attr;
+    memset(&av_attr, 0, sizeof(av_attr));
+    av_attr.type = FI_AV_TABLE;
+    PD_FID(fi_av_open(dom->domain, &av_attr, &ep->av, NULL), "fi_av_open");
+    PD_FID(fi_endpoint(dom->domain, fi, &ep->ep, NULL), "fi_endpoint");
+    PD_FID(fi_ep_bind(ep->ep, &ep->av->fid, 0), "fi_ep_bind(av)");
+    PD_FID(fi_ep_bind(ep->ep, &ep->cq->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
+    if (dom->want_remote_cntr && (fi->caps & FI_RMA_EVENT)) {
+        struct fi_cntr_attr ca;
+        memset(&ca, 0, sizeof(ca));
+        ca.events = FI_CNTR_EVENTS_COMP;
+        ca.wait_obj = FI_WAIT_NONE;
+        PD_FID(fi_cntr_open(dom->domain, &ca, &ep->rcntr, NULL), "fi_cntr_open");
+        PD_FID(fi_ep_bind(ep->ep, &ep->rcntr->fid, FI_REMOTE_WRITE), "fi_ep_bind(cntr)");
+    }
+    int ret = pd_forbid_cuda_api(ep, errbuf, errlen);
+    if (ret) return ret;
+    PD_FID(fi_enable(ep->ep), "fi_enable");
+    return 0;
+}
 
 /* Open an endpoint on `dom` (taking a reference to it). ctx_pool bounds the local writes in
    flight; cq_size 0 = the provider's default. */
@@ -56,47 +103,11 @@ int pd_ep_open(pd_ep **out, pd_dom *dom, uint32_t ctx_pool, size_t cq_size,
     pd_domain_retain(dom);
     ep->dom = dom;
     ep->info = dom->info;
-    struct fi_info *fi = dom->info;
-    ep->mr_mode = fi->domain_attr->mr_mode;
-    struct fi_cq_attr cq_attr;
-    memset(&cq_attr, 0, sizeof(cq_attr));
-    cq_attr.format = FI_CQ_FORMAT_DATA;
-    /* A bounded CQ bounds the work of ONE fi_cq_read: shm's progress copies every queued
-       write (process_vm_readv) until the CQ is full, so with the default size one call could
-       copy a whole GiB queue and the caller's timeout/slice was never checked. 0 = default. */
-    cq_attr.size = cq_size;
-    /* tcp's CQ offers a wait fd (its sockets' epoll set): the idle sleeps end when bytes
-       arrive instead of after a blind backoff (kick.c: pd_sleep_ns). Asked of tcp only, where
-       it was measured; shm refuses one, and verbs/efa (the NIC moves the bytes) keep
-       FI_WAIT_NONE, as does tcp if it refuses. */
+    ep->mr_mode = dom->info->domain_attr->mr_mode;
+    ep->cq_size = cq_size;
     ep->wait_fd = ep->wake_fd = ep->ctl_fd = ep->news_fd = -1;
-    const char *prov = fi->fabric_attr->prov_name;
-    cq_attr.wait_obj = prov && strncmp(prov, "tcp", 3) == 0 ? FI_WAIT_FD : FI_WAIT_NONE;
-    if (cq_attr.wait_obj == FI_WAIT_FD && fi_cq_open(dom->domain, &cq_attr, &ep->cq, NULL) == 0) {
-        if (fi_control(&ep->cq->fid, FI_GETWAIT, &ep->wait_fd) != 0) ep->wait_fd = -1;
-    } else {
-        ep->cq = NULL;
-        cq_attr.wait_obj = FI_WAIT_NONE;
-        PD_TRY(fi_cq_open(dom->domain, &cq_attr, &ep->cq, NULL), "fi_cq_open");
-    }
-    struct fi_av_attr av_attr;
-    memset(&av_attr, 0, sizeof(av_attr));
-    av_attr.type = FI_AV_TABLE;
-    PD_TRY(fi_av_open(dom->domain, &av_attr, &ep->av, NULL), "fi_av_open");
-    PD_TRY(fi_endpoint(dom->domain, fi, &ep->ep, NULL), "fi_endpoint");
-    PD_TRY(fi_ep_bind(ep->ep, &ep->av->fid, 0), "fi_ep_bind(av)");
-    PD_TRY(fi_ep_bind(ep->ep, &ep->cq->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind(cq)");
-    if (dom->want_remote_cntr && (fi->caps & FI_RMA_EVENT)) {
-        struct fi_cntr_attr ca;
-        memset(&ca, 0, sizeof(ca));
-        ca.events = FI_CNTR_EVENTS_COMP;
-        ca.wait_obj = FI_WAIT_NONE;
-        PD_TRY(fi_cntr_open(dom->domain, &ca, &ep->rcntr, NULL), "fi_cntr_open");
-        PD_TRY(fi_ep_bind(ep->ep, &ep->rcntr->fid, FI_REMOTE_WRITE), "fi_ep_bind(cntr)");
-    }
-    int ret = pd_forbid_cuda_api(ep, errbuf, errlen);
+    int ret = pd_ep_fids(ep, errbuf, errlen);
     if (ret) { pd_close(ep); return ret; }
-    PD_TRY(fi_enable(ep->ep), "fi_enable");
     ep->ctx_n = ctx_pool ? ctx_pool : 1;
     ep->ctx = calloc(ep->ctx_n, sizeof(*ep->ctx));
     if (!ep->ctx) {
@@ -150,4 +161,46 @@ void pd_set_max_inflight_bytes(pd_ep *ep, uint64_t max_bytes) {
 void pd_set_drain(pd_ep *ep, int64_t sleep_ns) {
     ep->drain_sleep_ns = pd_clamp_ns(sleep_ns);
     ep->draining = 0;
+}
+
+/* Cancel every local write in flight and reopen the CQ, address vector and endpoint on the same
+   domain (registrations stay valid; the peers must be inserted again, in the same order, by the
+   caller). Each cancelled write is reported as a completion error (FI_ECANCELED, `why`) on its
+   tag, so the caller's accounting settles it as it settles any failed write.
+
+   Why: shm (1.17) retires a sender's writes from one response queue in order; a write to a
+   peer that died stays busy at its head for ever, so no write to any other peer completes after
+   it and the queue fills (docs/libfabric.md, "Progress and errors"). No call drops it but
+   closing the endpoint. A sender only: refused with a progress thread, lanes or a remote
+   counter. */
+int pd_ep_reset(pd_ep *ep, const char *why, char *errbuf, size_t errlen) {
+    if (ep->thread_on || ep->owner || ep->rcntr || ep->kick || ep->news_fd >= 0) {
+        pd_seterr(errbuf, errlen, "reset: only a sender endpoint can be reset", -FI_EBUSY);
+        return -FI_EBUSY;
+    }
+    uint8_t *free_ctx = calloc(ep->ctx_n, 1);
+    if (!free_ctx) { pd_seterr(errbuf, errlen, "calloc", -FI_ENOMEM); return -FI_ENOMEM; }
+    for (uint32_t i = ep->ctx_free; i < ep->ctx_n; i = ep->ctx[i].next_free) free_ctx[i] = 1;
+    if (ep->ep) fi_close(&ep->ep->fid);
+    if (ep->av) fi_close(&ep->av->fid);
+    if (ep->cq) fi_close(&ep->cq->fid);
+    ep->ep = NULL;
+    ep->av = NULL;
+    ep->cq = NULL;
+    for (uint32_t i = 0; i < ep->ctx_n; i++) {
+        if (!free_ctx[i]) {
+            pd_record_err(ep, ep->ctx[i].tag, FI_ECANCELED, 0, why);
+            ep->completions++;
+        }
+        ep->ctx[i].next_free = i + 1;
+    }
+    free(free_ctx);
+    ep->ctx_free = 0;
+    ep->inflight = 0;
+    ep->inflight_bytes = 0;
+    ep->draining = 0;
+    ep->lane_cursor = 0;
+    memset(ep->peer_bytes, 0, sizeof(ep->peer_bytes));
+    memset(ep->peer_drain, 0, sizeof(ep->peer_drain));
+    return pd_ep_fids(ep, errbuf, errlen);
 }

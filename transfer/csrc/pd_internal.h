@@ -76,6 +76,8 @@ struct pd_ep {
     uint64_t stale;
     uint64_t remote_writes;
     uint64_t inflight;
+    uint64_t completions;         /* local writes settled (done or failed), ever */
+    size_t cq_size;               /* as opened: a reset opens the same */
     uint64_t inflight_bytes;
     uint64_t max_inflight_bytes;  /* 0 = only the provider's queue depth limits */
     int64_t drain_sleep_ns;       /* > 0: refill in bursts, sleeping while the queue drains */
