@@ -35,6 +35,7 @@ from transfer.fabric import (
     gpu_direct_support,
     shm_leftovers,
 )
+from transfer.stall import StallWatch
 
 ROOT = Path(__file__).resolve().parent.parent
 PROVIDERS = [pytest.param("shm", id="shm"), pytest.param("tcp;ofi_rxm", id="tcp")]
@@ -935,8 +936,9 @@ def _target_that_stops(provider: str, conn) -> None:
 def test_shm_dead_peer_stalls_others_until_reset(provider):
     """A peer dies with writes in flight to it. On tcp the provider fails those writes and the
     other peers are served. On shm nothing completes for ANY peer after them (shm retires a
-    sender's writes in order), until `reset` cancels every write in flight: each is reported
-    once on its tag, the peers keep their fi_addrs, and writes to the live peer complete."""
+    sender's writes in order), until the prefill planes' StallWatch resets the endpoint: every
+    write in flight is cancelled and reported once on its tag, the peers keep their fi_addrs,
+    and writes to the live peer complete."""
     with Endpoint(provider, **ep_kwargs(provider)) as ep:
         src = np.ones((16, PAGE), dtype=np.uint8)
         mr = ep.register_buffer(src)
@@ -961,8 +963,11 @@ def test_shm_dead_peer_stalls_others_until_reset(provider):
             except FabricError:
                 served = False
             assert served == (provider != "shm")
+            watch = StallWatch([ep], after_s=0.5)
+            assert watch.check(time.monotonic()) == 0  # first sight: the clock starts
+            time.sleep(0.6)
+            assert watch.check(time.monotonic()) == (provider == "shm")  # tcp: not watched
             if provider == "shm":
-                ep.reset("peer died")
                 cancelled = [e for e in ep.errors if e[1] == 125]
                 assert {t for t, _, _ in cancelled} <= {2, 3} and \
                     sum(t == 2 for t, _, _ in cancelled) == 4 - int(ep.send_done[2])

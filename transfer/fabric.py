@@ -458,6 +458,8 @@ class Endpoint:
         # read in place, without a call (each call releases the GIL): see pd_inflight_word
         self._inflight_word = np.frombuffer(
             _ffi.buffer(_lib.pd_inflight_word(self._h), 8), dtype=np.uint64)
+        self._completions_word = np.frombuffer(
+            _ffi.buffer(_lib.pd_completions_word(self._h), 8), dtype=np.uint64)
         self._nerr_word = np.frombuffer(
             _ffi.buffer(_lib.pd_nerr_word(self._h), _ffi.sizeof("size_t")), dtype=np.uintp)
         self._errors: list[tuple[int, int, str]] = []
@@ -686,23 +688,20 @@ class Endpoint:
         writes from one response queue in order, so a write to a peer that died with writes in
         flight stays at its head and no write to any other peer completes after it
         (tests/test_fabric.py::test_shm_dead_peer_stalls_others_until_reset). Refused
-        (FabricError) on a receiving endpoint (progress thread, lanes, kick word, counter)."""
-        with self._lock:
+        (FabricError) on a receiving endpoint (a progress thread, a lane, a remote counter)."""
+        out = _ffi.new("uint64_t *")
+        with self._lock:  # no write may meet the endpoint before its peers are back
             ret = _lib.pd_ep_reset(self._live(), why.encode(errors="replace"), self._errbuf,
                                    _ERRBUF)
-        _check(ret, "reset endpoint", self.provider, self._errbuf)
-        self.name = self._getname()
-        names, self._names = self._names, []
-        out = _ffi.new("uint64_t *")
-        for addr, name in enumerate(names):
-            with self._lock:
+            _check(ret, "reset endpoint", self.provider, self._errbuf)
+            self.name = self._getname()
+            for addr, name in enumerate(self._names):
                 ret = _lib.pd_av_insert(self._h, name if addr in self._peers else self.name, out)
-            _check(ret, "fi_av_insert", f"reset, fi_addr={addr}")
-            if int(out[0]) != addr:
-                raise FabricError("reset endpoint", 22, f"peer {addr} came back as {out[0]}")
-            self._names.append(name)
-        self._lane_arrays.clear()
-        self.resets += 1
+                _check(ret, "fi_av_insert", f"reset, fi_addr={addr}")
+                if int(out[0]) != addr:
+                    raise FabricError("reset endpoint", 22, f"peer {addr} came back as {out[0]}")
+            self._lane_arrays.clear()
+            self.resets += 1
 
     # ----------------------------------------------------------------- data path
     def write_batch(
@@ -1144,7 +1143,8 @@ class Endpoint:
     def completions(self) -> int:
         """Local writes settled (completed, failed or cancelled by `reset`) since opening: a
         sender with writes in flight whose count stands still is waiting on a peer."""
-        return int(_lib.pd_completions(self._live()))
+        self._live()
+        return int(self._completions_word[0])
 
     @property
     def inflight(self) -> int:

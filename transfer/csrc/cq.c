@@ -38,7 +38,6 @@ void pd_set_targets(pd_ep *ep, const uint32_t *targets) {
 uint64_t pd_stale(pd_ep *ep) { return ep->stale; }
 uint64_t pd_remote_writes(pd_ep *ep) { return ep->remote_writes; }
 uint64_t pd_inflight_bytes(pd_ep *ep) { return ep->inflight_bytes; }
-uint64_t pd_completions(pd_ep *ep) { return ep->completions; }
 
 /* Where the in-flight and error counts live, for a reader that must not call in: every call
    through the binding releases the GIL, and a messenger thread taking it back after each
@@ -46,6 +45,7 @@ uint64_t pd_completions(pd_ep *ep) { return ep->completions; }
    round"). Valid while the endpoint is open; a racy read is only a hint (the next poll
    settles it). */
 const uint64_t *pd_inflight_word(pd_ep *ep) { return &ep->inflight; }
+const uint64_t *pd_completions_word(pd_ep *ep) { return &ep->completions; }
 const size_t *pd_nerr_word(pd_ep *ep) { return &ep->nerr; }
 
 size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max) {

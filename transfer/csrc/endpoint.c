@@ -171,10 +171,10 @@ void pd_set_drain(pd_ep *ep, int64_t sleep_ns) {
    Why: shm (1.17) retires a sender's writes from one response queue in order; a write to a
    peer that died stays busy at its head for ever, so no write to any other peer completes after
    it and the queue fills (docs/libfabric.md, "Progress and errors"). No call drops it but
-   closing the endpoint. A sender only: refused with a progress thread, lanes or a remote
-   counter. */
+   closing the endpoint. A sender only: refused with a progress thread, as a lane or with a remote
+   counter (a receiver's counts would be lost). Its idle-wait settings stay. */
 int pd_ep_reset(pd_ep *ep, const char *why, char *errbuf, size_t errlen) {
-    if (ep->thread_on || ep->owner || ep->rcntr || ep->kick || ep->news_fd >= 0) {
+    if (ep->thread_on || ep->owner || ep->rcntr) {
         pd_seterr(errbuf, errlen, "reset: only a sender endpoint can be reset", -FI_EBUSY);
         return -FI_EBUSY;
     }

@@ -30,7 +30,9 @@ quarantined until that many have landed (transfer.slots). An ABORT for a request
 not bound yet leaves a tombstone: a later `bind` fails it at once, with no write. A dead decode
 peer is removed from the address vector once nothing of it is in flight; writes to it that never
 complete locally are given up after 2 × `peer_timeout_s` (counted as failed, their fabric tags
-retired for good so a late completion cannot be credited to another request).
+retired for good so a late completion cannot be credited to another request). On shm such
+writes hold every other decode's too: an endpoint that settled none of its writes for
+`peer_timeout_s` is reset and its writes cancelled, counted as failed (`transfer.stall`).
 
 Thread contract: `poll_requests`, `bind`, `begin_pass`, `layer_done`, `finish`, `done`,
 `result`, `release`, `abort` are called by the engine's thread; the messenger thread alone
@@ -64,6 +66,7 @@ from ..routes import (
     routes_for,
     sendable,
 )
+from ..stall import StallWatch
 from ..wire.channel import Channel
 from ..wire.envelope import Envelope
 from ..wire.handshake import compat_hash, first_difference
@@ -366,6 +369,7 @@ class PrefillMessenger(MessengerThread):
                 "assembling": len(getattr(self, "_assembling", ())),
                 "aux_rows_free": aux_free, "tags_free": len(getattr(self, "_tags", ())),
                 "leaked_tags": getattr(self, "leaked_tags", 0),
+                "stall_resets": self._stall.resets if hasattr(self, "_stall") else 0,
                 "writes_issued": getattr(self, "writes_issued", 0),
                 "kicks": getattr(self, "kicks_sent", 0),
                 "stalled_s": round(self.stalled_s(), 3)}
@@ -412,6 +416,8 @@ class PrefillMessenger(MessengerThread):
         self._tags = list(range(min(self._ep.max_slots, cfg.max_requests * cfg.peer_spec.attn_tp)
                                 - 1, -1, -1))
         self._clock = PeerClock(cfg.peer_timeout_s)
+        # shm: a decode that died with writes in flight holds every other decode's (stall.py)
+        self._stall = StallWatch([self._ep], cfg.peer_timeout_s)
         self._assembling: dict[str, _Assembly] = {}
         self._reqs: dict[str, _Req] = {}
         self._tag_owner: dict[int, _Dest] = {}
@@ -988,6 +994,7 @@ class PrefillMessenger(MessengerThread):
         x.aux_sent = True
 
     def _check_requests(self) -> None:
+        self._stall.check(time.monotonic())  # its cancelled writes are among the errors
         for tag, _errno, msg in self._ep.errors:
             d = self._tag_owner.get(tag)
             if d is None:

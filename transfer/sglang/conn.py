@@ -325,8 +325,12 @@ class PdtoolKVManager(CommonKVManager):
             tags = MAX_SLOTS - BOUNCE_BUFFERS  # the last tags count the bounce buffers' writes
             self.staging = PrefillStaging(self, self.ep, tags, path=self.kv_path,
                                           device=self.kv_device)
+            # as long as SGLang lets a silent peer live before calling it dead
+            heartbeat_s = float(envs.SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL.get()) * \
+                int(envs.SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE.get())
             self.plane = PrefillPlane(self, self.ep, tags, timeout, stuck_s=timeout,
-                                      staging=self.staging, rails=self.rails)
+                                      staging=self.staging, rails=self.rails,
+                                      stall_s=min(heartbeat_s, timeout))
             try:
                 self.layer_stream = layer_stream.start(self)  # None: PDTOOL_LAYER_STREAM off
             except workerenv.WorkerEnvError as exc:

@@ -32,7 +32,10 @@ one entry per failed operation). Before, a failed operation was never counted, s
 its tag and a deferred abort's ACK waited forever. A room whose writes stop completing for
 `stuck_s` (a dead decode) is failed; if they still do not complete within another `stuck_s`,
 its tags are retired for good (a late completion must not be credited to another room) and
-SGLang is told the room cannot be proven quiescent (`poison_deferred_ack_room`).
+SGLang is told the room cannot be proven quiescent (`poison_deferred_ack_room`). On shm a
+decode that died with writes in flight holds every other decode's too: an endpoint that settled
+none of its writes for `stall_s` (SGLang's heartbeat window) is reset, its writes cancelled and
+counted as failed (`transfer.stall`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll
 
 from transfer import fabric
 from transfer.routes import sendable
+from transfer.stall import StallWatch
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +129,8 @@ class PrefillPlane:
     `put`, `stats` and the room lock callers). `mgr` is the PdtoolKVManager."""
 
     def __init__(self, mgr: Any, ep: fabric.Endpoint, max_tags: int, send_timeout_s: float,
-                 stuck_s: float, staging: Any, rails: Any = None) -> None:
+                 stuck_s: float, staging: Any, rails: Any = None,
+                 stall_s: float | None = None) -> None:
         from transfer.sglang.rails import Rails
 
         self.mgr = mgr
@@ -142,6 +147,8 @@ class PrefillPlane:
         self.queues: dict[str, PeerQueue] = {}
         self.send_timeout_s = send_timeout_s
         self.stuck_s = stuck_s
+        # shm: a decode that died with writes in flight holds every other decode's (stall.py)
+        self.stall = StallWatch(self.rails.eps, stall_s or stuck_s)
         self.leaked_tags = 0
         self._rr = 0
         self._path_rr = 0
@@ -421,6 +428,7 @@ class PrefillPlane:
     # -- writer thread: settling --------------------------------------------------------------
     def settle(self) -> None:
         mgr = self.mgr
+        self.stall.check(time.monotonic())  # its cancelled writes are among the errors below
         for tag, errno, message in self.rails.errors():
             s = self.staging.failed_write(tag) if self.staging.owns_tag(tag) \
                 else self.sends.get(tag)
@@ -490,7 +498,8 @@ class PrefillPlane:
 
     def stats(self) -> dict[str, Any]:
         return {"rooms": len(self.rooms), "tags_free": len(self.free_tags),
-                "leaked_tags": self.leaked_tags, "rail_ops": list(self.rail_ops),
+                "leaked_tags": self.leaked_tags, "stall_resets": self.stall.resets,
+                "rail_ops": list(self.rail_ops),
                 "sends_written": self.sends_written,
                 "queued_batches": sum(len(q.batches) for q in self.queues.values()),
                 **self.staging.stats()}
