@@ -15,8 +15,11 @@ are the user's input, not a pdtool bug.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import itertools
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -285,6 +288,70 @@ def _key_from_text(text: str) -> str:
     return "<command line>"
 
 
+def _schema_fields(key: str) -> dict[str, dataclasses.Field] | None:
+    """The schema fields of the node that holds `key` ('prefill.tpp' -> RoleConfig's), or None
+    where the path leaves the typed schema (e.g. launcher.env.*)."""
+    node: Any = Config
+    for part in key.split(".")[:-1]:
+        node = typing.get_type_hints(node).get(part)
+        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+            return None
+    return {f.name: f for f in dataclasses.fields(node)}
+
+
+def _schema_type(key: str) -> str:
+    """The schema's type of `key` as a user writes it ('an int', 'a list of str'), or ''."""
+    fields = _schema_fields(key)
+    f = fields.get(key.rsplit(".", 1)[-1]) if fields else None
+    if f is None:
+        return ""
+    hint = typing.get_type_hints(_owner(key))[f.name]
+    if typing.get_origin(hint) is list:
+        return f"a list of {typing.get_args(hint)[0].__name__}"
+    name = getattr(hint, "__name__", str(hint))
+    return f"an {name}" if name[0] in "aeiou" else f"a {name}"
+
+
+def _owner(key: str) -> Any:
+    node: Any = Config
+    for part in key.split(".")[:-1]:
+        node = typing.get_type_hints(node)[part]
+    return node
+
+
+def _schema_default(key: str) -> str:
+    f = (_schema_fields(key) or {}).get(key.rsplit(".", 1)[-1])
+    if f is None or f.default is dataclasses.MISSING or str(f.default).startswith("${"):
+        return "<value>"
+    return str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
+
+
+def _unknown_key_fix(key: str) -> str:
+    """'did you mean prefill.tp?' and the keys the node has, for a key the schema lacks."""
+    fields = _schema_fields(key)
+    extra = "use +key=value only to add a key the schema does not have"
+    if not fields:
+        return f"check the spelling of '{key}'; {extra}"
+    parent, _, leaf = key.rpartition(".")
+    at = f"{parent}." if parent else ""
+    close = difflib.get_close_matches(leaf, list(fields), n=1, cutoff=0.6)
+    known = ", ".join(fields)
+    if close:
+        return f"did you mean {at}{close[0]}? ({parent or 'the config'} has: {known})"
+    return f"{parent or 'the config'} has no '{leaf}'; its keys: {known}; {extra}"
+
+
+def _group_option_fix(group: str, name: str) -> str:
+    """The options of config group `group` (conf/<group>/*.yaml), the closest first."""
+    folder = conf_dir() / group
+    options = sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+    if not options:
+        return f"'{group}' is not a config group; see the folders in {conf_dir()}"
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    hint = f"did you mean {group}={close[0]}? " if close else ""
+    return f"{hint}{group} options: {', '.join(options)} (conf/{group}/)"
+
+
 def _finding_from_exception(e: BaseException, overrides: list[str] | None = None) -> Finding:
     """The most specific key and message in an exception chain (and the overrides given)."""
     from omegaconf.errors import OmegaConfBaseException
@@ -321,12 +388,11 @@ def _finding_from_exception(e: BaseException, overrides: list[str] | None = None
     elif key == "recipe" and "defaults list" in low:
         fix = "select a recipe with a leading plus: +recipe=NAME"
     elif "not in struct" in low or "key not found" in low or "could not override" in low:
-        fix = f"check the spelling of '{key}' (`pdtool plan --json` shows every key); "
-        fix += "use +key=value only to add a key the schema does not have"
+        fix = _unknown_key_fix(key)
     elif "could not find" in low and "recipe" in low:
         fix = "see `pdtool recipes` for the available names"
-    elif "could not find" in low:
-        fix = "see the options in conf/<group>/ (e.g. conf/cluster/)"
+    elif m := re.search(r"Could not find '([\w-]+)/([^']*)'", text):
+        key, fix = m.group(1), _group_option_fix(m.group(1), m.group(2))
     elif "lexernoviablealt" in low or "error parsing override" in low:
         m2 = re.search(r"(?:^|: |')[+~]{0,2}([\w./-]+)=", text)
         key = m2.group(1) if m2 else key
@@ -337,8 +403,10 @@ def _finding_from_exception(e: BaseException, overrides: list[str] | None = None
         )
     elif "ambiguous value" in low or "multirun" in low:
         fix = "sweeps (k=a,b) need -m/--multirun"
-    elif "value '" in low and ("type" in low or "convert" in low or "invalid" in low):
-        fix = f"give {key} a value of the schema's type"
+    elif (want := _schema_type(key)) and re.search(r"value '|invalid literal|valueerror|"
+                                                   r"could not convert|cannot convert", low):
+        fix = f"{key} takes {want}, e.g. {key}={_schema_default(key)}"
+        msg = f"{msg} ({key} takes {want})" if want not in msg else msg
     else:
         fix = _OVERRIDE_FIX
     return error(key, msg, fix)

@@ -393,6 +393,12 @@ def test_port_out_of_range():
         "decode.dist_init_port",
         "65536",
     )
+    # the fix names the range of the key itself: every port derived from it stays in range
+    found = [f for f in validate(compose("decode.dist_init_port=65535", "decode.instances=2"))
+             if f.key == "decode.dist_init_port"]
+    assert found and "1024..65534" in found[0].fix, found
+    found = [f for f in validate(compose("router.port=70000")) if f.key == "router.port"]
+    assert found and "1024..65535" in found[0].fix and "65471" not in found[0].fix, found
 
 
 def test_same_ports_on_different_nodes_are_fine():

@@ -209,3 +209,24 @@ def test_resolved_config_yaml_round_trips():
     assert data["decode"]["instances"] == 2
     assert data["prefill"]["kv_layout"] == "HND"  # resolved, not "${transfer.layout}"
     assert data["cluster"]["nics"][0]["name"] == "rdmap85s0"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "in_fix"),
+    [
+        (["prefill.tpp=2"], "prefill.tpp", "did you mean prefill.tp?"),
+        (["launcher.zzz=1"], "launcher.zzz", "its keys: kind, job_name"),
+        (["prefill.tp=two"], "prefill.tp", "prefill.tp takes an int, e.g. prefill.tp=1"),
+        (["prefill.tp=2.5"], "prefill.tp", "takes an int"),
+        (["transfer.timeout_s=abc"], "transfer.timeout_s", "takes a float"),
+        (["prefill.dp_attention=maybe"], "prefill.dp_attention", "takes a bool"),
+        (["cluster=locl"], "cluster", "did you mean cluster=local?"),
+        (["cluster=p6"], "cluster", "cluster options: dgx-h100, dgx-h200, local, p5, p5en"),
+    ],
+)
+def test_bad_input_teaches_the_fix(overrides, key, in_fix):
+    """A misspelt key gets the closest key of its node; a value of the wrong type the type
+    and an example; an unknown group option the options, the closest first."""
+    cfg, problems = load_config(overrides)
+    assert cfg is None and problems[0].key == key, problems
+    assert in_fix in problems[0].fix, problems

@@ -9,8 +9,8 @@ writes of a peer that went away themselves, and are left alone.
 
 `StallWatch` is the rule both prefill data planes apply: an shm sender that had writes in
 flight and saw none of them settle for `after_s` is reset. The planes pass the time their
-control plane allows a silent peer before calling it dead (the messenger's `peer_timeout_s`,
-SGLang's heartbeat window), so a live but slow decode is given as long as a live peer is
+control plane allows a silent peer's writes (the messenger's 2 × `peer_timeout_s`, SGLang's
+heartbeat window), so a live but slow decode is given as long as a live peer is
 anywhere else. The writes to live peers that the reset cancels fail their requests, which are
 answered with an error and may be retried: a failed request instead of a prefill that never
 moves KV again.

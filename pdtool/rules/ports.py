@@ -39,17 +39,28 @@ def _base(cfg: Config, key: str) -> int:
     return getattr(role(cfg, rname), field)
 
 
+def _value(cfg: Config, key: str) -> int:
+    node: object = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return int(node)  # type: ignore[call-overload]
+
+
 def check_ports(cfg: Config) -> list[Finding]:
     out: list[Finding] = []
     reported: set[str] = set()
-    for _, port, key, what in _bindings(cfg):
+    bindings = _bindings(cfg)
+    for _, port, key, what in bindings:
         if not LOW <= port <= HIGH and key not in reported:
             reported.add(key)
+            # the range the key itself may take: every port derived from it stays in range
+            base = _value(cfg, key)
+            offsets = [p - base for _, p, k, _ in bindings if k == key]
             out.append(
                 error(
                     key,
                     f"{what} would listen on port {port}, outside {LOW}..{HIGH}",
-                    f"set {key} to a free port in {LOW}..{HIGH - 64}",
+                    f"set {key} to a free port in {LOW - min(offsets)}..{HIGH - max(offsets)}",
                 )
             )
     if out:

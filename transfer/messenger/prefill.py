@@ -32,7 +32,7 @@ peer is removed from the address vector once nothing of it is in flight; writes 
 complete locally are given up after 2 × `peer_timeout_s` (counted as failed, their fabric tags
 retired for good so a late completion cannot be credited to another request). On shm such
 writes hold every other decode's too: an endpoint that settled none of its writes for
-`peer_timeout_s` is reset and its writes cancelled, counted as failed (`transfer.stall`).
+2 × `peer_timeout_s` is reset and its writes cancelled, counted as failed (`transfer.stall`).
 
 Thread contract: `poll_requests`, `bind`, `begin_pass`, `layer_done`, `finish`, `done`,
 `result`, `release`, `abort` are called by the engine's thread; the messenger thread alone
@@ -417,7 +417,8 @@ class PrefillMessenger(MessengerThread):
                                 - 1, -1, -1))
         self._clock = PeerClock(cfg.peer_timeout_s)
         # shm: a decode that died with writes in flight holds every other decode's (stall.py)
-        self._stall = StallWatch([self._ep], cfg.peer_timeout_s)
+        # as long as a dead peer's writes are given at most (see the module docstring)
+        self._stall = StallWatch([self._ep], 2 * cfg.peer_timeout_s)
         self._assembling: dict[str, _Assembly] = {}
         self._reqs: dict[str, _Req] = {}
         self._tag_owner: dict[int, _Dest] = {}
