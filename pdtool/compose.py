@@ -185,18 +185,29 @@ def _fill_from_checkpoint(raw: Any) -> None:
     from pdtool.engines.reference.checkpoint import CheckpointError, plan_fields, read_arch
 
     model = raw.get("model")
-    if model is None or OmegaConf.is_missing(model, "path") or not model.get("path"):
+    if model is None:
         return
     unset = [k for k in ModelConfig.__dataclass_fields__ if OmegaConf.is_missing(model, k)]
+    if OmegaConf.is_missing(model, "path") or not model.get("path"):
+        if len(unset) > 1:  # model=hf-local without its folder: name the one key that is due
+            raise ComposeError([error(
+                "model.path", f"not set, and the model's architecture ({', '.join(unset)}) "
+                "is read from it", "set model.path=/path/to/checkpoint (a Llama, Qwen2 or Qwen3 "
+                "folder: config.json, *.safetensors, tokenizer.json)")])
+        return
     if not unset:
         return
     try:
         fields = plan_fields(read_arch(str(model.path)))
     except CheckpointError as exc:
-        raise ComposeError([error("model.path", str(exc),
-                                  "point model.path at a Llama, Qwen2 or Qwen3 checkpoint "
-                                  f"folder, or set {', '.join(f'model.{k}' for k in unset)}")]
-                           ) from None
+        fix = ("point model.path at a Llama, Qwen2 or Qwen3 checkpoint folder, or set "
+               f"{', '.join(f'model.{k}' for k in unset)}")
+        hub = str(model.path)
+        if re.fullmatch(r"[\w.-]+/[\w.-]+", hub) and not Path(hub).exists():
+            # a Hugging Face Hub id: the reference engine reads a folder, it downloads nothing
+            fix = (f"download it to a folder first (`hf download {hub} --local-dir "
+                   f"~/models/{hub.split('/')[1]}`) and set model.path to that folder")
+        raise ComposeError([error("model.path", str(exc), fix)]) from None
     defaults = ModelConfig.__dataclass_fields__
     for key, value in fields.items():  # keys with a default: the checkpoint's unless changed
         if OmegaConf.is_missing(model, key) or model[key] == defaults[key].default:

@@ -304,6 +304,24 @@ def role(cfg: Config, name: str) -> RoleConfig:
     return cfg.prefill if name == "prefill" else cfg.decode
 
 
+def headline(cfg: Config) -> str:
+    """What was resolved, in one line (a recipe's description is written for its own values:
+    with `-m decode.instances=1,2` both runs said "2 decode")."""
+
+    def side(name: str) -> str:
+        rc = role(cfg, name)
+        shape = f"TP{rc.tp}" + (f" DP{rc.dp}" + (" attn" if rc.dp_attention else "")
+                                if rc.dp > 1 else "") + (f" EP{rc.ep}" if rc.ep > 1 else "")
+        return f"{rc.instances} {name} ({shape})"
+
+    where = f"{cfg.engine.kind} engine, cluster {cfg.cluster.name}, {cfg.launcher.kind} launcher"
+    if cfg.mode == "aggregated":
+        n = cfg.prefill.instances + cfg.decode.instances
+        return f"{cfg.model.name}, {n} aggregated instances (no KV transfer), {where}"
+    return (f"{cfg.model.name}, {side('prefill')} : {side('decode')}, {where}, KV over "
+            f"{cfg.transfer.provider}")
+
+
 def dims(rc: RoleConfig, model: ModelConfig | None = None) -> ParallelDims:
     """The ParallelDims of a role's degrees (KV heads from `model` when given)."""
     return ParallelDims(tp=rc.tp, dp=rc.dp, dp_attention=rc.dp_attention,

@@ -147,6 +147,9 @@ def test_multirun_sweep_validate():
     p = pdtool("validate", "--multirun", "+recipe=tiny-local", "decode.instances=1,2")
     assert p.returncode == 0
     assert p.stdout.count("valid") == 2 and "run 1:" in p.stdout
+    # each run's header says what it resolved, not the recipe's description (2 decode both)
+    assert "1 prefill (TP1) : 1 decode (TP1)" in p.stdout.split("run 1:")[0]
+    assert "1 prefill (TP1) : 2 decode (TP1)" in p.stdout.split("run 1:")[1]
 
 
 def test_plan_shows_the_draft_kv_in_its_counts():
@@ -264,3 +267,10 @@ def test_installed_wheel_finds_conf_and_recipes(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"AT {target}/pdtool/__init__.py {target}/pdtool/_data" in p.stdout
     assert "valid" in p.stdout
+
+
+def test_render_to_a_folder_it_cannot_write_names_out():
+    p = pdtool("render", "--out", "/proc/no-such/job")
+    assert p.returncode == 2, p.stderr
+    assert "--out" in p.stderr and "cannot write the job folder" in p.stderr
+    assert "internal error" not in p.stderr and "Traceback" not in p.stderr

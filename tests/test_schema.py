@@ -222,6 +222,10 @@ def test_resolved_config_yaml_round_trips():
         (["prefill.dp_attention=maybe"], "prefill.dp_attention", "takes a bool"),
         (["cluster=locl"], "cluster", "did you mean cluster=local?"),
         (["cluster=p6"], "cluster", "cluster options: dgx-h100, dgx-h200, local, p5, p5en"),
+        # the checkpoint recipe without its folder names the folder, not num_layers
+        (["+recipe=hf-local"], "model.path", "set model.path=/path/to/checkpoint"),
+        (["+recipe=hf-local", "model.path=Qwen/Qwen3-0.6B"], "model.path",
+         "hf download Qwen/Qwen3-0.6B --local-dir"),
     ],
 )
 def test_bad_input_teaches_the_fix(overrides, key, in_fix):

@@ -66,13 +66,13 @@ def _layout(t: Any) -> str:
     return f"{t.layout} ({t.layout_source}, {parts} per layer; transfer.layout does not apply)"
 
 
-def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
+def print_plan(con: Any, plan: Any, show_ranks: bool = True, headline: str = "") -> None:
     from rich.table import Table
 
     from pdtool.memory import GIB, human_bytes
 
     m, c, t = plan.model, plan.cluster, plan.transfer
-    con.print(f"[bold]{plan.recipe}[/]: {plan.description}")
+    con.print(f"[bold]{plan.recipe}[/]: {headline or plan.description}")
     heads = (
         f"MLA latent {m.kv_lora_rank}+{m.qk_rope_head_dim}"
         if m.attention == "mla"
@@ -196,6 +196,7 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pdtool.plan import PlanError, build_plan, plan_to_dict
+    from pdtool.schema import headline
 
     if args.tokens < 1:
         print("pdtool plan: --tokens must be >= 1", file=sys.stderr)
@@ -239,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
             print_findings(err, warnings)
         else:
             print_findings(con, warnings)
-            print_plan(con, plan, show_ranks=not args.no_ranks)
+            print_plan(con, plan, show_ranks=not args.no_ranks, headline=headline(r.cfg))
         codes.append(EXIT_OK)
     if args.json:
         dump_json(out if args.multirun else out[0])

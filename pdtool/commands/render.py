@@ -93,6 +93,14 @@ def render_or_explain(overrides: list[str], out: Path | None, suffix: str = "",
         err.print("[bold red]not rendered:[/]")
         print_findings(err, [error(key, msg or str(e))])
         return None, EXIT_ERRORS
+    except OSError as e:  # the job folder cannot be written there: the user's --out
+        folder = out or default_out(cfg, suffix)
+        err.print("[bold red]not rendered:[/]")
+        print_findings(err, [error("--out", f"cannot write the job folder {folder}: "
+                                   f"{e.strerror or e} ({e.filename or folder})",
+                                   "choose a folder you can write, e.g. --out ./job "
+                                   "(default: launcher.output_dir)")])
+        return None, EXIT_USAGE
 
 
 def run(args: argparse.Namespace) -> int:

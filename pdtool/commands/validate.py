@@ -72,13 +72,14 @@ def _result(run: Run) -> dict[str, Any]:
 
 def _print_run(con: Any, run: Run) -> None:
     from pdtool.memory import GIB, human_bytes
+    from pdtool.schema import headline
 
     if not run.composed:
         con.print("[bold red]config does not compose:[/]")
         print_findings(con, run.compose_findings)
         return
     cfg = run.cfg
-    con.print(f"[bold]{cfg.recipe}[/]: {cfg.description}")
+    con.print(f"[bold]{cfg.recipe}[/]: {headline(cfg)}")
     print_findings(con, run.findings)
     mem = memory_rows(run)
     for m in mem or []:
