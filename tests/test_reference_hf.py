@@ -84,6 +84,9 @@ def test_hf_local_recipe_launches_a_checkpoint_folder(tmp_path):
         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "smoke passed: stopping" in res.stdout
+    # a real checkpoint: checked against the model loaded in the launcher, no noise caveat
+    assert "smoke: checked: the text equals the model's greedy output" in res.stdout
+    assert "random weights" not in res.stdout
     plan = json.loads((tmp_path / "job" / "plan.json").read_text())
     assert plan["model"]["num_layers"] == 2 and plan["model"]["head_dim"] == 16
     assert plan["model"]["path"] == str(folder)

@@ -21,7 +21,12 @@ def test_launch_smoke_serves_one_prompt_and_exits_0(tmp_path):
          "--smoke-prompt", "Hello from the smoke test", "--out", str(tmp_path / "job")],
         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "smoke: prompt 'Hello from the smoke test'" in res.stdout
+    # the prompt's length apart from max_tokens (bytes: the built-in model's tokens)
+    assert "smoke: prompt 'Hello from the smoke test' (25 prompt tokens, max_tokens 32)" \
+        in res.stdout
+    # the text is checked against the model computed in the launcher, and said to be noise
+    assert "smoke: checked: the text equals the model's greedy output" in res.stdout
+    assert "random weights" in res.stdout
     m = re.search(r"smoke: (\d+) tokens, TTFT ([\d.]+) ms, TPOT ([\d.]+) ms", res.stdout)
     assert m and int(m.group(1)) == 32, res.stdout
     assert "smoke passed: stopping" in res.stdout

@@ -108,14 +108,18 @@ def run(args: argparse.Namespace) -> int:
     )
     smoke = None
     if args.smoke:
-        from pdtool.engines.reference.client import DEFAULT_SMOKE_PROMPT
+        from pdtool.engines.reference.client import DEFAULT_SMOKE_PROMPT, reference_oracle
         from pdtool.engines.reference.client import smoke as send
 
         prompt = args.smoke_prompt or DEFAULT_SMOKE_PROMPT
         model = rendered.cfg.model.name
+        # the reference engine's model, in this process: what the deployment must return
+        oracle = (reference_oracle(rendered.plan, prompt, 32) if rendered.spec.engine ==
+                  "reference" else "not checked: engine=sglang (tests/test_sglang_servers.py "
+                  "checks SGLang's tokens against transformers)")
 
         def smoke(url: str) -> int:
-            return send(url, prompt, model=model)
+            return send(url, prompt, model=model, oracle=oracle)
 
     return sup.run(exit_when_healthy=args.exit_when_healthy, smoke=smoke)
 

@@ -74,13 +74,48 @@ def complete(base_url: str, prompt: str, max_tokens: int = 32, model: str = "ref
 DEFAULT_SMOKE_PROMPT = "Disaggregated serving: prefill streams KV pages to the decoder, and"
 
 
+#: a checkpoint larger than this is not loaded a second time, in the launcher, to check the smoke
+ORACLE_MAX_PARAMS_B = 1.0
+
+
+@dataclass
+class Oracle:
+    """What the reference engine's model returns for the smoke prompt, computed in-process by
+    the plain single-pass path (`oracle.generate`): every deployment of it must match."""
+
+    text: str
+    prompt_tokens: int
+    random_weights: bool  # the built-in model (model.seed): the text is noise, exact all the same
+
+
+def reference_oracle(plan: Any, prompt: str, max_tokens: int) -> Oracle | str:
+    """The in-process greedy completion of `prompt`, or why it is not computed."""
+    from .fromplan import model_fields
+    from .models import build_model, model_config
+    from .oracle import generate
+    from .tokenizer import ByteTokenizer, load_tokenizer
+
+    if plan.model.path and plan.model.num_params_b > ORACLE_MAX_PARAMS_B:
+        return (f"not checked: a {plan.model.num_params_b:g} B-parameter checkpoint is not "
+                f"loaded a second time here")
+    inst = plan.role_instances("decode")[0] if plan.role_instances("decode") \
+        else plan.instances[0]
+    mcfg = model_config(model_fields(plan.model, inst.kv_dtype, inst.role))
+    tok = load_tokenizer(plan.model.path) if plan.model.path else ByteTokenizer()
+    ids = tok.encode(prompt)
+    out = generate(mcfg, ids, max_tokens, model=build_model(mcfg))
+    return Oracle(tok.decode(out), len(ids), not plan.model.path)
+
+
 def smoke(base_url: str, prompt: str = DEFAULT_SMOKE_PROMPT, max_tokens: int = 32,
-          model: str = "reference", out: Any = None) -> int:
+          model: str = "reference", out: Any = None, oracle: Oracle | str | None = None) -> int:
     """`pdtool launch --smoke`: one streamed completion through the router; prints the text with
-    TTFT and TPOT. Returns 0, or 1 after printing why it failed."""
+    TTFT and TPOT and, given the `oracle` (`reference_oracle`), whether the text is the model's
+    own greedy output. Returns 0, or 1 after printing why it failed."""
     out = out or sys.stdout
-    print(f"smoke: prompt {prompt!r} ({max_tokens} tokens) -> {base_url}/v1/completions",
-          file=out, flush=True)
+    length = f"{oracle.prompt_tokens} prompt tokens, " if isinstance(oracle, Oracle) else ""
+    print(f"smoke: prompt {prompt!r} ({length}max_tokens {max_tokens}) -> "
+          f"{base_url}/v1/completions", file=out, flush=True)
     try:
         c = complete(base_url, prompt, max_tokens, model)
     except SmokeError as exc:
@@ -88,4 +123,20 @@ def smoke(base_url: str, prompt: str = DEFAULT_SMOKE_PROMPT, max_tokens: int = 3
         return 1
     print(f"smoke: generated {c.text!r}", file=out)
     print(f"smoke: {c.summary()}", file=out, flush=True)
+    if isinstance(oracle, Oracle):
+        if c.text != oracle.text:
+            pairs = zip(c.text, oracle.text, strict=False)  # the first character that differs
+            at = next((i for i, (a, b) in enumerate(pairs) if a != b),
+                      min(len(c.text), len(oracle.text)))
+            print(f"pdtool: ERROR: smoke output differs from the model's own greedy output "
+                  f"from character {at}: served {c.text[at:at + 20]!r}, expected "
+                  f"{oracle.text[at:at + 20]!r} (KV corrupted in transfer?)", file=sys.stderr,
+                  flush=True)
+            return 1
+        noise = (" (random weights, model.seed: the text is noise, but exactly the model's)"
+                 if oracle.random_weights else "")
+        print(f"smoke: checked: the text equals the model's greedy output computed in this "
+              f"process{noise}", file=out, flush=True)
+    elif oracle:
+        print(f"smoke: {oracle}", file=out, flush=True)
     return 0
