@@ -144,6 +144,9 @@ def test_starts_waits_for_health_and_stops_on_signal(how: str, tmp_path: Path) -
         assert "healthy: decode-1.r0" in out
         if how == "supervisor":  # the reference engine's KV is host memory
             assert "pdtool: preflight: GPU memory: host memory" in out
+            # the last line says everything stopped
+            assert "stopped: every process of the deployment has exited" in \
+                out.strip().splitlines()[-1], out
     finally:
         run.kill_everything()
 

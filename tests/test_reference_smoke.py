@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 
 from pdtool.engines.reference.local import free_port, free_port_run
 
@@ -62,3 +65,35 @@ def test_a_taken_bootstrap_port_is_one_clear_line_and_the_launch_stops_at_once(t
             f"instance 0): bind_host/port: cannot listen on 127.0.0.1:{port}") in out
     assert "Traceback" not in out
     assert "SIGKILL" not in out and "ignored SIGTERM" not in out, out
+
+
+def test_the_ready_banner_shows_a_request_that_works(tmp_path):
+    """Without --smoke the ready banner names the served model and prints a curl line; that
+    request, as printed, is answered; Ctrl-C ends with a line saying everything stopped."""
+    ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
+             f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
+             f"decode.dist_init_port={free_port()}", f"prefill.bootstrap_port={free_port()}"]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "pdtool.cli", "launch", "+recipe=tiny-local", *ports,
+         "--out", str(tmp_path / "job")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        lines = []
+        for line in p.stdout:
+            lines.append(line)
+            if "curl -s" in line:
+                break
+        m = re.search(r"curl -s (\S+) -H 'Content-Type: application/json' -d '(.+)'", line)
+        assert m and any("model 'tiny-gqa'" in x for x in lines), lines
+        req = urllib.request.Request(m.group(1), data=m.group(2).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 16
+        os.kill(p.pid, signal.SIGINT)
+        out, _ = p.communicate(timeout=120)
+        assert out.strip().splitlines()[-1].endswith(
+            "stopped: every process of the deployment has exited"), out
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

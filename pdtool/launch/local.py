@@ -15,6 +15,7 @@ launcher.setup's lines and launcher.venv's activation shape both one's processes
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import signal
@@ -86,8 +87,9 @@ class Supervisor:
     def __init__(self, spec: LaunchSpec, run_dir: Path, out: TextIO = sys.stdout,
                  stop_grace: float = 30.0, health_timeout: float = 900.0,
                  preflight: bool = False, watchdog_s: float = 0.0,
-                 restart: RestartPolicy | None = None) -> None:
+                 restart: RestartPolicy | None = None, model: str = "") -> None:
         self.spec = spec
+        self.model = model  # the served model id (model.name), for the ready banner
         self.run_dir = Path(run_dir).resolve()
         self.out = out
         self.stop_grace = stop_grace
@@ -116,7 +118,7 @@ class Supervisor:
         lc = rendered.cfg.launcher
         return cls(rendered.spec, rendered.out, out=out, stop_grace=lc.stop_grace_s,
                    health_timeout=lc.health_timeout_s, preflight=preflight,
-                   watchdog_s=lc.watchdog_s, restart=restart)
+                   watchdog_s=lc.watchdog_s, restart=restart, model=rendered.cfg.model.name)
 
     def say(self, msg: str) -> None:
         print(f"[pdtool {time.strftime('%H:%M:%S')}] {msg}", file=self.out, flush=True)
@@ -232,6 +234,10 @@ class Supervisor:
             for r in self.running:
                 print(f"  {r.proc.name:<{width}}  pid {r.popen.pid:<7}  {r.log}",
                       file=self.out, flush=True)
+            if self.model and smoke is None and not self.preflight:
+                body = json.dumps({"model": self.model, "prompt": "Hello", "max_tokens": 16})
+                print(f"  model {self.model!r}; try:\n    curl -s {url}/v1/completions -H "
+                      f"'Content-Type: application/json' -d '{body}'", file=self.out, flush=True)
             if smoke is not None:
                 code = smoke(url)
                 if code == 0 and self.dead():
@@ -258,6 +264,8 @@ class Supervisor:
                 signal.signal(sig, force)
             try:
                 self.stop_all()
+                if self.running:
+                    self.say("stopped: every process of the deployment has exited")
             finally:
                 for s, h in old.items():
                     signal.signal(s, h)
