@@ -128,3 +128,17 @@ def test_the_model_context_length_bounds_what_the_front_takes():
     # the model's own limit (none for the built-in model)
     assert spec.context == 1000 == prefill.context
     assert decode_context(spec, prefill.num_pages * prefill.page_size, 0) == 1000
+
+
+def test_each_rank_runs_on_its_plan_gpu(secret):
+    """On a GPU cluster every rank gets its plan GPU as its device (a bare "cuda" put every
+    rank of a node on GPU 0); on cpu, cpu."""
+    plan = build_plan(recipe("tiny-local", "cluster=dgx-h100", "transfer=tcp", "prefill.tp=2"))
+    got = {(i.role, i.index, r.rank): spec_from_context(_ctx(plan, i.role, i.index,
+                                                             r.rank)).device
+           for i in plan.instances for r in i.ranks}
+    assert got == {(i.role, i.index, r.rank): f"cuda:{r.gpu}"
+                   for i in plan.instances for r in i.ranks}
+    assert sorted(got.values()) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    local = build_plan(recipe("tiny-local"))
+    assert spec_from_context(_ctx(local, "decode", 1)).device == "cpu"

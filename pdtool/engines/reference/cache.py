@@ -75,9 +75,10 @@ class PagedKV:
     ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"transfer.layout: expected one of {LAYOUTS}, got {layout!r}")
-        if device not in ("cpu", "cuda"):
+        kind = device.split(":", 1)[0]  # cuda:N: the rank's GPU (the current device)
+        if kind not in ("cpu", "cuda"):
             raise ValueError(f"cluster.device: expected cpu or cuda, got {device!r}")
-        if device == "cuda" and layout != "HND":
+        if kind == "cuda" and layout != "HND":
             raise ValueError("transfer.layout: the GPU path reads FlashInfer's HND pages; "
                              "set transfer.layout=HND")
         self.device = device
@@ -94,7 +95,7 @@ class PagedKV:
             b.permute(0, 3, 2, 1, 4) for b in self.buffers]
         # the prefill's per-layer progress word (transfer.progress), polled by its messenger
         self.progress = ProgressWord()
-        if device == "cuda":
+        if kind == "cuda":
             # the GPU reads and writes the very pages the messenger registers (mapped pinned
             # host memory, transfer.cudahost): no staged copy, FlashInfer reads what arrived
             from transfer.cudahost import device_alias

@@ -118,7 +118,8 @@ def spec_from_context(ctx: Any) -> RankSpec:
         rank=rank.rank, host=ctx.host,
         leader_host=_host_of(inst.nodes[0], ctx.host), dist_port=inst.dist_init_port,
         http_port=inst.http_port, page_size=inst.page_size, layout=inst.kv_layout,
-        device=plan.cluster.device,
+        # each rank on its plan GPU: bare "cuda" put every rank of the node on GPU 0
+        device=f"cuda:{rank.gpu}" if plan.cluster.device == "cuda" else plan.cluster.device,
         num_pages=pages,
         chunk=inst.chunked_prefill_size, max_running=inst.max_running_requests,
         model=fields, secret_hex=_secret_hex(), context=plan.model.context_length,

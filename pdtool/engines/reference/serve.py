@@ -59,6 +59,8 @@ def _init(spec: RankSpec) -> tuple[Coord, TP]:
     from .model import TP
 
     torch.set_num_threads(1)
+    if spec.device.startswith("cuda"):  # kernels that take the current device use the rank's
+        torch.cuda.set_device(torch.device(spec.device))
     keep_freed_memory()  # each pass's temporaries stay mapped (heap.py)
     if spec.tp > 1:
         dist.init_process_group(

@@ -29,7 +29,7 @@ class RankSpec:
     http_port: int = 0
     page_size: int = 4
     layout: str = "HND"  # the KV pages' layout (the role's kv_layout = transfer.layout)
-    device: str = "cpu"  # cluster.device: cpu, or cuda (weights on the GPU, FlashInfer decode)
+    device: str = "cpu"  # cpu, or cuda:N, the rank's plan GPU (weights there, FlashInfer decode)
     num_pages: int = MAX_KV_PAGES
     chunk: int = 16
     max_running: int = 0  # requests in flight at once (role.max_running_requests); 0: default
