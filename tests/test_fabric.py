@@ -981,3 +981,24 @@ def test_shm_dead_peer_stalls_others_until_reset(provider):
                 if proc.is_alive():
                     proc.kill()
                 proc.join()
+
+
+def _fi_version(major: int, minor: int) -> int:
+    return (major << 16) | minor
+
+
+def test_device_memory_domains_ask_for_the_api_that_lets_efa_take_dma_bufs():
+    """EFA accepts FI_MR_DMABUF only at API >= 1.20 and answers -FI_EBADFLAGS below, which
+    failed every KV registration while the binding asked for 1.18. With FI_HMEM the binding now
+    asks for the highest version both its headers and the library know (1.x: at most 1.22);
+    dma-bufs are tried only at >= 1.20, and EBADFLAGS falls back to registering the address."""
+    from transfer.fabric import _lib as lib
+
+    assert lib.pd_api_version(0) == _fi_version(1, 17)
+    want = min(lib.pd_header_version(), lib.pd_library_version(), _fi_version(1, 22))
+    assert lib.pd_api_version(1) == max(want, _fi_version(1, 17))
+    assert not lib.pd_dmabuf_allowed(_fi_version(1, 19))
+    assert bool(lib.pd_dmabuf_allowed(_fi_version(1, 20))) == bool(lib.pd_have_dmabuf())
+    for err in (lib.PD_EBADFLAGS, lib.PD_ENOSYS, lib.PD_EOPNOTSUPP, lib.PD_EINVAL):
+        assert lib.pd_dmabuf_falls_back(-err), err
+    assert not lib.pd_dmabuf_falls_back(-lib.PD_EIO)  # a broken buffer is an error, not a way

@@ -18,17 +18,37 @@ int pd_have_dmabuf(void) {
 
 int pd_have_cuda_api_permitted(void) { return PD_HAVE_CUDA_API_PERMITTED; }
 
-/* FI_VERSION for fi_getinfo. 1.17 (what the binding was written against) unless FI_HMEM is
-   asked for and both the headers and the library are 1.18 or newer: from 1.18 providers
-   interpret FI_HMEM with FI_OPT_CUDA_API_PERMITTED and report FI_HMEM per domain. */
-static uint32_t pd_api_version(int want_hmem) {
+/* FI_VERSION for fi_getinfo. Without FI_HMEM: 1.17, what the binding was written against.
+   With FI_HMEM: the highest version both the headers and the library know, up to PD_API_MAX.
+   Providers gate behaviour on it: from 1.18 they interpret FI_HMEM with
+   FI_OPT_CUDA_API_PERMITTED and report FI_HMEM per domain, and EFA accepts FI_MR_DMABUF only
+   from 1.20 (efa_mr_regattr_validate, since v1.21; below it -FI_EBADFLAGS, which failed every
+   KV registration when the binding asked for 1.18). PD_API_MAX keeps the 1.x semantics the
+   binding was tested with when the library is 2.x (2.0 changed mode bits and MR defaults). */
+#define PD_API_MAX FI_VERSION(1, 22)
+uint32_t pd_api_version(int want_hmem) {
     uint32_t v = FI_VERSION(1, 17);
-#if FI_VERSION_GE(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION), FI_VERSION(1, 18))
-    if (want_hmem && FI_VERSION_GE(fi_version(), FI_VERSION(1, 18))) v = FI_VERSION(1, 18);
+    if (!want_hmem) return v;
+    uint32_t best = FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION);
+    uint32_t lib = fi_version();
+    if (FI_VERSION_LT(lib, best)) best = lib;
+    if (FI_VERSION_LT(PD_API_MAX, best)) best = PD_API_MAX;
+    return FI_VERSION_LT(best, v) ? v : best;
+}
+
+/* The libfabric version this binding was compiled against (its headers). */
+uint32_t pd_header_version(void) { return FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION); }
+uint32_t pd_library_version(void) { return fi_version(); }
+
+/* Whether a domain opened at API `api` may register CUDA memory as a dma-buf
+   (FI_MR_DMABUF): the flag exists from 1.20, and EFA refuses it below. */
+int pd_dmabuf_allowed(uint32_t api) {
+#ifdef FI_MR_DMABUF
+    return FI_VERSION_GE(api, FI_VERSION(1, 20));
 #else
-    (void)want_hmem;
+    (void)api;
+    return 0;
 #endif
-    return v;
 }
 
 static struct fi_info *pd_pick(struct fi_info *list, const char *prov, const char *domain) {
@@ -127,6 +147,7 @@ int pd_domain_open(pd_dom **out, const char *prov, const char *domain, const cha
         return ret ? ret : -FI_ENODATA;
     }
     struct fi_info *fi = dom->info;
+    dom->api = version;
     dom->hmem = (fi->caps & FI_HMEM) != 0;
     ret = fi_fabric(fi->fabric_attr, &dom->fabric, NULL);
     if (ret) { pd_seterr(errbuf, errlen, "fi_fabric", ret); pd_domain_release(dom); return ret; }

@@ -25,6 +25,14 @@ static int pd_mr_bind(pd_ep *ep, struct fid_mr *mr, uint64_t access, char *errbu
     return 0;
 }
 
+/* Whether a refused dma-buf registration falls back to registering the address: the provider
+   or its API level does not take dma-bufs this way (EFA answers -FI_EBADFLAGS to FI_MR_DMABUF
+   below API 1.20), not a broken buffer. */
+int pd_dmabuf_falls_back(int ret) {
+    return ret == -FI_ENOSYS || ret == -FI_EOPNOTSUPP || ret == -FI_EINVAL
+        || ret == -FI_EBADFLAGS;
+}
+
 #ifdef FI_MR_DMABUF
 /* CUDA memory as a dma-buf (the kernel's way to share device memory with the NIC, no
    nvidia-peermem needed). 1 = registered, 0 = not possible here (caller falls back to the
@@ -34,6 +42,7 @@ static int pd_reg_dmabuf(pd_dom *dom, struct fi_mr_attr *attr, void *addr, size_
     int fd = -1;
     uint64_t off = 0;
     char why[200];
+    if (!pd_dmabuf_allowed(dom->api)) return 0;
     if (pd_cuda_dmabuf_fd(addr, len, &fd, &off, why, sizeof(why))) return 0;
     struct fi_mr_dmabuf dmabuf = {
         .fd = fd, .offset = off, .len = len, .base_addr = (char *)addr - off,
@@ -42,7 +51,7 @@ static int pd_reg_dmabuf(pd_dom *dom, struct fi_mr_attr *attr, void *addr, size_
     a.dmabuf = &dmabuf;
     int ret = fi_mr_regattr(dom->domain, &a, FI_MR_DMABUF | FI_HMEM_DEVICE_ONLY, mr);
     close(fd);  /* the registration holds its own reference to the buffer */
-    if (ret == -FI_ENOSYS || ret == -FI_EOPNOTSUPP || ret == -FI_EINVAL) return 0;
+    if (pd_dmabuf_falls_back(ret)) return 0;
     return ret ? ret : 1;
 }
 #endif

@@ -49,6 +49,8 @@ struct pd_err {
 #define PD_EINVAL FI_EINVAL
 #define PD_ENOSYS FI_ENOSYS
 #define PD_EOPNOTSUPP FI_EOPNOTSUPP
+#define PD_EBADFLAGS FI_EBADFLAGS
+#define PD_EIO FI_EIO
 #define PD_HMEM_SYSTEM FI_HMEM_SYSTEM
 #define PD_HMEM_CUDA FI_HMEM_CUDA
 #define PD_ACCESS_LOCAL_WRITE (FI_WRITE | FI_READ)
@@ -65,6 +67,11 @@ int pd_offers_hmem(const char *prov, const char *domain, const char *node, const
 const char *pd_strerror(int err);
 /* compiled against headers with FI_MR_DMABUF / FI_OPT_CUDA_API_PERMITTED (1 or 0) */
 int pd_have_dmabuf(void);
+uint32_t pd_api_version(int want_hmem);
+uint32_t pd_header_version(void);
+uint32_t pd_library_version(void);
+int pd_dmabuf_allowed(uint32_t api);
+int pd_dmabuf_falls_back(int ret);
 int pd_have_cuda_api_permitted(void);
 
 /* endpoint.c: CQ, AV, endpoint on a domain (step 2), peers and settings */

@@ -32,6 +32,7 @@ struct pd_dom {
     int refs;
     int want_remote_cntr;
     int hmem;
+    uint32_t api;  /* the FI_VERSION the domain was opened at (pd_api_version) */
 };
 
 /* One outstanding local write: the provider hands `ctx` back in the completion, so the tag rides
