@@ -182,7 +182,7 @@ def _fill_from_checkpoint(raw: Any) -> None:
     cannot say what they are."""
     from omegaconf import OmegaConf
 
-    from pdtool.engines.reference.checkpoint import CheckpointError, plan_fields, read_arch
+    from pdtool.arch import CheckpointError, plan_fields, read_arch
 
     model = raw.get("model")
     if model is None:

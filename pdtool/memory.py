@@ -7,14 +7,15 @@ replicated in each of the `dp` groups. `mem_fraction` is SGLang's `--mem-fractio
 the share of GPU memory for weights + KV pool, so KV budget = memory x fraction - weights.
 
 Pure arithmetic on the typed config, no torch; the one engine fact here is the reference
-engine's own KV cap (`engines.reference.limits`, torch-free), so the plan shows what it allocates.
+engine's own KV cap (`pdtool.reference_limits`, torch-free), so the plan shows what it
+allocates.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdtool.engines.reference.limits import MAX_KV_PAGES
+from pdtool.reference_limits import MAX_KV_PAGES
 from pdtool.schema import (
     DTYPE_BYTES,
     ROLES,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from pdtool_cfg import recipe
 
+from pdtool.arch import plan_fields, read_arch
 from pdtool.checkpoints import ensure
-from pdtool.engines.reference.checkpoint import plan_fields, read_arch
 
 
 @pytest.mark.parametrize("recipe_name", ["sglang-local"])

@@ -9,8 +9,9 @@ a seeded generator, runs it, and checks the invariants of the failure model:
   PONG, the decoder's PINGs) with the control plane's fault hook (`PDTOOL_CONTROL_FAULTS`);
 * the survivor fails exactly the affected requests (the faulty instance's, or those whose
   REQUEST was lost; of a stalled instance, which resumes once one of its transfers failed, at
-  least one, the others finishing byte-exact) with a clear reason, detected within the configured timeout and settled
-  (pages free) within the fencing bound; every other request succeeds byte for byte;
+  least one, the others finishing byte-exact) with a clear reason, detected within the
+  configured timeout and settled (pages free) within the fencing bound; every other request
+  succeeds byte for byte;
 * follow-up requests reuse the very destination pages of the first wave (failed ones included)
   and read them byte-exact: no late write corrupts a reused page;
 * afterwards every decoder slot is free, nothing is quarantined, and a surviving prefill holds

@@ -101,7 +101,7 @@ def test_kv_pages_are_what_the_plan_shows():
     """The plan's KV tokens are what a reference rank allocates: at most MAX_KV_PAGES pages
     (the plan says it is the cap), and below the cap the budget decides, so mem_fraction
     changes what runs."""
-    from pdtool.engines.reference.limits import MAX_KV_PAGES
+    from pdtool.reference_limits import MAX_KV_PAGES
 
     plan = build_plan(recipe("tiny-local"))
     decode = {m.role: m for m in plan.memory}["decode"]

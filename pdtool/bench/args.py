@@ -5,6 +5,7 @@ the login node. No I/O here, so the rules can import it."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # -- arguments -> settings ---------------------------------------------------------------------
 
-def _paces(args: argparse.Namespace) -> list[Any]:
-    from pdtool.bench.load import Pace
+@dataclass(frozen=True)
+class Pace:
+    """How requests are released: `concurrency` in flight, or Poisson arrivals at `rate`/s."""
 
+    concurrency: int | None = None
+    rate: float | None = None
+
+    def __str__(self) -> str:
+        return f"concurrency {self.concurrency}" if self.concurrency else f"rate {self.rate:g}/s"
+
+    @property
+    def label(self) -> str:
+        return f"c{self.concurrency}" if self.concurrency else f"r{self.rate:g}"
+
+
+
+def _paces(args: argparse.Namespace) -> list[Any]:
     if args.rate:
         vals = _numbers(args.rate, "--rate", float)
         if any(not v > 0 for v in vals):

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from pdtool.bench.args import Pace
 from pdtool.bench.stats import Record
 
 
@@ -32,21 +33,6 @@ class Request:
     # token ids, or their text where the front takes no ids (sglang-router: `text_prompts`)
     prompt: list[int] | str
     max_tokens: int
-
-
-@dataclass(frozen=True)
-class Pace:
-    """How requests are released: `concurrency` in flight, or Poisson arrivals at `rate`/s."""
-
-    concurrency: int | None = None
-    rate: float | None = None
-
-    def __str__(self) -> str:
-        return f"concurrency {self.concurrency}" if self.concurrency else f"rate {self.rate:g}/s"
-
-    @property
-    def label(self) -> str:
-        return f"c{self.concurrency}" if self.concurrency else f"r{self.rate:g}"
 
 
 def client(url: str, timeout_s: float) -> Any:

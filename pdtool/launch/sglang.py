@@ -16,12 +16,10 @@ from pdtool.launch.backends import rdma_provider
 from pdtool.launch.health import WATCHDOG_MISSES
 from pdtool.launch.shell import Var, Word, word
 from pdtool.plan import InstancePlan, Plan, RankPlan, gpu_numa
+from pdtool.rules.sglang import SGLANG_KV_DTYPES
 from pdtool.schema import Config
 from transfer.sglang import BACKEND_NAME
 
-#: pdtool KV dtype names -> SGLang 0.5.23 --kv-cache-dtype choices (it has no fp16/fp32 cache:
-#: validate refuses those for engine=sglang, rules.launch)
-SGLANG_KV_DTYPES = {"bf16": "bfloat16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 #: model.dtype -> SGLang's --dtype (fp8 checkpoints keep SGLang's own choice: their
 #: quantization config says how the weights are stored)
 SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

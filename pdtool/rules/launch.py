@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import re
 
-from pdtool.launch.sglang import SGLANG_KV_DTYPES
 from pdtool.plan import placements
 from pdtool.rules.finding import Finding, error, warning
+from pdtool.rules.sglang import SGLANG_KV_DTYPES
 from pdtool.schema import Config
 
 _MEM = re.compile(r"^[0-9]+[KMGT]?$")

@@ -1,13 +1,14 @@
 """What pdtool's reference CPU engine can run, for validate (only for `engine.kind=reference`).
 
-The checks live beside the engine (`pdtool.engines.reference.limits`, torch-free) and also guard
-its workers at start-up; here they become findings, so `validate` rejects a deployment the
-engine would refuse before anything is launched.
+The checks live in `pdtool.reference_limits` (torch-free; rules import no engine code,
+tests/test_layers.py) and also guard the engine's workers at start-up; here they become
+findings, so `validate` rejects a deployment the engine would refuse before anything is
+launched.
 """
 
 from __future__ import annotations
 
-from pdtool.engines.reference.limits import instance_problems, model_problems
+from pdtool.reference_limits import instance_problems, model_problems
 from pdtool.rules.finding import Finding, error
 from pdtool.schema import ROLES, Config, kv_dtype, role
 

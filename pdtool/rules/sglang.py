@@ -35,6 +35,10 @@ from transfer.routes import RouteError
 
 #: SGLang flags whose extra KV state the backend does not carry (its start-up error says the
 #: same); flag -> what it enables. Size flags count only when set above 1.
+#: pdtool KV dtype names -> SGLang 0.5.23 --kv-cache-dtype choices (it has no fp16/fp32 cache:
+#: validate refuses those for engine=sglang, rules.launch); pdtool.launch.sglang writes them
+SGLANG_KV_DTYPES = {"bf16": "bfloat16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
 UNSUPPORTED_FLAGS = {
     "--pp-size": "pipeline parallelism",
     "--pipeline-parallel-size": "pipeline parallelism",

@@ -30,8 +30,8 @@ import select
 import threading
 from collections.abc import Callable
 
-from transfer.messenger.common import CommandQueue
 from transfer.slots import SlotTable
+from transfer.wakeups import CommandQueue
 
 logger = logging.getLogger(__name__)
 

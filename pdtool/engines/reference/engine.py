@@ -19,10 +19,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from pdtool.reference_limits import AUX_ROWS, DEFAULT_MAX_RUNNING
 from transfer.routes import pages_for
 
 from .cache import PagedKV
-from .limits import AUX_ROWS, DEFAULT_MAX_RUNNING
 from .model import EOS, Batch, TinyModel
 
 log = logging.getLogger("pdtool.reference.engine")

@@ -11,9 +11,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from pdtool.reference_limits import (
+    MAX_KV_PAGES,
+    TORCH_KV_DTYPES,
+    instance_problems,
+    model_problems,
+)
 from transfer import workerenv
 
-from .limits import MAX_KV_PAGES, TORCH_KV_DTYPES, instance_problems, model_problems
 from .spec import RankSpec
 
 ALLOW_FAULTS_ENV = "PDTOOL_REFERENCE_ALLOW_FAULTS"
@@ -32,7 +37,7 @@ def _raise_first(problems: list[tuple[str, str]]) -> None:
 def model_fields(model: Any, kv_dtype: str, role: str = "prefill") -> dict[str, Any]:
     """`models.model_config` fields from the plan's model summary: a checkpoint folder
     (`model.path`), or the built-in model's TinyConfig (MLA: nope and v dims = head_dim)."""
-    from .checkpoint import is_local
+    from pdtool.arch import is_local
 
     _raise_first(model_problems(model, kv_dtype, role))
     if is_local(model.path):
@@ -95,7 +100,7 @@ def pair_of(plan: Any, decode_index: int) -> int:
 
 def spec_from_context(ctx: Any) -> RankSpec:
     """RankSpec of a worker (`pdtool.worker.WorkerContext`): plan + role + instance + rank."""
-    from .checkpoint import is_local
+    from pdtool.arch import is_local
 
     plan = ctx.plan
     if ctx.role == "router":

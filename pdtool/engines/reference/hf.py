@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
+from pdtool.arch import Arch, read_arch
 from transfer.routes import ShardSpec
 
-from .checkpoint import Arch, read_arch
 from .model import _DTYPES, TP, Batch, PassTables, TinyModel, _cols, _rows, check_head_groups
 from .tokenizer import eos_ids
 

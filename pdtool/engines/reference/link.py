@@ -29,9 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from pdtool.reference_limits import AUX_ROWS
+
 from .cache import PagedKV
 from .health import read_health
-from .limits import AUX_ROWS
 from .model import TinyModel
 
 log = logging.getLogger("pdtool.reference.link")

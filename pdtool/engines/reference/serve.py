@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from pdtool.reference_limits import AUX_ROWS, DEFAULT_MAX_RUNNING
+
 from .health import HealthServer
-from .limits import AUX_ROWS, DEFAULT_MAX_RUNNING
 from .spec import RankSpec
 from .wire import Wire, router
 

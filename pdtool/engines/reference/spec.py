@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .limits import MAX_KV_PAGES
+from pdtool.reference_limits import MAX_KV_PAGES
 
 if TYPE_CHECKING:
     from .models import ModelConfig

@@ -23,7 +23,7 @@ MAX_KV_PAGES = 4096
 def checkpoint_problems(model: Any) -> list[tuple[str, str]]:
     """`model.path`: a checkpoint folder the engine runs, whose config.json the model.* keys
     agree with (the plan sizes memory from the keys, the engine loads the folder)."""
-    from .checkpoint import CheckpointError, plan_fields, read_arch
+    from pdtool.arch import CheckpointError, plan_fields, read_arch
 
     try:
         fields = plan_fields(read_arch(model.path))
@@ -48,7 +48,7 @@ def model_problems(model: Any, kv_dtype: str, role: str) -> list[tuple[str, str]
         out.append(("model.num_experts",
                     f"the reference engine runs dense models (an MLP without experts; a MoE "
                     f"model runs with engine=sglang), got {model.num_experts}"))
-    from .checkpoint import is_local
+    from pdtool.arch import is_local
 
     if is_local(model.path):
         if model.seed:

@@ -1,10 +1,12 @@
 """A Hugging Face checkpoint folder's `config.json`, read into what the reference engine runs.
 
-Torch-free (the front and `pdtool validate` import it). The reference engine runs the decoder-only
-architectures it implements exactly: Llama, Qwen2 and Qwen3 (GQA, RMSNorm, SwiGLU, RoPE with
-`default`, `linear` or `llama3` scaling, Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm,
-tied embeddings). Anything else is a `CheckpointError` naming the field of config.json, so a
-checkpoint the engine would compute differently from transformers never starts.
+Torch-free and engine-neutral: composition fills `model.*` from it (`pdtool.compose`), the
+reference engine loads what it describes (`engines.reference.hf`). That engine runs the
+decoder-only architectures it implements exactly: Llama, Qwen2 and Qwen3 (GQA, RMSNorm,
+SwiGLU, RoPE with `default`, `linear` or `llama3` scaling, Qwen2's q/k/v biases, Qwen3's
+per-head q/k RMSNorm, tied embeddings). Anything else is a `CheckpointError` naming the field
+of config.json, so a checkpoint the engine would compute differently from transformers never
+starts.
 
 `plan_fields` maps the same numbers onto the `model.*` config keys, so a plan of a checkpoint
 folder sizes exactly the model the engine loads.
