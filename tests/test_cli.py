@@ -274,3 +274,17 @@ def test_render_to_a_folder_it_cannot_write_names_out():
     assert p.returncode == 2, p.stderr
     assert "--out" in p.stderr and "cannot write the job folder" in p.stderr
     assert "internal error" not in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_gpu_preset_on_launcher_local_is_compared_with_this_machine(tmp_path):
+    """cluster=p5 (8 GPUs, CPUs 0-191) validated clean on this 2-core, GPU-less machine and
+    then died in numactl; validate and launch now compare the preset with the machine."""
+    args = ("+recipe=llama-3.1-70b", "launcher=local", "decode.instances=1", "prefill.tp=4")
+    p = pdtool("validate", *args, "--json")
+    found = {f["key"]: f for f in json.loads(p.stdout)["findings"]}
+    assert p.returncode == 1 and "use cluster=local" in found["cluster"]["fix"], p.stdout
+    assert "has 8 GPUs per node; this machine has 0" in found["cluster"]["message"]
+    assert "0-191" in found["cluster.numa_cpus"]["message"]
+    p = pdtool("launch", *args, "--out", str(tmp_path / "job"))
+    assert p.returncode == 1 and "not started" in p.stderr and "use cluster=local" in p.stderr
+    assert pdtool("validate", "+recipe=tiny-local").returncode == 0  # the local preset fits

@@ -76,6 +76,15 @@ def run(args: argparse.Namespace) -> int:
         print_dry_run(rendered)
         print("(dry run: nothing written, nothing started)")
         return 0
+    if rendered.spec.launcher == "local":
+        from pdtool.commands._common import EXIT_ERRORS, console, print_findings
+        from pdtool.launch.host import host_findings
+
+        if mismatch := host_findings(rendered.cfg):
+            err = console(stderr=True)
+            err.print("[bold red]not started:[/] this machine does not match the cluster preset")
+            print_findings(err, mismatch)
+            return EXIT_ERRORS
     if args.smoke and rendered.spec.launcher != "local":
         print("pdtool: ERROR: --smoke runs the deployment on this machine (launcher=local); "
               "for Slurm, launch it and send a request to the router")

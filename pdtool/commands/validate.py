@@ -102,7 +102,12 @@ def _print_run(con: Any, run: Run) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pdtool.launch.host import host_findings
+
     runs = load_runs(args)
+    for r in runs:  # launcher=local: the preset against this machine
+        if r.cfg is not None:
+            r.findings += host_findings(r.cfg)
     if args.json:
         results = [_result(r) for r in runs]
         dump_json(results if args.multirun else results[0])

@@ -1,0 +1,44 @@
+"""Does this machine match the cluster preset a local deployment names?
+
+`launcher=local` runs every process here, bound to the preset's GPUs and CPUs. A GPU preset
+(cluster=p5, 8 GPUs, CPUs 0-191) validated clean on a 2-core machine without GPUs and then
+died in numactl ("<0-47,96-143> is invalid", 40 lines of usage). Not a rule: rules are pure
+functions of the config, and this reads the machine (`pdtool validate` and `pdtool launch`
+call it for launcher=local).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pdtool.launch.resources import node_cpus
+from pdtool.plan import compress_cpus
+from pdtool.rules.finding import Finding, error
+from pdtool.schema import Config
+
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per GPU the driver knows
+FIX = ("on this machine use cluster=local (CPU workers), or run the deployment on the cluster "
+       "it describes with launcher=slurm")
+
+
+def gpus_here() -> int:
+    return len(list(NVIDIA_GPUS.iterdir())) if NVIDIA_GPUS.is_dir() else 0
+
+
+def host_findings(cfg: Config) -> list[Finding]:
+    """Errors naming what the preset wants that this machine lacks (launcher=local only)."""
+    if cfg.launcher.kind != "local":
+        return []
+    c, out = cfg.cluster, []
+    if c.device == "cuda" and (n := gpus_here()) < c.gpus_per_node:
+        out.append(error("cluster", f"cluster={c.name} has {c.gpus_per_node} GPUs per node; "
+                                    f"this machine has {n}", FIX))
+    here = os.sched_getaffinity(0)
+    want = node_cpus(cfg)
+    if missing := [x for x in want if x not in here]:
+        out.append(error("cluster.numa_cpus",
+                         f"cluster={c.name} binds workers to CPUs {compress_cpus(want)}; this "
+                         f"machine lets pdtool use CPUs {compress_cpus(sorted(here))} "
+                         f"({len(missing)} missing)", FIX))
+    return out
