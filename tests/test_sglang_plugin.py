@@ -111,3 +111,20 @@ def test_validate_accepts_size_one_and_unrelated_sglang_flags() -> None:
     cfg = recipe("llama-3.1-70b", "prefill.tp=4")
     cfg.decode.extra_args = ["--pp-size", "1", "--attn-cp-size=1", "--trust-remote-code"]
     assert not [f for f in validate(cfg) if f.severity == "error"]
+
+
+@pytest.mark.parametrize(("key", "argv", "typed"), [
+    ("decode.extra_args", ["--page-size", "32"], "decode.page_size"),
+    ("prefill.extra_args", ["--tp=2"], "prefill.tp"),
+    ("engine.extra_args", ["--kv-cache-dtype", "fp8_e5m2"], "prefill/decode.kv_dtype"),
+    ("engine.extra_args", ["--disaggregation-transfer-backend", "nixl"], "transfer.backend"),
+])
+def test_validate_refuses_flags_pdtool_renders_naming_the_key(key, argv, typed) -> None:
+    """A flag pdtool renders from a typed key, repeated in extra_args, silently won (SGLang
+    keeps the last value): the plan and the backend's write counts described another
+    deployment. Refused, naming the key to set instead."""
+    cfg = recipe("llama-3.1-70b", "prefill.tp=4")
+    group, field = key.split(".")
+    setattr(getattr(cfg, group), field, argv)
+    f = assert_error(cfg, key, f"rendered from {typed}")
+    assert f"set {typed}" in f.fix

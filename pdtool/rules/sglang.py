@@ -33,12 +33,12 @@ from transfer.geometry import (
 )
 from transfer.routes import RouteError
 
-#: SGLang flags whose extra KV state the backend does not carry (its start-up error says the
-#: same); flag -> what it enables. Size flags count only when set above 1.
 #: pdtool KV dtype names -> SGLang 0.5.23 --kv-cache-dtype choices (it has no fp16/fp32 cache:
 #: validate refuses those for engine=sglang, rules.launch); pdtool.launch.sglang writes them
 SGLANG_KV_DTYPES = {"bf16": "bfloat16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
+#: SGLang flags whose extra KV state the backend does not carry (its start-up error says the
+#: same); flag -> what it enables. Size flags count only when set above 1.
 UNSUPPORTED_FLAGS = {
     "--pp-size": "pipeline parallelism",
     "--pipeline-parallel-size": "pipeline parallelism",
@@ -55,6 +55,59 @@ def _flag_values(argv: list[str]) -> dict[str, str]:
         if name in UNSUPPORTED_FLAGS:
             nxt = argv[i + 1] if i + 1 < len(argv) else ""
             out[name] = value if eq else ("" if nxt.startswith("--") else nxt)
+    return out
+
+
+#: SGLang 0.5.23 flags pdtool.launch.sglang renders from typed keys (and their aliases) -> the
+#: key ("{role}": the role whose extra_args hold it). SGLang keeps the last value of a repeated
+#: flag, so one in extra_args silently replaced the plan's: `decode.extra_args=[--page-size,32]`
+#: validated clean and the backend counted writes for the plan's page size.
+RENDERED_FLAGS = {
+    "--model-path": "model.path", "--model": "model.path",
+    "--served-model-name": "model.name",
+    "--disaggregation-mode": "mode (each instance's role)",
+    "--disaggregation-transfer-backend": "transfer.backend",
+    "--disaggregation-bootstrap-port": "prefill.bootstrap_port",
+    "--disaggregation-ib-device": "cluster.nics",
+    "--port": "{role}.http_port", "--host": "the plan's node addresses",
+    "--tp-size": "{role}.tp", "--tp": "{role}.tp", "--tensor-parallel-size": "{role}.tp",
+    "--dp-size": "{role}.dp", "--dp": "{role}.dp", "--data-parallel-size": "{role}.dp",
+    "--attn-dp-size": "{role}.dp with {role}.dp_attention",
+    "--enable-dp-attention": "{role}.dp_attention",
+    "--ep-size": "{role}.ep", "--ep": "{role}.ep", "--expert-parallel-size": "{role}.ep",
+    "--page-size": "{role}.page_size",
+    "--mem-fraction-static": "{role}.mem_fraction",
+    "--chunked-prefill-size": "{role}.chunked_prefill_size",
+    "--max-running-requests": "{role}.max_running_requests",
+    "--kv-cache-dtype": "{role}.kv_dtype",
+    "--context-length": "model.context_length",
+    "--dtype": "model.dtype",
+    "--dist-init-addr": "{role}.nodes and {role}.dist_init_port",
+    "--nnodes": "{role}.nodes", "--node-rank": "{role}.nodes",
+    "--nccl-port": "{role}.dist_init_port",
+    "--base-gpu-id": "the plan's GPU placement",
+    "--numa-node": "cluster.gpu_numa",
+    "--device": "cluster.device",
+    "--max-total-tokens": "the plan's KV tokens ({role}.mem_fraction; cluster.device=cpu)",
+}
+
+
+def check_sglang_rendered_flags(cfg: Config) -> list[Finding]:
+    """engine=sglang: refuse extra_args flags pdtool renders from typed keys, naming the key."""
+    if cfg.engine.kind != "sglang":
+        return []
+    out = []
+    for key, argv, role in (("engine.extra_args", cfg.engine.extra_args, "prefill/decode"),
+                            ("prefill.extra_args", cfg.prefill.extra_args, "prefill"),
+                            ("decode.extra_args", cfg.decode.extra_args, "decode")):
+        for arg in argv:
+            flag = str(arg).split("=", 1)[0]
+            if flag in RENDERED_FLAGS:
+                typed = RENDERED_FLAGS[flag].format(role=role)
+                out.append(error(
+                    key, f"{flag} is rendered from {typed}: SGLang keeps the last value, so "
+                    f"the plan (and the transfer backend's write counts) would describe "
+                    f"another deployment", f"remove {flag} from {key} and set {typed}"))
     return out
 
 
@@ -239,5 +292,5 @@ def check_sglang_model_seed(cfg: Config) -> list[Finding]:
         "+engine.extra_args=[--random-seed,N]")]
 
 
-ALL = (check_sglang_unsupported_args, check_sglang_speculative, check_sglang_aggregated_args,
-       check_sglang_unread_transfer_keys, check_sglang_model_seed)
+ALL = (check_sglang_unsupported_args, check_sglang_rendered_flags, check_sglang_speculative,
+       check_sglang_aggregated_args, check_sglang_unread_transfer_keys, check_sglang_model_seed)
