@@ -569,3 +569,14 @@ def test_builtin_checkpoint_is_refused_where_nothing_loads_it():
                  "not a builtin checkpoint")
     assert_error(compose("+recipe=sglang-local", "engine=reference"), "model.path",
                  "only engine=sglang loads it")
+
+
+def test_the_head_split_suggests_only_degrees_the_next_check_accepts():
+    """prefill.tp=3 on the tiny model (2 KV heads, 4 query heads, MLP 256) suggested 6, which
+    the reference engine's own check then refused: the suggestion now divides the query heads
+    (and, for the reference engine, the MLP) too."""
+    found = [f for f in validate(compose("prefill.tp=3")) if "KV heads" in f.message]
+    assert found and found[0].fix == "choose an attention TP in {1, 2, 4}", found
+    for tp in (1, 2, 4):
+        assert not [f for f in validate(compose(f"prefill.tp={tp}"))
+                    if f.severity == "error" and f.key == "prefill.tp"], tp

@@ -19,6 +19,7 @@ This module is pure arithmetic; it lives in `transfer/` because `transfer/` neve
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -161,17 +162,23 @@ class ParallelDims:
             )]
         return []
 
-    def head_problems(self, what: str = "KV heads") -> list[Problem]:
-        """The heads must shard (`H % attn_tp == 0`) or replicate (`attn_tp % H == 0`)."""
+    def head_problems(self, what: str = "KV heads",
+                      fits: Callable[[int], bool] | None = None) -> list[Problem]:
+        """The heads must shard (`H % attn_tp == 0`) or replicate (`attn_tp % H == 0`).
+        `fits`: what else the caller knows an attention TP must satisfy (the query heads),
+        so the degrees suggested are ones the next check does not refuse."""
         h, t = self.kv_heads, self.attn_tp
         if h % t == 0 or t % h == 0:
             return []
-        ok = sorted({x for x in range(1, 65) if h % x == 0 or x % h == 0})[:8]
+        ok = sorted({x for x in range(1, 65) if (h % x == 0 or x % h == 0)
+                     and (fits is None or fits(x))})
+        more = ", ..." if len(ok) > 8 or fits is None else ""
+        ok = ok[:8]
         return [Problem(
             "dp" if self.dp_attention and self.dp > 1 else "tp",
             f"{h} {what} (model.num_kv_heads) cannot be split over {self.attn_tp_text()}: "
             f"need {h} % {t} == 0 (heads sharded) or {t} % {h} == 0 (heads replicated)",
-            f"choose an attention TP in {{{', '.join(map(str, ok))}, ...}}",
+            f"choose an attention TP in {{{', '.join(map(str, ok))}{more}}}",
         )]
 
     def node_problems(self) -> list[Problem]:

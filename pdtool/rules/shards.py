@@ -24,10 +24,16 @@ def check_head_split(cfg: Config) -> list[Finding]:
     """Each side's heads must shard or replicate over its attention TP
     (`transfer.parallel.ParallelDims.head_problems`, which shows every factor)."""
     what = "MLA latent head" if cfg.model.attention == "mla" else "KV heads"
+    m = cfg.model
+
+    def fits(t: int) -> bool:  # the query heads shard too; the reference engine's MLP as well
+        return m.num_q_heads % t == 0 and (cfg.engine.kind != "reference"
+                                           or m.intermediate_size % t == 0)
+
     out: list[Finding] = []
     for r in ROLES:
         d = role_dims(cfg, r)
-        out += [error(d.key(p.field), p.message, p.fix) for p in d.head_problems(what)]
+        out += [error(d.key(p.field), p.message, p.fix) for p in d.head_problems(what, fits)]
     return out
 
 
