@@ -299,35 +299,32 @@ def _key_from_text(text: str) -> str:
     return "<command line>"
 
 
-def _schema_fields(key: str) -> dict[str, dataclasses.Field] | None:
-    """The schema fields of the node that holds `key` ('prefill.tpp' -> RoleConfig's), or None
-    where the path leaves the typed schema (e.g. launcher.env.*)."""
+def _schema_node(key: str) -> Any:
+    """The schema dataclass that holds `key` ('prefill.tpp' -> RoleConfig), or None where the
+    path leaves the typed schema (e.g. launcher.env.*)."""
     node: Any = Config
     for part in key.split(".")[:-1]:
         node = typing.get_type_hints(node).get(part)
         if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
             return None
-    return {f.name: f for f in dataclasses.fields(node)}
+    return node
+
+
+def _schema_fields(key: str) -> dict[str, dataclasses.Field] | None:
+    node = _schema_node(key)
+    return None if node is None else {f.name: f for f in dataclasses.fields(node)}
 
 
 def _schema_type(key: str) -> str:
     """The schema's type of `key` as a user writes it ('an int', 'a list of str'), or ''."""
-    fields = _schema_fields(key)
-    f = fields.get(key.rsplit(".", 1)[-1]) if fields else None
-    if f is None:
+    node = _schema_node(key)
+    hint = typing.get_type_hints(node).get(key.rsplit(".", 1)[-1]) if node else None
+    if hint is None:
         return ""
-    hint = typing.get_type_hints(_owner(key))[f.name]
     if typing.get_origin(hint) is list:
         return f"a list of {typing.get_args(hint)[0].__name__}"
     name = getattr(hint, "__name__", str(hint))
     return f"an {name}" if name[0] in "aeiou" else f"a {name}"
-
-
-def _owner(key: str) -> Any:
-    node: Any = Config
-    for part in key.split(".")[:-1]:
-        node = typing.get_type_hints(node)[part]
-    return node
 
 
 def _schema_default(key: str) -> str:
