@@ -287,4 +287,5 @@ def test_a_gpu_preset_on_launcher_local_is_compared_with_this_machine(tmp_path):
     assert "0-191" in found["cluster.numa_cpus"]["message"]
     p = pdtool("launch", *args, "--out", str(tmp_path / "job"))
     assert p.returncode == 1 and "not started" in p.stderr and "use cluster=local" in p.stderr
+    assert not (tmp_path / "job").exists()  # refused before its folder and secret are written
     assert pdtool("validate", "+recipe=tiny-local").returncode == 0  # the local preset fits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import urllib.request
 
+from pdtool.engines.reference.client import Oracle, smoke
 from pdtool.engines.reference.local import free_port, free_port_run
 
 
@@ -67,7 +69,7 @@ def test_a_taken_bootstrap_port_is_one_clear_line_and_the_launch_stops_at_once(t
     assert "SIGKILL" not in out and "ignored SIGTERM" not in out, out
 
 
-def test_the_ready_banner_shows_a_request_that_works(tmp_path):
+def test_the_ready_banner_shows_a_request_that_works(tmp_path, capsys):
     """Without --smoke the ready banner names the served model and prints a curl line; that
     request, as printed, is answered; Ctrl-C ends with a line saying everything stopped."""
     ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
@@ -89,6 +91,12 @@ def test_the_ready_banner_shows_a_request_that_works(tmp_path):
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             assert json.loads(r.read())["usage"]["completion_tokens"] == 16
+        # the smoke's check fails on a text that is not the model's, naming where it differs
+        base = m.group(1).removesuffix("/v1/completions")
+        wrong = Oracle(text="not what the model says", prompt_tokens=5, random_weights=True)
+        assert smoke(base, "Hello", model="tiny-gqa", out=io.StringIO(), oracle=wrong) == 1
+        assert "differs from the model's own greedy output from character" in \
+            capsys.readouterr().err
         os.kill(p.pid, signal.SIGINT)
         out, _ = p.communicate(timeout=120)
         assert out.strip().splitlines()[-1].endswith(

@@ -693,15 +693,23 @@ class Endpoint:
         with self._lock:  # no write may meet the endpoint before its peers are back
             ret = _lib.pd_ep_reset(self._live(), why.encode(errors="replace"), self._errbuf,
                                    _ERRBUF)
-            _check(ret, "reset endpoint", self.provider, self._errbuf)
-            self.name = self._getname()
-            for addr, name in enumerate(self._names):
-                ret = _lib.pd_av_insert(self._h, name if addr in self._peers else self.name, out)
-                _check(ret, "fi_av_insert", f"reset, fi_addr={addr}")
-                if int(out[0]) != addr:
-                    raise FabricError("reset endpoint", 22, f"peer {addr} came back as {out[0]}")
-            self._lane_arrays.clear()
-            self.resets += 1
+            broken = ret not in (0, -_lib.PD_EBUSY)  # closed, not reopened: unusable
+            if not broken:
+                _check(ret, "reset endpoint", self.provider, self._errbuf)
+                self.name = self._getname()
+                for addr, name in enumerate(self._names):
+                    ret = _lib.pd_av_insert(self._h, name if addr in self._peers else self.name,
+                                            out)
+                    _check(ret, "fi_av_insert", f"reset, fi_addr={addr}")
+                    if int(out[0]) != addr:
+                        raise FabricError("reset endpoint", 22,
+                                          f"peer {addr} came back as {out[0]}")
+                self._lane_arrays.clear()
+                self.resets += 1
+        if broken:  # closed here, so a later call raises "endpoint is closed", never crashes
+            msg = _ffi.string(self._errbuf).decode(errors="replace")
+            self.close()
+            raise FabricError("reset endpoint", ret, msg, self.provider)
 
     # ----------------------------------------------------------------- data path
     def write_batch(

@@ -313,7 +313,7 @@ def _launch_and_bench(args: argparse.Namespace, cfg: Any, compare: list[tuple[st
     except BenchError as exc:
         err.print(f"[bold red]pdtool bench:[/] {exc}")
         return EXIT_USAGE
-    rendered, code = render_or_explain(overrides, None)
+    rendered, code = render_or_explain(overrides, None, check_host=True)
     if rendered is None:
         return code
     out = args.out or rendered.out / "bench"

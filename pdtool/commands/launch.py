@@ -69,22 +69,14 @@ def run(args: argparse.Namespace) -> int:
     if len(combos) > 1:
         return sweep(args, combos)
     (overrides, out, suffix), = combos
-    rendered, code = render.render_or_explain(overrides, out, suffix, write=not args.dry_run)
+    rendered, code = render.render_or_explain(overrides, out, suffix, write=not args.dry_run,
+                                              check_host=not args.dry_run)
     if rendered is None:
         return code
     if args.dry_run:
         print_dry_run(rendered)
         print("(dry run: nothing written, nothing started)")
         return 0
-    if rendered.spec.launcher == "local":
-        from pdtool.commands._common import EXIT_ERRORS, console, print_findings
-        from pdtool.launch.host import host_findings
-
-        if mismatch := host_findings(rendered.cfg):
-            err = console(stderr=True)
-            err.print("[bold red]not started:[/] this machine does not match the cluster preset")
-            print_findings(err, mismatch)
-            return EXIT_ERRORS
     if args.smoke and rendered.spec.launcher != "local":
         print("pdtool: ERROR: --smoke runs the deployment on this machine (launcher=local); "
               "for Slurm, launch it and send a request to the router")
@@ -117,15 +109,20 @@ def run(args: argparse.Namespace) -> int:
     )
     smoke = None
     if args.smoke:
-        from pdtool.engines.reference.client import DEFAULT_SMOKE_PROMPT, reference_oracle
+        from pdtool.engines.reference.client import (
+            DEFAULT_SMOKE_PROMPT,
+            SMOKE_MAX_TOKENS,
+            reference_oracle,
+        )
         from pdtool.engines.reference.client import smoke as send
 
         prompt = args.smoke_prompt or DEFAULT_SMOKE_PROMPT
         model = rendered.cfg.model.name
         # the reference engine's model, in this process: what the deployment must return
-        oracle = (reference_oracle(rendered.plan, prompt, 32) if rendered.spec.engine ==
-                  "reference" else "not checked: engine=sglang (tests/test_sglang_servers.py "
-                  "checks SGLang's tokens against transformers)")
+        oracle = (reference_oracle(rendered.plan, prompt, SMOKE_MAX_TOKENS)
+                  if rendered.spec.engine == "reference"
+                  else "not checked: engine=sglang computes with SGLang's kernels, not the "
+                       "reference model")
 
         def smoke(url: str) -> int:
             return send(url, prompt, model=model, oracle=oracle)

@@ -65,10 +65,11 @@ def default_out(cfg: Any, suffix: str = "") -> Path:
 
 
 def render_or_explain(overrides: list[str], out: Path | None, suffix: str = "",
-                      write: bool = True) -> tuple[Any, int]:
+                      write: bool = True, check_host: bool = False) -> tuple[Any, int]:
     """(Rendered, 0) or (None, exit code) after printing the findings that refused it.
     `write=False` (a dry run) builds everything and writes nothing; then `Rendered.text` is
-    the script."""
+    the script. `check_host` (launch): a launcher=local deployment whose cluster preset this
+    machine does not match is refused before its job folder (and secret) is written."""
     from pdtool.commands._common import EXIT_ERRORS, EXIT_USAGE, console, print_findings
     from pdtool.launch.spec import LaunchError
     from pdtool.render import build_job, prepare, write_job_folder
@@ -82,6 +83,13 @@ def render_or_explain(overrides: list[str], out: Path | None, suffix: str = "",
         return None, EXIT_USAGE if cfg is None else EXIT_ERRORS
     if findings:
         print_findings(err, findings)  # warnings only
+    if check_host:
+        from pdtool.launch.host import host_findings
+
+        if mismatch := host_findings(cfg):
+            err.print("[bold red]not started:[/] this machine does not match the cluster preset")
+            print_findings(err, mismatch)
+            return None, EXIT_ERRORS
     try:
         if not write:
             rendered, text, _ = build_job(cfg, plan, out or default_out(cfg, suffix))

@@ -72,6 +72,7 @@ def complete(base_url: str, prompt: str, max_tokens: int = 32, model: str = "ref
 
 
 DEFAULT_SMOKE_PROMPT = "Disaggregated serving: prefill streams KV pages to the decoder, and"
+SMOKE_MAX_TOKENS = 32
 
 
 #: a checkpoint larger than this is not loaded a second time, in the launcher, to check the smoke
@@ -107,7 +108,7 @@ def reference_oracle(plan: Any, prompt: str, max_tokens: int) -> Oracle | str:
     return Oracle(tok.decode(out), len(ids), not plan.model.path)
 
 
-def smoke(base_url: str, prompt: str = DEFAULT_SMOKE_PROMPT, max_tokens: int = 32,
+def smoke(base_url: str, prompt: str = DEFAULT_SMOKE_PROMPT, max_tokens: int = SMOKE_MAX_TOKENS,
           model: str = "reference", out: Any = None, oracle: Oracle | str | None = None) -> int:
     """`pdtool launch --smoke`: one streamed completion through the router; prints the text with
     TTFT and TPOT and, given the `oracle` (`reference_oracle`), whether the text is the model's
