@@ -35,7 +35,7 @@ from transfer.fabric import (
     gpu_direct_support,
     shm_leftovers,
 )
-from transfer.stall import StallWatch
+from transfer.plane.stall import StallWatch
 
 ROOT = Path(__file__).resolve().parent.parent
 PROVIDERS = [pytest.param("shm", id="shm"), pytest.param("tcp;ofi_rxm", id="tcp")]

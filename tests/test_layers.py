@@ -1,7 +1,8 @@
 """The layer rules of docs/architecture.md, as import contracts (pyproject.toml,
 [tool.importlinter]) checked by import-linter over every import, lazy ones included:
 `transfer` never imports `pdtool`; the messenger's and the SGLang backend's control planes do
-not import each other; config, rules, plan and memory import no launch, engine, command or load
+not import each other; the shared data plane (`transfer.plane`) imports neither of them
+nor the wire; config, rules, plan and memory import no launch, engine, command or load
 code (they are pure functions of the config)."""
 
 from __future__ import annotations

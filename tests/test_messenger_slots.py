@@ -24,8 +24,8 @@ from transfer.messenger import (
     PrefillMessenger,
     TransferStatus,
 )
+from transfer.plane.slots import SlotTable
 from transfer.routes import ShardSpec
-from transfer.slots import SlotTable
 
 SECRET = b"k" * 32
 

@@ -4,7 +4,7 @@ decode servers, pdtool's backend over shm, sglang-router), under a steady load o
 1. A decode server hangs (SIGSTOP, 2 s) and is then lost (SIGKILL of its whole process group):
    the router keeps serving on the other decode server, pdtool's supervisor restarts the dead
    one (launcher.restart=on-failure), and it serves again. Writes to it that were in flight
-   held every other decode's on shm, until the prefill reset its endpoint (transfer.stall;
+   held every other decode's on shm, until the prefill reset its endpoint (transfer.plane.stall;
    the CI runs where they were in flight at the kill failed here before).
 2. SIGKILL of the prefill server while requests are in flight: every request in flight ends
    (an error the client can read, or its tokens) instead of waiting out SGLang's 300 s; the

@@ -158,7 +158,7 @@ class DecodeConfig(CommonConfig):
     control addresses (`tcp://host:port`, rank 0 first; a prefill instance with DP attention
     gives one group per DP rank, and the engine's `peer` or a hash of the request id picks
     one); `max_inflight` transfer slots (aux rows must be at least this many);
-    `quarantine_grace_s`: see transfer.slots; `writes_per_op`: page writes the prefill groups
+    `quarantine_grace_s`: see transfer.plane.slots; `writes_per_op`: page writes the prefill groups
     into one RMA operation (one completion counted here): 0 = as many as the provider takes
     (its iov limit, 4 on shm and tcp), 1 = one operation per write; `lanes`: receive
     endpoints, each drained by a thread of its own, that the prefill spreads KV writes over:

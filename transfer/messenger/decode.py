@@ -3,7 +3,7 @@
 Per decode attention rank, one `DecodeMessenger`. For each request whose pages the engine has
 allocated (non-evictable), the engine calls `submit`; the messenger
 
-1. takes a transfer slot `(slot, gen)` (transfer.slots) and arms the endpoint to count writes
+1. takes a transfer slot `(slot, gen)` (transfer.plane.slots) and arms the endpoint to count writes
    carrying `encode_imm(slot, gen)`;
 2. picks the prefill instance (the engine's `peer`, else a hash of the request id, so every
    decode rank of the instance picks the same one) and, per head run it needs, the prefill rank
@@ -35,8 +35,9 @@ prefill rank silent for `peer_timeout_s` (its lease: this side stops being sure 
 or on `cancel`; a request for a prefill instance that is silent right now fails at once (no
 REQUEST is sent, no slot taken) until it answers a heartbeat again. A failed transfer goes
 ABORTING: an ABORT goes to every prefill rank of the instance
-(re-sent until answered), and the destination pages plus the slot's aux row stay quarantined —
-see transfer.slots for when they are released. Only then is the request FAILED and in `failed()`:
+(re-sent until answered), and the destination pages plus the slot's aux row stay
+quarantined — see transfer.plane.slots for when they are released. Only then is the request
+FAILED and in `failed()`:
 the engine must not free or reuse the pages before that. A prefill instance that was restarted
 listens on new control addresses: `reconnect` moves its channels there, and the new process
 gets this rank's HELLO (with the memory keys it writes with) like any new peer;
@@ -65,8 +66,8 @@ import zmq
 from ..geometry import expected_writes, slice_ops
 from ..kick import KickWord
 from ..layout import AuxSpec, LayoutError, as_buffer, aux_spec
+from ..plane.slots import SlotTable
 from ..routes import Slice, pages_for, routes_for
-from ..slots import SlotTable
 from ..wire.channel import Channel
 from ..wire.envelope import Envelope
 from ..wire.handshake import compat_hash, first_difference

@@ -26,13 +26,13 @@ a completion error, or a decode peer whose PINGs stopped for `peer_timeout_s` (i
 out: it will quarantine our pages on its side) all abort the request: no further write is
 issued, and once the writes already issued completed locally, ABORTED goes to every decode rank
 of the request carrying how many writes were issued to it — the decoder keeps its pages
-quarantined until that many have landed (transfer.slots). An ABORT for a request this rank has
+quarantined until that many have landed (transfer.plane.slots). An ABORT for a request this rank has
 not bound yet leaves a tombstone: a later `bind` fails it at once, with no write. A dead decode
 peer is removed from the address vector once nothing of it is in flight; writes to it that never
 complete locally are given up after 2 × `peer_timeout_s` (counted as failed, their fabric tags
 retired for good so a late completion cannot be credited to another request). On shm such
 writes hold every other decode's too: an endpoint that settled none of its writes for
-2 × `peer_timeout_s` is reset and its writes cancelled, counted as failed (`transfer.stall`).
+2 × `peer_timeout_s` is reset and its writes cancelled, counted as failed (`transfer.plane.stall`).
 
 Thread contract: `poll_requests`, `bind`, `begin_pass`, `layer_done`, `finish`, `done`,
 `result`, `release`, `abort` are called by the engine's thread; the messenger thread alone
@@ -50,6 +50,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,8 @@ import zmq
 from ..geometry import slice_ops, writes_per_page
 from ..kick import PeerKick
 from ..layout import AuxSpec, KVLayout, LayoutError, as_buffer, aux_spec, write_plan
+from ..plane.ledger import Account, LedgerFull, SendLedger
+from ..plane.stall import StallWatch
 from ..routes import (
     RouteError,
     ShardSpec,
@@ -66,7 +69,6 @@ from ..routes import (
     routes_for,
     sendable,
 )
-from ..stall import StallWatch
 from ..wire.channel import Channel
 from ..wire.envelope import Envelope
 from ..wire.handshake import compat_hash, first_difference
@@ -101,8 +103,9 @@ class PrefillRequest:
 
 
 @dataclass
-class _Dest:
-    """What this rank sends to one decode rank for one request."""
+class _Dest(Account):
+    """What this rank sends to one decode rank for one request: its account on one fabric
+    tag (`transfer.plane.ledger`)."""
 
     sender: bytes
     dst_rank: int
@@ -117,11 +120,7 @@ class _Dest:
     plans: list[_Plan]
     send_aux: bool
     expected: int
-    tag: int
-    base: int
     per_op: int              # page writes grouped into one operation (the decoder's choice)
-    issued: int = 0          # operations submitted (what the decoder counts)
-    errored: int = 0
 
 
 @dataclass
@@ -365,10 +364,11 @@ class PrefillMessenger(MessengerThread):
         flight, every aux row and fabric tag back (`leaked_tags` were retired for good)."""
         with self._lock:
             bound, aux_free = len(self._bound), len(self._aux_free)
+        ledger = getattr(self, "_ledger", None)
         return {"bound": bound, "sending": len(getattr(self, "_reqs", ())),
                 "assembling": len(getattr(self, "_assembling", ())),
-                "aux_rows_free": aux_free, "tags_free": len(getattr(self, "_tags", ())),
-                "leaked_tags": getattr(self, "leaked_tags", 0),
+                "aux_rows_free": aux_free, "tags_free": ledger.free if ledger else 0,
+                "leaked_tags": ledger.leaked if ledger else 0,
                 "stall_resets": self._stall.resets if hasattr(self, "_stall") else 0,
                 "writes_issued": getattr(self, "writes_issued", 0),
                 "kicks": getattr(self, "kicks_sent", 0),
@@ -413,15 +413,15 @@ class PrefillMessenger(MessengerThread):
         self._idle_poller.register(self._cmds.wake_fd, zmq.POLLIN)
         self._ep.set_wake_fd(self._cmds.wake_fd)
         self._ep.set_ctl_fd(self._chan.sock.getsockopt(zmq.FD))
-        self._tags = list(range(min(self._ep.max_slots, cfg.max_requests * cfg.peer_spec.attn_tp)
-                                - 1, -1, -1))
+        self._ledger = SendLedger(min(self._ep.max_slots,
+                                      cfg.max_requests * cfg.peer_spec.attn_tp),
+                                  lambda tag: int(self._ep.send_done[tag]))
         self._clock = PeerClock(cfg.peer_timeout_s)
         # shm: a decode that died with writes in flight holds every other decode's (stall.py)
         # as long as a dead peer's writes are given at most (see the module docstring)
         self._stall = StallWatch([self._ep], 2 * cfg.peer_timeout_s)
         self._assembling: dict[str, _Assembly] = {}
         self._reqs: dict[str, _Req] = {}
-        self._tag_owner: dict[int, _Dest] = {}
         self._passes: list[_Pass] = []
         self._unserved = 0  # bytes written since the control socket was last served
         self._queued: list[tuple[_Req, _Dest, int, Any]] = []  # for _flush_writes
@@ -433,7 +433,6 @@ class PrefillMessenger(MessengerThread):
         self._dead_names: set[bytes] = set()
         self.writes_issued = 0  # page writes (iov entries)
         self.ops_issued = 0     # RMA operations: what decoders count
-        self.leaked_tags = 0
         self._bell_seen = 0
         self._word_seen = int(self.progress[0])
         self._engine_wait_s = self.WAIT_SLICE_S  # ENGINE_WAIT_S once the engine kicks
@@ -765,8 +764,7 @@ class PrefillMessenger(MessengerThread):
                     dests.append(d)
         except Exception as exc:  # bad routing data or a peer name the provider refuses
             for d in dests:
-                self._tag_owner.pop(d.tag, None)
-                self._tags.append(d.tag)
+                self._ledger.close(d)
             self._settle_unbound(req, row, f"cannot send: {exc}")
             return
         senders = [(p["sender"], p["slot"], p["gen"]) for p in req.parts]
@@ -818,18 +816,17 @@ class PrefillMessenger(MessengerThread):
         for name in names:
             if name not in self._peers:
                 self._peers[name] = self._ep.insert_peer(name)
-        if not self._tags:
-            raise ValueError("no free fabric tag (raise max_requests)")
-        tag = self._tags.pop()
-        d = _Dest(p["sender"], p["dst_rank"], names, [self._peers[n] for n in names],
-                  encode_imm(p["slot"], p["gen"]), p["slot"], p["gen"],
-                  [[RemoteRegion.from_dict(lane["regions"][buf]) for lane in lanes]
-                   for buf in range(len(p["regions"]))],
-                  [RemoteRegion.from_dict({k: r[k] for k in ("base", "key", "length")})
-                   for r in p["aux_regions"]], p["aux_row"], plans, send_aux,
-                  p["expected"][me], tag, int(self._ep.send_done[tag]), per_op)
-        self._tag_owner[tag] = d
-        return d
+        regions = [[RemoteRegion.from_dict(lane["regions"][buf]) for lane in lanes]
+                   for buf in range(len(p["regions"]))]
+        aux_regions = [RemoteRegion.from_dict({k: r[k] for k in ("base", "key", "length")})
+                       for r in p["aux_regions"]]
+        try:
+            return self._ledger.open(partial(
+                _Dest, p["sender"], p["dst_rank"], names, [self._peers[n] for n in names],
+                encode_imm(p["slot"], p["gen"]), p["slot"], p["gen"], regions, aux_regions,
+                p["aux_row"], plans, send_aux, p["expected"][me], per_op))
+        except LedgerFull as exc:
+            raise ValueError(f"no free fabric tag: {exc} (raise max_requests)") from None
 
     def _cmd_engine_kicks(self) -> None:
         """The engine writes the progress word through layer_done, which kicks and writes
@@ -997,10 +994,9 @@ class PrefillMessenger(MessengerThread):
     def _check_requests(self) -> None:
         self._stall.check(time.monotonic())  # its cancelled writes are among the errors
         for tag, _errno, msg in self._ep.errors:
-            d = self._tag_owner.get(tag)
+            d = self._ledger.failed(tag)
             if d is None:
                 continue
-            d.errored += 1
             x = next((r for r in self._reqs.values() if d in r.dests), None)
             if x is not None:
                 self._abort(x, f"write to decode rank {d.dst_rank} failed: {msg}")
@@ -1015,8 +1011,7 @@ class PrefillMessenger(MessengerThread):
         for x in reqs:
             if x.state != "aborting" and not x.aux_sent:
                 continue  # still being prefilled: nothing to settle, so no completion reads
-            if not all(int(self._ep.send_done[d.tag]) - d.base + d.errored >= d.issued
-                       for d in x.dests):
+            if not all(self._ledger.drained(d) for d in x.dests):
                 continue  # writes still in flight: the source pages are still being read
             if x.state == "aborting":
                 self._settle(x, ok=False)
@@ -1041,11 +1036,8 @@ class PrefillMessenger(MessengerThread):
         for d in x.dests:
             total += d.issued
             self._history[(x.rid, d.sender, d.slot, d.gen)] = (d.issued, d.errored)
-            self._tag_owner.pop(d.tag, None)
-            if leak_tags:  # a completion may still come: never hand this tag out again
-                self.leaked_tags += 1
-            else:
-                self._tags.append(d.tag)
+            # with leak_tags a completion may still come: the tag is never handed out again
+            self._ledger.close(d, leak=leak_tags)
         if not ok:  # every decode rank of the request learns this rank will write no more
             for sender, slot, gen in x.senders:
                 d = by_sender.get(sender)
@@ -1091,8 +1083,7 @@ class PrefillMessenger(MessengerThread):
                 # writes to a dead peer may never complete: count the missing ones as failed
                 # (the decoder quarantines its pages anyway) and free the source pages
                 for d in x.dests:
-                    done = int(self._ep.send_done[d.tag]) - d.base
-                    d.errored = max(d.errored, d.issued - done)
+                    self._ledger.give_up(d)
                 x.reason += " (some writes never completed)"
                 self._settle(x, ok=False, leak_tags=True)
         for rid, a in list(self._assembling.items()):

@@ -18,7 +18,7 @@ Data plane (pdtool's messenger rules, docs/messenger.md; `prefill_plane.py`, `de
     `transfer.layout.write_plan` and queues them per decode peer; one writer thread submits
     them round-robin, each peer within its own budget of bytes in flight;
   * every write carries the decoder's 32-bit immediate `slot|generation`; the decoder counts
-    operations per slot in C (the messenger's `transfer.slots.SlotTable`) and declares
+    operations per slot in C (the messenger's `transfer.plane.slots.SlotTable`) and declares
     `KVPoll.Success` when the count it computed from the shard routes is reached — no "done"
     message. A late write of an older generation never advances a reused slot;
   * prefill reports Success once its own operations completed locally (its pages may be

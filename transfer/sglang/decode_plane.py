@@ -1,7 +1,7 @@
 """Decode-side data plane of the SGLang backend: transfer slots counted in C.
 
 The same pieces as the reference messenger's decoder (`transfer.messenger.decode`): a
-`transfer.slots.SlotTable` over the endpoint's `recv_counts`/`recv_gen`, its `expected` array
+`transfer.plane.slots.SlotTable` over the endpoint's `recv_counts`/`recv_gen`, its `expected` array
 watched by the C poll loop (`Endpoint.watch_targets`), and one progress thread that waits in C
 (`Endpoint.wait_complete`, the GIL released) until a watched slot reaches its count or the
 doorbell rings. So the backend and the messenger share one data plane.
@@ -30,7 +30,7 @@ import select
 import threading
 from collections.abc import Callable
 
-from transfer.slots import SlotTable
+from transfer.plane.slots import SlotTable
 from transfer.wakeups import CommandQueue
 
 logger = logging.getLogger(__name__)

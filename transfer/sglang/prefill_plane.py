@@ -35,7 +35,7 @@ its tags are retired for good (a late completion must not be credited to another
 SGLang is told the room cannot be proven quiescent (`poison_deferred_ack_room`). On shm a
 decode that died with writes in flight holds every other decode's too: an endpoint that settled
 none of its writes for `stall_s` (SGLang's heartbeat window) is reset, its writes cancelled and
-counted as failed (`transfer.stall`).
+counted as failed (`transfer.plane.stall`).
 """
 
 from __future__ import annotations
@@ -46,14 +46,16 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import KVPoll
 
 from transfer import fabric
+from transfer.plane.ledger import Account, SendLedger
+from transfer.plane.stall import StallWatch
 from transfer.routes import sendable
-from transfer.stall import StallWatch
 
 logger = logging.getLogger(__name__)
 
@@ -64,20 +66,16 @@ STRIPE_BYTES = 1 << 20  # largest slice one path takes at a time when a peer has
 
 
 @dataclass
-class Send:
-    """This rank's writes of one room to one decode rank (one fabric tag)."""
+class Send(Account):
+    """This rank's writes of one room to one decode rank: its account on one fabric tag
+    (`transfer.plane.ledger`; bounce buffers whose writes completed are `credited`)."""
 
     room: int
     peer: str
-    tag: int
-    base: int                 # send_done[tag] (summed over the rails) when the tag was taken
     imm: int
     per_op: int
-    issued: int = 0           # operations submitted (what the decoder counts)
     issued_bytes: int = 0
-    errored: int = 0          # operations that completed with an error
     queued: int = 0           # batches waiting in the peer's queue
-    staged_done: int = 0      # operations from bounce buffers known complete (staging_plane)
     # writes held back per layer-buffer group: (src, dst, len) not yet a whole operation
     tails: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
     # layer buffer -> the decoder's page positions already planned: with layer streaming
@@ -140,16 +138,13 @@ class PrefillPlane:
         self.rail_ops = [0] * len(self.rails)  # operations each local rail carried
         self.sends_written = 0  # (room, decode rank) sends that issued an operation
         self.chunks: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.free_tags = deque(range(max_tags))
-        self.max_tags = max_tags
-        self.sends: dict[int, Send] = {}
+        self.ledger = SendLedger(max_tags, self.rails.send_done)
         self.rooms: dict[int, RoomSends] = {}
         self.queues: dict[str, PeerQueue] = {}
         self.send_timeout_s = send_timeout_s
         self.stuck_s = stuck_s
         # shm: a decode that died with writes in flight holds every other decode's (stall.py)
         self.stall = StallWatch(self.rails.eps, stall_s or stuck_s)
-        self.leaked_tags = 0
         self._rr = 0
         self._path_rr = 0
 
@@ -194,14 +189,11 @@ class PrefillPlane:
     def _send_of(self, rs: RoomSends, peer: Any, target: Any) -> Send:
         s = rs.sends.get(peer.key)
         if s is None:
-            if not self.free_tags:
-                raise RuntimeError(f"more than {self.max_tags} transfers in flight")
-            tag = self.free_tags.popleft()
-            s = Send(rs.room, peer.key, tag, self.rails.send_done(tag),
-                     fabric.encode_imm(target.slot, target.gen), peer.per_op)
+            imm = fabric.encode_imm(target.slot, target.gen)
+            s = self.ledger.open(partial(Send, room=rs.room, peer=peer.key, imm=imm,
+                                         per_op=peer.per_op))
             rs.sends[peer.key] = s
-            self.sends[tag] = s
-            self.queues.setdefault(peer.key, PeerQueue(peer.key)).sends.add(tag)
+            self.queues.setdefault(peer.key, PeerQueue(peer.key)).sends.add(s.tag)
         return s
 
     def _plan(self, rs: RoomSends, chunk: Any, kv: np.ndarray, t: Any) -> None:
@@ -337,14 +329,10 @@ class PrefillPlane:
     def _inflight_bytes(self, q: PeerQueue) -> int:
         total = 0
         for tag in q.sends:
-            s = self.sends.get(tag)
+            s = self.ledger.owner(tag)
             if s is not None and s.issued:
-                left = s.issued - self.completed(s)
-                total += left * s.issued_bytes // s.issued
+                total += self.ledger.in_flight(s) * s.issued_bytes // s.issued
         return total
-
-    def completed(self, s: Send) -> int:
-        return self.rails.send_done(s.tag) - s.base + s.errored + s.staged_done
 
     def submit(self) -> bool:
         """Round-robin over the peers with queued writes; True when something was posted."""
@@ -430,19 +418,22 @@ class PrefillPlane:
         mgr = self.mgr
         self.stall.check(time.monotonic())  # its cancelled writes are among the errors below
         for tag, errno, message in self.rails.errors():
-            s = self.staging.failed_write(tag) if self.staging.owns_tag(tag) \
-                else self.sends.get(tag)
+            if self.staging.owns_tag(tag):
+                s = self.staging.failed_write(tag)
+                if s is not None:
+                    s.errored += 1
+            else:
+                s = self.ledger.failed(tag)
             if s is None:
                 continue
-            s.errored += 1
             self.fail(s.room, f"pdtool write to decode {s.peer} failed: {message} ({errno})")
         self.staging.reclaim()  # bounce buffers whose writes completed credit their Send
         now = time.monotonic()
         for room, rs in list(self.rooms.items()):
-            done = sum(self.completed(s) for s in rs.sends.values())
+            done = sum(self.ledger.completed(s) for s in rs.sends.values())
             if done != rs.done_seen:
                 rs.done_seen, rs.progress_at = done, now
-            drained = all(self.completed(s) >= s.issued for s in rs.sends.values())
+            drained = all(self.ledger.drained(s) for s in rs.sends.values())
             status = mgr.request_status.get(room)
             failed = rs.failed_at is not None or status in (None, KVPoll.Failed)
             queued = any(s.queued for s in rs.sends.values())
@@ -469,17 +460,14 @@ class PrefillPlane:
     def _finish(self, rs: RoomSends, ok: bool, leak: bool = False) -> None:
         mgr = self.mgr
         for s in rs.sends.values():
-            del self.sends[s.tag]
+            self.ledger.close(s, leak=leak)
             q = self.queues.get(s.peer)
             if q is not None:
                 q.sends.discard(s.tag)
                 if not q.sends and not q.batches:
                     del self.queues[s.peer]
             if leak:
-                self.leaked_tags += 1
                 self.staging.leak(s)
-            else:
-                self.free_tags.append(s.tag)
         with mgr.room_lock:
             del self.rooms[rs.room]
             mgr._staging_outstanding.pop(rs.room, None)
@@ -497,8 +485,8 @@ class PrefillPlane:
         return key in self.queues
 
     def stats(self) -> dict[str, Any]:
-        return {"rooms": len(self.rooms), "tags_free": len(self.free_tags),
-                "leaked_tags": self.leaked_tags, "stall_resets": self.stall.resets,
+        return {"rooms": len(self.rooms), "tags_free": self.ledger.free,
+                "leaked_tags": self.ledger.leaked, "stall_resets": self.stall.resets,
                 "rail_ops": list(self.rail_ops),
                 "sends_written": self.sends_written,
                 "queued_batches": sum(len(q.batches) for q in self.queues.values()),

@@ -7,7 +7,7 @@ registers its KV and aux memory on each (a registration belongs to one domain, s
 has its own keys).
 
 Counting stays one mechanism. On the decode side the first endpoint owns the slot table
-(`transfer.slots.SlotTable` over its `recv_counts`); every further endpoint is made a receive
+(`transfer.plane.slots.SlotTable` over its `recv_counts`); every further endpoint is made a receive
 lane of it (`Endpoint.share_counts`): its CQ data counts, atomically and in C, into the same
 per-slot counts, and a slot reaching its count wakes the owner's `wait_complete` whichever NIC
 carried the last operation. Each lane is drained by a C progress thread of its own. So an

@@ -336,7 +336,7 @@ class PrefillStaging:
 
     def reclaim(self) -> None:
         """Credit the operations of every bounce buffer whose writes all completed to its
-        Send (`staged_done`) and free the buffer."""
+        Send (`credited`) and free the buffer."""
         if self.pool is None:
             return
         for buf in self.pool.reclaim(block=False, timeout=0):
@@ -344,7 +344,7 @@ class PrefillStaging:
             if owner is None:
                 continue
             s, p = owner
-            s.staged_done += p.ops - (int(self.pool.errored[buf]) - p.err_base)
+            s.credited += p.ops - (int(self.pool.errored[buf]) - p.err_base)
             self.held[s.peer] -= 1
 
     def leak(self, send: Any) -> None:

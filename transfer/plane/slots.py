@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-log = logging.getLogger("transfer.slots")
+log = logging.getLogger(__name__)
 
 
 @dataclass
