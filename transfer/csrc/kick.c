@@ -14,6 +14,7 @@
 #include <limits.h>
 #include <linux/futex.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -138,4 +139,27 @@ int64_t pd_max_sleep_ns(const pd_ep *ep) {
 int64_t pd_idle_ns(const pd_ep *ep, int64_t base_ns, unsigned sleeps) {
     return pd_kicked(ep) ? ep->kick_max_sleep_ns
                          : pd_backoff_ns(base_ns, ep->idle_max_sleep_ns, sleeps);
+}
+
+/* A wait/retry loop's poll found nothing to do. Busy-polling keeps latency low, but on a box
+   with fewer cores than spinning threads the spinner steals the core from the thread that does
+   the work (on shm the TARGET performs the copy, process_vm_readv, inside its poll, while the
+   initiator with a full queue only waits): yield at once, and after `idle_spins` empty polls in
+   a row sleep `idle_sleep_ns` per poll, so a long wait costs almost no CPU. With a backoff
+   (`idle_max_sleep_ns`) the sleep doubles while polls stay empty: a wait that lasts a whole
+   prefill (a decoder counting writes that come only after each forward pass) then wakes a few
+   thousand times a second instead of tens of thousands, each wake-up a slice of the core the
+   compute needs. Any poll that finds work starts over at the short sleep. */
+void pd_idle(pd_ep *ep, unsigned *empty) { pd_idle_seen(ep, empty, pd_kick_seen(ep)); }
+
+/* pd_idle for a wait that read the kick word (`kick_seen`) before its poll: the sleep
+   ends early when the prefill kicked since. */
+void pd_idle_seen(pd_ep *ep, unsigned *empty, uint32_t kick_seen) {
+    unsigned spins = pd_kicked(ep) && ep->idle_spins > PD_KICKED_SPINS ? PD_KICKED_SPINS
+                                                                       : ep->idle_spins;
+    if (ep->idle_sleep_ns > 0 && ++*empty > spins) {
+        pd_sleep_ns(ep, pd_idle_ns(ep, ep->idle_sleep_ns, *empty - spins), kick_seen);
+    } else if (ep->yield_idle) {
+        sched_yield();
+    }
 }

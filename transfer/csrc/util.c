@@ -1,5 +1,5 @@
-/* Small helpers every part of the binding uses: the clock, idling, error text. */
-#include <sched.h>
+/* Small helpers every part of the binding uses: the clock, sleep lengths, error text. They call
+   nothing else of the binding (idling, which sleeps on the kick word, is in kick.c). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -13,29 +13,6 @@ int64_t pd_now_ns(void) {
 
 /* Sleep lengths are nanosleep's tv_nsec: at most just under a second. */
 int64_t pd_clamp_ns(int64_t ns) { return ns < 0 ? 0 : (ns > 999999999 ? 999999999 : ns); }
-
-/* A wait/retry loop's poll found nothing to do. Busy-polling keeps latency low, but on a box
-   with fewer cores than spinning threads the spinner steals the core from the thread that does
-   the work (on shm the TARGET performs the copy, process_vm_readv, inside its poll, while the
-   initiator with a full queue only waits): yield at once, and after `idle_spins` empty polls in
-   a row sleep `idle_sleep_ns` per poll, so a long wait costs almost no CPU. With a backoff
-   (`idle_max_sleep_ns`) the sleep doubles while polls stay empty: a wait that lasts a whole
-   prefill (a decoder counting writes that come only after each forward pass) then wakes a few
-   thousand times a second instead of tens of thousands, each wake-up a slice of the core the
-   compute needs. Any poll that finds work starts over at the short sleep. */
-void pd_idle(pd_ep *ep, unsigned *empty) { pd_idle_seen(ep, empty, pd_kick_seen(ep)); }
-
-/* pd_idle for a wait that read the kick word (`kick_seen`, kick.c) before its poll: the sleep
-   ends early when the prefill kicked since. */
-void pd_idle_seen(pd_ep *ep, unsigned *empty, uint32_t kick_seen) {
-    unsigned spins = pd_kicked(ep) && ep->idle_spins > PD_KICKED_SPINS ? PD_KICKED_SPINS
-                                                                       : ep->idle_spins;
-    if (ep->idle_sleep_ns > 0 && ++*empty > spins) {
-        pd_sleep_ns(ep, pd_idle_ns(ep, ep->idle_sleep_ns, *empty - spins), kick_seen);
-    } else if (ep->yield_idle) {
-        sched_yield();
-    }
-}
 
 /* The `sleeps`-th sleep (1-based) of an idle stretch: `base_ns`, doubled every 8 sleeps, at
    most `max_ns` (no growth when `max_ns` <= `base_ns`). */
