@@ -1,6 +1,6 @@
 """What the Slurm job and each of its steps ask for: GPUs, CPUs (and their binding), memory.
 
-Pure functions of the config and plan. The shape (README "Slurm job shape"):
+Pure functions of the config and plan. The shape (docs/slurm.md, "The job's shape"):
 
 * the job asks one task per node (every step is one task) and, per node, the GPUs
   (`--gpus-per-node=launcher.gpus_per_node`, device=cuda only) and memory the processes use:

@@ -7,11 +7,11 @@ the launcher (the local supervisor, or the Slurm/local script) stops the failed 
 instance (every rank: an instance's ranks share one process group, gloo or NCCL, which cannot
 take a new member), waits, starts it again with the same command lines, and waits for its
 health; its peers then accept the restarted instance — new control address, new session, new
-memory keys — on their own (README "Restarts", docs/slurm.md). Each instance is restarted at most
-`max_restarts` times; the wait doubles each time from `restart_backoff_s`, so a process that
-fails at once on every start (a bad flag, a full disk) ends the deployment within a bounded
-time instead of looping. `never` keeps the old behaviour, which benchmarks and `--smoke` use:
-a figure measured across a restart would not be the deployment's.
+memory keys — on their own (docs/failure-model.md "Restarts", docs/slurm.md). Each instance is
+restarted at most `max_restarts` times; the wait doubles each time from `restart_backoff_s`,
+so a process that fails at once on every start (a bad flag, a full disk) ends the deployment
+within a bounded time instead of looping. `never` keeps the old behaviour, which benchmarks and
+`--smoke` use: a figure measured across a restart would not be the deployment's.
 """
 
 from __future__ import annotations
