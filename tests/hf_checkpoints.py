@@ -42,14 +42,14 @@ def deployment(folder: Path | None, tmp: Path, prefill_tp: int = 1, decode_tp: i
     checkpoint in `folder` (None: the built-in tiny model); returns (Deployment, front URL,
     leaders' base URLs, prefill first)."""
     from pdtool.engines.reference.local import Deployment, free_port, new_secret
-    from pdtool.engines.reference.spec import RankSpec
+    from pdtool.engines.reference.spec import LinkSpec, RankSpec
 
     secret = new_secret()
     model = {"path": str(folder)} if folder else {}
     p_dist, p_http, d_dist, d_http, f_http = (free_port() for _ in range(5))
-    mess = {"provider": provider, "prefill_tp": prefill_tp, "decode_tp": decode_tp,
-            "timeout_s": 60.0, "prefill": [{"health": f"http://127.0.0.1:{p_http}/health"}]}
-    common = {"secret_hex": secret, "messenger": mess, "model": model, "page_size": 4,
+    link = LinkSpec(prefill_tp=prefill_tp, decode_tp=decode_tp, provider=provider,
+                    prefill=[f"http://127.0.0.1:{p_http}/health"])
+    common = {"secret_hex": secret, "link": link, "model": model, "page_size": 4,
               "chunk": chunk, "num_pages": 1024, "layout": layout}
     specs = [RankSpec(role="prefill", tp=prefill_tp, rank=r, dist_port=p_dist,
                       http_port=p_http, **common) for r in range(prefill_tp)]

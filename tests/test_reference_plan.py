@@ -43,15 +43,15 @@ def test_tiny_local_specs_pair_decoders_with_the_prefill(secret):
     assert p1.cfg.kv_dtype == "float32" and p1.secret == secret
     d1 = spec_from_context(_ctx(plan, "decode", 1))
     assert d1.peer == 0 and d1.http_port == plan.role_instances("decode")[1].http_port
-    assert d1.messenger["prefill_tp"] == 2 and d1.messenger["decode_tp"] == 1
-    assert d1.messenger["prefill"] == [{"health": f"http://127.0.0.1:{p1.http_port}/health"}]
+    assert d1.link.prefill_tp == 2 and d1.link.decode_tp == 1
+    assert d1.link.prefill == [f"http://127.0.0.1:{p1.http_port}/health"]
     assert not d1.allow_faults  # test hooks stay off unless the deployment's env sets them
     # the prefill lead's control socket is the instance's bootstrap port; rank 1 takes any
     p0 = spec_from_context(_ctx(plan, "prefill", 0, 0))
-    assert p0.messenger["control_port"] == plan.role_instances("prefill")[0].bootstrap_port
-    assert p1.messenger["control_port"] == 0
+    assert p0.link.control_port == plan.role_instances("prefill")[0].bootstrap_port
+    assert p1.link.control_port == 0
     front = spec_from_context(_ctx(plan, "router"))
-    assert front.role == "front" and front.http_port == plan.router.port
+    assert front.role == "front" and front.http_port == plan.router.port and front.link is None
     assert front.decoders == [f"http://127.0.0.1:{i.http_port}/health"
                               for i in plan.role_instances("decode")]
 
@@ -76,8 +76,8 @@ def test_liveness_timeouts_reach_the_messenger_settings(secret):
                              "transfer.heartbeat_s=0.25", "transfer.lanes=3",
                              "transfer.connect_timeout_s=7"))
     spec = spec_from_context(_ctx(plan, "decode", 1))
-    assert spec.messenger["peer_timeout_s"] == 2.5 and spec.messenger["heartbeat_s"] == 0.25
-    assert spec.messenger["lanes"] == 3 and spec.messenger["connect_timeout_s"] == 7
+    assert spec.link.peer_timeout_s == 2.5 and spec.link.heartbeat_s == 0.25
+    assert spec.link.lanes == 3 and spec.link.connect_timeout_s == 7
 
 
 def test_a_peer_timeout_not_above_the_heartbeat_is_refused():

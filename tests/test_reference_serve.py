@@ -34,6 +34,7 @@ from pdtool.engines.reference.local import (
 from pdtool.engines.reference.model import TinyModel
 from pdtool.engines.reference.oracle import encode, generate
 from pdtool.engines.reference.serve import RankSpec
+from pdtool.engines.reference.spec import LinkSpec
 from pdtool.engines.reference.tokens import decode
 from pdtool.engines.reference.wire import Wire, dealer
 from pdtool.plan import from_json
@@ -50,7 +51,7 @@ CONFIGS = {
     "gqa-tp1-tp2": ("gqa", 1, 2, 1),
     "mla-tp2-tp1": ("mla", 2, 1, 1),
     # as gqa-tp2-tp1, but the prefill announces every 8 KiB of KV (a chunk or two of this
-    # tiny model per rank; RankSpec.messenger["announce_bytes"]), so the prompts below stream
+    # tiny model per rank; LinkSpec.announce_bytes), so the prompts below stream
     # their pages mid-prompt, where the default (4 MiB, which the plan keeps) waits for their
     # ends
     "gqa-tp2-tp1-streamed": ("gqa", 2, 1, 1),
@@ -113,11 +114,10 @@ class Served:
         self.model = {"attention": attention}
         self.secret = new_secret()
         p_dist, p_http, f_http = free_port(), free_port(), free_port()
-        mess = {"provider": "shm", "prefill_tp": ptp, "decode_tp": dtp, "timeout_s": 60.0,
-                "prefill": [{"health": f"http://127.0.0.1:{p_http}/health"}]}
-        if name.endswith("-streamed"):
-            mess["announce_bytes"] = 8 << 10
-        common = {"secret_hex": self.secret, "messenger": mess, "model": self.model,
+        link = LinkSpec(prefill_tp=ptp, decode_tp=dtp, provider="shm",
+                        prefill=[f"http://127.0.0.1:{p_http}/health"],
+                        announce_bytes=(8 << 10) if name.endswith("-streamed") else 0)
+        common = {"secret_hex": self.secret, "link": link, "model": self.model,
                   "page_size": 4, "chunk": CHUNK}
         specs = [RankSpec(role="prefill", tp=ptp, rank=r, dist_port=p_dist, http_port=p_http,
                           **common) for r in range(ptp)]

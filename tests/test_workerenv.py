@@ -130,10 +130,10 @@ def _prefill_start_up(plan: str, secret: str, tamper: dict[str, str], conn) -> N
     try:
         link = PrefillSide(spec, kv, model)
     except MessengerError as exc:
-        conn.send((spec.messenger["domain"], f"MessengerError: {exc}"))
+        conn.send((spec.link.domain, f"MessengerError: {exc}"))
         return
     try:
-        conn.send((spec.messenger["domain"], link.m.fabric_domain))
+        conn.send((spec.link.domain, link.m.fabric_domain))
     finally:
         link.close()
 

@@ -19,7 +19,7 @@ from pdtool.reference_limits import (
 )
 from transfer import workerenv
 
-from .spec import RankSpec
+from .spec import LinkSpec, RankSpec
 
 ALLOW_FAULTS_ENV = "PDTOOL_REFERENCE_ALLOW_FAULTS"
 
@@ -128,26 +128,26 @@ def spec_from_context(ctx: Any) -> RankSpec:
         num_pages=pages,
         chunk=inst.chunked_prefill_size, max_running=inst.max_running_requests,
         model=fields, secret_hex=_secret_hex(), context=plan.model.context_length,
-        messenger=messenger_settings(plan, inst, rank, ctx.host),
+        link=link_spec(plan, inst, rank, ctx.host),
         peer=pair_of(plan, inst.index) if ctx.role == "decode" else 0,
         # test hook, off unless the deployment's env sets it (launcher.env.decode.*)
         allow_faults=os.environ.get(ALLOW_FAULTS_ENV) == "1",
     )
 
 
-def messenger_settings(plan: Any, inst: Any, rank: Any, host: str) -> dict[str, Any]:
-    """What the messenger adapter needs from the plan (plain data). A prefill instance's lead
-    binds its control socket on the instance's bootstrap port, the planned and port-checked
-    listener decode ranks reach it at (SGLang's prefill serves its bootstrap there); the other
-    ranks take a free port. Decode ranks read every rank's control address at start-up from
-    each prefill lead's /health (see link.py). The libfabric domain is the NIC the plan chose
-    for this rank's GPU, as the worker exported it (transfer.workerenv)."""
+def link_spec(plan: Any, inst: Any, rank: Any, host: str) -> LinkSpec:
+    """What the messenger adapter needs from the plan. A prefill instance's lead binds its
+    control socket on the instance's bootstrap port, the planned and port-checked listener
+    decode ranks reach it at (SGLang's prefill serves its bootstrap there); the other ranks take
+    a free port. Decode ranks read every rank's control address at start-up from each prefill
+    lead's /health (see link.py). The libfabric domain is the NIC the plan chose for this rank's
+    GPU, as the worker exported it (transfer.workerenv)."""
     t = plan.transfer
-    prefill = [{"health": f"http://{_host_of(i.nodes[0], host)}:{i.http_port}/health"}
-               for i in plan.role_instances("prefill")]
-    return {"provider": t.provider, "domain": workerenv.domain_for(rank.gpu),
-            "timeout_s": t.timeout_s,
-            "peer_timeout_s": t.peer_timeout_s, "heartbeat_s": t.heartbeat_s, "lanes": t.lanes,
-            "connect_timeout_s": t.connect_timeout_s, "prefill": prefill,
-            "prefill_tp": t.prefill.attn_tp, "decode_tp": t.decode.attn_tp,
-            "control_port": (inst.bootstrap_port or 0) if rank.rank == 0 else 0}
+    return LinkSpec(
+        prefill_tp=t.prefill.attn_tp, decode_tp=t.decode.attn_tp,
+        prefill=[f"http://{_host_of(i.nodes[0], host)}:{i.http_port}/health"
+                 for i in plan.role_instances("prefill")],
+        provider=t.provider, domain=workerenv.domain_for(rank.gpu), timeout_s=t.timeout_s,
+        connect_timeout_s=t.connect_timeout_s, peer_timeout_s=t.peer_timeout_s,
+        heartbeat_s=t.heartbeat_s, lanes=t.lanes,
+        control_port=(inst.bootstrap_port or 0) if rank.rank == 0 else 0)

@@ -34,6 +34,7 @@ from pdtool.reference_limits import AUX_ROWS
 from .cache import PagedKV
 from .health import read_health
 from .model import TinyModel
+from .spec import LinkSpec, RankSpec
 
 log = logging.getLogger("pdtool.reference.link")
 # How long an idle messenger thread sleeps on its sockets and command doorbell (either wakes it
@@ -55,24 +56,29 @@ def _endpoints(health_url: str, timeout_s: float) -> tuple[tuple[str, ...], int]
     return tuple(health["control"]), int(health.get("context", 0))
 
 
-def _common(spec: Any, model: TinyModel) -> dict[str, Any]:
-    m = spec.messenger
+def _common(spec: RankSpec, model: TinyModel) -> dict[str, Any]:
+    link = _link(spec)
     cfg = model.cfg
-    peer_tp = m["prefill_tp"] if spec.role == "decode" else m["decode_tp"]
+    peer_tp = link.prefill_tp if spec.role == "decode" else link.decode_tp
     return {
         "secret": spec.secret,
         "spec": cfg.shard_spec(spec.tp),
         "peer_spec": cfg.shard_spec(peer_tp),
         "rank": spec.rank,
-        "provider": m.get("provider", "shm"),
-        "domain": m.get("domain"),
-        "timeout_s": float(m.get("timeout_s", 60.0)),
-        "peer_timeout_s": float(m.get("peer_timeout_s", 5.0)),
-        "heartbeat_s": float(m.get("heartbeat_s", 0.5)),
-        "busy_sleep_s": float(m.get("busy_sleep_s", 0.0)),
+        "provider": link.provider,
+        "domain": link.domain,
+        "timeout_s": link.timeout_s,
+        "peer_timeout_s": link.peer_timeout_s,
+        "heartbeat_s": link.heartbeat_s,
         "idle_sleep_s": IDLE_WAIT_S,
         "name": f"{spec.role}{spec.instance}-r{spec.rank}",
     }
+
+
+def _link(spec: RankSpec) -> LinkSpec:
+    if spec.link is None:
+        raise ValueError(f"the {spec.role} rank's RankSpec has no link (the messenger's settings)")
+    return spec.link
 
 
 class _Side:
@@ -104,22 +110,21 @@ class _Side:
 class DecodeSide(_Side):
     """DecodeLink over a DecodeMessenger."""
 
-    def __init__(self, spec: Any, kv: PagedKV, model: TinyModel) -> None:
+    def __init__(self, spec: RankSpec, kv: PagedKV, model: TinyModel) -> None:
         from transfer.messenger.common import DecodeConfig
         from transfer.messenger.decode import DecodeMessenger
 
-        m = spec.messenger
-        timeout = float(m.get("connect_timeout_s", 60.0))
-        found = [_endpoints(p["health"], timeout) for p in m["prefill"]]
+        link = _link(spec)
+        found = [_endpoints(url, link.connect_timeout_s) for url in link.prefill]
         groups = tuple(control for control, _ in found)
         #: longest prompt every prefill instance this rank may send to can hold (0: no limit)
         self.peer_context = min((c for _, c in found if c), default=0)
         self.aux = torch.zeros(AUX_ROWS, model.cfg.hidden, dtype=torch.float32)
         config = DecodeConfig(**_common(spec, model), prefill_endpoints=groups,
-                              max_inflight=AUX_ROWS, lanes=int(m.get("lanes", 0)))
+                              max_inflight=AUX_ROWS, lanes=link.lanes)
         self.m = DecodeMessenger(config, kv.buffers, kv.layout, [self.aux])
         self._control = list(groups)
-        self._health_urls = [p["health"] for p in m["prefill"]]
+        self._health_urls = list(link.prefill)
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._rediscover, daemon=True,
                                          name="prefill-rediscovery")
@@ -179,7 +184,7 @@ class DecodeSide(_Side):
 
 
 
-def messenger_link(spec: Any, kv: PagedKV, model: TinyModel) -> Any:
+def messenger_link(spec: RankSpec, kv: PagedKV, model: TinyModel) -> Any:
     if spec.role == "decode":
         return DecodeSide(spec, kv, model)
     return PrefillSide(spec, kv, model)
@@ -188,7 +193,7 @@ def messenger_link(spec: Any, kv: PagedKV, model: TinyModel) -> Any:
 class PrefillSide(_Side):
     """PrefillLink over a PrefillMessenger."""
 
-    def __init__(self, spec: Any, kv: PagedKV, model: TinyModel) -> None:
+    def __init__(self, spec: RankSpec, kv: PagedKV, model: TinyModel) -> None:
         import torch.distributed as dist
 
         from transfer.messenger.common import MessengerError, PrefillConfig
@@ -196,7 +201,7 @@ class PrefillSide(_Side):
         from transfer.wire import WireError
 
         self.aux = torch.zeros(AUX_ROWS, model.cfg.hidden, dtype=torch.float32)
-        port = int(spec.messenger.get("control_port", 0))  # the lead's: its bootstrap port
+        port = _link(spec).control_port  # the lead's: its bootstrap port
         config = PrefillConfig(**_common(spec, model), bind_host=spec.host, port=port,
                                max_requests=AUX_ROWS)
         try:
@@ -214,7 +219,7 @@ class PrefillSide(_Side):
         self._token_bytes = kv.page_bytes() * len(kv.buffers) // kv.page_size
         self._pass_bytes = 0
         self._unannounced = 0
-        self.announce_bytes = int(spec.messenger.get("announce_bytes", self.ANNOUNCE_BYTES))
+        self.announce_bytes = _link(spec).announce_bytes or self.ANNOUNCE_BYTES
         # on a GPU the stream writes the progress word itself (model.progress_writer) and the
         # host never announces: the messenger's waits then watch the word instead of sleeping
         # until an announcement's kick, which would hold mid-prompt pages back
@@ -242,7 +247,7 @@ class PrefillSide(_Side):
         self._pass_bytes = sum(hi - lo for _rid, lo, hi in chunks) * self._token_bytes
 
     # a pass that ends no prompt wakes the messenger thread only once this much KV was
-    # computed since it last woke (the RankSpec's messenger["announce_bytes"] may set it:
+    # computed since it last woke (LinkSpec.announce_bytes may set it:
     # tests do, to stream short prompts pass by pass). What is left for the prompt's end is
     # then at most this, about a millisecond of writes on shm, while every wake-up stalled
     # the engine thread (its GIL) about half a millisecond (docs/benchmark.md, "Eighth

@@ -20,6 +20,7 @@ from .local import Deployment, free_port, get_json, new_secret
 from .model import TinyModel
 from .oracle import encode, generate
 from .serve import RankSpec
+from .spec import LinkSpec
 
 TEXT = ("Disaggregated prefill streams KV pages layer by layer; the decoder counts writes, "
         "never waits for a done message. ünïcödé ✓ 0123456789 ")
@@ -124,10 +125,9 @@ def deployment(log_dir: Path, decoders: int = 2, peer_timeout_s: float = 5.0
     (deployment, front URL, leaders' base URLs prefill first, model fields)."""
     secret, model = new_secret(), {"attention": "gqa"}
     p_http, f_http = free_port(), free_port()
-    mess = {"provider": "shm", "prefill_tp": 1, "decode_tp": 1, "timeout_s": 60.0,
-            "peer_timeout_s": peer_timeout_s,
-            "prefill": [{"health": f"http://127.0.0.1:{p_http}/health"}]}
-    common = {"secret_hex": secret, "messenger": mess, "model": model, "page_size": 4,
+    link = LinkSpec(prefill_tp=1, decode_tp=1, prefill=[f"http://127.0.0.1:{p_http}/health"],
+                    provider="shm", peer_timeout_s=peer_timeout_s)
+    common = {"secret_hex": secret, "link": link, "model": model, "page_size": 4,
               "chunk": 16}
     specs = [RankSpec(role="prefill", dist_port=free_port(), http_port=p_http, **common)]
     leaders = [f"http://127.0.0.1:{p_http}"]
