@@ -15,6 +15,12 @@ TORCH_KV_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 AUX_ROWS = 256
 #: requests a decode (or aggregated) instance runs at once with max_running_requests=0
 DEFAULT_MAX_RUNNING = 64
+#: on cluster.device=cuda the engine's GQA/MHA decode attention is FlashInfer's paged decode over
+#: HND pages: the KV dtypes it reads and the head dims its kernels are built for (FlashInfer's
+#: `include/flashinfer/utils.cuh` dispatches 64, 128 and 256; vLLM's FlashInfer backend lists
+#: the same three)
+FLASHINFER_KV_DTYPES = ("fp16", "bf16")
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
 #: KV pages one rank allocates at most, whatever the memory budget says: the CPU engine needs
 #: far less than a GPU's budget, and this keeps its processes small (the plan shows the cap)
 MAX_KV_PAGES = 4096
@@ -88,4 +94,27 @@ def instance_problems(model: Any, inst: Any, role: str) -> list[tuple[str, str]]
         out.append((f"{role}.tp",
                     f"tp={inst.tp} must divide model.num_q_heads={model.num_q_heads} and "
                     f"model.intermediate_size={model.intermediate_size}"))
+    return out
+
+
+def device_problems(model: Any, kv_dtype: str, inst: Any, role: str,
+                    device: str) -> list[tuple[str, str]]:
+    """(config key, problem) pairs for running one role on `device` (cluster.device): on cuda
+    the pages are HND and, but for MLA (torch attention over the latent), decode attention is
+    FlashInfer's, which reads only its dtypes and head dims."""
+    if device != "cuda":
+        return []
+    out: list[tuple[str, str]] = []
+    if inst.kv_layout != "HND":
+        out.append((f"{role}.kv_layout",
+                    f"the GPU path reads FlashInfer's HND pages, got {inst.kv_layout}"))
+    if model.attention == "mla":
+        return out
+    if kv_dtype not in FLASHINFER_KV_DTYPES:
+        readable = " or ".join(FLASHINFER_KV_DTYPES)
+        out.append((f"{role}.kv_dtype",
+                    f"FlashInfer's decode reads {readable} pages, got {kv_dtype}"))
+    if model.head_dim not in FLASHINFER_HEAD_DIMS:
+        out.append(("model.head_dim", f"FlashInfer's decode is built for head dims "
+                                      f"{list(FLASHINFER_HEAD_DIMS)}, got {model.head_dim}"))
     return out

@@ -256,6 +256,14 @@ def run_sglang(ctx: WorkerContext) -> int:
     """Replace this process with the SGLang line rendered after `--` (server, or the router for
     the router role); the plan and fabric environment are already in os.environ for pdtool's
     SGLang transfer backend."""
+    from pdtool.rules.sglang import HND_POOLS_ENV, asks_hnd_pools
+
+    if ctx.instance is not None and not ctx.plan.aggregated \
+            and asks_hnd_pools(os.environ.get(HND_POOLS_ENV)):
+        # inherited from the shell that ran pdtool (validate checks launcher.env only)
+        raise WorkerError(f"{HND_POOLS_ENV}={os.environ[HND_POOLS_ENV]}: SGLang 0.5.23 does not "
+                          "support PD transfer from HND KV pools (it asserts NHD slot rows at "
+                          f"start-up); unset {HND_POOLS_ENV} for this deployment")
     if not ctx.engine_argv:
         raise WorkerError("engine=sglang needs its launch line after `--`")
     # pdtool's SGLang backend signs its control frames with the secret it reads from the 0600

@@ -142,6 +142,9 @@ def test_cuda_path_refuses_what_flashinfer_cannot_read():
     with pytest.raises(ValueError, match=r"set prefill\.kv_dtype=fp16"):
         FlashInferDecode(q_heads=4, kv_heads=2, head_dim=16, page_size=4,
                          kv_dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"model\.head_dim: .* \[64, 128, 256\], got 16"):
+        FlashInferDecode(q_heads=4, kv_heads=2, head_dim=16, page_size=4,
+                         kv_dtype=torch.float16, device="cpu")
     with pytest.raises(ValueError, match=r"transfer\.layout=HND"):
         PagedKV(TinyConfig(), 2, 8, 4, "NHD", device="cuda")
 

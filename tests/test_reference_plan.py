@@ -132,8 +132,13 @@ def test_the_model_context_length_bounds_what_the_front_takes():
 
 def test_each_rank_runs_on_its_plan_gpu(secret):
     """On a GPU cluster every rank gets its plan GPU as its device (a bare "cuda" put every
-    rank of a node on GPU 0); on cpu, cpu."""
-    plan = build_plan(recipe("tiny-local", "cluster=dgx-h100", "transfer=tcp", "prefill.tp=2"))
+    rank of a node on GPU 0); on cpu, cpu. A plan FlashInfer cannot read (the tiny model's
+    head dim 16 in fp32 pages) is refused by the worker too, naming the key."""
+    gpu = ("tiny-local", "cluster=dgx-h100", "transfer=tcp", "prefill.tp=2")
+    with pytest.raises(SpecError, match=r"prefill\.kv_dtype: .*fp16 or bf16 pages, got fp32"):
+        spec_from_context(_ctx(build_plan(recipe(*gpu)), "prefill", 0))
+    plan = build_plan(recipe(*gpu, "model.head_dim=64", "prefill.kv_dtype=fp16",
+                             "decode.kv_dtype=fp16"))
     got = {(i.role, i.index, r.rank): spec_from_context(_ctx(plan, i.role, i.index,
                                                              r.rank)).device
            for i in plan.instances for r in i.ranks}

@@ -282,9 +282,12 @@ def test_engine_must_suit_device():
     assert not [f for f in validate(compose("engine=sglang")) if f.key == "engine.kind"]
     # the R1 cluster with a model the reference engine runs (and without SGLang's flags)
     tiny = ("engine=reference", "engine.extra_args=[]", "model=tiny", "model.num_q_heads=8",
-            "model.num_kv_heads=8", "prefill.chunked_prefill_size=64")
+            "model.num_kv_heads=8", "model.head_dim=64", "prefill.chunked_prefill_size=64")
     cfg = recipe("deepseek-r1", *tiny, "prefill.kv_dtype=fp16", "decode.kv_dtype=fp16")
     assert_warning(cfg, "engine.kind", "FlashInfer decode attention")
+    # the tiny model's own head dim (16) is none FlashInfer's decode is built for
+    assert_error(recipe("deepseek-r1", *tiny, "model.head_dim=16", "prefill.kv_dtype=fp16",
+                        "decode.kv_dtype=fp16"), "model.head_dim", "[64, 128, 256], got 16")
     # what the GPU path cannot read is refused, naming the key
     assert_error(recipe("deepseek-r1", *tiny, "transfer.layout=NHD", "decode.kv_dtype=fp32"),
                  "decode.kv_layout", "HND pages")
@@ -580,3 +583,17 @@ def test_the_head_split_suggests_only_degrees_the_next_check_accepts():
     for tp in (1, 2, 4):
         assert not [f for f in validate(compose(f"prefill.tp={tp}"))
                     if f.severity == "error" and f.key == "prefill.tp"], tp
+
+
+def test_sglang_hnd_pools_are_refused_for_disaggregation():
+    """SGLang 0.5.23 asserts NHD slot rows when a PD server starts with SGLANG_USE_HND_KVCACHE;
+    validate names the variable's key instead (aggregated instances transfer nothing)."""
+    key = "launcher.env.decode.SGLANG_USE_HND_KVCACHE"
+    for value in ("1", "True", "yes"):
+        assert_error(recipe("sglang-local", f"+{key}={value}"), key, "HND KV pools")
+
+    def hnd_findings(*overrides: str) -> list:
+        return [f for f in validate(recipe("sglang-local", *overrides)) if "HND" in f.key]
+
+    assert not hnd_findings("+launcher.env.all.SGLANG_USE_HND_KVCACHE=0")
+    assert not hnd_findings("mode=aggregated", "+launcher.env.all.SGLANG_USE_HND_KVCACHE=1")

@@ -28,11 +28,11 @@ def _plan(tmp_path: Path, *overrides: str) -> Path:
     return path
 
 
-def _worker(plan: Path, role: str = "decode", pythonpath: str = "") -> \
-        subprocess.CompletedProcess[str]:
+def _worker(plan: Path, role: str = "decode", pythonpath: str = "",
+            **env_vars: str) -> subprocess.CompletedProcess[str]:
     args = ["--role", role] + (["--instance", "0", "--node-rank", "0"] if role != "router"
                                else [])
-    env = {**os.environ, "PDTOOL_PREFLIGHT": ""}
+    env = {**os.environ, "PDTOOL_PREFLIGHT": "", **env_vars}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-m", "pdtool.worker", "--plan", str(plan), *args],
@@ -108,3 +108,15 @@ def test_sglangs_own_backend_registers_gpu_memory_itself(tmp_path: Path) -> None
     res = _worker(_plan(tmp_path, *SGLANG_ON_GPUS, "transfer.backend=mooncake"))
     assert _start_fields(res.stdout)["gpu_memory"] == "sglang-mooncake", res.stdout
     assert "transfer.gpu_memory=" not in res.stdout  # no probe, no pdtool path
+
+
+def test_hnd_pools_inherited_from_the_shell_stop_a_pd_server_before_sglang(tmp_path: Path) -> None:
+    """SGLANG_USE_HND_KVCACHE exported in the shell that ran pdtool reaches the servers (validate
+    sees launcher.env only): the worker refuses it, naming the variable, before SGLang starts
+    and asserts; an aggregated instance transfers nothing and goes on."""
+    res = _worker(_plan(tmp_path, *SGLANG_ON_GPUS), SGLANG_USE_HND_KVCACHE="1")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "SGLANG_USE_HND_KVCACHE=1: SGLang 0.5.23 does not support PD transfer" in res.stderr
+    res = _worker(_plan(tmp_path, *SGLANG_ON_GPUS, "mode=aggregated"),
+                  SGLANG_USE_HND_KVCACHE="1")
+    assert "SGLANG_USE_HND_KVCACHE" not in res.stderr and "pdtool-worker: start" in res.stdout

@@ -279,6 +279,32 @@ def check_sglang_unread_transfer_keys(cfg: Config) -> list[Finding]:
     return out
 
 
+#: SGLang 0.5.23's switch to HND KV pools (`mem_cache/memory_pool.py`): its PD transfer path,
+#: `get_contiguous_buf_infos`, asserts NHD slot rows, so no transfer backend starts with it
+HND_POOLS_ENV = "SGLANG_USE_HND_KVCACHE"
+
+
+def asks_hnd_pools(value: str | None) -> bool:
+    """Whether an SGLANG_USE_HND_KVCACHE value turns HND pools on (SGLang's EnvBool reading)."""
+    return (value or "").strip().lower() in ("true", "1", "yes", "y")
+
+
+def check_sglang_hnd_pools(cfg: Config) -> list[Finding]:
+    """engine=sglang, disaggregated: SGLang refuses PD transfer from HND pools (an assertion
+    in the scheduler's start, whatever the backend); say so before the servers start."""
+    if cfg.engine.kind != "sglang" or cfg.mode == "aggregated":
+        return []
+    env = cfg.launcher.env
+    return [error(f"launcher.env.{group}.{HND_POOLS_ENV}",
+                  f"{HND_POOLS_ENV}={values[HND_POOLS_ENV]} gives SGLang HND KV pools, whose "
+                  "PD transfer SGLang 0.5.23 does not support (memory_pool.py asserts NHD slot "
+                  "rows at start-up, for every transfer backend)",
+                  f"remove launcher.env.{group}.{HND_POOLS_ENV}, or use mode=aggregated")
+            for group, values in (("all", env.all), ("prefill", env.prefill),
+                                  ("decode", env.decode))
+            if asks_hnd_pools(values.get(HND_POOLS_ENV))]
+
+
 def check_sglang_model_seed(cfg: Config) -> list[Finding]:
     """engine=sglang: model.seed draws the reference engine's built-in weights; SGLang loads
     model.path's checkpoint and nothing reads the seed."""
@@ -293,4 +319,5 @@ def check_sglang_model_seed(cfg: Config) -> list[Finding]:
 
 
 ALL = (check_sglang_unsupported_args, check_sglang_rendered_flags, check_sglang_speculative,
-       check_sglang_aggregated_args, check_sglang_unread_transfer_keys, check_sglang_model_seed)
+       check_sglang_aggregated_args, check_sglang_unread_transfer_keys, check_sglang_model_seed,
+       check_sglang_hnd_pools)

@@ -6,7 +6,7 @@
 * Slurm: the node groups of both roles must fit `cluster.nodes`. Local: one machine.
 * The engine must suit the device (SGLang serves on GPUs and, with its CPU engine, on CPUs:
   pdtool.engines.sglang.cpu; the reference engine runs on CPUs, and on cuda only as a check,
-  with HND pages in fp16/bf16 that FlashInfer reads).
+  with the HND pages, dtypes and head dims FlashInfer reads: reference_limits.device_problems).
 * Every GPU rank needs a NIC its provider can drive, preferably on its PCIe switch, at least on
   its NUMA node; `shm` only works when prefill and decode share a node.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 from pdtool.plan import PROVIDER_NIC_KINDS, choose_nics, placements
+from pdtool.reference_limits import device_problems
 from pdtool.rules.finding import Finding, error, warning
 from pdtool.schema import ROLES, Config, kv_dtype, role, role_dims
 
@@ -123,16 +124,17 @@ def check_engine_device(cfg: Config) -> list[Finding]:
                 "use engine=sglang to serve on GPU clusters",
             )
         ]
+        fixes = {"kv_layout": "set transfer.layout=HND", "kv_dtype": "set {r}.kv_dtype=fp16",
+                 "head_dim": "use a model whose head_dim FlashInfer's decode is built for, or "
+                             "cluster.device=cpu"}
+        seen: set[str] = set()
         for r in ROLES:
             rc = role(cfg, r)
-            if rc.kv_layout != "HND":
-                out.append(error(f"{r}.kv_layout", f"the reference engine's GPU path reads "
-                                 f"FlashInfer's HND pages, got {rc.kv_layout}",
-                                 "set transfer.layout=HND"))
-            if cfg.model.attention != "mla" and kv_dtype(cfg.model, rc) not in ("bf16", "fp16"):
-                out.append(error(f"{r}.kv_dtype", f"FlashInfer's decode reads fp16 or bf16 "
-                                 f"pages, got {kv_dtype(cfg.model, rc)}",
-                                 f"set {r}.kv_dtype=fp16"))
+            for key, msg in device_problems(cfg.model, kv_dtype(cfg.model, rc), rc, r, dev):
+                if key not in seen:
+                    seen.add(key)
+                    out.append(error(key, f"the reference engine on {dev}: {msg}",
+                                     fixes[key.split(".")[-1]].format(r=r)))
         return out
     return []
 

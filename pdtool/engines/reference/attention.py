@@ -18,8 +18,11 @@ from typing import Any
 
 import torch
 
+from pdtool.reference_limits import FLASHINFER_HEAD_DIMS, TORCH_KV_DTYPES
+from pdtool.reference_limits import FLASHINFER_KV_DTYPES as _FLASHINFER_KV_NAMES
+
 #: FlashInfer's decode kernels take half-precision caches (and fp8, not used here).
-FLASHINFER_KV_DTYPES = (torch.float16, torch.bfloat16)
+FLASHINFER_KV_DTYPES = tuple(getattr(torch, TORCH_KV_DTYPES[n]) for n in _FLASHINFER_KV_NAMES)
 
 
 def paged_kv_csr(page_table: torch.Tensor, kv_len: torch.Tensor,
@@ -72,6 +75,9 @@ class FlashInferDecode:
         if kv_dtype not in FLASHINFER_KV_DTYPES:
             raise ValueError(f"kv_dtype: FlashInfer's decode reads float16 or bfloat16 pages, "
                              f"got {kv_dtype}; set prefill.kv_dtype=fp16 decode.kv_dtype=fp16")
+        if head_dim not in FLASHINFER_HEAD_DIMS:
+            raise ValueError(f"model.head_dim: FlashInfer's decode is built for head dims "
+                             f"{list(FLASHINFER_HEAD_DIMS)}, got {head_dim}")
         try:
             import flashinfer
         except ImportError as exc:

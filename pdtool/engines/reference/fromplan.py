@@ -14,6 +14,7 @@ from typing import Any
 from pdtool.reference_limits import (
     MAX_KV_PAGES,
     TORCH_KV_DTYPES,
+    device_problems,
     instance_problems,
     model_problems,
 )
@@ -113,6 +114,7 @@ def spec_from_context(ctx: Any) -> RankSpec:
     inst = ctx.instance
     fields = model_fields(plan.model, inst.kv_dtype, ctx.role)
     check_instance(plan.model, fields, inst, ctx.role)
+    _raise_first(device_problems(plan.model, inst.kv_dtype, inst, ctx.role, plan.cluster.device))
     rank = ctx.ranks[0]
     pages = MAX_KV_PAGES  # the plan's memory holds the same cap (pdtool.memory)
     for mem in plan.memory:
