@@ -25,6 +25,9 @@ COMMANDS: tuple[str, ...] = (
     "render",
     "launch",  # launch issue: pdtool/commands/{render,launch}.py
     "bench",
+    "status",
+    "logs",
+    "stop",
 )
 
 EPILOG = """\

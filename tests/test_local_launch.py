@@ -505,3 +505,47 @@ def test_a_failing_setup_line_stops_the_supervisor_before_anything_starts(tmp_pa
     code, out = run.finish(timeout=60)
     assert code == 1 and "launcher.setup / launcher.venv failed (exit 1)" in out, out
     assert "started" not in out
+
+
+def _pdtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pdtool.cli", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_status_logs_and_stop_from_another_shell(tmp_path: Path) -> None:
+    """A deployment started by `pdtool launch` in one shell is found, inspected and stopped
+    from another through its job folder (running.json under launcher.output_dir); stopping
+    it is Ctrl-C in its own shell: every process exits and the record goes."""
+    base = free_port_run(60)
+    out = tmp_path / "outputs"
+    run = supervisor(base, out / "job")
+    try:
+        nothing = _pdtool("status", cwd=tmp_path)
+        assert nothing.returncode == 1 and "no running deployment under outputs/" in \
+            nothing.stderr, nothing.stderr
+        run.wait_for("deployment ready")
+        st = _pdtool("status", cwd=tmp_path)
+        assert st.returncode == 0 and "Traceback" not in st.stderr, st.stderr
+        assert f"{out / 'job'}: ready" in st.stdout and f"router http://127.0.0.1:{base + 50}" \
+            in st.stdout, st.stdout
+        shown = json.loads(_pdtool("status", "--json", cwd=tmp_path).stdout)
+        assert [p["name"] for p in shown[0]["processes"]] == \
+            ["prefill-0.r0", "decode-0.r0", "decode-1.r0", "router"]
+        assert all(p["alive"] and p["health"] == "ok" for p in shown[0]["processes"]), shown
+        logs = _pdtool("logs", "decode-1.r0", "-n", "0", cwd=tmp_path)
+        assert logs.returncode == 0 and "pdtool-worker: start" in logs.stdout, logs.stdout
+        wrong = _pdtool("logs", "decode-7", cwd=tmp_path)
+        assert wrong.returncode == 1 and "its processes: prefill-0.r0, decode-0.r0" in \
+            wrong.stderr, wrong.stderr
+        stop = _pdtool("stop", "--job", str(out / "job"), cwd=tmp_path)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert stop.stdout.strip().splitlines()[-1] == \
+            "stopped: every process of the deployment has exited"
+        code, said = run.finish()
+        assert code == 130 and "received SIGTERM" in said, said
+        wait_gone(run.run_dir)
+        assert not (out / "job" / "running.json").exists()
+        gone = _pdtool("stop", cwd=tmp_path)
+        assert gone.returncode == 1 and "no running deployment" in gone.stderr
+    finally:
+        run.kill_everything()

@@ -134,3 +134,8 @@ def run_header(con: Any, runs: list[Run], i: int) -> None:
 
 def dump_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+
+def error_line(message: str) -> None:
+    """One line on stderr saying what went wrong (no traceback)."""
+    print(f"pdtool: ERROR: {message}", file=sys.stderr, flush=True)

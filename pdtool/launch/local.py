@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from pdtool.launch import record
 from pdtool.launch.health import (
     EXIT_DIED,
     WATCHDOG_MISSES,
@@ -102,6 +103,8 @@ class Supervisor:
         self.held: str | None = None  # a signal that came while a process was being started
         self.holding = False
         self.running: list[Running] = []
+        self.state = "starting"  # "ready" once the router answers: running.json says which
+        self.router_url = ""
         self.base_env = dict(os.environ)  # run() adds launcher.setup's and the venv's
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.log_dir = self.run_dir / "logs" / f"local-{stamp}-{os.getpid()}"
@@ -139,8 +142,19 @@ class Supervisor:
                 raise HealthFailure(f"cannot start {p.name}: {argv[0]}: {e.strerror}", 1) from e
             r = Running(p, popen, log)
             self.running.append(r)
+            self._record()
         self.say(f"started {p.name} (pid {popen.pid}, log {log})")
         return r
+
+    def _record(self) -> None:
+        """Rewrite running.json: what `pdtool status / logs / stop` read from another shell."""
+        record.write(record.Record(
+            run_dir=str(self.run_dir), supervisor_pid=os.getpid(), state=self.state,
+            router_url=self.router_url, log_dir=str(self.log_dir),
+            procs=[record.ProcRecord(r.proc.name, r.proc.role, r.popen.pid, str(r.log),
+                                      resolve([r.proc.health], self.vars)[0]
+                                      if r.proc.health else "")
+                   for r in self.running]))
 
     @contextlib.contextmanager
     def _signals_held(self) -> Iterator[None]:
@@ -228,6 +242,8 @@ class Supervisor:
                 self.start(p)
             self._health(self.spec.router)
             url = resolve([self.spec.router_url], self.vars)[0]
+            self.state, self.router_url = "ready", url
+            self._record()
             self.say(f"deployment ready: router at {url}; {len(self.running)} processes "
                      "(Ctrl-C stops everything)")
             width = max(len(r.proc.name) for r in self.running)
@@ -267,6 +283,7 @@ class Supervisor:
                 if self.running:
                     self.say("stopped: every process of the deployment has exited")
             finally:
+                record.remove(self.run_dir)
                 for s, h in old.items():
                     signal.signal(s, h)
 
