@@ -16,6 +16,7 @@ in C on the progress word and the doorbell, sleeping between polls (no core, no 
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import os
@@ -223,6 +224,35 @@ class TransferState:
     received: int = 0
     expected: int = 0
     slot: int = -1
+
+
+#: upper bounds (seconds) of the decode messenger's transfer-time histogram (its stats)
+TRANSFER_S_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                     10.0)
+
+
+@dataclass
+class TransferTally:
+    """A decode messenger's settled transfers: how many succeeded, failed and (of those)
+    timed out on this side, and how long each success took from submit until the messenger
+    thread saw its count complete, or the engine released it having read the full count
+    (per bucket of TRANSFER_S_BOUNDS, the last bucket unbounded). Written by the
+    messenger thread, read by any (plain ints: a snapshot, as `stats()` gives)."""
+
+    ok: int = 0
+    failed: int = 0
+    timed_out: int = 0
+    seconds_sum: float = 0.0
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(TRANSFER_S_BOUNDS) + 1))
+
+    def settled(self, ok: bool, timed_out: bool, seconds: float) -> None:
+        if not ok:
+            self.failed += 1
+            self.timed_out += timed_out
+            return
+        self.ok += 1
+        self.seconds_sum += seconds
+        self.buckets[bisect.bisect_left(TRANSFER_S_BOUNDS, seconds)] += 1
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ from .common import (
     PeerClock,
     TransferState,
     TransferStatus,
+    TransferTally,
 )
 
 log = logging.getLogger("transfer.messenger.decode")
@@ -100,6 +101,7 @@ class _Xfer:
     expected: int = 0
     confirmed: dict[int, int] = field(default_factory=dict)  # prefill rank -> writes it issued
     last_abort: float = 0.0
+    timed_out: bool = False  # failed by this side's timeout (counted apart in the stats)
     # `timeout_s` counts from here: the submit, moved on while the prefill lead's PONGs list
     # the transfer as queued for a bind (so it counts from about the bind)
     clock: float = field(init=False)
@@ -109,6 +111,7 @@ class _Xfer:
 
 
 _COUNTING = (TransferStatus.PENDING, TransferStatus.TRANSFERRING)
+_SETTLED = (TransferStatus.SUCCESS, TransferStatus.FAILED)
 
 
 def _landed(st: TransferState, counts: np.ndarray | None) -> bool:
@@ -159,6 +162,7 @@ class DecodeMessenger(MessengerThread):
         self._states: dict[str, TransferState] = {}
         self._counts: np.ndarray | None = None
         self._silent: frozenset[int] = frozenset()  # rebuilt by the messenger thread
+        self.tally = TransferTally()  # settled transfers, for stats() (metrics)
         self.identity = config.identity("decode")
         self._start()
 
@@ -279,6 +283,10 @@ class DecodeMessenger(MessengerThread):
                 "slots_free": slots.free if slots is not None else 0,
                 "quarantined": len(slots.quarantined) if slots is not None else 0,
                 "requests": known, "stale_writes": self._stale if slots is not None else 0,
+                "transfers_ok": self.tally.ok, "transfers_failed": self.tally.failed,
+                "transfers_timed_out": self.tally.timed_out,
+                "transfer_s_sum": self.tally.seconds_sum,
+                "transfer_s_buckets": list(self.tally.buckets),
                 "stalled_s": round(self.stalled_s(), 3), "lanes": self.config.receive_lanes,
                 # shm: its waits sleep up to this between polls (0: poll_backoff_s), since every
                 # prefill rank kicks them; and how many sleeps a kick ended
@@ -431,6 +439,9 @@ class DecodeMessenger(MessengerThread):
             self._cmds.drain_wakeups()
 
     def _set(self, x: _Xfer, status: TransferStatus, reason: str = "") -> None:
+        if status in _SETTLED and x.status not in _SETTLED:
+            self.tally.settled(status is TransferStatus.SUCCESS, x.timed_out,
+                               time.monotonic() - x.submitted)
         x.status = status
         x.reason = reason or x.reason
         received = self._slots.received(x.slot) if x.slot >= 0 else 0
@@ -506,6 +517,8 @@ class DecodeMessenger(MessengerThread):
 
     def _cmd_release(self, rid: str, slot: int) -> None:
         x = self._xfers.pop(rid, None)
+        if x is not None and slot >= 0 and x.status not in _SETTLED:
+            self._set(x, TransferStatus.SUCCESS)  # the engine read the full count first
         if x is not None and slot >= 0 and self._by_slot.get(slot) is x:
             del self._by_slot[slot]
             self._slots.release(slot)
@@ -696,6 +709,7 @@ class DecodeMessenger(MessengerThread):
         for x in list(self._xfers.values()):
             if x.status in (TransferStatus.PENDING, TransferStatus.TRANSFERRING):
                 if now - x.clock > cfg.timeout_s:
+                    x.timed_out = True
                     got = self._slots.received(x.slot)
                     self._fail(x, f"timed out after {cfg.timeout_s:.1f} s (since the prefill "
                                   f"took the request) with {got} of "
@@ -705,6 +719,7 @@ class DecodeMessenger(MessengerThread):
                 self._send_aborts(x, now)
         for w in list(self._waiting):
             if now - w.submitted > cfg.timeout_s:
+                w.timed_out = True
                 self._waiting.remove(w)
                 why = (f"prefill {w.group} did not answer HELLO" if
                        self._group_state(w.group) is None else "no free transfer slot")

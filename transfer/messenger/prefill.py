@@ -371,6 +371,9 @@ class PrefillMessenger(MessengerThread):
                 "leaked_tags": ledger.leaked if ledger else 0,
                 "stall_resets": self._stall.resets if hasattr(self, "_stall") else 0,
                 "writes_issued": getattr(self, "writes_issued", 0),
+                "ops_issued": getattr(self, "ops_issued", 0),
+                "bytes_issued": getattr(self, "bytes_issued", 0),
+                "write_errors": getattr(self, "write_errors", 0),
                 "kicks": getattr(self, "kicks_sent", 0),
                 "stalled_s": round(self.stalled_s(), 3)}
 
@@ -433,6 +436,8 @@ class PrefillMessenger(MessengerThread):
         self._dead_names: set[bytes] = set()
         self.writes_issued = 0  # page writes (iov entries)
         self.ops_issued = 0     # RMA operations: what decoders count
+        self.bytes_issued = 0   # KV and aux bytes those operations carry
+        self.write_errors = 0   # operations that completed with an error
         self._bell_seen = 0
         self._word_seen = int(self.progress[0])
         self._engine_wait_s = self.WAIT_SLICE_S  # ENGINE_WAIT_S once the engine kicks
@@ -962,20 +967,24 @@ class PrefillMessenger(MessengerThread):
                 bad = call[exc.group]
                 whole = call[:exc.group]
                 x, d, _size, g = todo[bad]
-                self._count_writes(d, int(exc.submitted), g.per_op, g.kick is not None)
+                sent = int(exc.submitted)
+                self._count_writes(d, sent, g.per_op, g.kick is not None,
+                                   int(g.lengths[:sent].sum()))
                 self._abort(x, f"write to decode rank {d.dst_rank} failed: {exc}")
                 i = bad + 1  # the groups after it were not submitted: the next call takes them
             for k in whole:
                 _x, d, size, g = todo[k]
-                self._count_writes(d, len(g.lengths), g.per_op, g.kick is not None)
+                self._count_writes(d, len(g.lengths), g.per_op, g.kick is not None, size)
                 self._unserved += size
 
-    def _count_writes(self, d: _Dest, writes: int, per_op: int, kicked: bool) -> None:
-        """`writes` page writes went to `d` (always whole operations of `per_op`)."""
+    def _count_writes(self, d: _Dest, writes: int, per_op: int, kicked: bool,
+                      nbytes: int) -> None:
+        """`writes` page writes (`nbytes` in all) went to `d` (whole operations of `per_op`)."""
         ops = -(-writes // per_op)
         d.issued += ops
         self.ops_issued += ops
         self.writes_issued += writes
+        self.bytes_issued += nbytes
         if kicked and writes:
             self.kicks_sent += 1  # the C call kicked it: there is something to copy
 
@@ -997,6 +1006,7 @@ class PrefillMessenger(MessengerThread):
             d = self._ledger.failed(tag)
             if d is None:
                 continue
+            self.write_errors += 1
             x = next((r for r in self._reqs.values() if d in r.dests), None)
             if x is not None:
                 self._abort(x, f"write to decode rank {d.dst_rank} failed: {msg}")

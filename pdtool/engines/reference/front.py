@@ -49,6 +49,7 @@ import zmq
 from . import api
 from .api import BadRequest, GenRequest, parse_request
 from .health import read_health
+from .metrics import FrontMetrics
 from .tokenizer import ByteTokenizer, HFTokenizer, StreamText
 from .wire import MAX_PROMPT, PROTOCOL, Wire, WireError, dealer
 
@@ -120,6 +121,7 @@ class Front:
         self.up = [False] * len(decoders)
         self.dead_after_s = dead_after_s
         self._heard = [0.0] * len(decoders)  # monotonic time each instance last answered
+        self.metrics = FrontMetrics(lambda: sum(self.inflight), lambda: sum(self.up))
         self._rr = itertools.count()
         self._lock = threading.Lock()
         self._ctx = zmq.Context()
@@ -364,6 +366,11 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
+        def send_response(self, code: int, message: str | None = None) -> None:
+            if self.command == "POST":  # every answer to a request, errors included
+                front.metrics.answered(code)
+            super().send_response(code, message)
+
         def _error(self, code: int, msg: str, kind: str = "invalid_request_error") -> None:
             self._json(code, {"error": {"message": msg, "type": kind, "code": code}})
 
@@ -379,6 +386,13 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
                     status = {"status": "ok" if code == 200 else "starting"}
                 self._json(code, {**status, "decode_instances": len(front.up), "decode_up": up,
                                   "context": front.context})
+            elif self.path == "/metrics":
+                data, kind = front.metrics.render()
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
             elif self.path == "/v1/models":
                 self._json(200, {"object": "list", "data": [model]})
             elif self.path == f"/v1/models/{front.model_name}":
@@ -440,6 +454,7 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
                 return
             self._json(200, api.whole(req, api.new_id(req.chat), front.model_name, out.text,
                                       out.finish, len(out.tokens), out.extra(t0)))
+            _served(front, req, out, t0)
 
         def _stream(self, req: GenRequest, t0: float) -> None:
             rid, pending = front.submit(req.tokens, req.max_tokens, req.sampling)
@@ -473,6 +488,7 @@ def _handler(front: Front) -> type[BaseHTTPRequestHandler]:
                 extra = {"token_ids": body["tokens"]}
                 if done:
                     extra = out.extra(t0) | extra
+                    _served(front, req, out, t0)
                 if text or done or body["tokens"]:
                     self._send(api.chunk(req, cid, model, text, out.finish if done else None,
                                          extra, first))
@@ -547,6 +563,20 @@ class _Output:
     def extra(self, t0: float) -> dict:
         return {"token_ids": self.tokens, "decode_instance": self.instance,
                 **_timing(t0, self.times, len(self.tokens)), **self.info}
+
+
+def _served(front: Front, req: GenRequest, out: _Output, t0: float) -> None:
+    """One request answered in full: into the metrics, and one line in the front's log."""
+    t = _timing(t0, out.times, len(out.tokens))
+    seconds = time.perf_counter() - t0
+    front.metrics.served(len(req.tokens), len(out.tokens), seconds, t["ttft_s"], t["tpot_s"])
+    log.info("request: %d prompt + %d output tokens, decode %d, TTFT %s, TPOT %s, total %.1f ms",
+             len(req.tokens), len(out.tokens), out.instance, _ms(t["ttft_s"]), _ms(t["tpot_s"]),
+             seconds * 1e3)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
 
 def _timing(t0: float, times: list[float], n: int) -> dict:

@@ -1,4 +1,5 @@
-"""A tiny HTTP side door per instance leader: `/health` for the launcher, `/stats` for tests.
+"""A tiny HTTP side door per instance leader: `/health` for the launcher, `/stats` for tests,
+`/metrics` for Prometheus (the KV messenger's counters, `metrics.py`).
 
 The launcher waits for `GET http://host:http_port/health` of every instance's rank 0 (see
 pdtool.launch.spec); the body also tells the front where the decode leader's request socket
@@ -46,7 +47,8 @@ class HealthServer:
 
     def __init__(self, host: str, port: int, info: Callable[[], dict[str, Any]],
                  stats: Callable[[], dict[str, Any]],
-                 problem: Callable[[], str] = lambda: "") -> None:
+                 problem: Callable[[], str] = lambda: "",
+                 metrics: Callable[[], tuple[bytes, str]] | None = None) -> None:
         self.ready = False
         outer = self
 
@@ -64,11 +66,16 @@ class HealthServer:
                         code, body = 200, {"status": "ok", **info()}
                 elif self.path == "/stats":
                     code, body = 200, stats()
+                elif self.path == "/metrics" and metrics is not None:
+                    self._send(200, *metrics())  # the exposition and its content type
+                    return
                 else:
                     code, body = 404, {"error": f"no route {self.path}"}
-                data = json.dumps(body).encode()
+                self._send(code, json.dumps(body).encode(), "application/json")
+
+            def _send(self, code: int, data: bytes, kind: str) -> None:
                 self.send_response(code)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)

@@ -110,10 +110,16 @@ def _stop_on_signals(stop: threading.Event) -> None:
 
 
 def _health(spec: RankSpec, info: Callable[[], dict[str, Any]],
-            stats: Callable[[], dict[str, Any]], problem: Callable[[], str]) -> HealthServer:
-    """The leader's /health on its planned HTTP port, or a StartError naming the port."""
+            stats: Callable[[], dict[str, Any]], link: Any) -> HealthServer:
+    """The leader's /health (and /stats, and /metrics from its messenger's counters) on its
+    planned HTTP port, or a StartError naming the port."""
+    from .metrics import messenger_metrics
+
+    m = getattr(link, "m", None)  # the messenger (none on an aggregated instance)
+    metrics = messenger_metrics(m.stats if m is not None else dict, spec.role)
     try:
-        return HealthServer(spec.host, spec.http_port, info, stats, problem)
+        return HealthServer(spec.host, spec.http_port, info, stats,
+                            getattr(link, "problem", lambda: ""), metrics)
     except OSError as exc:
         raise StartError(f"{spec.role} {spec.instance}: cannot serve /health on "
                          f"{spec.host}:{spec.http_port} (its HTTP port): "
@@ -195,8 +201,7 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
         context = decode_context(spec, getattr(link, "peer_context", 0),
                                  getattr(model.cfg, "max_context", 0))
         health = _health(spec, lambda: {"role": spec.role, "engine": address,
-                                        "context": context}, stats,
-                         getattr(link, "problem", lambda: ""))
+                                        "context": context}, stats, link)
         health.ready = True
     news = getattr(link, "news_fd", None)  # the messenger's doorbell: a transfer settled
     if sock is not None:
@@ -312,8 +317,7 @@ def serve_prefill(spec: RankSpec, stop: threading.Event, link: Any = None) -> di
         control = list(getattr(link, "control", []))
         context = spec.num_pages * spec.page_size  # pages_for(prompt) must fit the cache
         health = _health(spec, lambda: {"role": "prefill", "control": control,
-                                        "context": context}, stats,
-                         getattr(link, "problem", lambda: ""))
+                                        "context": context}, stats, link)
         health.ready = True
     ran = False
     idle = PREFILL_IDLE_S[0]

@@ -1,0 +1,134 @@
+"""Prometheus metrics of the reference engine: `/metrics` on the front and on every instance
+lead's side door.
+
+The front counts what a client sees: requests by HTTP status, time to first token, time per
+output token and end-to-end latency (histograms), prompt and output tokens, requests in
+flight, decode instances up. Instance leads export their KV messenger's counters, read at
+scrape time from the messenger's `stats()` (nothing is added to the hot path): a prefill lead
+the operations, page writes and bytes it issued and its failed writes, retired tags and stall
+resets; a decode lead its transfers that succeeded, failed and timed out, their time from
+submit to the last counted write (a histogram), and its transfer slots in use. Each process
+has a registry of its own, so the names below are the whole of what it exports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from transfer.messenger.common import TRANSFER_S_BOUNDS
+
+#: latency buckets (seconds) of the front's histograms: a CPU engine's milliseconds up to a
+#: long generation's minute
+LATENCY_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class FrontMetrics:
+    """What the OpenAI front observes, one registry per front."""
+
+    def __init__(self, inflight: Callable[[], int], up: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdtool_requests", "requests answered, by HTTP status",
+                                ["status"], registry=r)
+        self.ttft = Histogram("pdtool_time_to_first_token_seconds",
+                              "from the request's arrival to its first output token",
+                              buckets=LATENCY_S, registry=r)
+        self.tpot = Histogram("pdtool_time_per_output_token_seconds",
+                              "mean time between output tokens of one request",
+                              buckets=LATENCY_S, registry=r)
+        self.e2e = Histogram("pdtool_request_seconds", "from arrival to the last token",
+                             buckets=LATENCY_S, registry=r)
+        self.prompt_tokens = Counter("pdtool_prompt_tokens", "prompt tokens of answered "
+                                     "requests", registry=r)
+        self.output_tokens = Counter("pdtool_output_tokens", "tokens generated", registry=r)
+        Gauge("pdtool_requests_running", "requests in flight", registry=r).set_function(inflight)
+        Gauge("pdtool_decode_instances_up", "decode instances the front sends to",
+              registry=r).set_function(up)
+
+    def answered(self, status: int) -> None:
+        self.requests.labels(str(status)).inc()
+
+    def served(self, prompt: int, output: int, seconds: float, ttft_s: float | None,
+               tpot_s: float | None) -> None:
+        """One request answered 200: its tokens and timings."""
+        self.prompt_tokens.inc(prompt)
+        self.output_tokens.inc(output)
+        self.e2e.observe(seconds)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+#: prefill messenger stats -> (metric, help): monotonic counts
+PREFILL_COUNTERS = {
+    "ops_issued": ("pdtool_kv_write_operations", "KV and aux RMA operations issued (what the "
+                   "decoders count)"),
+    "writes_issued": ("pdtool_kv_page_writes", "page writes issued (grouped into operations)"),
+    "bytes_issued": ("pdtool_kv_sent_bytes", "bytes the issued operations carry"),
+    "write_errors": ("pdtool_kv_write_errors", "operations that completed with an error"),
+    "leaked_tags": ("pdtool_kv_retired_tags", "fabric tags retired for good (a dead peer's "
+                    "writes never completed)"),
+    "stall_resets": ("pdtool_kv_stall_resets", "shm endpoint resets after a stalled peer"),
+}
+#: decode messenger stats -> (metric, help)
+DECODE_COUNTERS = {
+    "transfers_ok": ("pdtool_kv_transfers_succeeded", "transfers whose every write landed"),
+    "transfers_failed": ("pdtool_kv_transfers_failed", "transfers that failed (any reason)"),
+    "transfers_timed_out": ("pdtool_kv_transfers_timed_out", "failed transfers that ran past "
+                            "transfer.timeout_s"),
+    "stale_writes": ("pdtool_kv_stale_writes", "writes of an old transfer that landed after "
+                     "its slot was reused (counted, never credited)"),
+}
+
+
+class MessengerCollector(Collector):
+    """The KV messenger's counters of one instance lead, from `stats()` at scrape time
+    (`stats()` returns {} when the rank has no messenger: an aggregated instance)."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], role: str) -> None:
+        self.stats = stats
+        self.role = role
+
+    def collect(self) -> Iterator[Any]:
+        s = self.stats()
+        if not s:
+            return
+        for key, (name, doc) in (PREFILL_COUNTERS if self.role == "prefill"
+                                 else DECODE_COUNTERS).items():
+            if key in s:
+                yield CounterMetricFamily(name, doc, value=s[key])
+        if self.role != "prefill" and "transfer_s_buckets" in s:
+            cumulative, total = [], 0
+            for bound, n in zip((*map(str, TRANSFER_S_BOUNDS), "+Inf"), s["transfer_s_buckets"],
+                                strict=True):
+                total += n
+                cumulative.append((bound, total))
+            yield HistogramMetricFamily(
+                "pdtool_kv_transfer_seconds", "from submit to the transfer's last counted "
+                "write (successful transfers)", buckets=cumulative, sum_value=s["transfer_s_sum"])
+            yield GaugeMetricFamily("pdtool_kv_slots_in_use", "transfer slots counting writes "
+                                    "or quarantined", value=s["slots_total"] - s["slots_free"])
+
+
+def messenger_metrics(stats: Callable[[], dict[str, Any]],
+                      role: str) -> Callable[[], tuple[bytes, str]]:
+    """An instance lead's `/metrics`: its messenger's counters in a registry of their own."""
+    registry = CollectorRegistry()
+    registry.register(MessengerCollector(stats, role))
+    return lambda: (generate_latest(registry), CONTENT_TYPE_LATEST)
