@@ -21,7 +21,7 @@ def test_launch_sweep_writes_results_and_plot(tmp_path: Path):
         [sys.executable, "-m", "pdtool.cli", "bench", "+recipe=tiny-local", *ports,
          f"launcher.output_dir={tmp_path}", "--launch", "--concurrency", "1,3", "--requests", "6",
          "--isl", "8-80", "--osl", "4-12", "--slo", "ttft_ms=60000,tpot_ms=60000",
-         "--out", str(out), "--json"],
+         "--out", str(out), "--jsonl", str(tmp_path / "sweep.jsonl"), "--json"],
         capture_output=True, text=True, timeout=600, check=False)
     log = p.stdout + p.stderr
     assert p.returncode == 0, log
@@ -34,6 +34,14 @@ def test_launch_sweep_writes_results_and_plot(tmp_path: Path):
     doc = json.loads((out / "results.json").read_text())
     assert [r["pace"] for r in doc["runs"]] == ["concurrency 1", "concurrency 3"]
     assert doc["settings"]["isl"] == "8-80" and doc["settings"]["requests"] == 6
+    # where the figures come from: version, commit, host, date and the resolved deployment
+    src = doc["provenance"]
+    assert src["pdtool_version"] and src["host"]["cpus"] >= 1 and src["date"][:2] == "20"
+    assert len(src["commit"].split("+")[0]) in (0, 40)  # '' outside a git checkout
+    assert src["config"]["decode"]["instances"] == 2 and src["config"]["recipe"] == "tiny-local"
+    lines = [json.loads(x) for x in (tmp_path / "sweep.jsonl").read_text().splitlines()]
+    assert [x["pace"] for x in lines] == ["concurrency 1", "concurrency 3"]
+    assert all("records" not in x and x["provenance"] == src for x in lines)
     for run, shown in zip(doc["runs"], printed["runs"], strict=True):
         s = run["summary"]
         assert s == shown["summary"]

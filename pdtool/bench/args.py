@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bench the deployment of this job folder (its config.yaml, no "
                    "overrides); results into DIR/bench unless --out (launcher.benchmark)")
     p.add_argument("--out", type=Path, help="folder for results.json and latency.png")
+    p.add_argument("--jsonl", type=Path, metavar="FILE",
+                   help="also append one line per run (target, load point) to FILE: a sweep "
+                   "of bench invocations collects its figures in one file")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds one request may take before it counts as failed (300)")
     p.add_argument("--json", action="store_true", help="print results.json's summary on stdout")

@@ -1,9 +1,15 @@
 """Printing and writing a bench run: one table per run, side-by-side with ratios when comparing,
-the ratio advice, and results.json (every figure, the settings, and each request's record)."""
+the ratio advice, and results.json (every figure, the settings, where they come from, and each
+request's record); `--jsonl` appends one line per run to a file a sweep shares."""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
+import socket
+import subprocess
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -80,12 +86,58 @@ def advice_text(rates: Rates, advice: RatioAdvice, current: int) -> str:
             f"(now {current}) -> override: {advice.override}")
 
 
-def write_json(path: Path, settings: dict, runs: list[dict]) -> None:
-    """runs: [{"target", "pace", "summary", "rates", "advice", "records"}]."""
-    def plain(x: Any) -> Any:
-        return asdict(x) if hasattr(x, "__dataclass_fields__") else x
+def provenance(cfg: Any) -> dict[str, Any]:
+    """Where the figures come from: pdtool's version and commit, the host, the date, and the
+    resolved config of the deployment (secrets redacted, as in a job's config.yaml)."""
+    from omegaconf import OmegaConf
 
-    doc = {"settings": settings,
-           "runs": [{k: ([plain(r) for r in v] if k == "records" else plain(v))
+    from pdtool import __version__
+    from pdtool.launch.secrets import redacted
+
+    return {"pdtool_version": __version__, "commit": _commit(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "host": {"name": socket.gethostname(), "cpus": os.cpu_count(),
+                     "load_1m": round(os.getloadavg()[0], 2), "platform": platform.platform(),
+                     "python": platform.python_version()},
+            "config": OmegaConf.to_container(OmegaConf.structured(redacted(cfg)))}
+
+
+def _commit() -> str:
+    """The commit of the pdtool checkout running (`+dirty` with local changes; '' outside a
+    git checkout, e.g. an installed wheel)."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode:
+            return ""
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def _plain(x: Any) -> Any:
+    return asdict(x) if hasattr(x, "__dataclass_fields__") else x
+
+
+def write_json(path: Path, settings: dict, runs: list[dict], source: dict[str, Any]) -> None:
+    """runs: [{"target", "pace", "summary", "rates", "advice", "records"}]; `source`: the
+    provenance()."""
+    doc = {"provenance": source, "settings": settings,
+           "runs": [{k: ([_plain(r) for r in v] if k == "records" else _plain(v))
                      for k, v in run.items()} for run in runs]}
     path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def append_jsonl(path: Path, settings: dict, runs: list[dict], source: dict[str, Any]) -> None:
+    """One line per run (target and load point: its summary, rates and advice, without the
+    per-request records) appended to `path`, so a sweep of bench invocations fills one file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        for run in runs:
+            line = {"provenance": source, "settings": settings,
+                    **{k: _plain(v) for k, v in run.items() if k != "records"}}
+            fh.write(json.dumps(line) + "\n")

@@ -173,7 +173,14 @@ def measure(targets: dict[str, str], requests: list[Any], settings: dict, args: 
 def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
            con: Any) -> dict:
     from pdtool.bench.plot import plot
-    from pdtool.bench.report import added_text, advice_text, table, write_json
+    from pdtool.bench.report import (
+        added_text,
+        advice_text,
+        append_jsonl,
+        provenance,
+        table,
+        write_json,
+    )
     from pdtool.bench.stats import ratio_advice, stage_rates, summarize, ttft_added
 
     modes = target_modes(cfg, settings["compare"])
@@ -207,8 +214,11 @@ def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
              "requests": args.requests, "rounds": args.rounds if args.compare else 1,
              "compare": [label for label, _ in settings["compare"]],
              "prefill_instances": cfg.prefill.instances, "decode_instances": cfg.decode.instances,
-             "overrides": list(args.overrides), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    write_json(out / "results.json", plain, results)
+             "overrides": list(args.overrides)}
+    source = provenance(cfg)
+    write_json(out / "results.json", plain, results, source)
+    if args.jsonl:
+        append_jsonl(args.jsonl, plain, results, source)
     multi = len(results) > 1
     png = plot(out / "latency.png", [(f"{r['target']} {r['label']}" if multi else r["target"],
                                       r["records"], r["summary"]) for r in results])
