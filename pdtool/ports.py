@@ -122,3 +122,13 @@ def instance_ports(cfg: Config, rname: str, i: int) -> list[tuple[int, str, str]
     if has_bootstrap(cfg, rname):
         out.append((rc.bootstrap_port + i, f"{rname}.bootstrap_port", "bootstrap"))
     return out
+
+
+def deployment_ports(cfg: Config) -> set[int]:
+    """Every port the deployment listens on, all roles and instances together (on one
+    machine: what a second deployment beside it must not take)."""
+    ports = {p for p, _ in router_ports(cfg)}
+    for rname in ("prefill", "decode"):
+        for i in range(role(cfg, rname).instances):
+            ports.update(p for p, _, _ in instance_ports(cfg, rname, i))
+    return ports

@@ -342,6 +342,12 @@ def gpus_per_instance(rc: RoleConfig) -> int:
     return dims(rc).gpus
 
 
+def deployment_gpus(cfg: Config) -> int:
+    """GPUs the whole deployment occupies, both roles' instances (on cluster.device=cpu: the
+    worker slots they take): what per-GPU figures divide by."""
+    return sum(gpus_per_instance(role(cfg, name)) * role(cfg, name).instances for name in ROLES)
+
+
 def attn_tp(rc: RoleConfig) -> int:
     """Attention TP degree of one attention replica."""
     return dims(rc).attn_tp

@@ -23,7 +23,7 @@ from pdtool.bench.stats import (
     summarize,
     ttft_added,
 )
-from pdtool.commands.bench import interleave, target_modes, twin_overrides
+from pdtool.commands.bench import interleave, target_modes, twin_offsets, twin_overrides
 
 
 def rec(start: float, stamps: list[float], tokens: list[int] | None = None, inp: int = 10,
@@ -182,6 +182,24 @@ def test_each_compared_twin_moves_every_port():
         assert twin.prefill.http_port == cfg.prefill.http_port + 1000 * k
     assert load_config(twin_overrides(cfg, [], ["mode=aggregated"], 100))[0].mode == \
         "aggregated"
+
+
+def test_compared_twins_share_no_port_with_the_base_or_each_other():
+    """tiny-local's aggregated twin moved by a plain 1000 put its prefill HTTP port (31000) on
+    the base's decode HTTP port: `pdtool bench --launch --compare aggregated` failed with
+    "Address already in use" on the recipe's own ports."""
+    from pdtool.compose import load_config
+    from pdtool.ports import deployment_ports
+
+    base = ["+recipe=tiny-local"]
+    cfg, _ = load_config(base)
+    compare = compare_sets(["aggregated", "decode.instances=3"])
+    seen = deployment_ports(cfg)
+    for (_, extra), offset in zip(compare, twin_offsets(cfg, base, compare), strict=True):
+        twin, _ = load_config(twin_overrides(cfg, base, extra, offset))
+        ports = deployment_ports(twin)
+        assert not ports & seen, sorted(ports & seen)
+        seen |= ports
 
 
 def bench_cli(*args: str) -> subprocess.CompletedProcess[str]:

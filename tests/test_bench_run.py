@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pdtool.engines.reference.local import free_port, free_port_run
 
 
@@ -56,8 +58,13 @@ def test_launch_sweep_writes_results_and_plot(tmp_path: Path):
             d = s[key]
             assert 0 < d["p50"] <= d["p90"] <= d["p99"]
         assert s["good_requests"] == 6  # a one-minute SLO: every request meets it
+        # tiny-local occupies 3 worker slots (1 prefill + 2 decode, TP1)
+        assert s["gpus"] == 3 and s["output_throughput_per_gpu"] == \
+            pytest.approx(s["output_throughput"] / 3)
+        assert s["user_tokens_s"] == pytest.approx(1000 / s["tpot_ms"]["mean"])
         assert run["advice"]["override"].startswith("decode.instances=")
     assert "balanced prefill:decode = 1:" in log
+    assert "across load points" in log and "per GPU" in log  # the sweep's summary table
     png = (out / "latency.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 

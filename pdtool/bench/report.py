@@ -18,7 +18,10 @@ from pdtool.bench.stats import PERCENTILES, Rates, RatioAdvice
 
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 THROUGHPUTS = (("request_throughput", "requests/s"), ("input_throughput", "input tokens/s"),
-               ("output_throughput", "output tokens/s"), ("goodput", "goodput (requests/s)"))
+               ("output_throughput", "output tokens/s"),
+               ("output_throughput_per_gpu", "tokens/s per GPU"),
+               ("user_tokens_s", "tokens/s per user"),
+               ("goodput", "goodput (requests/s)"))
 
 
 def rows(summary: dict) -> list[tuple[str, float | None]]:
@@ -28,10 +31,36 @@ def rows(summary: dict) -> list[tuple[str, float | None]]:
         for q in PERCENTILES:
             out.append((f"{name} p{q} (ms)", summary[key][f"p{q}"]))
     for key, name in THROUGHPUTS:
-        if key == "goodput" and not summary["slo"]:
+        if (key == "goodput" and not summary["slo"]) or key not in summary:
             continue
         out.append((name, summary[key]))
     return out
+
+
+#: the sweep summary's columns: (header, summary key, sub-key or None)
+SWEEP_COLUMNS = (("TTFT mean", "ttft_ms", "mean"), ("TTFT p50", "ttft_ms", "p50"),
+                 ("TTFT p99", "ttft_ms", "p99"), ("TPOT mean", "tpot_ms", "mean"),
+                 ("TPOT p99", "tpot_ms", "p99"), ("out tok/s", "output_throughput", None),
+                 ("per GPU", "output_throughput_per_gpu", None),
+                 ("per user", "user_tokens_s", None))
+
+
+def sweep_table(runs: list[tuple[str, str, dict]]) -> Any:
+    """One row per (load point, target) of a sweep: latencies (ms) and throughputs side by
+    side, the shape a capacity plan reads (tokens/s per GPU against tokens/s per user)."""
+    from rich.table import Table
+
+    t = Table(title="across load points (latencies in ms)", title_justify="left",
+              pad_edge=False)
+    t.add_column("load", style="bold")
+    t.add_column("target")
+    t.add_column("done", justify="right")
+    for header, _, _ in SWEEP_COLUMNS:
+        t.add_column(header, justify="right")
+    for pace, target, s in runs:
+        cells = [_fmt(s[key][sub] if sub else s.get(key)) for _, key, sub in SWEEP_COLUMNS]
+        t.add_row(pace, target, f"{s['completed']}/{s['requests']}", *cells)
+    return t
 
 
 def _fmt(v: float | None) -> str:

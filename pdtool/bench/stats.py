@@ -178,6 +178,15 @@ def summarize(rounds: Sequence[Sequence[Record]], slo: dict[str, float] | None =
     }
 
 
+def per_gpu(summary: dict, gpus: int) -> dict:
+    """`summary` with the rates a deployment is sized by: output tokens/s per GPU it occupies
+    (`gpus`; worker slots on a CPU cluster) and one user's tokens/s (1 / mean TPOT)."""
+    tpot = summary["tpot_ms"]["mean"]
+    return {**summary, "gpus": gpus,
+            "output_throughput_per_gpu": summary["output_throughput"] / gpus if gpus else None,
+            "user_tokens_s": 1000 / tpot if tpot else None}
+
+
 def ttft_added(records: Sequence[Record], baseline: Sequence[Record]) -> dict:
     """TTFT of `records` minus `baseline`'s, request by request: both ran the same prompts in
     the same order (a comparison), so each pair differs only by the deployment and the moment.

@@ -58,6 +58,32 @@ def twin_overrides(cfg: Any, overrides: list[str], extra: list[str], offset: int
     return [*overrides, *extra, *moved]
 
 
+def twin_offsets(cfg: Any, overrides: list[str],
+                 compare: list[tuple[str, list[str]]]) -> list[int]:
+    """For each compared deployment, the smallest multiple of 1000 its ports move by so that
+    none of them is a port of the base deployment or of a compared one before it (every port
+    of each, instances and derived listeners included: `ports.deployment_ports`). A plain
+    1000 * k put tiny-local's aggregated twin's prefill HTTP port (30000 + 1000) on the base's
+    decode HTTP port (31000)."""
+    from pdtool.compose import load_config
+    from pdtool.ports import deployment_ports
+
+    taken = deployment_ports(cfg)
+    offsets = []
+    for _label, extra in compare:
+        twin = load_config([*overrides, *extra])[0] or cfg
+        ports = deployment_ports(twin)
+        offset = next((k * 1000 for k in range(1, 64)
+                       if max(ports) + k * 1000 <= 65535
+                       and not taken & {p + k * 1000 for p in ports}), None)
+        if offset is None:
+            raise BenchError("--compare: no free port range beside the deployment's own; "
+                             "lower router.port and the roles' http/dist-init ports")
+        taken |= {p + offset for p in ports}
+        offsets.append(offset)
+    return offsets
+
+
 def target_modes(cfg: Any, compare: list[tuple[str, list[str]]]) -> dict[str, str]:
     """Target name -> its mode (disaggregated | aggregated), the base deployment first."""
     modes = {cfg.mode: cfg.mode}
@@ -170,6 +196,21 @@ def measure(targets: dict[str, str], requests: list[Any], settings: dict, args: 
     return asyncio.run(go())
 
 
+def target_gpus(cfg: Any, overrides: list[str],
+                compare: list[tuple[str, list[str]]]) -> dict[str, int]:
+    """Target name -> GPUs its deployment occupies (`schema.deployment_gpus`): a compared
+    deployment's own (`--compare decode.instances=3` has more), the base's where its
+    overrides change no instance."""
+    from pdtool.compose import load_config
+    from pdtool.schema import deployment_gpus
+
+    out = {cfg.mode: deployment_gpus(cfg)}
+    for label, extra in compare:
+        twin = load_config([*overrides, *extra])[0] if extra != ["mode=aggregated"] else cfg
+        out[label] = deployment_gpus(twin if twin is not None else cfg)
+    return out
+
+
 def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
            con: Any) -> dict:
     from pdtool.bench.plot import plot
@@ -178,14 +219,17 @@ def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
         advice_text,
         append_jsonl,
         provenance,
+        sweep_table,
         table,
         write_json,
     )
-    from pdtool.bench.stats import ratio_advice, stage_rates, summarize, ttft_added
+    from pdtool.bench.stats import per_gpu, ratio_advice, stage_rates, summarize, ttft_added
 
     modes = target_modes(cfg, settings["compare"])
+    gpus = target_gpus(cfg, list(args.overrides), settings["compare"])
     for res in results:
-        res["summary"] = summarize(res.pop("rounds"), settings["slo"])
+        res["summary"] = per_gpu(summarize(res.pop("rounds"), settings["slo"]),
+                                 gpus[res["target"]])
         # per-instance prefill and decode rates, and the ratio that balances them, exist only
         # where prefill and decode run on instances of their own
         rates = (stage_rates(res["records"], cfg.prefill.instances, cfg.decode.instances)
@@ -208,6 +252,9 @@ def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
         first = next(iter(per.values()))
         if first["advice"] is not None:
             con.print(advice_text(first["rates"], first["advice"], cfg.decode.instances))
+    if len(by_pace) > 1:
+        con.print(sweep_table([(p, t, r["summary"]) for p, per in by_pace.items()
+                               for t, r in per.items()]))
     out.mkdir(parents=True, exist_ok=True)
     plain = {"paces": [str(p) for p in settings["paces"]], "isl": str(settings["isl"]),
              "osl": str(settings["osl"]), "slo": settings["slo"], "seed": args.seed,
@@ -310,16 +357,17 @@ def launch_problem(cfg: Any, compare: list[tuple[str, list[str]]]) -> str | None
 
 def _launch_and_bench(args: argparse.Namespace, cfg: Any, compare: list[tuple[str, list[str]]],
                       bench: Any, err: Any) -> int:
-    """Start the deployment and one per --compare, bench them, stop them. The k-th compared
-    deployment's ports are moved by 1000 * k (a recipe spaces its own ports by 100)."""
+    """Start the deployment and one per --compare, bench them, stop them, each compared
+    deployment on ports moved clear of the others' (`twin_offsets`)."""
     from pdtool.commands._common import EXIT_USAGE
     from pdtool.commands.render import render_or_explain
     from pdtool.launch.local import Supervisor
 
     overrides = list(args.overrides)
     try:
-        twins = [(label, twin_overrides(cfg, overrides, extra, 1000 * k))
-                 for k, (label, extra) in enumerate(compare, start=1)]
+        twins = [(label, twin_overrides(cfg, overrides, extra, offset))
+                 for (label, extra), offset in zip(compare, twin_offsets(cfg, overrides, compare),
+                                                   strict=True)]
     except BenchError as exc:
         err.print(f"[bold red]pdtool bench:[/] {exc}")
         return EXIT_USAGE
