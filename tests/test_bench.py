@@ -150,6 +150,12 @@ def test_lengths_parse_draw_and_prompts():
     a = prompts(np.random.default_rng(7), [5, 300], vocab=256)
     assert [len(p) for p in a] == [5, 300] and all(0 <= t < 256 for p in a for t in p)
     assert a == prompts(np.random.default_rng(7), [5, 300], vocab=256)  # seeded
+    # a shared prefix (a system prompt): the same first tokens, the rest differs
+    b = prompts(np.random.default_rng(7), [40, 64, 300], vocab=256, shared=32)
+    assert [len(p) for p in b] == [40, 64, 300]
+    assert b[0][:32] == b[1][:32] == b[2][:32] and b[0][32:40] != b[1][32:40]
+    with pytest.raises(SpecError, match=r"--shared-prefix: 40 tokens .* shortest prompt \(40"):
+        prompts(np.random.default_rng(7), [40, 64], vocab=256, shared=40)
 
 
 def test_interleave_alternates_targets_and_covers_every_request():

@@ -32,6 +32,10 @@ def test_launch_sweep_writes_results_and_plot(tmp_path: Path):
     # every worker stopped cleanly: a decode messenger's teardown once logged a traceback here
     logs = list(tmp_path.glob("*/logs/*/*.log"))
     assert len(logs) == 4 and not [w for w in logs if "Traceback" in w.read_text()], logs
+    # the front served the 2 warm-up requests (--warmup's default) besides the 2 x 6 measured
+    # ones, which alone are in the figures below
+    router = next(w for w in logs if w.name == "router.log").read_text()
+    assert router.count("request: ") == 2 + 2 * 6, router
     printed = json.loads(p.stdout)
     doc = json.loads((out / "results.json").read_text())
     assert [r["pace"] for r in doc["runs"]] == ["concurrency 1", "concurrency 3"]

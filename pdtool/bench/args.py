@@ -25,6 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--isl", default="128", help="prompt tokens: N, A-B or A-B:log (128)")
     p.add_argument("--osl", default="32", help="output tokens: N, A-B or A-B:log (32)")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths, prompts, arrivals (0)")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="the first N tokens of every prompt are the same (a system prompt: "
+                   "prefix caches and cache-aware routing get hits); 0: all random (0)")
+    p.add_argument("--warmup", type=int, default=2, metavar="N",
+                   help="requests sent to each target before the measured ones, one at a time, "
+                   "and left out of every figure (2)")
     p.add_argument("--slo", help="goodput counts requests within these, e.g. ttft_ms=200,tpot_ms=50"
                    " (keys ttft_ms, tpot_ms, itl_ms, e2e_ms)")
     p.add_argument("--url", help="the deployment's OpenAI base URL "
@@ -118,6 +124,10 @@ def check_args(args: argparse.Namespace) -> dict[str, Any]:
         raise BenchError(f"--requests: expected at least 1, got {args.requests}")
     if args.rounds < 1:
         raise BenchError(f"--rounds: expected at least 1, got {args.rounds}")
+    if args.warmup < 0:
+        raise BenchError(f"--warmup: expected 0 or more requests, got {args.warmup}")
+    if args.shared_prefix < 0:
+        raise BenchError(f"--shared-prefix: expected 0 or more tokens, got {args.shared_prefix}")
     if not args.timeout > 0:
         raise BenchError(f"--timeout: expected positive seconds, got {args.timeout}")
     if args.url and args.launch:
@@ -136,6 +146,7 @@ def check_args(args: argparse.Namespace) -> dict[str, Any]:
     try:
         return {"paces": _paces(args), "isl": parse_lengths(args.isl, "--isl"),
                 "osl": parse_lengths(args.osl, "--osl"), "slo": parse_slo(args.slo),
-                "compare": compare}
+                "compare": compare, "shared_prefix": args.shared_prefix,
+                "warmup": args.warmup}
     except (SpecError, SloError) as exc:
         raise BenchError(str(exc)) from None

@@ -55,8 +55,14 @@ def parse_lengths(text: str, option: str, minimum: int = 1) -> Lengths:
     return Lengths(low, high, m.group(3) == "log")
 
 
-def prompts(rng: np.random.Generator, lengths: list[int], vocab: int) -> list[list[int]]:
-    """One random prompt of token ids per length (ids in [0, vocab))."""
+def prompts(rng: np.random.Generator, lengths: list[int], vocab: int,
+            shared: int = 0) -> list[list[int]]:
+    """One random prompt of token ids per length (ids in [0, vocab)), the first `shared` of
+    them the same in every prompt (drawn once)."""
     if vocab < 2:
         raise SpecError(f"model.vocab_size: expected at least 2 token ids, got {vocab}")
-    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+    if shared and shared >= min(lengths):
+        raise SpecError(f"--shared-prefix: {shared} tokens leave nothing of the shortest "
+                        f"prompt ({min(lengths)} tokens) to differ; use fewer, or longer --isl")
+    prefix = rng.integers(0, vocab, shared).tolist()
+    return [prefix + rng.integers(0, vocab, n - shared).tolist() for n in lengths]

@@ -97,13 +97,16 @@ def target_modes(cfg: Any, compare: list[tuple[str, list[str]]]) -> dict[str, st
 def build_requests(cfg: Any, settings: dict, n: int, seed: int) -> list[Any]:
     import numpy as np
 
-    from pdtool.bench.lengths import prompts
+    from pdtool.bench.lengths import SpecError, prompts
     from pdtool.bench.load import Request
 
     rng = np.random.default_rng(seed)
     isl = settings["isl"].draw(rng, n)
     osl = settings["osl"].draw(rng, n)
-    ids = prompts(rng, isl, cfg.model.vocab_size)
+    try:
+        ids = prompts(rng, isl, cfg.model.vocab_size, settings["shared_prefix"])
+    except SpecError as exc:
+        raise BenchError(str(exc)) from None
     if cfg.engine.kind == "sglang":
         ids = text_prompts(ids, cfg.model.path)
     return [Request(p, o) for p, o in zip(ids, osl, strict=True)]
@@ -155,8 +158,10 @@ def interleave(targets: list[str], requests: list[Any], rounds: int) -> list[tup
 
 
 def measure(targets: dict[str, str], requests: list[Any], settings: dict, args: Any,
-            con: Any) -> list[dict]:
-    """Run every load point against every target; one entry per (target, load point)."""
+            con: Any, warm: list[Any] = ()) -> list[dict]:
+    """Run every load point against every target; one entry per (target, load point). The
+    `warm` requests go to each target first, one at a time, and are not recorded (the first
+    requests of a fresh process pay for lazy initialisation, allocator growth, caches)."""
     import asyncio
 
     from rich.progress import (
@@ -167,11 +172,15 @@ def measure(targets: dict[str, str], requests: list[Any], settings: dict, args: 
         TimeElapsedColumn,
     )
 
+    from pdtool.bench.args import Pace
     from pdtool.bench.load import client, drive, served_model
 
     async def go() -> list[dict]:
         apis = {name: client(url, args.timeout) for name, url in targets.items()}
         models = {name: await served_model(apis[name], url) for name, url in targets.items()}
+        for name in targets if warm else ():
+            await drive(apis[name], models[name], list(warm), Pace(concurrency=1), args.seed,
+                        lambda _r: None)
         results = []
         total = len(settings["paces"]) * len(targets) * len(requests)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
@@ -259,6 +268,7 @@ def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
     plain = {"paces": [str(p) for p in settings["paces"]], "isl": str(settings["isl"]),
              "osl": str(settings["osl"]), "slo": settings["slo"], "seed": args.seed,
              "requests": args.requests, "rounds": args.rounds if args.compare else 1,
+             "warmup": args.warmup, "shared_prefix": args.shared_prefix,
              "compare": [label for label, _ in settings["compare"]],
              "prefill_instances": cfg.prefill.instances, "decode_instances": cfg.decode.instances,
              "overrides": list(args.overrides)}
@@ -311,6 +321,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         requests = build_requests(cfg, settings, args.requests, args.seed)
+        # other prompts than the measured ones: a prefix cache must not serve those from them
+        warm = build_requests(cfg, settings, args.warmup, args.seed + 1) if args.warmup else []
     except BenchError as exc:
         err.print(f"[bold red]pdtool bench:[/] {exc}")
         return EXIT_USAGE
@@ -318,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
 
     def bench(targets: dict[str, str], out: Path) -> int:
         try:
-            results = measure(targets, requests, settings, args, con)
+            results = measure(targets, requests, settings, args, con, warm)
         except LoadError as exc:
             err.print(f"[bold red]pdtool bench:[/] {exc}")
             return EXIT_ERRORS
