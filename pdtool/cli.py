@@ -22,6 +22,7 @@ COMMANDS: tuple[str, ...] = (
     "validate",
     "plan",
     "recipes",
+    "config",
     "render",
     "launch",  # launch issue: pdtool/commands/{render,launch}.py
     "bench",

@@ -344,9 +344,11 @@ def _unknown_key_fix(key: str) -> str:
     at = f"{parent}." if parent else ""
     close = difflib.get_close_matches(leaf, list(fields), n=1, cutoff=0.6)
     known = ", ".join(fields)
+    meanings = f"`pdtool config --keys {at}` says what each means"
     if close:
-        return f"did you mean {at}{close[0]}? ({parent or 'the config'} has: {known})"
-    return f"{parent or 'the config'} has no '{leaf}'; its keys: {known}; {extra}"
+        return (f"did you mean {at}{close[0]}? ({parent or 'the config'} has: {known}; "
+                f"{meanings})")
+    return f"{parent or 'the config'} has no '{leaf}'; its keys: {known} ({meanings}); {extra}"
 
 
 def _group_option_fix(group: str, name: str) -> str:

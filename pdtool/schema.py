@@ -67,19 +67,19 @@ class ModelConfig:
     at start-up when the draft pool it is given has another number of layers.
     """
 
-    name: str = MISSING
+    name: str = MISSING  # the served model id (the OpenAI `model` field)
     path: str = ""  # HF id or local folder the engine loads ("" for the reference engine)
     attention: str = "gqa"  # mha | gqa | mla
-    num_layers: int = MISSING
-    hidden_size: int = MISSING
-    num_q_heads: int = MISSING
-    num_kv_heads: int = MISSING
-    head_dim: int = MISSING
+    num_layers: int = MISSING  # transformer layers (each has its KV cache)
+    hidden_size: int = MISSING  # residual stream width
+    num_q_heads: int = MISSING  # attention query heads
+    num_kv_heads: int = MISSING  # KV-cache heads (GQA groups; 1 for MLA's latent)
+    head_dim: int = MISSING  # K/V width per head (MHA/GQA)
     kv_lora_rank: int = 0  # MLA latent width
     qk_rope_head_dim: int = 0  # MLA decoupled RoPE key width
     intermediate_size: int = MISSING  # dense MLP width (MoE: per-expert width in moe_*)
-    vocab_size: int = MISSING
-    context_length: int = 4096
+    vocab_size: int = MISSING  # tokens in the vocabulary
+    context_length: int = 4096  # prompt + new tokens one request may span
     dtype: str = "bf16"  # weight dtype: fp32 | bf16 | fp16 | fp8
     num_params_b: float = MISSING  # total parameters, billions (for memory fit)
     num_experts: int = 0  # routed experts per MoE layer (0: dense model)
@@ -97,10 +97,10 @@ class NicConfig:
     empty means the NIC is equally close to every GPU (a host NIC: shm, loopback TCP).
     """
 
-    name: str = MISSING
+    name: str = MISSING  # the RDMA device or interface name (e.g. rdmap79s0, mlx5_0, lo)
     kind: str = MISSING  # efa | connectx | tcp | shm
-    numa: int = 0
-    gpus: list[int] = field(default_factory=list)
+    numa: int = 0  # the NUMA node the NIC hangs off
+    gpus: list[int] = field(default_factory=list)  # GPUs on its PCIe switch (empty: a host NIC)
     gbps: int = 0  # link speed: the shared-host-NIC warning shows each GPU's share (rules.launch)
 
 
@@ -113,14 +113,16 @@ class ClusterConfig:
     `nodes` is how many nodes the deployment may use (Slurm requests only what the plan needs).
     """
 
-    name: str = MISSING
-    nodes: int = 1
-    gpus_per_node: int = MISSING
-    gpu_type: str = ""
-    gpu_memory_gb: float = MISSING
+    name: str = MISSING  # the preset's name (local, p5, p5en, dgx-h100, dgx-h200)
+    nodes: int = 1  # nodes the deployment may use
+    gpus_per_node: int = MISSING  # GPUs per node (on device=cpu: worker slots)
+    gpu_type: str = ""  # the GPU model, for the plan's header
+    gpu_memory_gb: float = MISSING  # memory per GPU in GiB (what the memory fit checks)
     device: str = "cuda"  # cuda | cpu
-    gpu_numa: list[int] = field(default_factory=list)
+    gpu_numa: list[int] = field(default_factory=list)  # the NUMA node of each GPU, by GPU index
+    # the CPU list of each NUMA node (e.g. 0-47,96-143)
     numa_cpus: list[str] = field(default_factory=list)
+    # the node's NICs (a list of {name, kind, numa, gpus, gbps})
     nics: list[NicConfig] = field(default_factory=list)
     # the host interface for NCCL/Gloo bootstrap sockets of instances spanning nodes
     # (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); "" leaves NCCL's own choice
@@ -139,21 +141,21 @@ class RoleConfig:
     Ports are bases: instance i uses base + i. `bootstrap_port` is used by prefill only.
     """
 
-    tp: int = 1
-    dp: int = 1
-    dp_attention: bool = False
+    tp: int = 1  # tensor parallel degree (GPUs per instance with dp_attention)
+    dp: int = 1  # data parallel degree inside an instance
+    dp_attention: bool = False  # DP attention: dp attention replicas inside tp GPUs
     ep: int = 1  # expert parallelism over the instance's TP GPUs (SGLang --ep-size), divides tp
-    nodes: int = 1
-    instances: int = 1
-    page_size: int = 64
+    nodes: int = 1  # nodes per instance
+    instances: int = 1  # instances of this role (the prefill:decode ratio)
+    page_size: int = 64  # tokens per KV page (both roles must agree)
     kv_dtype: str = "auto"  # auto follows model.dtype (bf16 for fp8 weights)
-    kv_layout: str = "${transfer.layout}"
-    mem_fraction: float = 0.85
-    chunked_prefill_size: int = 8192
+    kv_layout: str = "${transfer.layout}"  # page layout: HND | NHD (follows transfer.layout)
+    mem_fraction: float = 0.85  # share of GPU memory for weights and KV cache
+    chunked_prefill_size: int = 8192  # tokens per prefill chunk (a multiple of page_size)
     max_running_requests: int = 0  # 0: engine default
-    http_port: int = 30000
-    bootstrap_port: int = 8998
-    dist_init_port: int = 20000
+    http_port: int = 30000  # HTTP port base (instance i: base + i x spacing)
+    bootstrap_port: int = 8998  # prefill: the KV bootstrap / control port base
+    dist_init_port: int = 20000  # dist-init (NCCL/Gloo) port base
     extra_args: list[str] = field(default_factory=list)  # appended to the engine's launch line
 
 
@@ -164,9 +166,10 @@ class TransferConfig:
 
     provider: str = "shm"  # efa | verbs;ofi_rxm | tcp;ofi_rxm | shm
     layout: str = "HND"  # HND | NHD
-    timeout_s: float = 60.0
-    connect_timeout_s: float = 120.0  # reference engine: decode ranks wait this long for a
-    # prefill lead's /health (its control addresses) at start
+    timeout_s: float = 60.0  # one transfer's time limit (SGLang's waiting timeout too)
+    # reference engine: decode ranks wait this long for a prefill lead's /health (its control
+    # addresses) at start; engine=sglang: SGLang's bootstrap timeout
+    connect_timeout_s: float = 120.0
     peer_timeout_s: float = 5.0  # a messenger peer silent this long is dead (its lease)
     heartbeat_s: float = 0.5  # messenger liveness pings; must be < peer_timeout_s
     lanes: int = 0  # receive endpoints per decode rank, each copying on its own thread (0: 2 on
@@ -185,10 +188,10 @@ class TransferConfig:
 class EnvConfig:
     """Environment variables per process kind; `all` goes to every process."""
 
-    all: dict[str, str] = field(default_factory=dict)
-    prefill: dict[str, str] = field(default_factory=dict)
-    decode: dict[str, str] = field(default_factory=dict)
-    router: dict[str, str] = field(default_factory=dict)
+    all: dict[str, str] = field(default_factory=dict)  # variables for every process
+    prefill: dict[str, str] = field(default_factory=dict)  # variables for prefill workers
+    decode: dict[str, str] = field(default_factory=dict)  # variables for decode workers
+    router: dict[str, str] = field(default_factory=dict)  # variables for the router
 
 
 @dataclass
@@ -196,24 +199,24 @@ class LauncherConfig:
     """How the deployment is started. Slurm fields are ignored by the local launcher."""
 
     kind: str = "local"  # local | slurm
-    job_name: str = "pdtool"
+    job_name: str = "pdtool"  # the Slurm job name and the job folder's prefix
     output_dir: str = "outputs"  # one folder per job below it: script, config, plan, logs
-    partition: str = ""
-    account: str = ""
-    qos: str = ""
-    time: str = "01:00:00"
-    exclusive: bool = True
+    partition: str = ""  # Slurm --partition
+    account: str = ""  # Slurm --account
+    qos: str = ""  # Slurm --qos
+    time: str = "01:00:00"  # Slurm --time limit
+    exclusive: bool = True  # Slurm: whole nodes (--exclusive --mem=0)
     sbatch_extra: list[str] = field(default_factory=list)  # extra "#SBATCH ..." option lines
     container_image: str = ""  # pyxis/enroot --container-image
     container_mounts: list[str] = field(default_factory=list)  # "src:dst[:ro]"
     venv: str = ""  # virtualenv to activate before starting workers
     setup: list[str] = field(default_factory=list)  # shell lines run before workers start
     env: EnvConfig = field(default_factory=EnvConfig)
-    health_timeout_s: int = 900
+    health_timeout_s: int = 900  # seconds to wait for every instance's health
     # Slurm: GPUs asked per node (conf/launcher/slurm.yaml follows cluster.gpus_per_node; only
     # on device=cuda) and memory ("" = all of an exclusive node, --mem=0; e.g. "480G")
     gpus_per_node: int = 0
-    mem: str = ""
+    mem: str = ""  # Slurm --mem when not exclusive
     # variables that are secrets besides the secret-looking names (pdtool.launch.secrets):
     # they reach the processes through 0600 files, from launcher.env or the submitting shell
     secret_env: list[str] = field(default_factory=list)
@@ -230,8 +233,8 @@ class LauncherConfig:
     # instance, waiting restart_backoff_s before the first restart and twice as long before
     # each next one; never ends the deployment (benchmarks and --smoke always use never)
     restart: str = "on-failure"  # on-failure | never
-    max_restarts: int = 3
-    restart_backoff_s: float = 5.0
+    max_restarts: int = 3  # restarts per instance before the deployment stops
+    restart_backoff_s: float = 5.0  # first wait before a restart (doubled each time)
     # a stop (the end of the run, a restart, the time limit) sends SIGTERM to each group
     # (router, decode, prefill) and SIGKILLs what still runs this many seconds later; on Slurm
     # the batch script is signalled 3 x this + 30 s before the time limit
@@ -246,7 +249,7 @@ class EngineConfig:
     # engine=sglang: the SGLang release the launch lines and transfer backend are written for
     # (validate: transfer.sglang.SGLANG_VERSION; the worker checks the installed one at start)
     version: str = ""
-    python: str = "python3"
+    python: str = "python3"  # the interpreter workers run (a venv's or container's)
     extra_args: list[str] = field(default_factory=list)  # appended for both roles
 
 
@@ -254,7 +257,7 @@ class EngineConfig:
 class RouterConfig:
     """The request router in front of the instances (runs on the job's first node)."""
 
-    port: int = 8000
+    port: int = 8000  # the router's (OpenAI front's) HTTP port
     policy: str = "round_robin"  # sglang-router --policy; the reference front: round_robin only
 
 
@@ -262,8 +265,8 @@ class RouterConfig:
 class Config:
     """The whole deployment. `recipe`/`description` are set by a recipe (or the default)."""
 
-    recipe: str = ""
-    description: str = ""
+    recipe: str = ""  # the recipe's name (set by +recipe=NAME)
+    description: str = ""  # the recipe's one-line description
     model: ModelConfig = MISSING
     cluster: ClusterConfig = MISSING
     prefill: RoleConfig = MISSING

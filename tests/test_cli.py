@@ -289,3 +289,22 @@ def test_a_gpu_preset_on_launcher_local_is_compared_with_this_machine(tmp_path):
     assert p.returncode == 1 and "not started" in p.stderr and "use cluster=local" in p.stderr
     assert not (tmp_path / "job").exists()  # refused before its folder and secret are written
     assert pdtool("validate", "+recipe=tiny-local").returncode == 0  # the local preset fits
+
+
+def test_config_prints_the_resolved_config_and_every_key():
+    import json
+
+    p = pdtool("config", "+recipe=tiny-local", "decode.instances=3",
+               "+launcher.env.all.HF_TOKEN=hf_do_not_print")
+    assert p.returncode == 0 and "instances: 3" in p.stdout
+    assert "hf_do_not_print" not in p.stdout and "REDACTED" in p.stdout
+    keys = json.loads(pdtool("config", "decode.instances=3", "--keys", "decode.", "--json").stdout)
+    row = next(k for k in keys if k["key"] == "decode.instances")
+    assert row["value"] == 3 and row["type"] == "int" and "prefill:decode ratio" in row["meaning"]
+    assert all(k["key"].startswith("decode.") for k in keys)
+    bad = pdtool("config", "--keys", "decod.")
+    assert bad.returncode == 2 and "no key starts with 'decod.'" in bad.stdout + bad.stderr
+    # the unknown-key fix points at it
+    tpp = pdtool("validate", "prefill.tpp=2")
+    assert "did you mean prefill.tp?" in tpp.stdout + tpp.stderr
+    assert "pdtool config --keys prefill." in " ".join((tpp.stdout + tpp.stderr).split())

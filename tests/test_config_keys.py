@@ -62,3 +62,18 @@ def test_the_removed_keys_stay_removed():
     for gone in [("ModelConfig", "num_shared_experts"), ("ModelConfig", "experts_per_token"),
                  ("ModelConfig", "num_mtp_layers")]:
         assert gone not in fields, gone
+
+
+def test_every_key_has_a_type_and_a_line_of_meaning():
+    """`pdtool config --keys` reads each key's meaning from the comment beside its field in
+    pdtool/schema.py: a key added without one fails here."""
+    from pdtool.keys import schema_keys
+
+    keys = schema_keys()
+    assert len({k.key for k in keys}) == len(keys) > 100
+    assert [k.key for k in keys if not (k.type and k.meaning)] == []
+    by_key = {k.key: k for k in keys}
+    assert by_key["transfer.lanes"].meaning.startswith("receive endpoints per decode rank")
+    assert by_key["transfer.lanes"].meaning.endswith("1 elsewhere)")  # continued below its line
+    assert by_key["cluster.nics[].kind"].type == "str"
+    assert by_key["launcher.env.decode"].type == "dict[str, str]"
