@@ -102,3 +102,41 @@ def test_compare_aggregated_runs_both_deployments_interleaved(tmp_path: Path):
     assert len(twin) == 1
     assert json.loads((twin[0] / "aggregated" / "plan.json").read_text())["mode"] == "aggregated"
     assert json.loads((twin[0] / "plan.json").read_text())["mode"] == "disaggregated"
+
+
+def test_ctrl_c_keeps_the_finished_load_points(tmp_path: Path):
+    """Ctrl-C in the second load point: results.json holds the first, whole, says it was
+    interrupted, and the deployment is stopped (exit 130)."""
+    import os
+    import signal
+    import time
+
+    ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
+             f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
+             f"decode.dist_init_port={free_port()}", f"prefill.bootstrap_port={free_port()}"]
+    out, n = tmp_path / "bench", 40
+    p = subprocess.Popen(
+        [sys.executable, "-m", "pdtool.cli", "bench", "+recipe=tiny-local", *ports,
+         f"launcher.output_dir={tmp_path}", "--launch", "--concurrency", "1,2", "--requests",
+         str(n), "--isl", "16", "--osl", "48", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # the front logs each request it answered
+            logs = list(tmp_path.glob("*/logs/*/router.log"))
+            if logs and logs[0].read_text().count("request: ") > 2 + n:
+                break  # warm-up and the first load point done, the second one running
+            assert p.poll() is None, p.stdout.read()
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        said, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, said
+    assert "interrupted: reporting the 1 finished run(s)" in said, said
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["settings"]["interrupted"] is True
+    assert [(r["pace"], r["summary"]["requests"]) for r in doc["runs"]] == \
+        [("concurrency 1", n)]
+    assert "stopped: every process of the deployment has exited" in said

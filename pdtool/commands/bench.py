@@ -158,10 +158,12 @@ def interleave(targets: list[str], requests: list[Any], rounds: int) -> list[tup
 
 
 def measure(targets: dict[str, str], requests: list[Any], settings: dict, args: Any,
-            con: Any, warm: list[Any] = ()) -> list[dict]:
-    """Run every load point against every target; one entry per (target, load point). The
-    `warm` requests go to each target first, one at a time, and are not recorded (the first
-    requests of a fresh process pay for lazy initialisation, allocator growth, caches)."""
+            con: Any, warm: list[Any] = (), done: list[dict] | None = None) -> list[dict]:
+    """Run every load point against every target; one entry per (target, load point), also
+    appended to `done` as each load point finishes (what an interrupted run still reports).
+    The `warm` requests go to each target first, one at a time, and are not recorded (the
+    first requests of a fresh process pay for lazy initialisation, allocator growth, caches)."""
+    done = [] if done is None else done
     import asyncio
 
     from rich.progress import (
@@ -181,7 +183,7 @@ def measure(targets: dict[str, str], requests: list[Any], settings: dict, args: 
         for name in targets if warm else ():
             await drive(apis[name], models[name], list(warm), Pace(concurrency=1), args.seed,
                         lambda _r: None)
-        results = []
+        results = done
         total = len(settings["paces"]) * len(targets) * len(requests)
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                       MofNCompleteColumn(), TimeElapsedColumn(), console=con,
@@ -269,6 +271,7 @@ def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
              "osl": str(settings["osl"]), "slo": settings["slo"], "seed": args.seed,
              "requests": args.requests, "rounds": args.rounds if args.compare else 1,
              "warmup": args.warmup, "shared_prefix": args.shared_prefix,
+             "interrupted": settings.get("interrupted", False),
              "compare": [label for label, _ in settings["compare"]],
              "prefill_instances": cfg.prefill.instances, "decode_instances": cfg.decode.instances,
              "overrides": list(args.overrides)}
@@ -329,11 +332,19 @@ def run(args: argparse.Namespace) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
 
     def bench(targets: dict[str, str], out: Path) -> int:
+        finished: list[dict] = []
         try:
-            results = measure(targets, requests, settings, args, con, warm)
+            results = measure(targets, requests, settings, args, con, warm, finished)
         except LoadError as exc:
             err.print(f"[bold red]pdtool bench:[/] {exc}")
             return EXIT_ERRORS
+        except BaseException:  # Ctrl-C (or the supervisor's stop): keep what was measured
+            if finished:
+                err.print(f"[bold yellow]pdtool bench:[/] interrupted: reporting the "
+                          f"{len(finished)} finished run(s); the load point in progress is "
+                          "left out")
+                report(finished, cfg, {**settings, "interrupted": True}, args, out, con)
+            raise
         doc = report(results, cfg, settings, args, out, con)
         if args.json:
             dump_json(doc)
