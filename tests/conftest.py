@@ -37,6 +37,7 @@ MODULE_MARKS: dict[str, tuple[str, ...]] = {
     "test_progress": ("fabric",),
     "test_restart": ("fabric",),
     "test_launcher_benchmark": ("fabric",),
+    "test_plane_ledger": ("fabric",),
     "test_sglang_backend": ("fabric", "sglang"),
     "test_sglang_frames": ("fabric", "sglang"),  # transfer.sglang.conn loads the binding
     "test_sglang_nics": ("fabric", "sglang"),

@@ -23,19 +23,22 @@ def test_launch_sweep_writes_results_and_plot(tmp_path: Path):
         [sys.executable, "-m", "pdtool.cli", "bench", "+recipe=tiny-local", *ports,
          f"launcher.output_dir={tmp_path}", "--launch", "--concurrency", "1,3", "--requests", "6",
          "--isl", "8-80", "--osl", "4-12", "--slo", "ttft_ms=60000,tpot_ms=60000",
-         "--out", str(out), "--jsonl", str(tmp_path / "sweep.jsonl"), "--json"],
+         "--out", str(out), "--jsonl", str(tmp_path / "sweep.jsonl"), "--verify", "2",
+         "--json"],
         capture_output=True, text=True, timeout=600, check=False)
     log = p.stdout + p.stderr
     assert p.returncode == 0, log
     assert "Traceback" not in log
     assert "bench passed: stopping" in p.stderr  # the supervisor's lines go to stderr with --json
+    assert "verify: 2 greedy prompts on disaggregated: every text matches the model computed " \
+        "here" in " ".join(log.split())
     # every worker stopped cleanly: a decode messenger's teardown once logged a traceback here
     logs = list(tmp_path.glob("*/logs/*/*.log"))
     assert len(logs) == 4 and not [w for w in logs if "Traceback" in w.read_text()], logs
-    # the front served the 2 warm-up requests (--warmup's default) besides the 2 x 6 measured
-    # ones, which alone are in the figures below
+    # the front served the 2 --verify prompts and the 2 warm-up requests (--warmup's default)
+    # besides the 2 x 6 measured ones, which alone are in the figures below
     router = next(w for w in logs if w.name == "router.log").read_text()
-    assert router.count("request: ") == 2 + 2 * 6, router
+    assert router.count("request: ") == 2 + 2 + 2 * 6, router
     printed = json.loads(p.stdout)
     doc = json.loads((out / "results.json").read_text())
     assert [r["pace"] for r in doc["runs"]] == ["concurrency 1", "concurrency 3"]
@@ -140,3 +143,26 @@ def test_ctrl_c_keeps_the_finished_load_points(tmp_path: Path):
     assert [(r["pace"], r["summary"]["requests"]) for r in doc["runs"]] == \
         [("concurrency 1", n)]
     assert "stopped: every process of the deployment has exited" in said
+
+
+def test_verify_catches_a_corrupted_page_before_measuring(tmp_path: Path):
+    """A decode that damages one received page of every request (the reference engine's test
+    hook, as a faulty NIC would) still answers HTTP 200: `--verify` compares the texts with
+    the model computed in this process, stops before any figure is measured (exit 1) and
+    names the prompt, the target and the first differing character."""
+    ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
+             f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
+             f"decode.dist_init_port={free_port()}", f"prefill.bootstrap_port={free_port()}"]
+    p = subprocess.run(
+        [sys.executable, "-m", "pdtool.cli", "bench", "+recipe=tiny-local", *ports,
+         f"launcher.output_dir={tmp_path}", "+launcher.env.decode.PDTOOL_REFERENCE_ALLOW_FAULTS=1",
+         "+launcher.env.decode.PDTOOL_REFERENCE_CORRUPT_PAGE='0,0'", "--launch",
+         "--concurrency", "1", "--requests", "4", "--isl", "16-64", "--osl", "8",
+         "--verify", "3", "--out", str(tmp_path / "bench")],
+        capture_output=True, text=True, timeout=600, check=False)
+    log = p.stdout + p.stderr
+    assert p.returncode == 1, log
+    assert "--verify: 3 of 3 outputs differ; first: prompt 0 on disaggregated: differs from " \
+        "the model computed here at character" in " ".join(log.split()), log
+    assert not (tmp_path / "bench" / "results.json").exists()  # nothing was measured
+    assert "stopped: every process of the deployment has exited" in log

@@ -28,6 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
                    help="the first N tokens of every prompt are the same (a system prompt: "
                    "prefix caches and cache-aware routing get hits); 0: all random (0)")
+    p.add_argument("--verify", type=int, default=0, metavar="N",
+                   help="before measuring, N greedy prompts on every target compared with the "
+                   "model computed here (reference engine) or the first target; any difference "
+                   "stops the bench (exit 1), naming prompt, target and position (0: off)")
     p.add_argument("--warmup", type=int, default=2, metavar="N",
                    help="requests sent to each target before the measured ones, one at a time, "
                    "and left out of every figure (2)")
@@ -124,6 +128,8 @@ def check_args(args: argparse.Namespace) -> dict[str, Any]:
         raise BenchError(f"--requests: expected at least 1, got {args.requests}")
     if args.rounds < 1:
         raise BenchError(f"--rounds: expected at least 1, got {args.rounds}")
+    if args.verify < 0:
+        raise BenchError(f"--verify: expected 0 or more prompts, got {args.verify}")
     if args.warmup < 0:
         raise BenchError(f"--warmup: expected 0 or more requests, got {args.warmup}")
     if args.shared_prefix < 0:

@@ -158,11 +158,13 @@ def interleave(targets: list[str], requests: list[Any], rounds: int) -> list[tup
 
 
 def measure(targets: dict[str, str], requests: list[Any], settings: dict, args: Any,
-            con: Any, warm: list[Any] = (), done: list[dict] | None = None) -> list[dict]:
+            con: Any, warm: list[Any] = (), done: list[dict] | None = None,
+            gate: Any = None) -> list[dict]:
     """Run every load point against every target; one entry per (target, load point), also
     appended to `done` as each load point finishes (what an interrupted run still reports).
     The `warm` requests go to each target first, one at a time, and are not recorded (the
-    first requests of a fresh process pay for lazy initialisation, allocator growth, caches)."""
+    first requests of a fresh process pay for lazy initialisation, allocator growth, caches).
+    `gate(apis, models)` (the --verify check) runs first and raises to stop everything."""
     done = [] if done is None else done
     import asyncio
 
@@ -180,6 +182,8 @@ def measure(targets: dict[str, str], requests: list[Any], settings: dict, args: 
     async def go() -> list[dict]:
         apis = {name: client(url, args.timeout) for name, url in targets.items()}
         models = {name: await served_model(apis[name], url) for name, url in targets.items()}
+        if gate is not None:
+            await gate(apis, models)
         for name in targets if warm else ():
             await drive(apis[name], models[name], list(warm), Pace(concurrency=1), args.seed,
                         lambda _r: None)
@@ -205,6 +209,47 @@ def measure(targets: dict[str, str], requests: list[Any], settings: dict, args: 
         return results
 
     return asyncio.run(go())
+
+
+def verify_gate(cfg: Any, settings: dict, args: Any, con: Any) -> Any:
+    """The --verify check as a `measure` gate (None when off): greedy prompts of their own
+    (seed + 2, the --isl/--osl lengths) on every target, compared with the model computed
+    here (reference engine) or else with the first target (the aggregated one with
+    `--compare aggregated`)."""
+    if not args.verify:
+        return None
+    from pdtool.bench.verify import VerifyError, compare, texts
+    from pdtool.plan import build_plan
+
+    prompts = build_requests(cfg, settings, args.verify, args.seed + 2)
+    limits = [r.max_tokens for r in prompts]
+    oracle: list[str] | str = "the reference engine's model is computed here only"
+    if cfg.engine.kind == "reference":
+        from pdtool.engines.reference.client import oracle_texts
+
+        got = oracle_texts(build_plan(cfg), [r.prompt for r in prompts], limits)
+        oracle = got if isinstance(got, str) else [text for text, _ in got]
+
+    async def gate(apis: dict[str, Any], models: dict[str, str]) -> None:
+        outs = {name: await texts(api, models[name], [r.prompt for r in prompts], limits)
+                for name, api in apis.items()}
+        if isinstance(oracle, list):
+            reference = ("the model computed here", oracle)
+        elif len(outs) > 1:
+            first = "aggregated" if "aggregated" in outs else next(iter(outs))
+            reference = (first, outs[first])
+        else:
+            raise VerifyError(f"--verify: nothing to compare with ({oracle}); add "
+                              "--compare aggregated to check against a deployment without "
+                              "KV transfer")
+        bad = compare(outs, reference)
+        if bad:
+            raise VerifyError(f"--verify: {len(bad)} of {len(prompts) * len(outs)} outputs "
+                              "differ; first: " + str(bad[0]))
+        con.print(f"verify: {len(prompts)} greedy prompts on {', '.join(outs)}: every text "
+                  f"matches {reference[0]}")
+
+    return gate
 
 
 def target_gpus(cfg: Any, overrides: list[str],
@@ -270,7 +315,7 @@ def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
     plain = {"paces": [str(p) for p in settings["paces"]], "isl": str(settings["isl"]),
              "osl": str(settings["osl"]), "slo": settings["slo"], "seed": args.seed,
              "requests": args.requests, "rounds": args.rounds if args.compare else 1,
-             "warmup": args.warmup, "shared_prefix": args.shared_prefix,
+             "warmup": args.warmup, "shared_prefix": args.shared_prefix, "verify": args.verify,
              "interrupted": settings.get("interrupted", False),
              "compare": [label for label, _ in settings["compare"]],
              "prefill_instances": cfg.prefill.instances, "decode_instances": cfg.decode.instances,
@@ -304,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"[bold red]pdtool bench:[/] {exc}")
         return EXIT_USAGE
     from pdtool.bench.load import LoadError
+    from pdtool.bench.verify import VerifyError
     from pdtool.compose import ComposeError, load_config, load_job_config
 
     if args.job:
@@ -334,8 +380,9 @@ def run(args: argparse.Namespace) -> int:
     def bench(targets: dict[str, str], out: Path) -> int:
         finished: list[dict] = []
         try:
-            results = measure(targets, requests, settings, args, con, warm, finished)
-        except LoadError as exc:
+            results = measure(targets, requests, settings, args, con, warm, finished,
+                              verify_gate(cfg, settings, args, con))
+        except (LoadError, VerifyError) as exc:
             err.print(f"[bold red]pdtool bench:[/] {exc}")
             return EXIT_ERRORS
         except BaseException:  # Ctrl-C (or the supervisor's stop): keep what was measured

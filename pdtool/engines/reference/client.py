@@ -91,6 +91,18 @@ class Oracle:
 
 def reference_oracle(plan: Any, prompt: str, max_tokens: int) -> Oracle | str:
     """The in-process greedy completion of `prompt`, or why it is not computed."""
+    texts = oracle_texts(plan, [prompt], max_tokens)
+    if isinstance(texts, str):
+        return texts
+    (text, n), = texts
+    return Oracle(text, n, not plan.model.path)
+
+
+def oracle_texts(plan: Any, prompts: list[str] | list[list[int]],
+                 max_tokens: int | list[int]) -> list[tuple[str, int]] | str:
+    """(greedy completion text, prompt tokens) of each prompt (text, or token ids), computed
+    in-process by the model's plain single-pass path (`oracle.generate`), with the tokenizer
+    the front decodes with; or why it is not computed (a checkpoint too large to load twice)."""
     from .fromplan import model_fields
     from .models import build_model, model_config
     from .oracle import generate
@@ -103,9 +115,13 @@ def reference_oracle(plan: Any, prompt: str, max_tokens: int) -> Oracle | str:
         else plan.instances[0]
     mcfg = model_config(model_fields(plan.model, inst.kv_dtype, inst.role))
     tok = load_tokenizer(plan.model.path) if plan.model.path else ByteTokenizer()
-    ids = tok.encode(prompt)
-    out = generate(mcfg, ids, max_tokens, model=build_model(mcfg))
-    return Oracle(tok.decode(out), len(ids), not plan.model.path)
+    model = build_model(mcfg)
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    out = []
+    for prompt, limit in zip(prompts, limits, strict=True):
+        ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        out.append((tok.decode(generate(mcfg, ids, limit, model=model)), len(ids)))
+    return out
 
 
 def smoke(base_url: str, prompt: str = DEFAULT_SMOKE_PROMPT, max_tokens: int = SMOKE_MAX_TOKENS,

@@ -23,6 +23,20 @@ from transfer import workerenv
 from .spec import LinkSpec, RankSpec
 
 ALLOW_FAULTS_ENV = "PDTOOL_REFERENCE_ALLOW_FAULTS"
+#: test hook beside it: "LAYER,INDEX" damages that received page of every request a decode
+#: rank takes (`engine.Faults.page`), as a faulty NIC would: what `pdtool bench --verify` catches
+CORRUPT_PAGE_ENV = "PDTOOL_REFERENCE_CORRUPT_PAGE"
+
+
+def _corrupt_page() -> list[int] | None:
+    raw = os.environ.get(CORRUPT_PAGE_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        layer, index = (int(x) for x in raw.split(","))
+    except ValueError:
+        raise SpecError(f"{CORRUPT_PAGE_ENV}={raw!r}: expected LAYER,INDEX") from None
+    return [layer, index]
 
 
 class SpecError(ValueError):
@@ -134,6 +148,7 @@ def spec_from_context(ctx: Any) -> RankSpec:
         peer=pair_of(plan, inst.index) if ctx.role == "decode" else 0,
         # test hook, off unless the deployment's env sets it (launcher.env.decode.*)
         allow_faults=os.environ.get(ALLOW_FAULTS_ENV) == "1",
+        corrupt_page=_corrupt_page() if os.environ.get(ALLOW_FAULTS_ENV) == "1" else None,
     )
 
 

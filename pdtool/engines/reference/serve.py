@@ -219,7 +219,8 @@ def serve_decode(spec: RankSpec, stop: threading.Event, link: Any = None) -> dic
                     poller.poll(1 if busy else int(IDLE_WAIT_S * 1000))
                     if news is not None:
                         link.clear_news()  # before the step reads ready()/failed()
-                new = _take_requests(sock, wire, owner, spec.peer, spec.allow_faults)
+                new = _take_requests(sock, wire, owner, spec.peer, spec.allow_faults,
+                                     spec.corrupt_page)
                 cmd = (new, stop.is_set())
             else:
                 cmd = None
@@ -252,7 +253,8 @@ def decode_context(spec: RankSpec, peer_context: int = 0, model_context: int = 0
 
 
 def _take_requests(sock: zmq.Socket, wire: Wire, owner: dict[str, bytes],
-                   peer: int, allow_faults: bool) -> list[dict]:
+                   peer: int, allow_faults: bool,
+                   corrupt_page: list[int] | None = None) -> list[dict]:
     new = []
     while True:
         try:
@@ -283,7 +285,9 @@ def _take_requests(sock: zmq.Socket, wire: Wire, owner: dict[str, bytes],
             new.append({"rid": body["rid"], "tokens": body["tokens"],
                         "max_tokens": body["max_tokens"], "peer": peer,
                         "sampling": body.get("sampling"),
-                        "faults": body.get("faults") if allow_faults else None})
+                        "faults": (body.get("faults") or ({"page": corrupt_page}
+                                                          if corrupt_page else None))
+                        if allow_faults else None})
 
 
 def _send_events(sock: zmq.Socket, wire: Wire, owner: dict[str, bytes],

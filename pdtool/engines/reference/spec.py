@@ -66,6 +66,7 @@ class RankSpec:
     peer: int = 0  # decode: the prefill instance it pairs with
     decoders: list[str] = field(default_factory=list)  # front: decode leaders' /health URLs
     allow_faults: bool = False  # decode: honour GEN "faults" (test hooks, engine.Faults)
+    corrupt_page: list[int] | None = None  # decode, with allow_faults: damage this page always
     context: int = 0  # the model's own limit on prompt + new tokens (0: the caches decide)
     model_name: str = "reference"  # front: the name /v1/models serves
     tokenizer: str = ""  # front: checkpoint folder whose tokenizer it uses ("": bytes)
