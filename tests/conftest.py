@@ -54,6 +54,9 @@ MODULE_MARKS: dict[str, tuple[str, ...]] = {
 }
 #: Fixtures that bring a part up, by the marker their users get.
 FIXTURE_MARKS = {"slurm": "slurm"}
+#: Markers whose tests start a service and are `slow` whatever they do besides (the cost tier:
+#: `pytest -m "not slow"` is the quick inner loop; tests that take seconds carry the marker)
+SLOW_MARKS = ("slurm", "sglang_servers")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -64,6 +67,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for fixture in getattr(item, "fixturenames", ()):
             if fixture in FIXTURE_MARKS:
                 item.add_marker(FIXTURE_MARKS[fixture])
+        if any(item.get_closest_marker(m) for m in SLOW_MARKS):
+            item.add_marker("slow")
 
 
 # -- launch issue: a real 4-node Slurm cluster on this machine (tests/slurm_cluster.py) --------

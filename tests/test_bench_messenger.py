@@ -24,6 +24,7 @@ def _run(script: str, *args: str, timeout: float = 240) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_transfer_bench_reports_the_two_thread_copy_and_the_targets() -> None:
     out = _run("transfer.py", "--systems", "copy,copy2,fabric,messenger", "--gib", "0.01",
                "--region-mib", "8", "--rounds", "1", "--page-kib", "64")
@@ -64,6 +65,7 @@ def test_transfer_bench_pairs_each_round_with_its_baseline() -> None:
     assert res.ratio(("messenger", "shm/64KiB"), ("copy2", "memcpy/64KiB")) is None
 
 
+@pytest.mark.slow
 def test_latency_bench_measures_messenger_and_raw_baselines() -> None:
     out = _run("messenger_latency.py", "--providers", "shm,tcp;ofi_rxm", "--requests", "5",
                "--pings", "20", "--rate-pages", "64", "--rma-iters", "200", "--rounds", "1")
@@ -80,6 +82,7 @@ def test_latency_bench_measures_messenger_and_raw_baselines() -> None:
                                               for k in out["not_measured"])
 
 
+@pytest.mark.slow
 def test_scale_bench_tables() -> None:
     out = _run("messenger_scale.py", "--inflight", "1,8", "--decoders", "1,2", "--requests",
                "2", "--pages", "1", "--nodes", "1,4", "--repeat", "1", "--page-kib", "4")
@@ -90,6 +93,7 @@ def test_scale_bench_tables() -> None:
     assert out["plan"][1]["recipe"] == "deepseek-r1"
 
 
+@pytest.mark.slow
 def test_idle_penalty_times_each_work_after_each_gap() -> None:
     out = _run("idle_penalty.py", "--gaps-ms", "0", "1", "--runs", "3")
     assert out["gaps_ms"] == [0, 1]

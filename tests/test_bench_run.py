@@ -14,6 +14,7 @@ import pytest
 from pdtool.engines.reference.local import free_port, free_port_run
 
 
+@pytest.mark.slow
 def test_launch_sweep_writes_results_and_plot(tmp_path: Path):
     ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
              f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
@@ -76,6 +77,7 @@ def test_launch_sweep_writes_results_and_plot(tmp_path: Path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+@pytest.mark.slow
 def test_compare_aggregated_runs_both_deployments_interleaved(tmp_path: Path):
     """--compare aggregated starts the mode=aggregated twin on moved ports in its own job
     folder, runs the same prompts against both, and writes one summary per target."""

@@ -55,6 +55,7 @@ def test_validate_json_and_options_after_overrides():
     assert dec["role"] == "decode" and dec["kv_bytes_per_token"] == 61 * 576 * 2
 
 
+@pytest.mark.slow
 def test_aggregated_plan_shows_no_transfer_and_no_bootstrap():
     """mode=aggregated (SGLang, as `pdtool bench --compare aggregated` starts it): the plan says
     what runs, whole requests on every instance, and no KV transfer, routes or bootstrap port;
@@ -232,6 +233,7 @@ def test_validate_path_imports_no_heavy_modules():
     assert "HEAVY []" in p.stdout, p.stdout
 
 
+@pytest.mark.slow
 def test_installed_wheel_finds_conf_and_recipes(tmp_path):
     """A built wheel (not the editable checkout) ships conf/ and recipes/ and runs validate."""
     root = Path(__file__).resolve().parent.parent

@@ -131,6 +131,7 @@ def test_providers_present():
     assert "shm" in provs and "tcp;ofi_rxm" in provs, provs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_scattered_pages_counted_per_slot_and_byte_exact(provider):
     rng = np.random.default_rng(7)
@@ -190,6 +191,7 @@ def test_scattered_pages_counted_per_slot_and_byte_exact(provider):
             proc.join()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_dead_peer_is_bounded_and_tcp_reports_provider_error(provider):
     """A peer killed mid-transfer: on tcp the outstanding writes complete with errors carrying
@@ -932,6 +934,7 @@ def _target_that_stops(provider: str, conn) -> None:
     conn.recv()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_shm_dead_peer_stalls_others_until_reset(provider):
     """A peer dies with writes in flight to it. On tcp the provider fails those writes and the

@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+import pytest
 import torch  # noqa: F401  (imported before forking so the rank processes start fast)
 
 from transfer.fabric import shm_leftovers
@@ -198,6 +199,7 @@ def _check(t: Trial, out) -> tuple[Counter, list[float], list[str]]:
     return counts, times, errs
 
 
+@pytest.mark.slow
 def test_randomized_faults_fail_only_affected_requests_and_leak_nothing():
     rng = random.Random(SEED)
     total, settle, failures, by_kind = Counter(), [], [], Counter()

@@ -139,6 +139,7 @@ def test_metadata_description_is_sglang_metadata_buffers(monkeypatch, sampling_m
     assert [a.row_bytes for a in ours] == list(args.aux_item_lens)
 
 
+@pytest.mark.slow
 def test_every_recipe_plan_json_counts_equal_the_backends(capsys) -> None:
     """`pdtool plan --json` of each recipe == the count of the code that runs it: the SGLang
     backend from SGLang's own buffers, or the messenger from the reference engine's pages."""

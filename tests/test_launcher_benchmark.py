@@ -75,6 +75,7 @@ def test_bench_job_option_refuses_overrides(tmp_path: Path) -> None:
     assert res.returncode == 2 and "--job" in res.stderr, res.stderr
 
 
+@pytest.mark.slow
 def test_the_job_benchmarks_itself_once_healthy(slurm, tmp_path: Path) -> None:
     from pdtool.engines.reference.local import free_port, free_port_run
 

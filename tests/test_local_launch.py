@@ -122,6 +122,7 @@ STARTERS = {"supervisor": supervisor, "script": script}
 STOP_SIGNAL = {"supervisor": signal.SIGINT, "script": signal.SIGTERM}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", list(STARTERS))
 def test_starts_waits_for_health_and_stops_on_signal(how: str, tmp_path: Path) -> None:
     base = 27000 if how == "supervisor" else 27100
@@ -151,6 +152,7 @@ def test_starts_waits_for_health_and_stops_on_signal(how: str, tmp_path: Path) -
         run.kill_everything()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", list(STARTERS))
 def test_one_process_dying_stops_everything(how: str, tmp_path: Path) -> None:
     """launcher.restart=never: one process exiting ends the deployment (benchmarks)."""
@@ -250,6 +252,7 @@ def test_a_signal_while_waiting_for_health_stops_at_once(tmp_path: Path) -> None
     assert "stopping decode-0.r0" in out, out
 
 
+@pytest.mark.slow
 def test_worker_that_never_comes_up_fails_clearly(tmp_path: Path) -> None:
     base = 27400
     blocker = socket.socket()
@@ -420,6 +423,7 @@ class _StandInWorker:
         self.httpd.server_close()
 
 
+@pytest.mark.slow
 @pytest.mark.sglang
 @pytest.mark.parametrize("mode", ["disaggregated", "aggregated"])
 def test_sglang_router_is_ready_once_every_instance_is_registered(tmp_path: Path,
@@ -471,6 +475,7 @@ def test_sglang_router_is_ready_once_every_instance_is_registered(tmp_path: Path
             w.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["supervisor", "script"])
 def test_setup_lines_and_the_virtualenv_reach_every_process(how: str, tmp_path: Path) -> None:
     """launcher.setup runs once before any process starts and launcher.venv is activated after

@@ -39,6 +39,7 @@ def test_layer0_completions_arrive_before_the_last_layer_is_written(provider):
     assert r["received"] == per_layer * LAYERS + 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_stalled_prefill_times_out_and_pages_are_fenced_then_reused(provider):
     s = Scenario(provider=provider, prefill_tp=1, decode_tp=1, num_layers=LAYERS,
@@ -60,6 +61,7 @@ def test_stalled_prefill_times_out_and_pages_are_fenced_then_reused(provider):
     assert dec["stale_writes"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_killed_prefill_fails_only_its_request(provider):
     s = Scenario(provider=provider, prefill_tp=1, decode_tp=1, prefill_instances=2,
@@ -75,6 +77,7 @@ def test_killed_prefill_fails_only_its_request(provider):
     assert not shm_leftovers([p["pid"] for p in out.prefill])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_killed_decoder_fails_its_request_on_the_prefill(provider):
     s = Scenario(provider=provider, prefill_tp=1, decode_tp=1, num_layers=LAYERS,
@@ -90,6 +93,7 @@ def test_killed_decoder_fails_its_request_on_the_prefill(provider):
     assert pre["writes_issued"] == 8  # layer 0 only: nothing more went to the dead peer
 
 
+@pytest.mark.slow
 def test_the_timeout_counts_from_the_bind_not_the_prefill_queue():
     # the prefill engine queues the request three times the decoder's timeout before binding
     # it (a long prefill queue, the mixed-load case): the lead's PONGs list it as queued, so
@@ -102,6 +106,7 @@ def test_the_timeout_counts_from_the_bind_not_the_prefill_queue():
     assert all(res["ok"] for p in out.prefill for res in p["results"].values())
 
 
+@pytest.mark.slow
 def test_a_stalled_transfer_still_times_out_after_a_queue_wait():
     # queued past the timeout, then bound and stalled at layer 0: the clock started at the
     # bind still fires

@@ -122,6 +122,7 @@ def test_a_part_that_does_not_fit_is_refused_with_the_field_named():
         pre.close()
 
 
+@pytest.mark.slow
 def test_a_peer_without_the_secret_gets_nothing():
     pre, dec, _keep = _pair(decode_kw={"secret": b"x" * 32})
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from functools import cache
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from pdtool_cfg import compose
@@ -95,6 +96,7 @@ def build(d: dict) -> Config:
     return cfg
 
 
+@pytest.mark.slow
 @settings(
     max_examples=300,
     deadline=None,
@@ -153,6 +155,7 @@ override_values = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(override_keys, override_values), max_size=3))
 def test_load_config_never_raises(pairs):
@@ -175,6 +178,7 @@ raw_override = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(raw_override, max_size=3), st.booleans())
 def test_validate_cli_never_crashes_on_hostile_overrides(overrides, multirun):

@@ -24,6 +24,7 @@ def aggregated(tmp_path_factory):
     s.stop()
 
 
+@pytest.mark.slow
 def test_aggregated_instances_serve_the_oracles_tokens(aggregated):
     s = aggregated
     prompts = [*_prompts(24, seed=5, lo=1, hi=140), "x"]

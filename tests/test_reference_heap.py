@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # the tiny-local model prefilling 2,000 tokens in 16-token passes, twice; prints the minor page
@@ -52,6 +54,7 @@ def _faults(mode: str) -> int:
     return int(res.stdout.split()[-1])
 
 
+@pytest.mark.slow
 def test_a_rank_heap_keeps_the_pages_a_forward_pass_frees() -> None:
     default, kept = _faults("held"), _faults("keep")
     # at glibc's starting thresholds a pass's large temporaries are unmapped and the heap

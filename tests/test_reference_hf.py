@@ -35,6 +35,7 @@ def test_engine_model_equals_transformers(tmp_path, arch):
         assert generate(cfg, prompt, NEW, model) == greedy(folder, prompt, NEW), text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("arch", "prefill_tp", "decode_tp", "provider"), [
     ("llama", 2, 1, "shm"),
     ("qwen2", 1, 2, "tcp;ofi_rxm"),
@@ -65,6 +66,7 @@ def test_disaggregated_equals_transformers(tmp_path, arch, prefill_tp, decode_tp
         dep.stop()
 
 
+@pytest.mark.slow
 def test_hf_local_recipe_launches_a_checkpoint_folder(tmp_path):
     """`pdtool launch +recipe=hf-local model.path=DIR --smoke`, as the README says; the plan's
     model keys come from DIR/config.json."""

@@ -23,6 +23,7 @@ from transfer.routes import ShardSpec, pages_for, routes_for
 PROMPTS = ["NHD pages interleave heads inside every token of the page.", "ab", "x" * 70]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("layout", "prefill_tp"), [("NHD", 2), ("NHD", 1), ("HND", 2)])
 def test_layout_reaches_the_caches_and_the_write_count(tmp_path, layout, prefill_tp):
     cfg = TinyConfig()

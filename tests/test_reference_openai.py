@@ -53,6 +53,7 @@ def _ordinary(live) -> None:
     assert c.choices[0].text == _oracle(live, live["tok"].encode(PROMPT), 4)
 
 
+@pytest.mark.slow
 def test_completions_whole_and_streamed(live):
     client, tok = live["client"], live["tok"]
     want = _oracle(live, tok.encode(PROMPT), 10)

@@ -192,6 +192,7 @@ def _check_exact(s: Served, prompts: list[str], max_tokens: list[int], workers: 
     return bodies
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gqa-tp2-tp1", "gqa-tp4-tp1", "mla-tp2-tp1", "gqa-tp1-tp2",
                                   "gqa-tp2-tp1-streamed"])
 def test_token_exact_across_tp(served, name):
@@ -209,6 +210,7 @@ def test_token_exact_across_tp(served, name):
     assert prefill["tokens_seen"] == sum(len(p.encode()) - 1 for p in prompts if len(p) > 1)
 
 
+@pytest.mark.slow
 def test_front_http_surface_streaming_and_errors(served):
     s = served("gqa-tp1-tp2")  # still running from the test above
     c = complete(s.url, "Stream me", max_tokens=7)
@@ -225,6 +227,7 @@ def test_front_http_surface_streaming_and_errors(served):
     assert code == 200 and health["decode_up"] == 1
 
 
+@pytest.mark.slow
 def test_64_concurrent_mixed_requests_through_front(served):
     s = served("tiny-local")
     prompts = _prompts(64, seed=11)
@@ -265,6 +268,7 @@ def _direct(s: Served, prompt: str, max_tokens: int, faults: dict | None) -> dic
     return {"tokens": toks, **info}
 
 
+@pytest.mark.slow
 def test_decoder_uses_the_transferred_pages_and_hidden_state(served):
     s = served("tiny-local")
     prompts = _prompts(8, seed=3, lo=20, hi=60)

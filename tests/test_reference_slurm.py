@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from pdtool.engines.reference.fromplan import model_fields
 from pdtool.engines.reference.local import free_port, free_port_run, get_json
 from pdtool.engines.reference.model import TinyConfig, TinyModel
@@ -21,6 +23,7 @@ from pdtool.engines.reference.oracle import encode, generate
 from pdtool.plan import from_json
 
 
+@pytest.mark.slow
 def test_tiny_local_serves_as_a_slurm_job(slurm, tmp_path: Path) -> None:
     out = tmp_path / "job"
     router, prefill, decode = free_port(), free_port(), free_port_run(2)

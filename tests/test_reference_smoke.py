@@ -12,10 +12,13 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
+
 from pdtool.engines.reference.client import Oracle, smoke
 from pdtool.engines.reference.local import free_port, free_port_run
 
 
+@pytest.mark.slow
 def test_launch_smoke_serves_one_prompt_and_exits_0(tmp_path):
     # free ports instead of the recipe's fixed ones, so concurrent test runs do not collide
     ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
@@ -43,6 +46,7 @@ def test_launch_smoke_serves_one_prompt_and_exits_0(tmp_path):
     assert all(s["pages_free"] == s["pages_total"] for s in stats)
 
 
+@pytest.mark.slow
 def test_a_taken_bootstrap_port_is_one_clear_line_and_the_launch_stops_at_once(tmp_path):
     """The prefill lead listens on its planned bootstrap port (the decode ranks reach it
     there); taken by another process, the prefill exits naming the key with no traceback, and
@@ -69,6 +73,7 @@ def test_a_taken_bootstrap_port_is_one_clear_line_and_the_launch_stops_at_once(t
     assert "SIGKILL" not in out and "ignored SIGTERM" not in out, out
 
 
+@pytest.mark.slow
 def test_the_ready_banner_shows_a_request_that_works(tmp_path, capsys):
     """Without --smoke the ready banner names the served model and prints a curl line; that
     request, as printed, is answered; Ctrl-C ends with a line saying everything stopped."""

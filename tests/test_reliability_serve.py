@@ -77,6 +77,7 @@ def _wait_log(s: Served, text: str, timeout: float = 10.0) -> bool:
 
 
 # ----------------------------------------------------------------------------- interfaces
+@pytest.mark.slow
 def test_listeners_bind_the_configured_interface(launched):
     listening = []
     for p in _procs(launched):
@@ -161,6 +162,7 @@ def _handshake(sock: zmq.Socket, env: Envelope) -> tuple[dict, bytes]:
     return hello.body, hello.session
 
 
+@pytest.mark.slow
 def test_live_prefill_survives_control_plane_fuzzing(launched):
     secret = bytes.fromhex(launched.secret)
     address = _control(launched)
@@ -219,6 +221,7 @@ def test_live_prefill_survives_control_plane_fuzzing(launched):
         assert _wait_log(launched, reason), reason
 
 
+@pytest.mark.slow
 def test_unauthenticated_peer_gets_no_reply_and_no_key(launched):
     """A peer without the secret is never answered (no PONG, no ABORTED), so it cannot
     register, request pages or learn anything; an insider's malformed request gets an ABORTED
@@ -251,6 +254,7 @@ def test_unauthenticated_peer_gets_no_reply_and_no_key(launched):
     assert set(msg.body) == {"rid", "slot", "gen", "reason", "issued", "errored"}
 
 
+@pytest.mark.slow
 def test_decode_wire_refuses_forged_and_replayed_requests(launched):
     _, health = get_json(f"{launched.leaders[1]}/health")
     wire = Wire(bytes.fromhex(launched.secret))
@@ -361,6 +365,7 @@ def test_a_prompt_longer_than_the_context_fails_alone(launched):
 
 
 # ----------------------------------------------------------------------------- soak
+@pytest.mark.slow
 def test_short_soak_exact_flat_memory_no_leak(launched):
     n = int(os.environ.get("PDTOOL_SOAK_REQUESTS", "150"))
     pids = [p.pid for p in _procs(launched)]
@@ -390,6 +395,7 @@ def test_secret_is_0600_and_never_written_anywhere_else(launched):
 
 
 # ----------------------------------------------------------------------------- decode death
+@pytest.mark.slow
 def test_front_fails_requests_of_a_dead_decode_instance_promptly(tmp_path):
     # the messengers declare a silent peer dead after 2 s: the prefill must still be computing
     # the long prompt below when it gives up its writes (2 x that after the death)
@@ -456,6 +462,7 @@ def test_front_fails_requests_of_a_dead_decode_instance_promptly(tmp_path):
 
 
 # ----------------------------------------------------------------------------- cancellation
+@pytest.mark.slow
 def test_a_streaming_client_that_goes_away_is_cancelled(launched):
     """The decoder drops a request whose client disconnected (pages and batch slot freed at
     once) instead of generating thousands of tokens for nobody."""

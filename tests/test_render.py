@@ -173,6 +173,7 @@ def test_hostile_values_render_shellcheck_clean(launcher: str, tmp_path: Path) -
     check_script(rendered.script)
 
 
+@pytest.mark.slow
 def test_hostile_values_reach_processes_as_single_arguments(tmp_path: Path) -> None:
     """Run the rendered local script with an interpreter that records its argv: every hostile
     value arrives as exactly one argument, byte for byte, and nothing in it was executed."""
@@ -325,6 +326,7 @@ def test_slurm_resource_keys_are_checked(over, key, fragment) -> None:
     assert_error(cfg, key, fragment)
 
 
+@pytest.mark.slow
 def test_secrets_reach_processes_only_through_0600_files(tmp_path: Path) -> None:
     """A secret-looking launcher.env value and a launcher.secret_env name taken from the shell:
     in no argv, script, saved config or launch.json; in 0600 files; in the processes' env."""

@@ -153,6 +153,7 @@ def launched(tmp_path):
     wait_gone(dep.run_dir)
 
 
+@pytest.mark.slow
 def test_a_killed_decode_then_prefill_instance_is_restarted_and_serves_again(launched):
     dep = launched
     dep.wait_for("deployment ready")
@@ -206,6 +207,7 @@ def test_a_killed_decode_then_prefill_instance_is_restarted_and_serves_again(lau
     assert dep.proc.poll() is None, dep.output()
 
 
+@pytest.mark.slow
 def test_restarts_are_bounded(tmp_path):
     """Each instance is restarted at most max_restarts times: the next failure ends the run."""
     dep = Launched(tmp_path, "launcher.max_restarts=2", "launcher.restart_backoff_s=0.2")
@@ -226,6 +228,7 @@ def test_restarts_are_bounded(tmp_path):
 
 
 # -- both local launchers (the supervisor and the rendered run_local.sh), preflight workers --
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["supervisor", "script"])
 def test_a_dead_and_a_hung_instance_are_restarted(how: str, tmp_path: Path) -> None:
     """decode-1 killed: restarted, the deployment keeps running; decode-0 stopped (SIGSTOP,

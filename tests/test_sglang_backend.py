@@ -518,6 +518,7 @@ ROOMS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_mha_equal_tp_pages_arrive_byte_exact_and_counted() -> None:
     cfg = {"mla": False, "heads": 2, "prefill_tp": 1, "decode_tp": 1, "rooms": ROOMS}
@@ -600,6 +601,7 @@ def test_decode_abort_and_page_count_mismatch_fail_with_reasons() -> None:
     assert remote_writes == 0 and not any(b.any() for b in bufs)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_killed_prefill_fails_the_request_with_a_reason() -> None:
     cfg = {"mla": False, "heads": 2, "prefill_tp": 1, "decode_tp": 1, "hold": True,
@@ -669,6 +671,7 @@ def test_dead_progress_thread_fails_rooms_at_once_with_the_reason() -> None:
         assert "endpoint is closed" in out[room]["error"], (room, out[room])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_restarted_decode_rank_replaces_its_peer_and_av_entry() -> None:
     """The decode instance restarts between two requests (new process, new port, new fabric

@@ -222,6 +222,7 @@ def stream_prefill(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_layers_stream_during_the_forward_and_fall_back_without_callbacks() -> None:
     rooms = {41: {**ROOMS[41], "stream": True}, 42: {**ROOMS[42], "stream": False}}
@@ -267,6 +268,7 @@ def test_layers_stream_during_the_forward_and_fall_back_without_callbacks() -> N
     assert len(said) == 1, stats["log"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_layer_parts_after_their_chunk_write_nothing_twice() -> None:
     """The layer thread may fall behind the scheduler: a chunk's post-forward send reaches the

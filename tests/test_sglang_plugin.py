@@ -25,6 +25,7 @@ def _python(code: str, timeout: int = 240) -> str:
     return res.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_launch_server_help_lists_pdtool_backend() -> None:
     res = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"],
@@ -35,6 +36,7 @@ def test_launch_server_help_lists_pdtool_backend() -> None:
     assert "pdtool" in choices and "mooncake" in choices
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_entry_point_registers_backend_in_a_fresh_sglang_process() -> None:
     out = _python("""

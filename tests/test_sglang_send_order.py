@@ -336,6 +336,7 @@ def abort_decode(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_abort_between_status_check_and_writes_is_acked_only_after_they_drained() -> None:
     rooms = {31: {"src_pages": [3, 9, 4, 12, 5, 1, 7], "dst_pages": [14, 2, 8, 6, 1, 11, 10],

@@ -51,6 +51,7 @@ def pd_shm(tmp_path_factory: pytest.TempPathFactory):
     served.stop()
 
 
+@pytest.mark.slow
 def test_the_kv_matters(oracle) -> None:
     """The tokens depend on the prompt's earlier tokens, so a decode server that ran without
     the prompt's KV would not produce the oracle's tokens."""
@@ -59,6 +60,7 @@ def test_the_kv_matters(oracle) -> None:
             assert oracle[tuple(p)] != oracle[(p[-1],)], p
 
 
+@pytest.mark.slow
 def test_pd_over_shm_is_token_exact(oracle, pd_shm: Served) -> None:
     prompts = [*PROMPTS, tokenize()]
     # one at a time (the second of the shared-prefix pair hits the prefill's prefix cache),
@@ -94,6 +96,7 @@ def test_openai_client_through_the_router(pd_shm: Served) -> None:
     assert sum(bool(c.choices and c.choices[0].delta.content) for c in chunks) >= 1
 
 
+@pytest.mark.slow
 def test_pdtool_bench_against_the_router(pd_shm: Served, tmp_path: Path) -> None:
     """`pdtool bench --url` through sglang-router: text prompts of the drawn lengths (the
     router takes no token ids), every request completed, the server's prompt token counts."""

@@ -21,6 +21,7 @@ def want() -> dict[tuple[int, ...], list[int]]:
     return transformers_tokens()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 def test_sglang_backend_gives_the_same_tokens(tmp_path: Path, want, backend: str) -> None:
     served = Served(tmp_path, f"transfer.backend={backend}", "decode.instances=1").start()

@@ -111,6 +111,7 @@ def _loads(url: str) -> dict:
     return load
 
 
+@pytest.mark.slow
 def test_decode_and_prefill_killed_under_load(tmp_path: Path) -> None:
     served = Served(tmp_path, "launcher.restart_backoff_s=1", f"transfer.timeout_s={TIMEOUT_S}",
                     f"transfer.connect_timeout_s={TIMEOUT_S}").start()

@@ -29,6 +29,7 @@ def _until_eos(tokens: list[int]) -> list[int]:
     return tokens[:tokens.index(EOS)] if EOS in tokens else tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     ("prefill.tp=1",),
     (),  # the recipe: prefill TP2 -> decode TP1

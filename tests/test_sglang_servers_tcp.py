@@ -18,6 +18,7 @@ from pdtool.checkpoints import ensure
 pytestmark = pytest.mark.sglang_servers
 
 
+@pytest.mark.slow
 def test_pd_over_tcp_at_page_size_1_is_token_exact(tmp_path: Path) -> None:
     folder = Path(ensure("builtin:tiny-llama"))
     prompts = [*PROMPTS, tokenize()]

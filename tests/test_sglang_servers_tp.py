@@ -23,6 +23,7 @@ def want() -> dict[tuple[int, ...], list[int]]:
     return transformers_tokens()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     (),  # the recipe: prefill TP2 -> decode TP1 over shm, page 16
     ("prefill.tp=1", "decode.tp=2", "transfer=tcp", "prefill.page_size=1", "decode.page_size=1"),

@@ -250,6 +250,7 @@ def test_other_backends_are_not_judged_by_the_pdtool_rule() -> None:
 
 
 # --------------------------------------------------------------------------- the transfer
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_draft_hidden_state_and_topk_arrive_byte_exact_and_counted() -> None:
     """FROZEN_KV_MTP's metadata (the scheduler's draft-sized hidden row, bf16) from a prefill
@@ -389,6 +390,7 @@ def start_manager(cfg: dict, rank: int, conn) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_backend_refuses_a_draft_pool_the_plan_did_not_count() -> None:
     """model.draft_layers=2 in the plan (PDTOOL_DRAFT_LAYERS), a 1-layer draft pool in SGLang:
@@ -429,6 +431,7 @@ def test_eagle_draft_kv_equal_tp_arrives_byte_exact_and_counted() -> None:
     assert res["prefill"][0][1] == {11: 4, 12: 4}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_draft_kv_gqa_prefill_tp2_to_decode_tp1_reassembles_both_pools() -> None:
     """GQA TP2 -> TP1 over tcp;ofi_rxm: each prefill rank holds half of the target's 4 heads
@@ -443,6 +446,7 @@ def test_draft_kv_gqa_prefill_tp2_to_decode_tp1_reassembles_both_pools() -> None
     assert [p[2] for p in res["prefill"]] == [0, 0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_nextn_mla_draft_prefill_tp2_to_decode_tp1_from_the_drawn_source() -> None:
     """DeepSeek's NEXTN (MTP): an MLA draft layer beside the MLA target, TP2 -> TP1 over
@@ -455,6 +459,7 @@ def test_nextn_mla_draft_prefill_tp2_to_decode_tp1_from_the_drawn_source() -> No
     assert [p[1] for p in res["prefill"]] == [{11: 4, 12: 4}] * 2  # the dummy rank too
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_draft_kv_prefill_tp1_to_decode_tp2_packs_the_drafts_own_heads() -> None:
     """TP1 -> TP2 over shm: each decode rank takes half of the target's 4 heads and half of a

@@ -168,6 +168,7 @@ def check_counts(cfg: dict[str, Any], res: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- TP mismatch
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_gqa_tp8_to_tp4_lands_packed_slices_from_two_sources() -> None:
     """8 KV heads, prefill TP8 (1 head/rank) -> decode TP4 (2 heads/rank): each prefill page
@@ -181,6 +182,7 @@ def test_gqa_tp8_to_tp4_lands_packed_slices_from_two_sources() -> None:
     assert all(p["gathers"] == 0 for p in pre)  # a whole source page needs no packing
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_gqa_tp4_to_tp8_packs_on_the_prefill_and_lands_in_place() -> None:
     """Prefill TP4 (2 heads/rank) -> decode TP8 (1 head/rank) over tcp;ofi_rxm: the prefill
@@ -194,6 +196,7 @@ def test_gqa_tp4_to_tp8_packs_on_the_prefill_and_lands_in_place() -> None:
     assert all(p["gathers"] > 0 and p["bounce_leaked"] == 0 for p in pre)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("provider", ["shm", "tcp;ofi_rxm"])
 def test_gqa_tp2_to_tp1_reassembles_the_page_in_landing(provider: str) -> None:

@@ -71,6 +71,7 @@ def process_names(plan, engine: str) -> dict[str, tuple[str, int]]:
     return expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["reference", "sglang"])
 def test_job_places_each_role_on_its_node_group(engine: str, slurm, tmp_path: Path) -> None:
     out = tmp_path / "job"
@@ -110,6 +111,7 @@ def test_job_places_each_role_on_its_node_group(engine: str, slurm, tmp_path: Pa
         assert "pdtool-worker: stopped" in log.read_text(), log
 
 
+@pytest.mark.slow
 def test_worker_that_cannot_start_fails_the_job(slurm, tmp_path: Path) -> None:
     """decode-1's port is taken: its worker exits, the job ends FAILED and says which and why."""
     out = tmp_path / "job"
@@ -146,6 +148,7 @@ GPU_SITE = [
 ]
 
 
+@pytest.mark.slow
 def test_each_step_sees_its_gpus_and_cpus(slurm, tmp_path: Path) -> None:
     """From inside every step: the job's GPUs of its node (Slurm's GRES environment), and a CPU
     mask equal to the CPUs the plan gave its ranks (task/affinity applied --cpu-bind)."""
@@ -224,6 +227,7 @@ def submit_running(slurm, out: Path, *extra: str) -> str:
     raise AssertionError(batch.read_text() if batch.exists() else f"job {job} never started")
 
 
+@pytest.mark.slow
 def test_term_before_the_time_limit_stops_every_step_in_order(slurm, tmp_path: Path) -> None:
     """What `#SBATCH --signal=B:TERM@120` delivers before the time limit (here sent at once):
     the router stops first, then decode, then prefill, each with SIGTERM."""
@@ -260,6 +264,7 @@ def _step_worker_pid(job: str, role: str, instance: int) -> int:
     raise AssertionError(f"no {role}-{instance} worker of job {job}")
 
 
+@pytest.mark.slow
 def test_hung_engine_ends_the_job(slurm, tmp_path: Path) -> None:
     """decode-1 stops answering although its process lives (SIGSTOP): the watchdog ends the
     job (launcher.restart=never), naming it with the end of its log; the stopped step ignores
@@ -291,6 +296,7 @@ def _wait_batch(batch: Path, text: str, after: int = 0, timeout: float = 180) ->
     raise AssertionError(f"never saw {text!r}:\n{batch.read_text()}")
 
 
+@pytest.mark.slow
 def test_a_dead_step_is_restarted_inside_the_job(slurm, tmp_path: Path) -> None:
     """launcher.restart=on-failure: decode-1's worker is killed, its srun step ends, the batch
     script starts the step again (same name, same node) and waits for its health; prefill-0's
@@ -322,6 +328,7 @@ def test_a_dead_step_is_restarted_inside_the_job(slurm, tmp_path: Path) -> None:
     assert "received SIGTERM" in batch.read_text()
 
 
+@pytest.mark.slow
 def test_launch_multirun_submits_one_job_per_combination(slurm, tmp_path: Path) -> None:
     over = [o for o in OVERRIDES if not o.startswith("decode.instances=")]
     res = subprocess.run(
@@ -342,6 +349,7 @@ def test_launch_multirun_submits_one_job_per_combination(slurm, tmp_path: Path) 
         assert sum(1 for i in plan.instances if i.role == "decode") == int(n)
 
 
+@pytest.mark.slow
 def test_requeued_job_keeps_the_earlier_logs(slurm, tmp_path: Path) -> None:
     out = tmp_path / "job"
     job = submit_running(slurm, out, "launcher.job_name=pdtool-requeue")

@@ -53,6 +53,7 @@ def _receiver(provider: str, dst_pages: list[int], conn) -> None:
     ep.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_staged_transfer_is_byte_exact_and_counted_between_processes(provider):
     """Four layers of scattered KV pages go device -> bounce -> fabric -> landing -> device:
@@ -119,6 +120,7 @@ def _receiver_then_hang(provider: str, conn) -> None:
     time.sleep(120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_a_stalled_receiver_fails_the_send_within_its_timeout(provider):
     """A decoder that stops draining its queue: the sender's bounce buffers never come free

@@ -154,6 +154,7 @@ def _start_up(plan: Path, tmp_path: Path, **tamper: str) -> tuple[str, str]:
             proc.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("transfer", "nic"), [("shm", "shm"), ("tcp", "lo")])
 def test_the_planned_nic_is_the_domain_the_messenger_opens(plan_file, tmp_path, transfer, nic):
     plan = plan_file(f"transfer={transfer}")
@@ -161,6 +162,7 @@ def test_the_planned_nic_is_the_domain_the_messenger_opens(plan_file, tmp_path, 
     assert _start_up(plan, tmp_path) == (nic, nic)
 
 
+@pytest.mark.slow
 def test_a_domain_the_provider_lacks_fails_naming_the_key(plan_file, tmp_path):
     domain, error = _start_up(plan_file("transfer=tcp"), tmp_path, PDTOOL_FI_DOMAIN="nosuchnic0")
     assert domain == "nosuchnic0"
