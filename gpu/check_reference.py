@@ -43,7 +43,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # hf_checkpoints: the tests' checkpoint builder
+sys.path.insert(0, str(ROOT / "tests"))  # helpers.hf_checkpoints: the tests' checkpoint builder
 
 WAIT_S = 120.0
 HEADS, SHARDS, PAGE, DIM, PAGES = 4, 2, 16, 64, 64
@@ -291,7 +291,7 @@ def step_graph_progress(args: argparse.Namespace) -> dict[str, Any]:
 def _checkpoint(folder: Path) -> Path:
     """A tiny random Qwen3 checkpoint FlashInfer can read: head_dim 64, 4 query / 2 KV heads."""
     import torch
-    from hf_checkpoints import tokenizer_files
+    from helpers.hf_checkpoints import tokenizer_files
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -311,7 +311,7 @@ def _checkpoint(folder: Path) -> Path:
 
 
 def step_deployment(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from hf_checkpoints import TEXT, greedy
+    from helpers.hf_checkpoints import TEXT, greedy
 
     from pdtool.engines.reference.hf import HFConfig, HFModel
     from pdtool.engines.reference.local import Deployment, free_port, get_json, new_secret

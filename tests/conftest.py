@@ -75,7 +75,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory):
     """A running emulated 4-node Slurm cluster; stopped (scontrol shutdown) after the session."""
-    from slurm_cluster import slurm_cluster
+    from helpers.slurm_cluster import slurm_cluster
 
     with slurm_cluster(tmp_path_factory.mktemp("slurm")) as cluster:
         yield cluster

@@ -5,7 +5,7 @@ own (read from its config.json the way `model.path=DIR` is read)."""
 from __future__ import annotations
 
 import pytest
-from pdtool_cfg import recipe
+from helpers.pdtool_cfg import recipe
 
 from pdtool.arch import plan_fields, read_arch
 from pdtool.checkpoints import ensure

@@ -293,6 +293,7 @@ def test_a_gpu_preset_on_launcher_local_is_compared_with_this_machine(tmp_path):
     assert pdtool("validate", "+recipe=tiny-local").returncode == 0  # the local preset fits
 
 
+@pytest.mark.slow
 def test_config_prints_the_resolved_config_and_every_key():
     import json
 

@@ -11,6 +11,7 @@ import time
 import msgpack
 import pytest
 import zmq
+from helpers.wire_bodies import hello_body, request_body
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,33 +20,6 @@ from transfer.wire.channel import Channel, check_bind_host
 from transfer.wire.messenger import MESSENGER
 
 SECRET = b"s" * 32
-
-
-def _request_body(**over):
-    body = {
-        "rid": "r1", "token_ids": b"\x01\x00\x00\x00" * 3, "num_tokens": 3,
-        "dst_pages": b"\x00\x00\x00\x00", "slot": 1, "gen": 2, "aux_row": 1,
-        "slices": [{"src_rank": 0, "head_lo": 0, "num_heads": 2, "src_head_off": 0,
-                    "dst_head_off": 0}],
-        "aux_rank": 0, "expected": [2, 0], "timeout_s": 5.0,
-    }
-    body.update(over)
-    return body
-
-
-def _hello_body(**over):
-    body = {
-        "role": "decode", "compat": b"c" * 16, "provider": "tcp;ofi_rxm", "rank": 0,
-        "num_parts": 1, "spec": {"num_kv_heads": 8, "tp": 2, "dp": 1},
-        "peer_spec": {"num_kv_heads": 8, "tp": 4, "dp": 1},
-        "layout": {"kind": "HND", "num_pages": 8, "heads_local": 4, "kv_parts": 2,
-                   "page_size": 16, "head_dim": 64, "itemsize": 2},
-        "num_layers": 2, "buffers_per_layer": 1, "aux_row_bytes": [],
-        "fabric_name": b"name", "regions": [{"base": 1, "key": 2, "length": 3}] * 2,
-        "aux_regions": [], "lanes": [], "writes_per_op": 4, "error": "",
-    }
-    body.update(over)
-    return body
 
 
 RX = Envelope(SECRET, "p0", MESSENGER)
@@ -63,17 +37,17 @@ _seq = iter(range(1, 1 << 30))
 def _env(**over):
     """An envelope bound to RX's session, under a fresh sequence number."""
     env = {"v": PROTOCOL_VERSION, "p": "messenger", "k": "REQUEST", "from": "d0",
-           "sid": b"d" * 16, "to": RX.session, "seq": next(_seq), "body": _request_body()}
+           "sid": b"d" * 16, "to": RX.session, "seq": next(_seq), "body": request_body()}
     env.update(over)
     return env
 
 
 def test_roundtrip_after_hello():
     a, b = Envelope(SECRET, "d0", MESSENGER), Envelope(SECRET, "p0", MESSENGER)
-    hello = b.open(a.seal("HELLO", _hello_body()))
+    hello = b.open(a.seal("HELLO", hello_body()))
     assert hello.type == "HELLO" and hello.session == a.session
-    a.open(b.seal("HELLO", _hello_body(role="prefill"), hello.session))
-    msg = b.open(a.seal("REQUEST", _request_body(), a.session_of("p0")))
+    a.open(b.seal("HELLO", hello_body(role="prefill"), hello.session))
+    msg = b.open(a.seal("REQUEST", request_body(), a.session_of("p0")))
     assert msg.type == "REQUEST" and msg.sender == "d0" and msg.body["slot"] == 1
     assert "s" * 8 not in repr(a)
 
@@ -81,27 +55,27 @@ def test_roundtrip_after_hello():
 @pytest.mark.parametrize(
     ("frames_fn", "error"),
     [
-        (lambda: Envelope(b"x" * 32, "d0", MESSENGER).seal("HELLO", _hello_body()),
+        (lambda: Envelope(b"x" * 32, "d0", MESSENGER).seal("HELLO", hello_body()),
          r"mac: signature"),
         (lambda: [b"abc"], r"frames: expected \[payload, mac\]"),
         (lambda: _raw(_env(v=99)),
          rf"envelope.v: protocol version 99, expected {PROTOCOL_VERSION}"),
         (lambda: _raw(_env(k="NOPE")), r"envelope.k: expected one of"),
         (lambda: _raw(_env(to=b"")), r"to: a REQUEST must be bound"),
-        (lambda: _raw(_env(body=_request_body(slot="1"))), r"REQUEST.slot: expected int, got str"),
-        (lambda: _raw(_env(body=_request_body(slot=70000))), r"REQUEST.slot: expected int in"),
-        (lambda: _raw(_env(k="HELLO", body=_hello_body(layout={"kind": "HND"}))),
+        (lambda: _raw(_env(body=request_body(slot="1"))), r"REQUEST.slot: expected int, got str"),
+        (lambda: _raw(_env(body=request_body(slot=70000))), r"REQUEST.slot: expected int in"),
+        (lambda: _raw(_env(k="HELLO", body=hello_body(layout={"kind": "HND"}))),
          r"HELLO.layout.num_pages: missing field"),
-        (lambda: _raw(_env(body={**_request_body(), "evil": 1})), r"REQUEST.evil: unknown field"),
+        (lambda: _raw(_env(body={**request_body(), "evil": 1})), r"REQUEST.evil: unknown field"),
         # the static fields went once, in HELLO: a REQUEST carrying them is refused
-        (lambda: _raw(_env(body={**_request_body(), "layout": _hello_body()["layout"]})),
+        (lambda: _raw(_env(body={**request_body(), "layout": hello_body()["layout"]})),
          r"REQUEST.layout: unknown field"),
-        (lambda: _raw(_env(body=_request_body(token_ids=b"123"))),
+        (lambda: _raw(_env(body=request_body(token_ids=b"123"))),
          r"REQUEST.token_ids: expected 0..\d+ bytes in multiples of 4, got 3"),
         (lambda: _raw(_env(k="HELLO",
-                           body=_hello_body(regions=[{"base": -1, "key": 0, "length": 1}]))),
+                           body=hello_body(regions=[{"base": -1, "key": 0, "length": 1}]))),
          r"HELLO.regions\[0\].base: expected int in"),
-        (lambda: _raw(_env(k="HELLO", body=_hello_body(layout={**_hello_body()["layout"],
+        (lambda: _raw(_env(k="HELLO", body=hello_body(layout={**hello_body()["layout"],
                                                                 "kind": "XYZ"}))),
          r"HELLO.layout.kind: expected one of"),
         (lambda: [b"\xc1\xc1", hmac.new(SECRET, b"\xc1\xc1", "sha256").digest()],
@@ -126,7 +100,7 @@ def test_oversized_is_refused():
         rx.open([b"x" * 1001, b"m" * 32])
     with pytest.raises(WireError, match="exceeds the 1000-byte limit"):
         Envelope(SECRET, "d0", MESSENGER, max_bytes=1000).seal(
-            "REQUEST", _request_body(token_ids=b"\0" * 4000), b"t" * 16)
+            "REQUEST", request_body(token_ids=b"\0" * 4000), b"t" * 16)
 
 
 @settings(max_examples=300, deadline=None)
@@ -181,11 +155,11 @@ def test_sockets_refuse_unauthenticated_peers_and_keep_serving():
         intruder = Channel.connect(ctx, Envelope(b"i" * 32, "evil", MESSENGER), server.address)
         good = Channel.connect(ctx, Envelope(SECRET, "d0", MESSENGER), server.address)
         liar = Channel.connect(ctx, Envelope(SECRET, "d9", MESSENGER), server.address)
-        intruder.send("HELLO", _hello_body())
-        liar.sock.send_multipart(Envelope(SECRET, "d0", MESSENGER).seal("HELLO", _hello_body()))
+        intruder.send("HELLO", hello_body())
+        liar.sock.send_multipart(Envelope(SECRET, "d0", MESSENGER).seal("HELLO", hello_body()))
         liar.sock.send_multipart([b"junk"])
         assert not good.send("PING", {})  # no HELLO answered yet: nothing to bind a PING to
-        good.send("HELLO", _hello_body())
+        good.send("HELLO", hello_body())
         got = _drain(server)
         assert [(p, m.type, m.sender) for p, m in got] == [(b"d0", "HELLO", "d0")]
         end = time.monotonic() + 2
@@ -193,7 +167,7 @@ def test_sockets_refuse_unauthenticated_peers_and_keep_serving():
             server.sock.poll(50)
             server.recv()
         assert server.rejected == 3
-        server.send("HELLO", _hello_body(role="prefill"), peer=b"d0", session=got[0][1].session)
+        server.send("HELLO", hello_body(role="prefill"), peer=b"d0", session=got[0][1].session)
         assert [m.type for _, m in _drain(good)] == ["HELLO"] and good.peer_name == "p0"
         assert good.send("PING", {})
         assert [m.type for _, m in _drain(server)] == ["PING"]

@@ -230,7 +230,7 @@ def test_control_fault_hook_drops_and_delays_only_what_it_is_told():
     type never arrives (and is logged with its rid); a delayed one arrives later; others pass."""
     import pytest
     import zmq
-    from test_control import _hello_body
+    from helpers.wire_bodies import hello_body
 
     from transfer.wire import Envelope, WireError
     from transfer.wire.channel import Channel, ControlFaults
@@ -247,9 +247,9 @@ def test_control_fault_hook_drops_and_delays_only_what_it_is_told():
         server = Channel.listen(ctx, Envelope(secret, "p0", MESSENGER), "127.0.0.1")
         client = Channel.connect(ctx, Envelope(secret, "d0", MESSENGER), server.address,
                                  faults=faults)
-        client.send("HELLO", _hello_body())  # not faulted: the binding the others need
+        client.send("HELLO", hello_body())  # not faulted: the binding the others need
         hello = _until(server, "HELLO")
-        server.send("HELLO", _hello_body(role="prefill"), peer=b"d0", session=hello.session)
+        server.send("HELLO", hello_body(role="prefill"), peer=b"d0", session=hello.session)
         _until(client, "HELLO")
         client.send("ABORT", {"rid": "gone", "slot": 1, "gen": 2, "reason": "x"})
         client.send("PING", {})

@@ -54,3 +54,20 @@ def test_the_c_files_call_each_other_without_a_circle():
 
     for f in sorted(calls):
         visit(f, [])
+
+
+def test_test_modules_share_code_through_helpers_only():
+    """What tests share lives in tests/helpers/; a test module never imports another one (a
+    test module used as a library runs its module-level set-up, and its fixtures and markers,
+    wherever it is imported)."""
+    import ast
+
+    tests = ROOT / "tests"
+    found = []
+    for path in sorted([*tests.glob("*.py"), *(tests / "helpers").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                      if n.split(".")[0].startswith("test_")]
+    assert found == []

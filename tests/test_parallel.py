@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pdtool_cfg import recipe
+from helpers.pdtool_cfg import recipe
 
 from pdtool.memory import kv_heads_per_rank
 from pdtool.plan import build_plan, shard_spec

@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from pdtool_cfg import compose, recipe
+from helpers.pdtool_cfg import compose, recipe
 from rich.console import Console
 
 from pdtool.commands.plan import print_plan

@@ -7,9 +7,9 @@ import copy
 from functools import cache
 
 import pytest
+from helpers.pdtool_cfg import compose
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from pdtool_cfg import compose
 
 from pdtool.compose import load_config
 from pdtool.plan import build_plan, plan_from_dict, plan_to_dict

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pdtool_cfg import recipe
+from helpers.pdtool_cfg import recipe
 
 from pdtool.compose import recipe_description, recipe_files
 from pdtool.plan import build_plan

@@ -12,7 +12,7 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_reference_serve import Served, _prompts
+from helpers.reference_served import Served, sample_prompts
 
 from pdtool.engines.reference.local import get_json
 
@@ -27,7 +27,7 @@ def aggregated(tmp_path_factory):
 @pytest.mark.slow
 def test_aggregated_instances_serve_the_oracles_tokens(aggregated):
     s = aggregated
-    prompts = [*_prompts(24, seed=5, lo=1, hi=140), "x"]
+    prompts = [*sample_prompts(24, seed=5, lo=1, hi=140), "x"]
     rng = random.Random(2)
     max_tokens = [rng.randint(1, 10) for _ in prompts]
     with ThreadPoolExecutor(12) as pool:

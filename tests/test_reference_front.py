@@ -140,7 +140,7 @@ def test_streamed_text_equals_the_whole_text_for_any_split(tmp_path):
     characters split across messages, BPE merges), for bytes and a checkpoint's tokenizer."""
     import random
 
-    from hf_checkpoints import TEXT, tokenizer_files
+    from helpers.hf_checkpoints import TEXT, tokenizer_files
 
     from pdtool.engines.reference.tokenizer import ByteTokenizer, HFTokenizer, StreamText
 

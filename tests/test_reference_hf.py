@@ -12,7 +12,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from hf_checkpoints import TEXT, deployment, greedy, make_checkpoint
+from helpers.hf_checkpoints import TEXT, deployment, greedy, make_checkpoint
 
 from pdtool.engines.reference.local import get_json
 from pdtool.engines.reference.models import build_model, model_config

@@ -12,7 +12,7 @@ fault test).
 from __future__ import annotations
 
 import pytest
-from hf_checkpoints import deployment
+from helpers.hf_checkpoints import deployment
 
 from pdtool.engines.reference.local import get_json
 from pdtool.engines.reference.model import TinyConfig, TinyModel

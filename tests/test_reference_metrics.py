@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdtool.engines.reference.local import free_port, free_port_run
@@ -35,6 +36,7 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow
 def test_metrics_follow_traffic_and_the_plans_write_counts(tmp_path: Path) -> None:
     job = tmp_path / "job"
     ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",

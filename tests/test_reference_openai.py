@@ -15,7 +15,7 @@ import json
 
 import openai
 import pytest
-from hf_checkpoints import deployment, greedy, make_checkpoint
+from helpers.hf_checkpoints import deployment, greedy, make_checkpoint
 
 from pdtool.engines.reference.tokenizer import HFTokenizer
 

@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from pdtool_cfg import recipe
+from helpers.pdtool_cfg import recipe
 
 from pdtool.engines.reference.fromplan import SpecError, spec_from_context
 from pdtool.plan import build_plan, to_json
@@ -81,7 +81,7 @@ def test_liveness_timeouts_reach_the_messenger_settings(secret):
 
 
 def test_a_peer_timeout_not_above_the_heartbeat_is_refused():
-    from pdtool_cfg import assert_error
+    from helpers.pdtool_cfg import assert_error
 
     assert_error(recipe("tiny-local", "transfer.peer_timeout_s=0.5", "transfer.heartbeat_s=0.5"),
                  "transfer.peer_timeout_s", "not longer than transfer.heartbeat_s")

@@ -1,6 +1,7 @@
 """Reliability and security of a LIVE reference deployment (real processes, real sockets).
 
-`pdtool launch +recipe=tiny-local` (started the user's way, test_reference_serve's `Served`):
+`pdtool launch +recipe=tiny-local` (started the user's way: `Served` of
+tests/helpers/reference_served.py):
 * every listening socket of every process is bound to the configured interface (127.0.0.1),
   read from the sockets the kernel actually has (psutil), never 0.0.0.0;
 * the control plane of the running prefill messenger is fuzzed with hypothesis (random frames,
@@ -33,10 +34,10 @@ import msgpack
 import psutil
 import pytest
 import zmq
+from helpers.reference_served import Served
+from helpers.wire_bodies import hello_body, request_body
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_control import _hello_body, _request_body
-from test_reference_serve import Served
 
 from pdtool.engines.reference.front import DECODE_DEAD_S
 from pdtool.engines.reference.local import get_json
@@ -141,7 +142,7 @@ def _abort_body() -> dict:
 
 
 def _valid_body(type_: str) -> dict:
-    return {"HELLO": _hello_body(), "REQUEST": _request_body(), "ABORT": _abort_body(),
+    return {"HELLO": hello_body(), "REQUEST": request_body(), "ABORT": _abort_body(),
             "ABORTED": {**_abort_body(), "issued": 0, "errored": 0}}.get(type_, {})
 
 
@@ -155,7 +156,7 @@ def _replies(sock: zmq.Socket, wait_s: float) -> list[list[bytes]]:
 
 def _handshake(sock: zmq.Socket, env: Envelope) -> tuple[dict, bytes]:
     """HELLO to the live prefill rank: its answer, and its session (which binds our frames)."""
-    sock.send_multipart(env.seal("HELLO", _hello_body()))
+    sock.send_multipart(env.seal("HELLO", hello_body()))
     (reply,) = _replies(sock, 3.0)
     hello = env.open(reply)
     assert hello.type == "HELLO" and hello.body["role"] == "prefill"

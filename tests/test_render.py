@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.pdtool_cfg import recipe_args
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pdtool_cfg import recipe_args
 
 from pdtool.compose import load_config, recipe_files
 from pdtool.launch.shell import Var, q, word, words
@@ -162,7 +162,7 @@ def hostile_cfg(launcher: str):
     cfg.model.path = HOSTILE["path"]
     cfg.model.name = HOSTILE["name"]
     cfg.launcher.env.prefill["PDTOOL_TEST_HOSTILE"] = HOSTILE["env"]
-    cfg.engine.python = str(HERE / "argv_dump.py")
+    cfg.engine.python = str(HERE / "helpers" / "argv_dump.py")
     return cfg
 
 
@@ -320,7 +320,7 @@ def test_stop_grace_sets_the_scripts_grace_and_the_slurm_signal_lead(tmp_path: P
     (["launcher.gpus_per_node=16"], "launcher.gpus_per_node", "nodes have 8"),
 ])
 def test_slurm_resource_keys_are_checked(over, key, fragment) -> None:
-    from pdtool_cfg import assert_error, recipe
+    from helpers.pdtool_cfg import assert_error, recipe
 
     cfg = recipe("llama-3.1-70b", *over)
     assert_error(cfg, key, fragment)
@@ -337,7 +337,8 @@ def test_secrets_reach_processes_only_through_0600_files(tmp_path: Path) -> None
             "launcher.health_timeout_s=2", "prefill.http_port=38200", "decode.http_port=38210",
             "prefill.bootstrap_port=38220", "prefill.dist_init_port=38230",
             "decode.dist_init_port=38240", "router.port=38250",
-            f"engine.python={HERE / 'argv_dump.py'}", f"+launcher.env.all.HF_TOKEN={token}",
+            f"engine.python={HERE / 'helpers' / 'argv_dump.py'}",
+            f"+launcher.env.all.HF_TOKEN={token}",
             "launcher.secret_env=[DB_PASS]", "+launcher.env.decode.PLAIN=visible"]
     env = {**os.environ, "DB_PASS": password, "ARGV_DUMP_DIR": str(dumps),
            "PDTOOL_PYTHON": sys.executable}
@@ -399,7 +400,7 @@ def test_script_options_are_arguments_not_environment(launcher: str, tmp_path: P
 
 
 def test_cross_node_loopback_is_refused_and_a_shared_host_nic_warned() -> None:
-    from pdtool_cfg import assert_error, assert_warning, findings_for, recipe
+    from helpers.pdtool_cfg import assert_error, assert_warning, findings_for, recipe
 
     cfg = recipe("tiny-local", "launcher=slurm", "cluster.nodes=2", "transfer=tcp")
     assert_error(cfg, "transfer.provider", "loopback interface lo between different nodes")
@@ -477,7 +478,7 @@ def test_container_mode_imports_once_and_sets_up_every_node(tmp_path: Path) -> N
 
 
 def test_container_model_path_must_be_mounted() -> None:
-    from pdtool_cfg import assert_error, recipe
+    from helpers.pdtool_cfg import assert_error, recipe
 
     cfg = recipe("deepseek-r1", "launcher.container_image=img", "model.path=/fsx/r1")
     assert_error(cfg, "model.path", "no launcher.container_mounts entry")

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_local_launch import procs_of, wait_gone
+from helpers.local_launch import procs_of, wait_gone
 
 from pdtool.engines.reference.fromplan import model_fields
 from pdtool.engines.reference.local import free_port, free_port_run, get_json
@@ -235,7 +235,7 @@ def test_a_dead_and_a_hung_instance_are_restarted(how: str, tmp_path: Path) -> N
     its process lives): the watchdog names it, it is restarted too (its stopped process ignores
     the SIGTERM: SIGKILL launcher.stop_grace_s later). The same restart code runs in the Slurm
     script (_lib.sh.j2)."""
-    from test_local_launch import STARTERS, health
+    from helpers.local_launch import STARTERS, health
 
     base = free_port_run(60)
     keys = ("launcher.restart=on-failure", "launcher.restart_backoff_s=0.2",
@@ -265,6 +265,6 @@ def test_a_dead_and_a_hung_instance_are_restarted(how: str, tmp_path: Path) -> N
 
 
 def _worker(run_dir: Path, role: str, instance: int) -> int:
-    from test_local_launch import worker_pid
+    from helpers.local_launch import worker_pid
 
     return worker_pid(run_dir, role, instance)

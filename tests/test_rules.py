@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pdtool_cfg import assert_error, assert_warning, compose, findings_for, recipe
+from helpers.pdtool_cfg import assert_error, assert_warning, compose, findings_for, recipe
 
 from pdtool.compose import load_config
 from pdtool.plan import build_plan

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pdtool_cfg import compose, option_args
+from helpers.pdtool_cfg import compose, option_args
 
 from pdtool.compose import (
     ComposeError,

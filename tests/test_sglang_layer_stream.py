@@ -33,18 +33,18 @@ from typing import Any
 import numpy as np
 import pytest
 import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
-from test_sglang_backend import (
+from helpers.sglang_pair import (
     HEAD_DIM,
     LAYERS,
     N_AUX,
     PAGE,
     PER_OP,
     SLOTS,
-    _poll_until,
-    _setup,
     decode_rank,
     expected_decode,
+    poll_until,
     run_pair,
+    setup_rank,
 )
 
 from transfer.geometry import sglang_decode_writes
@@ -126,12 +126,12 @@ def stream_prefill(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     hooked = getattr(AttentionBackend.forward, "__wrapped__", None) is not None
 
     server = PdtoolKVBootstrapServer("127.0.0.1", cfg["bootstrap_port"])
-    sa, args, (pool, meta, bufs), aux = _setup("prefill", cfg, 0)
+    sa, args, (pool, meta, bufs), aux = setup_rank("prefill", cfg, 0)
     mgr = PdtoolKVManager(args, DisaggregationMode.PREFILL, sa, False)
     conn.send("ready")
     addr = f"127.0.0.1:{cfg['bootstrap_port']}"
     senders = {room: PdtoolKVSender(mgr, addr, room) for room in cfg["rooms"]}
-    _poll_until(senders, lambda st: st != KVPoll.Bootstrapping, 60)
+    poll_until(senders, lambda st: st != KVPoll.Bootstrapping, 60)
 
     # SGLang's pieces as ModelRunner wires them (CPU): the request->token map, the paged
     # allocator over the pool, the attention backend reading both, one RadixAttention a layer
@@ -208,7 +208,7 @@ def stream_prefill(cfg: dict[str, Any], rank: int, conn: Any) -> None:
             if late is not None:  # the chunk's writes posted, then its layer parts come
                 wait_ops(start_ops + 1)
                 late[-1].set()
-            _poll_until({room: sender}, lambda st, last=last: not last or st in (
+            poll_until({room: sender}, lambda st, last=last: not last or st in (
                 KVPoll.Success, KVPoll.Failed), 60)
             time.sleep(0.2)
             after_send.append(ops_now() - start_ops - after_forward[-1])

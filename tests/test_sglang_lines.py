@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 import pytest
-from pdtool_cfg import recipe_args
+from helpers.pdtool_cfg import recipe_args
 
 from pdtool.checkpoints import local_path
 from pdtool.compose import load_config, recipe_files
@@ -224,7 +224,7 @@ def test_misspelt_flag_is_caught(server_parser) -> None:
 def test_fp8_moe_without_expert_parallelism_is_refused() -> None:
     """Qwen3-Coder-480B-FP8 at TP8: 2560/8 = 320 expert columns per GPU, not whole 128-column
     FP8 blocks; the recipe's ep=8 keeps experts whole."""
-    from pdtool_cfg import assert_error, findings_for, recipe
+    from helpers.pdtool_cfg import assert_error, findings_for, recipe
 
     assert findings_for(recipe("qwen3-coder-480b"), "decode.ep") == []
     f = assert_error(recipe("qwen3-coder-480b", "decode.ep=1"), "decode.ep", "320", "128")
@@ -237,7 +237,7 @@ def test_fp8_moe_without_expert_parallelism_is_refused() -> None:
 
 @pytest.mark.parametrize("dtype", ["fp16", "fp32"])
 def test_kv_dtype_sglang_has_not_is_refused(dtype: str) -> None:
-    from pdtool_cfg import assert_error, recipe
+    from helpers.pdtool_cfg import assert_error, recipe
 
     assert_error(recipe("llama-3.1-70b", f"prefill.kv_dtype={dtype}", f"decode.kv_dtype={dtype}"),
                  "decode.kv_dtype",
@@ -277,7 +277,7 @@ def test_packed_dp_attention_instances_never_share_a_port(tmp_path: Path) -> Non
 
 def test_port_overlap_with_a_derived_port_is_refused() -> None:
     """On one machine, decode's HTTP port on prefill's DP-attention dist-init port (+233)."""
-    from pdtool_cfg import assert_error, recipe
+    from helpers.pdtool_cfg import assert_error, recipe
 
     numa = "[" + ",".join(["0"] * 8 + ["1"] * 8) + "]"
     cfg = recipe("llama-3.1-70b", "launcher=local", "cluster.gpus_per_node=16",
@@ -288,7 +288,7 @@ def test_port_overlap_with_a_derived_port_is_refused() -> None:
 
 
 def test_transfer_backend_is_checked() -> None:
-    from pdtool_cfg import assert_error, recipe
+    from helpers.pdtool_cfg import assert_error, recipe
 
     assert_error(recipe("deepseek-r1", "transfer.backend=ucx"), "transfer.backend", "unknown")
     assert_error(recipe("tiny-local", "transfer.backend=nixl"), "transfer.backend",

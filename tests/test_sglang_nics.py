@@ -19,11 +19,10 @@ import os
 import socket
 from typing import Any
 
+import helpers.sglang_pair as tsb
 import pytest
 import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
-import test_sglang_backend as tsb
-from test_sglang_backend import LAYERS, N_AUX, check_bytes, ops, run_pair
-from test_sglang_staging import STAGED_ENV, plan_ops
+from helpers.sglang_pair import LAYERS, N_AUX, STAGED_ENV, check_bytes, ops, plan_ops, run_pair
 
 from transfer.sglang.conn import MAX_SLOTS
 from transfer.sglang.staging_plane import BOUNCE_BUFFERS

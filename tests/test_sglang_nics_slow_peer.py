@@ -26,21 +26,21 @@ from typing import Any
 import numpy as np
 import pytest
 import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
-from test_sglang_backend import (
+from helpers.sglang_pair import (
     AUX_ROWS,
     LAYERS,
     N_AUX,
     PAGE,
     SLOTS,
-    _free_port,
-    _poll_until,
-    _reason,
-    _setup,
-    _words,
     aux_row,
     expected_decode,
+    free_port,
     ops,
+    poll_until,
     rank_context,
+    reason_of,
+    setup_rank,
+    words,
 )
 
 from transfer.sglang.conn import MAX_SLOTS
@@ -60,7 +60,7 @@ def _prefill(cfg: dict[str, Any], conn: Any) -> None:
     from transfer.sglang.conn import PdtoolKVBootstrapServer, PdtoolKVManager, PdtoolKVSender
 
     server = PdtoolKVBootstrapServer("127.0.0.1", cfg["bootstrap_port"])
-    sa, args, _keep, _aux = _setup("prefill", cfg, 0)
+    sa, args, _keep, _aux = setup_rank("prefill", cfg, 0)
     mgr = PdtoolKVManager(args, DisaggregationMode.PREFILL, sa, cfg["mla"])
     conn.send("ready")
     senders: dict[int, Any] = {}
@@ -70,7 +70,7 @@ def _prefill(cfg: dict[str, Any], conn: Any) -> None:
         out: dict[int, Any] = {}
         for room, s in senders.items():
             st = int(s.poll())
-            out[room] = _reason(s) if st == FAILED else st
+            out[room] = reason_of(s) if st == FAILED else st
         return out
 
     while True:
@@ -79,7 +79,7 @@ def _prefill(cfg: dict[str, Any], conn: Any) -> None:
             rooms = cfg["groups"][cmd[1]]
             group = {r: PdtoolKVSender(mgr, f"127.0.0.1:{cfg['bootstrap_port']}", r)
                      for r in rooms}
-            _poll_until(group, lambda st: st != KVPoll.Bootstrapping, 120)
+            poll_until(group, lambda st: st != KVPoll.Bootstrapping, 120)
             senders.update(group)
             conn.send(states())
         elif cmd[0] == "send":  # chunked prefill of every room of the group
@@ -92,7 +92,7 @@ def _prefill(cfg: dict[str, Any], conn: Any) -> None:
             conn.send(states())
         elif cmd[0] == "finish":  # wait for the group's rooms, report every room's state
             group = {r: senders[r] for r in cfg["groups"][cmd[1]]}
-            _poll_until(group, lambda st: st in terminal, 240)
+            poll_until(group, lambda st: st in terminal, 240)
             conn.send((states(), mgr.stats()))
         else:
             break
@@ -110,7 +110,7 @@ def _decode(cfg: dict[str, Any], conn: Any) -> None:
 
     from transfer.sglang.conn import PdtoolKVManager, PdtoolKVReceiver
 
-    sa, args, (_pool, _meta, bufs), aux = _setup("decode", cfg, 0)
+    sa, args, (_pool, _meta, bufs), aux = setup_rank("decode", cfg, 0)
     args.gpu_id = cfg["gpu"]  # another GPU: another decode instance, not a restart of one
     mgr = PdtoolKVManager(args, DisaggregationMode.DECODE, sa, cfg["mla"])
     addr = f"127.0.0.1:{cfg['bootstrap_port']}"
@@ -125,14 +125,14 @@ def _decode(cfg: dict[str, Any], conn: Any) -> None:
         recv.send_metadata(np.asarray(req["dst_pages"], dtype=np.int32), req["dst_aux"])
         recvs[room] = recv
     conn.send("armed")
-    _poll_until(recvs, lambda st: st in (KVPoll.Success, KVPoll.Failed), 300)
+    poll_until(recvs, lambda st: st in (KVPoll.Success, KVPoll.Failed), 300)
     out = {}
     for room, r in recvs.items():  # the count first: failure_exception() clears the receiver
         count = int(mgr.ep.recv_counts[r.slot]) if r.slot is not None else 0
         state = int(r.poll())
         out[room] = {"state": state, "count": count,
-                     "error": _reason(r) if state == FAILED else None}
-    conn.send(("done", out, [_words(b).copy() for b in bufs],
+                     "error": reason_of(r) if state == FAILED else None}
+    conn.send(("done", out, [words(b).copy() for b in bufs],
                [(ctypes.string_at(p, n), ilen) for p, n, ilen in aux]))
     conn.recv()
     mgr.teardown()
@@ -165,7 +165,7 @@ def _rooms(first: int, n: int) -> dict[int, dict[str, Any]]:
 def test_a_frozen_decode_does_not_hold_up_another_decodes_transfers() -> None:
     rooms_a, rooms_b = _rooms(100, 48), _rooms(11, 4)
     base = {"mla": False, "heads": 2, "prefill_tp": 1, "decode_tp": 1,
-            "bootstrap_port": _free_port(), "http_port": _free_port(),
+            "bootstrap_port": free_port(), "http_port": free_port(),
             "env": {"PDTOOL_FI_PROVIDER": "tcp;ofi_rxm", "PDTOOL_SECRET": "t0p-secret-of-16+bytes",
                     # long enough that nothing fails on its timeout while A is frozen
                     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "600",

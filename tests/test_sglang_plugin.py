@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
-from pdtool_cfg import assert_error, compose, recipe
+from helpers.pdtool_cfg import assert_error, compose, recipe
 
 from pdtool.rules import validate
 

@@ -32,19 +32,19 @@ from typing import Any
 import numpy as np
 import pytest
 import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
-from test_sglang_backend import (
+from helpers.sglang_pair import (
     LAYERS,
     PAGE,
     SLOTS,
-    _free_port,
-    _poll_until,
-    _reason,
-    _setup,
-    _words,
     decode_rank,
     expected_decode,
+    free_port,
     ops,
+    poll_until,
     rank_context,
+    reason_of,
+    setup_rank,
+    words,
 )
 
 pytestmark = [pytest.mark.fabric, pytest.mark.sglang]
@@ -74,13 +74,13 @@ class ForwardEvent:
 
 def _pages(buf: Any) -> np.ndarray:
     """[pages, page, heads, dim] writable view of one prefill layer buffer."""
-    w = _words(buf)
+    w = words(buf)
     return w.reshape(SLOTS // PAGE, PAGE, *w.shape[1:])
 
 
 def _base_cfg(rooms: dict[int, Any], **extra: Any) -> dict[str, Any]:
     cfg = {"mla": False, "heads": 2, "prefill_tp": 1, "decode_tp": 1, "rooms": rooms,
-           "bootstrap_port": _free_port(), "http_port": _free_port(), **extra}
+           "bootstrap_port": free_port(), "http_port": free_port(), **extra}
     cfg["env"] = {"PDTOOL_FI_PROVIDER": cfg.get("provider", "shm"),
                   "PDTOOL_SECRET": "t0p-secret-of-16+bytes",
                   "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
@@ -97,7 +97,7 @@ def _prefill_start(cfg: dict[str, Any]) -> tuple[Any, Any, Any]:
     from transfer.sglang.conn import PdtoolKVBootstrapServer, PdtoolKVManager
 
     server = PdtoolKVBootstrapServer("127.0.0.1", cfg["bootstrap_port"])
-    sa, args, (_pool, _meta, bufs), _aux = _setup("prefill", cfg, 0)
+    sa, args, (_pool, _meta, bufs), _aux = setup_rank("prefill", cfg, 0)
     mgr = PdtoolKVManager(args, DisaggregationMode.PREFILL, sa, False)
     return server, mgr, bufs
 
@@ -109,7 +109,7 @@ def _senders(cfg: dict[str, Any], mgr: Any) -> dict[int, Any]:
 
     addr = f"127.0.0.1:{cfg['bootstrap_port']}"
     senders = {room: PdtoolKVSender(mgr, addr, room) for room in cfg["rooms"]}
-    _poll_until(senders, lambda st: st != KVPoll.Bootstrapping, 60)
+    poll_until(senders, lambda st: st != KVPoll.Bootstrapping, 60)
     return senders
 
 
@@ -151,7 +151,7 @@ def events_prefill(cfg: dict[str, Any], conn: Any) -> None:
     s.init(len(right), copied["aux_index"])
     s.send(ids, None, num_kv_tokens=len(right) * PAGE, indices_event=copy_done)
 
-    _poll_until(senders, lambda st: st in (KVPoll.Success, KVPoll.Failed), 60)
+    poll_until(senders, lambda st: st in (KVPoll.Success, KVPoll.Failed), 60)
     results = {room: int(x.poll()) for room, x in senders.items()}
     conn.send(("done", results, {"forward_waited": forward.waited,
                                  "copy_waited": copy_done.waited}))
@@ -283,11 +283,11 @@ def abort_prefill(cfg: dict[str, Any], conn: Any) -> None:
     s.send(src)
     assert reached.wait(60), "the writer never read the room's status"
     conn.send(("status-read",))  # the test has the decode abort now
-    _poll_until(senders, lambda st: st == KVPoll.Failed, 60)
+    poll_until(senders, lambda st: st == KVPoll.Failed, 60)
     deadline = time.time() + 60
     while mgr.plane.busy() and time.time() < deadline:
         time.sleep(0.01)  # the room's writes drained (or were dropped) and it was settled
-    conn.send(("settled", _reason(s), ops_at_ack, sum(mgr.plane.rail_ops), mgr.stats()))
+    conn.send(("settled", reason_of(s), ops_at_ack, sum(mgr.plane.rail_ops), mgr.stats()))
     conn.recv()
     mgr.teardown()
     del server
@@ -302,7 +302,7 @@ def abort_decode(cfg: dict[str, Any], rank: int, conn: Any) -> None:
 
     from transfer.sglang.conn import PdtoolKVManager, PdtoolKVReceiver
 
-    sa, args, (_pool, _meta, bufs), _aux = _setup("decode", cfg, rank)
+    sa, args, (_pool, _meta, bufs), _aux = setup_rank("decode", cfg, rank)
     mgr = PdtoolKVManager(args, DisaggregationMode.DECODE, sa, False)
     addr = f"127.0.0.1:{cfg['bootstrap_port']}"
     deadline = time.time() + 180
@@ -329,7 +329,7 @@ def abort_decode(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     while int(mgr.ep.remote_writes) == at_release and time.time() < deadline:
         time.sleep(0.01)
     conn.send(("after", at_release, int(mgr.ep.remote_writes),
-               any(_words(b).any() for b in bufs)))
+               any(words(b).any() for b in bufs)))
     conn.recv()
     recv.clear()
     mgr.teardown()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from sglang_servers import Served, transformers_tokens
+from helpers.sglang_servers import Served, transformers_tokens
 
 pytestmark = pytest.mark.sglang_servers
 

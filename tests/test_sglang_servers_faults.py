@@ -28,8 +28,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from hf_checkpoints import greedy
-from sglang_servers import MAX_NEW, PROMPTS, Served, tokenize
+from helpers.hf_checkpoints import greedy
+from helpers.sglang_servers import MAX_NEW, PROMPTS, Served, tokenize
 
 from pdtool.checkpoints import ensure
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hf_checkpoints import greedy
-from sglang_servers import MAX_NEW, PROMPTS, Served, tokenize
+from helpers.hf_checkpoints import greedy
+from helpers.sglang_servers import MAX_NEW, PROMPTS, Served, tokenize
 
 from pdtool.checkpoints import ensure
 

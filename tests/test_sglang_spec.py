@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
 import torch
-from pdtool_cfg import assert_error, recipe
-from test_geometry import sglang_backend_writes
-from test_sglang_backend import (
+from helpers.pdtool_cfg import assert_error, recipe
+from helpers.sglang_kvargs import sglang_backend_writes
+from helpers.sglang_pair import (
     AUX_ROWS,
     KV_LORA,
     LAYERS,
@@ -376,12 +376,12 @@ def start_manager(cfg: dict, rank: int, conn) -> None:
     import os
 
     os.environ.update(cfg["env"])
+    from helpers.sglang_pair import setup_rank
     from sglang.srt.disaggregation.utils import DisaggregationMode
-    from test_sglang_backend import _setup
 
     from transfer.sglang.conn import PdtoolBackendError, PdtoolKVManager
 
-    sa, args, _keep, _aux = _setup("prefill", cfg, rank)
+    sa, args, _keep, _aux = setup_rank("prefill", cfg, rank)
     try:
         PdtoolKVManager(args, DisaggregationMode.PREFILL, sa, cfg["mla"]).teardown()
         conn.send("started")
@@ -397,10 +397,10 @@ def test_backend_refuses_a_draft_pool_the_plan_did_not_count() -> None:
     the rank stops at start-up naming both, instead of serving counts the plan misprinted."""
     import multiprocessing as mp
 
-    from test_sglang_backend import _free_port
+    from helpers.sglang_pair import free_port
 
-    cfg = {"mla": False, "heads": 2, "prefill_tp": 1, "bootstrap_port": _free_port(),
-           "http_port": _free_port(), "draft": {"mla": False, "layers": 1, "heads": 2,
+    cfg = {"mla": False, "heads": 2, "prefill_tp": 1, "bootstrap_port": free_port(),
+           "http_port": free_port(), "draft": {"mla": False, "layers": 1, "heads": 2,
                                                  "head_dim": 8},
            "env": {"PDTOOL_FI_PROVIDER": "shm", "PDTOOL_SECRET": "t0p-secret-of-16+bytes",
                    "PDTOOL_DRAFT_LAYERS": "2"}}

@@ -15,9 +15,10 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import helpers.sglang_pair as B
 import pytest
 import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
-import test_sglang_backend as B
+from helpers.sglang_pair import STAGED_ENV, plan_ops
 
 from transfer import geometry as G
 from transfer import workerenv
@@ -82,7 +83,7 @@ def staged_prefill(cfg: dict[str, Any], rank: int, conn: Any) -> None:
 
     server = PdtoolKVBootstrapServer("127.0.0.1", cfg["bootstrap_port"]) if rank == 0 else None
     _wait_for_port(cfg["bootstrap_port"])  # SGLang's registration gives up after 5 tries
-    sa, args, _keep, _aux = B._setup("prefill", cfg, rank)
+    sa, args, _keep, _aux = B.setup_rank("prefill", cfg, rank)
     mgr = PdtoolKVManager(args, DisaggregationMode.PREFILL, sa, cfg["mla"])
     conn.send("ready")
     senders = {room: PdtoolKVSender(mgr, f"127.0.0.1:{cfg['bootstrap_port']}", room)
@@ -100,7 +101,7 @@ def staged_prefill(cfg: dict[str, Any], rank: int, conn: Any) -> None:
                     sender.send(src[lo: lo + req["chunk"]])
                 waiting.discard(room)
             elif st in (KVPoll.Success, KVPoll.Failed) and room not in waiting:
-                results[room] = st if st == KVPoll.Success else B._reason(sender)
+                results[room] = st if st == KVPoll.Success else B.reason_of(sender)
         time.sleep(0.005)
     conn.send(("done", results, mgr.ep.remote_writes, mgr.stats()))
     conn.recv()
@@ -135,13 +136,6 @@ def run(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]], list
     return res, dec_stats, [p[3] for p in res["prefill"]]
 
 
-def plan_ops(cfg: dict[str, Any], rank: int, pages: int, per_op: int = B.PER_OP) -> int:
-    """What the geometry owner (and so `pdtool plan`) counts for this decode rank."""
-    return G.sglang_decode_writes(
-        is_mla=cfg["mla"], total_heads=cfg["heads"], prefill_tp=cfg["prefill_tp"],
-        decode_tp=cfg["decode_tp"], decode_rank=rank, page_size=B.PAGE, num_pages=pages,
-        num_buffers=(1 if cfg["mla"] else 2) * B.LAYERS, num_aux=B.N_AUX,
-        writes_per_op=per_op)
 
 
 def per_token_writes(cfg: dict[str, Any], rank: int, pages: int) -> int:
@@ -208,7 +202,6 @@ def test_gqa_tp2_to_tp1_reassembles_the_page_in_landing(provider: str) -> None:
 
 
 # --------------------------------------------------------------------------- staged path
-STAGED_ENV = {workerenv.GPU_MEMORY.name: "staged"}
 # bounce buffers of one operation each (4 pages x 128 B): many pieces through 8 buffers (a
 # peer may hold 4);
 # a landing area of 42 units of 128 B: room 11 (7 pages x 6 buffers) fills it, so room 12

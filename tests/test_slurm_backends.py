@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from pdtool_cfg import recipe
+from helpers.pdtool_cfg import recipe
 
 from pdtool.launch.backends import backend_env
 from pdtool.launch.shell import resolve

@@ -152,11 +152,11 @@ GPU_SITE = [
 def test_each_step_sees_its_gpus_and_cpus(slurm, tmp_path: Path) -> None:
     """From inside every step: the job's GPUs of its node (Slurm's GRES environment), and a CPU
     mask equal to the CPUs the plan gave its ranks (task/affinity applied --cpu-bind)."""
-    from slurm_cluster import GPUS_PER_NODE, NODE_MEMORY_MB
+    from helpers.slurm_cluster import GPUS_PER_NODE, NODE_MEMORY_MB
 
     out, probes = tmp_path / "job", tmp_path / "probes"
     probes.mkdir()
-    probe = Path(__file__).parent / "step_probe.py"
+    probe = Path(__file__).parent / "helpers" / "step_probe.py"
     res = subprocess.run(
         [sys.executable, "-m", "pdtool.cli", "launch", *GPU_SITE, f"engine.python={probe}",
          f"+launcher.env.all.STEP_PROBE_DIR={probes}", "launcher.job_name=pdtool-gpus",

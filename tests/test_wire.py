@@ -27,8 +27,8 @@ def _pair() -> tuple[Envelope, Envelope]:
 
 
 def _hello(env: Envelope) -> list[bytes]:
-    from test_control import _hello_body
-    return env.seal("HELLO", _hello_body(), b"")
+    from helpers.wire_bodies import hello_body
+    return env.seal("HELLO", hello_body(), b"")
 
 
 def test_version_history_names_every_version_up_to_this_one():

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from pdtool_cfg import compose
+from helpers.pdtool_cfg import compose
 
 from pdtool.plan import build_plan, to_json
 from pdtool.worker import gpu_memory_choice, kv_in_gpu_memory, parse_args, resolve

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from pdtool_cfg import recipe
+from helpers.pdtool_cfg import recipe
 
 from pdtool.plan import build_plan, to_json
 from pdtool.worker import parse_args, resolve, worker_env

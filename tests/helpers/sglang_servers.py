@@ -136,8 +136,7 @@ class Served:
 def transformers_tokens(builtin: str = "builtin:tiny-llama") -> dict[tuple[int, ...], list[int]]:
     """Each prompt (PROMPTS and the tokenized TEXT) -> transformers' greedy tokens on the
     builtin checkpoint: what every deployment of it must produce."""
-    from hf_checkpoints import greedy
-
+    from helpers.hf_checkpoints import greedy
     from pdtool.checkpoints import ensure
 
     folder = Path(ensure(builtin))

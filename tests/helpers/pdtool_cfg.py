@@ -27,7 +27,7 @@ def _tiny_checkpoint() -> str:
     import tempfile
     from pathlib import Path
 
-    from hf_checkpoints import make_checkpoint
+    from helpers.hf_checkpoints import make_checkpoint
 
     return str(make_checkpoint(Path(tempfile.mkdtemp(prefix="pdtool-ckpt-")) / "qwen3", "qwen3"))
 
