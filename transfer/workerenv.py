@@ -40,6 +40,7 @@ This module is in `transfer/` because the SGLang backend and the messenger read 
                               hand-run SGLang workers); never set by pdtool
     PDTOOL_CONTROL_FAULTS     drop/delay outgoing control messages (transfer.wire, tests)
     PDTOOL_REFERENCE_ALLOW_FAULTS  "1": the reference engine honours test fault hooks
+    PDTOOL_REFERENCE_CORRUPT_PAGE  "LAYER,INDEX": with them, damage that page of every request
     PDTOOL_HOPS               file the TTFT hop profiler's hooks append timestamps to (bench)
 """
 
@@ -150,6 +151,11 @@ CONTROL_FAULTS = Var("PDTOOL_CONTROL_FAULTS", "tests (transfer.testing.loopback)
 REFERENCE_ALLOW_FAULTS = Var("PDTOOL_REFERENCE_ALLOW_FAULTS", "tests (launcher.env.decode.*)",
                              "reference engine",
                              '"1": the reference engine honours the fault hooks of its tests')
+REFERENCE_CORRUPT_PAGE = Var("PDTOOL_REFERENCE_CORRUPT_PAGE", "tests (launcher.env.decode.*)",
+                             "reference engine",
+                             '"LAYER,INDEX": with PDTOOL_REFERENCE_ALLOW_FAULTS=1, a decode rank '
+                             "damages that received page of every request (what `pdtool bench "
+                             "--verify` must catch)")
 
 HOPS = Var("PDTOOL_HOPS", "bench/ttft_hops.py", "bench/hops/sitecustomize.py",
            "file every deployment process appends its request hop timestamps to, when set "
@@ -159,7 +165,7 @@ VARIABLES: tuple[Var, ...] = (
     RUN_DIR, PYTHON, SECRET_FILE, HOSTS, PREFLIGHT, EXIT_WHEN_HEALTHY,
     PLAN, ROLE, INSTANCE, RANK, NODE_RANK,
     FI_PROVIDER, FI_DOMAIN, NICS, GPU_MEMORY, DRAFT_LAYERS, LAYER_STREAM,
-    SECRET, CONTROL_FAULTS, REFERENCE_ALLOW_FAULTS, HOPS,
+    SECRET, CONTROL_FAULTS, REFERENCE_ALLOW_FAULTS, REFERENCE_CORRUPT_PAGE, HOPS,
 )
 BY_NAME: dict[str, Var] = {v.name: v for v in VARIABLES}
 

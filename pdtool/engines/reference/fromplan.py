@@ -22,10 +22,10 @@ from transfer import workerenv
 
 from .spec import LinkSpec, RankSpec
 
-ALLOW_FAULTS_ENV = "PDTOOL_REFERENCE_ALLOW_FAULTS"
+ALLOW_FAULTS_ENV = workerenv.REFERENCE_ALLOW_FAULTS.name
 #: test hook beside it: "LAYER,INDEX" damages that received page of every request a decode
 #: rank takes (`engine.Faults.page`), as a faulty NIC would: what `pdtool bench --verify` catches
-CORRUPT_PAGE_ENV = "PDTOOL_REFERENCE_CORRUPT_PAGE"
+CORRUPT_PAGE_ENV = workerenv.REFERENCE_CORRUPT_PAGE.name
 
 
 def _corrupt_page() -> list[int] | None:
