@@ -325,8 +325,13 @@ def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
     if args.jsonl:
         append_jsonl(args.jsonl, plain, results, source)
     multi = len(results) > 1
+    title = (f"pdtool bench: {cfg.recipe or 'default'} ({cfg.model.name}), isl {settings['isl']}, "
+             f"osl {settings['osl']}, {args.requests} requests per load, "
+             f"{source['date'][:16].replace('T', ' ')}" +
+             (" (interrupted)" if settings.get("interrupted") else ""))
     png = plot(out / "latency.png", [(f"{r['target']} {r['label']}" if multi else r["target"],
-                                      r["records"], r["summary"]) for r in results])
+                                      r["records"], r["summary"]) for r in results],
+               title=title, slo=settings["slo"])
     con.print(f"wrote {out / 'results.json'} and {png}")
     return {"settings": plain, "runs": [{"target": r["target"], "pace": r["pace"],
                                          "summary": r["summary"]} for r in results]}
