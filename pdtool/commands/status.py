@@ -35,8 +35,12 @@ def describe(rec: Record) -> dict:
     procs = []
     for p in rec.procs:
         alive = pid_alive(p.pid)
-        health = ("ok" if not (why := check(p.health, timeout=2.0)) else why) \
-            if alive and p.health else ("" if alive else "exited")
+        if not alive:
+            health = "exited"
+        elif p.health:
+            health = check(p.health, timeout=2.0) or "ok"  # '' when it answers ready
+        else:
+            health = ""
         procs.append({"name": p.name, "role": p.role, "pid": p.pid, "alive": alive,
                       "health": health, "log": p.log})
     return {"job": rec.run_dir, "supervisor_pid": rec.supervisor_pid, "state": rec.state,
