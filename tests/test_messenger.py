@@ -178,7 +178,9 @@ def test_shm_decoders_sleep_until_the_prefill_kicks_them(provider):
         assert min(kicks) > 0, kicks  # both ranks send (TP2 -> TP1: each its heads)
         assert dec["stats"]["fd_wakes"] == 0  # shm's CQ has no wait fd
     else:
+        # tcp: no kicks; the decoder's sleeps wait on its CQ's wait fd (arriving bytes) and its
+        # command pipe instead. Whether one of them was ended early depends on how busy the
+        # machine is (a loaded box may never let the thread sleep): the fd wake-ups themselves
+        # are shown deterministically in tests/test_fabric.py
+        # (test_tcp_idle_sleeps_wait_on_the_cq_fd_and_a_wake_pipe)
         assert dec["stats"]["kick_sleep_s"] == 0 and kicks == [0, 0]
-        # tcp: the decoder's sleeps wait on its CQ's wait fd (arriving bytes) and its command
-        # pipe (the submits), and those ended some of them
-        assert dec["stats"]["fd_wakes"] > 0
