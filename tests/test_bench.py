@@ -137,6 +137,26 @@ def test_ratio_advice_balances_request_rates():
     assert stage_rates([rec(0.0, [], error="x")], 1, 1) is None
 
 
+def test_ratio_spread_says_how_far_the_advice_moves_within_a_run():
+    from pdtool.bench.stats import SPREAD_MIN_REQUESTS, SPREAD_SLICES, ratio_spread
+
+    def run(prefill_s: list[float]) -> list[Record]:
+        # one request after another: its prefill, then 10 tokens 0.1 s apart
+        return [rec(3.0 * i, [3.0 * i + p + 0.1 * k for k in range(10)], inp=500)
+                for i, p in enumerate(prefill_s)]
+
+    n = SPREAD_SLICES * SPREAD_MIN_REQUESTS
+    # the same requests throughout: every slice gives the whole run's ratio
+    same = run([0.5] * n)
+    whole = ratio_advice(stage_rates(same, 1, 1), 1).decode_per_prefill
+    assert ratio_spread(same, 1, 1) == pytest.approx((whole, whole))
+    # prefill twice as slow in the last quarter: one prefill instance feeds half as many
+    # decode instances there
+    lo, hi = ratio_spread(run([0.5] * (n - n // 4) + [1.0] * (n // 4)), 1, 1)
+    assert (lo, hi) == pytest.approx((whole / 2, whole))
+    assert ratio_spread(same[:n - 1], 1, 1) is None  # a slice short of its minimum
+
+
 def test_lengths_parse_draw_and_prompts():
     assert parse_lengths("64", "--isl") == Lengths(64, 64)
     assert parse_lengths("32-2000", "--isl") == Lengths(32, 2000)

@@ -14,7 +14,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pdtool.bench.stats import PERCENTILES, Rates, RatioAdvice
+from pdtool.bench.stats import (
+    PERCENTILES,
+    SPREAD_MIN_REQUESTS,
+    SPREAD_SLICES,
+    Rates,
+    RatioAdvice,
+)
 
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 THROUGHPUTS = (("request_throughput", "requests/s"), ("input_throughput", "input tokens/s"),
@@ -107,10 +113,16 @@ def added_text(names: list[str], added: dict) -> str:
 
 
 def advice_text(rates: Rates, advice: RatioAdvice, current: int) -> str:
+    if advice.spread is None:
+        steady = (f"too few requests to say how steady it is: each of {SPREAD_SLICES} slices "
+                  f"of the run needs {SPREAD_MIN_REQUESTS}; measure more before sizing on it")
+    else:
+        lo, hi = advice.spread
+        steady = f"1:{lo:.2f} to 1:{hi:.2f} over {SPREAD_SLICES} slices of the run"
     return (f"measured per instance: prefill {rates.prefill_tokens_s:,.0f} input tokens/s, "
             f"decode {rates.decode_tokens_s:,.0f} output tokens/s at mean lengths "
             f"{rates.mean_input:.0f} in / {rates.mean_output + 1:.0f} out.\n"
-            f"balanced prefill:decode = 1:{advice.decode_per_prefill:.2f}; for "
+            f"balanced prefill:decode = 1:{advice.decode_per_prefill:.2f} ({steady}); for "
             f"{advice.prefill_instances} prefill instance(s): {advice.decode_instances} decode "
             f"(now {current}) -> override: {advice.override}")
 

@@ -242,6 +242,33 @@ class RatioAdvice:
     prefill_instances: int
     decode_instances: int  # for the configured prefill instances, at least 1
     override: str
+    # lowest and highest decode_per_prefill over consecutive slices of the run (ratio_spread);
+    # None: too few requests to say
+    spread: tuple[float, float] | None = None
+
+
+#: slices of a run the advice is recomputed on, and the usable requests each needs
+SPREAD_SLICES, SPREAD_MIN_REQUESTS = 4, 8
+
+
+def ratio_spread(records: Sequence[Record], prefill_instances: int,
+                 decode_instances: int) -> tuple[float, float] | None:
+    """How far the advice moves within one run: decode_per_prefill recomputed on each of
+    SPREAD_SLICES consecutive slices of the requests (in send order), lowest and highest. A
+    run of a few requests gives advice that flips from one run to the next; this says by how
+    much before anyone sizes a cluster on it. None with fewer than SPREAD_MIN_REQUESTS usable
+    requests per slice."""
+    ok = sorted((r for r in records if r.ok and r.output_tokens > 1), key=lambda r: r.start)
+    size = len(ok) // SPREAD_SLICES
+    if size < SPREAD_MIN_REQUESTS:
+        return None
+    ratios = []
+    for k in range(SPREAD_SLICES):
+        rates = stage_rates(ok[k * size:(k + 1) * size], prefill_instances, decode_instances)
+        if rates is None:
+            return None
+        ratios.append(ratio_advice(rates, prefill_instances).decode_per_prefill)
+    return min(ratios), max(ratios)
 
 
 def ratio_advice(rates: Rates, prefill_instances: int) -> RatioAdvice:

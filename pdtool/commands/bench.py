@@ -269,6 +269,8 @@ def target_gpus(cfg: Any, overrides: list[str],
 
 def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
            con: Any) -> dict:
+    from dataclasses import replace
+
     from pdtool.bench.plot import plot
     from pdtool.bench.report import (
         added_text,
@@ -279,7 +281,14 @@ def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
         table,
         write_json,
     )
-    from pdtool.bench.stats import per_gpu, ratio_advice, stage_rates, summarize, ttft_added
+    from pdtool.bench.stats import (
+        per_gpu,
+        ratio_advice,
+        ratio_spread,
+        stage_rates,
+        summarize,
+        ttft_added,
+    )
 
     modes = target_modes(cfg, settings["compare"])
     gpus = target_gpus(cfg, list(args.overrides), settings["compare"])
@@ -291,7 +300,9 @@ def report(results: list[dict], cfg: Any, settings: dict, args: Any, out: Path,
         rates = (stage_rates(res["records"], cfg.prefill.instances, cfg.decode.instances)
                  if modes[res["target"]] == "disaggregated" else None)
         res["rates"] = rates
-        res["advice"] = ratio_advice(rates, cfg.prefill.instances) if rates else None
+        res["advice"] = replace(ratio_advice(rates, cfg.prefill.instances),
+                                spread=ratio_spread(res["records"], cfg.prefill.instances,
+                                                    cfg.decode.instances)) if rates else None
     by_pace: dict[str, dict[str, dict]] = {}
     for res in results:
         by_pace.setdefault(res["pace"], {})[res["target"]] = res
