@@ -1,9 +1,10 @@
-"""Every config key with its type, default and one line of meaning, read from the schema.
+"""Every config key with its type and one line of meaning, read from the schema.
 
-The schema's dataclasses (`pdtool.schema`) are the one home of the keys: their types and
-defaults are the fields', and the meaning of a key is the comment written beside its field (or
-just above it). `pdtool config --keys` prints them; validate's "did you mean" uses the same
-schema, so what is listed here is exactly what composes.
+The schema's dataclasses (`pdtool.schema`) are the one home of the keys: their types are the
+fields' (their values come from the config groups, so `pdtool config --keys` shows the
+resolved value instead of a schema default), and the meaning of a key is the comment written
+beside its field (or just above it). validate's "did you mean" uses the same schema, so what
+is listed here is exactly what composes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import inspect
 import io
 import tokenize
+import types
 import typing
 from dataclasses import dataclass
 from functools import cache
@@ -23,7 +25,6 @@ from pdtool.schema import Config
 class KeyDoc:
     key: str
     type: str
-    default: str
     meaning: str
 
 
@@ -33,7 +34,7 @@ def _type_name(hint: typing.Any) -> str:
     if typing.get_origin(hint) is dict:
         k, v = typing.get_args(hint)
         return f"dict[{_type_name(k)}, {_type_name(v)}]"
-    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(hint))
     return getattr(hint, "__name__", str(hint))
 
@@ -89,22 +90,6 @@ def _first_sentence(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _default(f: dataclasses.Field) -> str:
-    if f.default is not dataclasses.MISSING:
-        value = f.default
-    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        value = f.default_factory()  # type: ignore[misc]
-        if dataclasses.is_dataclass(value):
-            return ""
-    else:
-        return ""
-    if value == "???":  # MISSING: a config group sets it
-        return ""
-    if isinstance(value, bool):
-        return str(value).lower()
-    return repr(value) if isinstance(value, str) else str(value)
-
-
 def schema_keys(cls: type = Config, prefix: str = "") -> list[KeyDoc]:
     """Every leaf key under `cls` (the whole config by default), in schema order. A list of
     dataclasses (cluster.nics) lists its items' keys as `cluster.nics[].name`."""
@@ -118,8 +103,7 @@ def schema_keys(cls: type = Config, prefix: str = "") -> list[KeyDoc]:
             out += schema_keys(hint, f"{key}.")
             continue
         item = typing.get_args(hint)[0] if typing.get_origin(hint) is list else None
-        out.append(KeyDoc(key, _type_name(hint), _default(f),
-                          _first_sentence(meanings.get(f.name, ""))))
+        out.append(KeyDoc(key, _type_name(hint), _first_sentence(meanings.get(f.name, ""))))
         if isinstance(item, type) and dataclasses.is_dataclass(item):
             out += schema_keys(item, f"{key}[].")
     return out
