@@ -91,6 +91,7 @@ def script_text(cfg: Any, plan: Any, spec: LaunchSpec, run_dir: Path) -> str:
         "router_url": spec.router_url,
         "health_timeout": lc.health_timeout_s,
         "watchdog_s": lc.watchdog_s,
+        "probe_timeout_s": lc.probe_timeout_s,
         "benchmark": benchmark_argv(cfg, spec),
         "groups": spec.groups(),
         # --smoke and benchmarks run through the supervisor with restarts off

@@ -223,6 +223,10 @@ class LauncherConfig:
     # once ready, every instance and the router are probed this often; 3 misses in a row
     # (a hung engine) are a failure of its instance, naming it: see `restart` (0: off)
     watchdog_s: float = 10.0
+    # a watchdog probe (and sglang-router's check of its workers) unanswered this long is a
+    # miss (SGLang's /health is made to answer without queueing behind a long prompt:
+    # pdtool.launch.backends.LIVENESS)
+    probe_timeout_s: float = 5.0
     # Slurm: `pdtool bench` arguments (e.g. [--concurrency, "1,4", --requests, "64"]) run
     # inside the job once the deployment is healthy, against its router; results.json and
     # latency.png land in logs/<jobid>/bench/ and the job then ends with the benchmark's
@@ -259,6 +263,9 @@ class RouterConfig:
 
     port: int = 8000  # the router's (OpenAI front's) HTTP port
     policy: str = "round_robin"  # sglang-router --policy; the reference front: round_robin only
+    # a request still unanswered this long is cut with an error (sglang-router
+    # --request-timeout-secs, whose default this is; the reference front's limit too)
+    request_timeout_s: float = 1800.0
 
 
 @dataclass

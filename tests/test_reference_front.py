@@ -6,6 +6,8 @@ deployment in test_reference_serve.py.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from pdtool.engines.reference.front import BadRequest, parse_request
@@ -70,26 +72,22 @@ def test_wire_needs_a_hello_and_names_the_version_of_an_old_front():
         w.envelope.open([old, hmac.new(b"k" * 32, old, hashlib.sha256).digest()])
 
 
-def test_a_dead_dispatcher_shows_in_health_and_fails_requests():
-    """Should the dispatcher thread ever die, the front says so instead of hanging: /health
-    answers 503 with the reason, waiting and new requests fail with it, and `dead` is set
-    (serve_front then exits non-zero, and the launcher stops the deployment)."""
-    import json
+@contextlib.contextmanager
+def _front_over_a_decoder_that_never_generates(secret: bytes, **front_args):
+    """A started Front over one decode endpoint that answers HELLO and PINGs the way
+    serve._take_requests does (so it stays up) and never answers a GEN."""
     import threading
     import time
-    import urllib.error
-    import urllib.request
 
     import zmq
 
-    from pdtool.engines.reference.front import Front, Unavailable
+    from pdtool.engines.reference.front import Front
     from pdtool.engines.reference.wire import router
 
-    secret = b"k" * 32
     sock = router(zmq.Context.instance(), "127.0.0.1", 0)
     stop = threading.Event()
 
-    def decoder() -> None:  # answers HELLO and PINGs the way serve._take_requests does
+    def decoder() -> None:
         wire = Wire(secret, role="decode")
         while not stop.is_set():
             if sock.poll(50):
@@ -105,13 +103,34 @@ def test_a_dead_dispatcher_shows_in_health_and_fails_requests():
 
     thread = threading.Thread(target=decoder, daemon=True)
     thread.start()
-    front = Front([sock.getsockopt_string(zmq.LAST_ENDPOINT)], secret, port=0)
+    front = Front([sock.getsockopt_string(zmq.LAST_ENDPOINT)], secret, port=0, **front_args)
     front.start()
     try:
         deadline = time.monotonic() + 30
         while not front.ready:
             assert time.monotonic() < deadline, "the decoder's PONG never arrived"
             time.sleep(0.05)
+        yield front
+    finally:
+        t0 = time.monotonic()
+        front.stop()
+        stop.set()
+        thread.join(5)
+        sock.close(0)
+        assert time.monotonic() - t0 < 30
+
+
+def test_a_dead_dispatcher_shows_in_health_and_fails_requests():
+    """Should the dispatcher thread ever die, the front says so instead of hanging: /health
+    answers 503 with the reason, waiting and new requests fail with it, and `dead` is set
+    (serve_front then exits non-zero, and the launcher stops the deployment)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from pdtool.engines.reference.front import Unavailable
+
+    with _front_over_a_decoder_that_never_generates(b"k" * 32) as front:
         rid, pending = front.submit([1, 2, 3], 4)
         with front._lock:  # an item the dispatcher cannot unpack: it raises
             front._push.send_pyobj("not a request")
@@ -126,13 +145,26 @@ def test_a_dead_dispatcher_shows_in_health_and_fails_requests():
         assert err.value.code == 503 and health["status"] == "unhealthy"
         assert "dispatcher thread died" in health["reason"]
         front.finish(rid)
-    finally:
-        t0 = time.monotonic()
-        front.stop()
-        stop.set()
-        thread.join(5)
-        sock.close(0)
-        assert time.monotonic() - t0 < 30
+
+
+def test_a_request_unanswered_for_router_request_timeout_s_fails_naming_the_key():
+    """router.request_timeout_s is the front's limit on one request (the plan carries it to
+    the front's RankSpec): a live decode instance that never answers a request gets it cut
+    with 504, naming the key, instead of the client waiting on its own timer."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    with _front_over_a_decoder_that_never_generates(b"k" * 32,
+                                                    request_timeout_s=1.0) as front:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{front.port}/v1/completions",
+            data=json.dumps({"prompt": "hello", "max_tokens": 2}).encode(),
+            headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=60)
+        assert err.value.code == 504
+        assert "router.request_timeout_s" in json.loads(err.value.read())["error"]["message"]
 
 
 def test_streamed_text_equals_the_whole_text_for_any_split(tmp_path):

@@ -35,7 +35,8 @@ def _ctx(plan, role: str, index: int = 0, rank: int = 0):
 
 
 def test_tiny_local_specs_pair_decoders_with_the_prefill(secret):
-    plan = build_plan(recipe("tiny-local", "prefill.tp=2", "model=tiny-mla"))
+    plan = build_plan(recipe("tiny-local", "prefill.tp=2", "model=tiny-mla",
+                             "router.request_timeout_s=90"))
     p1 = spec_from_context(_ctx(plan, "prefill", 0, 1))
     assert (p1.role, p1.tp, p1.rank, p1.page_size, p1.chunk) == ("prefill", 2, 1, 4, 16)
     assert p1.dist_port == plan.role_instances("prefill")[0].dist_init_port
@@ -52,6 +53,7 @@ def test_tiny_local_specs_pair_decoders_with_the_prefill(secret):
     assert p1.link.control_port == 0
     front = spec_from_context(_ctx(plan, "router"))
     assert front.role == "front" and front.http_port == plan.router.port and front.link is None
+    assert front.request_timeout_s == 90
     assert front.decoders == [f"http://127.0.0.1:{i.http_port}/health"
                               for i in plan.role_instances("decode")]
 

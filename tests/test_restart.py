@@ -239,7 +239,8 @@ def test_a_dead_and_a_hung_instance_are_restarted(how: str, tmp_path: Path) -> N
 
     base = free_port_run(60)
     keys = ("launcher.restart=on-failure", "launcher.restart_backoff_s=0.2",
-            "launcher.watchdog_s=1", "launcher.stop_grace_s=2")
+            "launcher.watchdog_s=1", "launcher.probe_timeout_s=1",
+            "launcher.stop_grace_s=2")
     run = STARTERS[how](base, tmp_path / "job", *keys)
     try:
         run.wait_for("deployment ready")

@@ -181,8 +181,11 @@ def test_router_line_parses(recipe, router_parser, tmp_path: Path) -> None:
     # its Prometheus exporter beside its port; its workers probed as the watchdog probes
     assert (a.prometheus_port, a.prometheus_host) == (plan.router.port + 1,
                                                       hosts[f"HOSTS[{plan.router.node}]"])
-    assert (a.health_check_interval_secs, a.health_failure_threshold) == (
-        math.ceil(_cfg.launcher.watchdog_s), WATCHDOG_MISSES)
+    assert (a.health_check_interval_secs, a.health_failure_threshold,
+            a.health_check_timeout_secs) == (math.ceil(_cfg.launcher.watchdog_s),
+                                             WATCHDOG_MISSES,
+                                             math.ceil(_cfg.launcher.probe_timeout_s))
+    assert a.request_timeout_secs == math.ceil(_cfg.router.request_timeout_s)
 
 
 @pytest.mark.parametrize("recipe", SGLANG_RECIPES)

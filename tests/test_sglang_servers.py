@@ -44,9 +44,18 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, ...], li
     return out
 
 
+#: a watchdog (and router health checks) far stricter than the default 10 s: three probes
+#: missed in a row, WATCHDOG_S apart, restart an instance
+WATCHDOG_S = 3
+#: a forward pass of the slowed prefill: three missed probes (WATCHDOG_S apart, each given
+#: WATCHDOG_S) fit in it
+FORWARD_S = 20
+
+
 @pytest.fixture(scope="module")
 def pd_shm(tmp_path_factory: pytest.TempPathFactory):
-    served = Served(tmp_path_factory.mktemp("pd-shm")).start()
+    served = Served(tmp_path_factory.mktemp("pd-shm"), f"launcher.watchdog_s={WATCHDOG_S}",
+                    f"launcher.probe_timeout_s={WATCHDOG_S}").start()
     yield served
     served.stop()
 
@@ -114,3 +123,51 @@ def test_pdtool_bench_against_the_router(pd_shm: Served, tmp_path: Path) -> None
     assert run["summary"]["completed"] == 6
     assert [r["input_tokens"] for r in run["records"]] == [40] * 6
     assert run["summary"]["output_tokens"] == 6 * 4
+
+
+def _post(url: str, body: dict) -> None:
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60):
+        pass
+
+
+def test_a_busy_prefill_is_not_taken_for_a_hung_one(pd_shm: Served) -> None:
+    """SGLang's /health runs a one-token generation; a busy scheduler acknowledges it after
+    its current forward pass, so a probe waits up to a whole forward pass (and up to 1 s
+    more). A forward pass longer than launcher.probe_timeout_s (a long chunk of a long
+    context on a large model) made the watchdog's probes, and the router's, miss and restart
+    a busy, healthy server. Here SGLang's own /slow_down makes each of the prefill's forward
+    passes last FORWARD_S, longer than three missed probes, over a prompt of two chunks:
+    /health answers without queueing behind it (pdtool.launch.backends.LIVENESS), nothing is
+    restarted, and the request's tokens are transformers'."""
+    import re
+    import threading
+
+    from pdtool.launch.health import check
+
+    urls = dict(re.findall(r"healthy: (\S+)\.n0 \((http://[^/]+)/health\)",
+                           pd_shm.output()))
+    prefill = urls["prefill-0"]
+    prompt = [(13 * i) % 300 + 3 for i in range(40)]  # 2 chunks of chunked_prefill_size 32
+    got: list[list[int]] = []
+    _post(f"{prefill}/slow_down", {"forward_sleep_time": FORWARD_S})
+    try:
+        worker = threading.Thread(target=lambda: got.append(pd_shm.generate(prompt, 4,
+                                                                            timeout=300)))
+        worker.start()
+        answers = []
+        while worker.is_alive():
+            answers.append(check(f"{prefill}/health", timeout=WATCHDOG_S))
+            worker.join(1)
+    finally:
+        _post(f"{prefill}/slow_down", {"forward_sleep_time": None})
+    print(f"{len(answers)} probes of the busy prefill's /health, "
+          f"{sum(not a for a in answers)} answered")
+    assert got == [greedy(Path(ensure("builtin:tiny-llama")), prompt, 4)]
+    assert len(answers) >= 2 * FORWARD_S // (WATCHDOG_S + 1)  # it really was busy that long
+    assert "stopped answering" not in pd_shm.output(), pd_shm.tail()
+    assert "restarting" not in pd_shm.output(), pd_shm.tail()

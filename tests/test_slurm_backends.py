@@ -53,7 +53,8 @@ def test_each_backend_gets_its_environment_and_nic_map(over, backend, var, value
 def test_sglang_timers_follow_the_transfer_keys(backend):
     """Every backend runs under SGLang's request timers: transfer.timeout_s and
     transfer.connect_timeout_s set them (whole seconds, rounded up), and validate accepts
-    both with engine=sglang."""
+    both with engine=sglang. Every server's /health answers without a generation (the
+    probes must not queue behind a long prompt: launch.backends.LIVENESS)."""
     over = ("transfer.timeout_s=45.5", "transfer.connect_timeout_s=30")
     cfg = recipe("llama-3.1-70b", "launcher=slurm", f"transfer.backend={backend}", *over)
     assert not [f for f in validate(cfg) if f.key.startswith("transfer.")
@@ -62,6 +63,7 @@ def test_sglang_timers_follow_the_transfer_keys(backend):
         env = argv[argv.index("env"):argv.index("pdtool.worker")]
         assert "SGLANG_DISAGGREGATION_WAITING_TIMEOUT=46" in env, p.name
         assert "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT=30" in env, p.name
+        assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0" in env, p.name
 
 
 def test_launcher_env_overrides_the_backend_default():

@@ -271,6 +271,7 @@ def test_hung_engine_ends_the_job(slurm, tmp_path: Path) -> None:
     the stop's SIGTERM and is killed launcher.stop_grace_s later."""
     out = tmp_path / "job"
     job = submit_running(slurm, out, "launcher.job_name=pdtool-hang", "launcher.watchdog_s=1",
+                         "launcher.probe_timeout_s=1",
                          "launcher.restart=never", "launcher.stop_grace_s=2")
     pid = _step_worker_pid(job, "decode", 1)
     os.kill(pid, signal.SIGSTOP)

@@ -366,6 +366,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from pdtool.bench.load import LoadError
     from pdtool.bench.verify import VerifyError
+    from pdtool.budgets import client_budget, parts_text, seconds
     from pdtool.compose import ComposeError, load_config, load_job_config
 
     if args.job:
@@ -384,6 +385,10 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         err.print(f"[bold red]pdtool bench:[/] {problem}")
         return EXIT_USAGE
+    budget = client_budget(cfg, args.timeout)
+    if cfg.mode == "disaggregated" and not budget.fits:
+        err.print(f"[bold yellow]pdtool bench:[/] --timeout {seconds(budget.limit_s)} is less "
+                  f"than {parts_text(budget)}: {budget.why}")
     try:
         requests = build_requests(cfg, settings, args.requests, args.seed)
         # other prompts than the measured ones: a prefix cache must not serve those from them

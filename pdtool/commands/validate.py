@@ -1,8 +1,9 @@
 """`pdtool validate`: compose a config and report every problem, with the key and the fix.
 
 Exit 0 when there are no errors (warnings allowed), 1 on errors, 2 when the command line or
-the config cannot be composed. Also prints per-role memory fit, KV bytes per token and the
-path KV in GPU memory takes (`transfer.gpu_memory`).
+the config cannot be composed. Also prints per-role memory fit, KV bytes per token, the
+path KV in GPU memory takes (`transfer.gpu_memory`) and the time budgets (`pdtool.budgets`:
+each limit against the timers that must fit inside it).
 """
 
 from __future__ import annotations
@@ -41,6 +42,18 @@ def memory_rows(run: Run) -> list[Any] | None:
     return list(deployment_memory(cfg))
 
 
+def budget_rows(run: Run) -> list[Any] | None:
+    """The time budgets (pdtool.budgets), when the single values are sane."""
+    from pdtool.budgets import budgets
+    from pdtool.rules import has_errors, values
+    from pdtool.rules import run as run_rules
+
+    cfg = run.cfg
+    if cfg is None or has_errors(run_rules(values.ALL, cfg)):
+        return None
+    return budgets(cfg)
+
+
 def gpu_memory_path(run: Run) -> str | None:
     """How KV reaches the fabric (`pdtool.plan.routes.gpu_memory_path`, what `pdtool plan`
     shows), once the config has no errors (with errors the finding says what is wrong)."""
@@ -56,6 +69,7 @@ def _result(run: Run) -> dict[str, Any]:
     from dataclasses import asdict
 
     mem = memory_rows(run)
+    budgets = budget_rows(run)
     errors = sum(f.severity == "error" for f in run.all_findings)
     return {
         "overrides": run.overrides,
@@ -67,10 +81,15 @@ def _result(run: Run) -> dict[str, Any]:
         "findings": [f.to_dict() for f in run.all_findings],
         "memory": [asdict(m) for m in mem] if mem else None,
         "gpu_memory": gpu_memory_path(run),
+        "budgets": None if budgets is None else [
+            {"name": b.name, "key": b.key, "limit_s": b.limit_s, "need_s": b.need_s,
+             "parts": [{"key": k, "seconds": s} for k, s in b.parts], "fits": b.fits}
+            for b in budgets],
     }
 
 
 def _print_run(con: Any, run: Run) -> None:
+    from pdtool.budgets import parts_text, seconds
     from pdtool.memory import GIB, human_bytes
     from pdtool.schema import headline
 
@@ -93,6 +112,10 @@ def _print_run(con: Any, run: Run) -> None:
     path = gpu_memory_path(run)
     if path is not None:
         con.print(f"  GPU memory: {path}")
+    for b in budget_rows(run) or []:
+        mark = "ok" if b.fits else "[bold red]too short[/]"
+        con.print(f"  budget  {b.name}: {b.key} {seconds(b.limit_s)} >= {parts_text(b)}: "
+                  f"{mark}", highlight=False, soft_wrap=True)
     errors = sum(f.severity == "error" for f in run.findings)
     warnings = len(run.findings) - errors
     if errors:

@@ -31,6 +31,15 @@ import math
 
 from pdtool.schema import Config
 
+#: SGLang 0.5.23's `/health` runs a one-token generation and answers once the scheduler sends
+#: anything back (`entrypoints/http_server.py` health_generate): a prefill working through a
+#: long prompt sends nothing until it is done, so the watchdog's and the router's probes missed
+#: and restarted a busy, healthy server (measured: tests/test_sglang_servers.py). With this
+#: variable `/health` answers from the HTTP process once warm-up is over (503 before, and
+#: while shutting down); a scheduler that hangs in a forward pass is SGLang's own
+#: `--watchdog-timeout` to end (it exits, and the launchers see the exit).
+LIVENESS = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
+
 
 def rdma_provider(cfg: Config) -> bool:
     """Whether transfer.provider drives RDMA NICs (efa, verbs), which SGLang's own backends
@@ -38,11 +47,13 @@ def rdma_provider(cfg: Config) -> bool:
     return cfg.transfer.provider == "efa" or cfg.transfer.provider.startswith("verbs")
 
 
-def timeout_env(cfg: Config) -> dict[str, str]:
-    """SGLang's request timers from transfer.timeout_s and transfer.connect_timeout_s."""
+def timer_env(cfg: Config) -> dict[str, str]:
+    """SGLang's request timers from transfer.timeout_s and transfer.connect_timeout_s, and a
+    `/health` that answers without queueing behind work (see LIVENESS)."""
     t = cfg.transfer
     return {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(math.ceil(t.timeout_s)),
-            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(math.ceil(t.connect_timeout_s))}
+            "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(math.ceil(t.connect_timeout_s)),
+            **LIVENESS}
 
 
 def backend_env(cfg: Config) -> dict[str, str]:

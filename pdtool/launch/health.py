@@ -153,14 +153,16 @@ WATCHDOG_MISSES = 3
 
 def watchdog(endpoints: Mapping[str, str], logs: Mapping[str, str], interval: float,
              failures: int, out: TextIO = sys.stdout,
-             stop: Callable[[], bool] = lambda: False) -> HealthFailure | None:
+             stop: Callable[[], bool] = lambda: False,
+             probe_timeout: float = 5.0) -> HealthFailure | None:
     """Poll every endpoint each `interval` seconds once the deployment is ready; an endpoint
     that fails `failures` probes in a row (a hung engine answers nothing, although its process
-    lives) is returned as a HealthFailure naming it with its log tail. None when `stop()`."""
+    lives; a probe unanswered after `probe_timeout`, launcher.probe_timeout_s, is a miss) is
+    returned as a HealthFailure naming it with its log tail. None when `stop()`."""
     missed = dict.fromkeys(endpoints, 0)
     while not stop():
         for name, url in endpoints.items():
-            missed[name] = 0 if probe(url, timeout=min(5.0, interval)) else missed[name] + 1
+            missed[name] = 0 if probe(url, timeout=probe_timeout) else missed[name] + 1
             if missed[name] >= failures:
                 log = logs.get(name, "")
                 tail = f"; last lines of {log}:\n{log_tail(log)}" if log else ""
@@ -183,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                     "healthy): probe every SECONDS; exit 4 naming the endpoint (and its log "
                     "tail) that fails --failures probes in a row")
     ap.add_argument("--failures", type=int, default=3)
+    ap.add_argument("--probe-timeout", type=float, default=5.0, metavar="SECONDS",
+                    help="with --watchdog: a probe unanswered this long is a miss")
     ap.add_argument("--hung-file", default="", metavar="PATH",
                     help="with --watchdog: write the name of the endpoint that hung here, so "
                     "the script restarts that instance (launcher.restart=on-failure)")
@@ -206,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"all {len(endpoints)} endpoint(s) healthy after {took:.1f}s", flush=True)
     if args.watchdog > 0:
         logs = {n: log for n, _, log in watched}
-        hung = watchdog(endpoints, logs, args.watchdog, args.failures)
+        hung = watchdog(endpoints, logs, args.watchdog, args.failures,
+                        probe_timeout=args.probe_timeout)
         if hung is not None:
             print(f"pdtool: ERROR: {hung}", file=sys.stderr, flush=True)
             if args.hung_file:

@@ -88,7 +88,8 @@ class Supervisor:
     def __init__(self, spec: LaunchSpec, run_dir: Path, out: TextIO = sys.stdout,
                  stop_grace: float = 30.0, health_timeout: float = 900.0,
                  preflight: bool = False, watchdog_s: float = 0.0,
-                 restart: RestartPolicy | None = None, model: str = "") -> None:
+                 restart: RestartPolicy | None = None, model: str = "",
+                 probe_timeout_s: float = 5.0) -> None:
         self.spec = spec
         self.model = model  # the served model id (model.name), for the ready banner
         self.run_dir = Path(run_dir).resolve()
@@ -97,6 +98,7 @@ class Supervisor:
         self.health_timeout = health_timeout
         self.preflight = preflight
         self.watchdog_s = watchdog_s
+        self.probe_timeout_s = probe_timeout_s
         self.restart = restart or RestartPolicy()
         self.restarts: dict[str, int] = {}  # restarts so far, per instance (group_of)
         self.force = False
@@ -121,7 +123,8 @@ class Supervisor:
         lc = rendered.cfg.launcher
         return cls(rendered.spec, rendered.out, out=out, stop_grace=lc.stop_grace_s,
                    health_timeout=lc.health_timeout_s, preflight=preflight,
-                   watchdog_s=lc.watchdog_s, restart=restart, model=rendered.cfg.model.name)
+                   watchdog_s=lc.watchdog_s, restart=restart, model=rendered.cfg.model.name,
+                   probe_timeout_s=lc.probe_timeout_s)
 
     def say(self, msg: str) -> None:
         print(f"[pdtool {time.strftime('%H:%M:%S')}] {msg}", file=self.out, flush=True)
@@ -312,7 +315,8 @@ class Supervisor:
                          for r in self.running if r.proc.health}
             logs = {r.proc.name: str(r.log) for r in self.running}
             hung = watchdog(endpoints, logs, self.watchdog_s, WATCHDOG_MISSES, out=self.out,
-                            stop=lambda: bool(self.dead()))
+                            stop=lambda: bool(self.dead()),
+                            probe_timeout=self.probe_timeout_s)
             if hung is not None and not self.dead():
                 return group_of(hung.name), str(hung)
         while True:

@@ -116,7 +116,8 @@ def router_argv(cfg: Config, plan: Plan, host: Callable[[int], Var]) -> list[str
                      str(t.bootstrap_port)]
         for t in rp.decode:
             argv += ["--decode", word("http://", host(t.node), f":{t.http_port}")]
-    argv += ["--host", host(rp.node), "--port", str(rp.port), "--policy", rp.policy]
+    argv += ["--host", host(rp.node), "--port", str(rp.port), "--policy", rp.policy,
+             "--request-timeout-secs", str(math.ceil(rp.request_timeout_s))]
     if rp.metrics_port is not None:
         argv += ["--prometheus-host", host(rp.node), "--prometheus-port", str(rp.metrics_port)]
     if not plan.aggregated:
@@ -131,5 +132,6 @@ def router_argv(cfg: Config, plan: Plan, host: Callable[[int], Var]) -> list[str
         # 60 s, 3 misses) kept sending requests to a dead decode server for 3 minutes, each
         # waiting on the prefill for transfer.connect_timeout_s
         argv += ["--health-check-interval-secs", str(math.ceil(cfg.launcher.watchdog_s)),
+                 "--health-check-timeout-secs", str(math.ceil(cfg.launcher.probe_timeout_s)),
                  "--health-failure-threshold", str(WATCHDOG_MISSES)]
     return argv

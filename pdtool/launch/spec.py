@@ -20,8 +20,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdtool.budgets import stop_lead_s
 from pdtool.launch import secrets
-from pdtool.launch.backends import backend_env, timeout_env
+from pdtool.launch.backends import backend_env, timer_env
 from pdtool.launch.resources import describe_cpus, job_options, numactl_binding, step_options
 from pdtool.launch.restart import group_of
 from pdtool.launch.sglang import router_argv, server_argv
@@ -31,13 +32,6 @@ from pdtool.schema import Config, LauncherConfig
 
 #: engines whose one process drives all GPUs of its node
 PER_NODE_ENGINES = ("sglang",)
-
-
-def stop_lead_s(stop_grace_s: int) -> int:
-    """Slurm signals the batch script this long before the time limit: the three stop groups'
-    grace (launcher.stop_grace_s each) and a margin, so the ordered stop ends before Slurm's
-    own kill at the limit."""
-    return 3 * stop_grace_s + 30
 
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -285,7 +279,7 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str,
             select = ["--node-rank", str(ranks[0].node_rank)]
             # on Slurm, srun binds the step to the same CPUs (resources.step_options)
             numa = numactl_binding(ranks) if launcher == "local" else []
-            env = {**_common_env(ranks), **timeout_env(cfg), **backend_env(cfg), **env_user}
+            env = {**_common_env(ranks), **timer_env(cfg), **backend_env(cfg), **env_user}
         else:
             p.engine_argv = []
             select = ["--rank", str(ranks[0].rank)]

@@ -115,6 +115,7 @@ def _router(cfg: Config, instances: tuple[InstancePlan, ...]) -> RouterPlan:
         prefill=targets("prefill"),
         decode=targets("decode"),
         metrics_port=router_metrics_port(cfg),
+        request_timeout_s=cfg.router.request_timeout_s,
     )
 
 

@@ -90,6 +90,7 @@ class RouterPlan:
     prefill: tuple[RouterTarget, ...]
     decode: tuple[RouterTarget, ...]
     metrics_port: int | None = None  # sglang-router's Prometheus exporter (pdtool.ports)
+    request_timeout_s: float = 1800.0  # router.request_timeout_s
 
     @property
     def targets(self) -> tuple[RouterTarget, ...]:

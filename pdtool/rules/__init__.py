@@ -6,6 +6,7 @@ a value it cannot compute with (tp=0, an unknown provider, an impossible placeme
 1. values     single settings: ranges and choices             (rules.values)
               launcher.benchmark's `pdtool bench` arguments      (rules.benchmark)
 2. shards     head split, prefill/decode TP, pages, chunking  (rules.shards)
+   budgets    timers that must fit inside each other          (rules.budgets)
    arithmetic GPUs per instance vs nodes, launcher, engine     (rules.topology.ARITHMETIC)
    engine     what the reference CPU engine can run           (rules.reference)
    experts    expert parallelism, FP8 MoE blocks              (rules.moe)
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 from pdtool.rules import (
     benchmark,
+    budgets,
     gpu_memory,
     launch,
     memfit,
@@ -38,7 +40,7 @@ Rule = Callable[[Config], list[Finding]]
 
 STAGES: tuple[tuple[Rule, ...], ...] = (
     values.ALL + benchmark.ALL,
-    shards.ALL + topology.ARITHMETIC + reference.ALL + moe.ALL + gpu_memory.ALL,
+    shards.ALL + budgets.ALL + topology.ARITHMETIC + reference.ALL + moe.ALL + gpu_memory.ALL,
     topology.PLACED + ports.ALL + memfit.ALL + (shards.check_nhd_writes,) + sglang.ALL
     + launch.ALL,
 )

@@ -336,12 +336,15 @@ def check_launcher(cfg: Config) -> list[Finding]:
     out += _at_least("launcher.restart_backoff_s", lc.restart_backoff_s, 0)
     out += _at_least("launcher.stop_grace_s", lc.stop_grace_s, 1)
     out += _at_least("launcher.watchdog_s", lc.watchdog_s, 0, "0: off")
+    out += _at_least("launcher.probe_timeout_s", lc.probe_timeout_s, 1, "whole seconds for "
+                     "sglang-router's health checks")
     return out
 
 
 def check_engine_router(cfg: Config) -> list[Finding]:
     out = _choice("engine.kind", cfg.engine.kind, ENGINES)
     out += _choice("router.policy", cfg.router.policy, ROUTER_POLICIES)
+    out += _at_least("router.request_timeout_s", cfg.router.request_timeout_s, 1)
     if cfg.engine.kind == "reference" and cfg.router.policy in ROUTER_POLICIES \
             and cfg.router.policy not in REFERENCE_ROUTER_POLICIES:
         out.append(error("router.policy", f"{cfg.router.policy!r}: the reference engine's front "

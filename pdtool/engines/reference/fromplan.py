@@ -124,7 +124,8 @@ def spec_from_context(ctx: Any) -> RankSpec:
         urls = [f"http://{_host_of(t.node, ctx.host)}:{t.http_port}/health" for t in targets]
         return RankSpec(role="front", host=ctx.host, http_port=plan.router.port,
                         secret_hex=_secret_hex(), decoders=urls, model_name=plan.model.name,
-                        tokenizer=plan.model.path if is_local(plan.model.path) else "")
+                        tokenizer=plan.model.path if is_local(plan.model.path) else "",
+                        request_timeout_s=plan.router.request_timeout_s)
     inst = ctx.instance
     fields = model_fields(plan.model, inst.kv_dtype, ctx.role)
     check_instance(plan.model, fields, inst, ctx.role)

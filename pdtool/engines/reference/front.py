@@ -23,11 +23,11 @@ until the instance answered one and again once it went silent: pdtool.engines.re
 and notes when each last answered (any message counts). One silent for `dead_after_s`
 (default `DECODE_DEAD_S`) is marked down: its requests in flight fail at once with an error
 naming it (HTTP 503, or an SSE error chunk when streaming) instead of waiting for
-`REQUEST_TIMEOUT_S`, and new requests go to the instances still up (503 when none is). It is
-used again as soon as it answers. A restarted instance (launcher.restart) listens on a new
-address: given the instances' /health URLs, the front reads each down instance's /health every
-`REDISCOVER_S` and, when it publishes a new request socket, connects there instead (and
-HELLOs it: a new process is a new session).
+`request_timeout_s` (router.request_timeout_s), and new requests go to the instances still
+up (503 when none is). It is used again as soon as it answers. A restarted instance
+(launcher.restart) listens on a new address: given the instances' /health URLs, the front
+reads each down instance's /health every `REDISCOVER_S` and, when it publishes a new request
+socket, connects there instead (and HELLOs it: a new process is a new session).
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ from .wire import MAX_PROMPT, PROTOCOL, Wire, WireError, dealer
 __all__ = ["BadRequest", "Front", "Unavailable", "parse_request"]
 
 log = logging.getLogger("pdtool.reference.front")
-REQUEST_TIMEOUT_S = 300.0  # backstop only: a dead decode instance is noticed within seconds
+#: router.request_timeout_s's default: a backstop only, a dead decode instance is noticed
+#: within seconds
+REQUEST_TIMEOUT_S = 1800.0
 DECODE_DEAD_S = 5.0        # a decode instance silent this long is down
 PING_S = 0.25
 MAX_BODY = 1 << 20
@@ -102,6 +104,7 @@ class Front:
         context: int = MAX_PROMPT,
         tokenizer: ByteTokenizer | HFTokenizer | None = None,
         health_urls: list[str] | None = None,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
     ) -> None:
         if not decoders:
             raise ValueError("front: needs at least one decode instance address")
@@ -120,6 +123,7 @@ class Front:
         self.inflight = [0] * len(decoders)
         self.up = [False] * len(decoders)
         self.dead_after_s = dead_after_s
+        self.request_timeout_s = request_timeout_s
         self._heard = [0.0] * len(decoders)  # monotonic time each instance last answered
         self.metrics = FrontMetrics(lambda: sum(self.inflight), lambda: sum(self.up))
         self._rr = itertools.count()
@@ -334,12 +338,14 @@ class Front:
     def results(self, rid: str, p: _Pending):
         """(time, OUT body) of a submitted request until done; always `finish`es it."""
         try:
-            deadline = time.monotonic() + REQUEST_TIMEOUT_S
+            deadline = time.monotonic() + self.request_timeout_s
             while True:
                 try:
                     t, body = p.q.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
-                    raise TimeoutError(f"no answer from decode instance {p.instance}") from None
+                    raise TimeoutError(
+                        f"no answer from decode instance {p.instance} within "
+                        f"{self.request_timeout_s:g} s (router.request_timeout_s)") from None
                 body["instance"] = p.instance
                 yield t, body
                 if body["done"]:

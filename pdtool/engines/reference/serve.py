@@ -409,7 +409,8 @@ def serve_front(spec: RankSpec, stop: threading.Event) -> int:
     try:
         front = Front([d["engine"] for d in found], spec.secret, spec.host, spec.http_port,
                       model_name=spec.model_name, context=context,
-                      tokenizer=load_tokenizer(spec.tokenizer), health_urls=list(spec.decoders))
+                      tokenizer=load_tokenizer(spec.tokenizer), health_urls=list(spec.decoders),
+                      request_timeout_s=spec.request_timeout_s)
     except OSError as exc:
         raise StartError(f"front: cannot listen on {spec.host}:{spec.http_port} (router.port): "
                          f"{exc.strerror or exc}") from None

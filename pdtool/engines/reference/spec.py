@@ -70,6 +70,7 @@ class RankSpec:
     context: int = 0  # the model's own limit on prompt + new tokens (0: the caches decide)
     model_name: str = "reference"  # front: the name /v1/models serves
     tokenizer: str = ""  # front: checkpoint folder whose tokenizer it uses ("": bytes)
+    request_timeout_s: float = 1800.0  # front: a request unanswered this long fails (504)
 
     def __post_init__(self) -> None:
         if isinstance(self.link, dict):  # read back from JSON (serve.py)
