@@ -216,6 +216,10 @@ class LauncherConfig:
     # Slurm: GPUs asked per node (conf/launcher/slurm.yaml follows cluster.gpus_per_node; only
     # on device=cuda) and memory ("" = all of an exclusive node, --mem=0; e.g. "480G")
     gpus_per_node: int = 0
+    # Slurm: how the job asks for them: gpus-per-node (#SBATCH --gpus-per-node=N) | gres
+    # (--gres=gpu:N, for sites and Slurm versions that refuse the former) | none (the
+    # site's partition, or a GPU option in sbatch_extra, gives them); steps inherit the job's
+    gpu_directive: str = "gpus-per-node"
     mem: str = ""  # Slurm --mem when not exclusive
     # variables that are secrets besides the secret-looking names (pdtool.launch.secrets):
     # they reach the processes through 0600 files, from launcher.env or the submitting shell

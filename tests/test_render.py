@@ -258,8 +258,46 @@ def test_shared_nodes_ask_for_what_the_processes_use(tmp_path: Path) -> None:
     assert {"--ntasks-per-node=1", "--cpus-per-task=192", "--mem=400G",
             "--gpus-per-node=8"} <= set(head)
     dec = next(p for p in rendered.spec.procs if p.name == "decode-1.n0")
-    assert "--cpus-per-task=96" in dec.argv and "--gres=gpu:8" in dec.argv
-    assert not [a for a in dec.argv if str(a).startswith("--cpu-bind")]
+    assert "--cpus-per-task=96" in dec.argv
+    assert not [a for a in dec.argv if str(a).startswith(("--cpu-bind", "--gres", "--gpus"))]
+
+
+@pytest.mark.parametrize(("directive", "extra", "want"), [
+    ("gpus-per-node", [], ["--gpus-per-node=8"]),
+    ("gres", [], ["--gres=gpu:8"]),
+    ("none", ["--gres=gpu:h100:8"], ["--gres=gpu:h100:8"]),
+])
+def test_one_gpu_request_in_the_header_and_none_in_the_steps(tmp_path: Path, directive,
+                                                             extra, want) -> None:
+    """launcher.gpu_directive picks how the job asks (sites and Slurm versions refuse one or
+    the other); a site's own option in sbatch_extra is the only one with `none`; the steps ask
+    nothing and inherit the job's GPUs (checked on the emulated cluster in
+    test_slurm_launch.py)."""
+    over = [*launcher_overrides("llama-3.1-70b", "slurm"), f"launcher.gpu_directive={directive}",
+            f"launcher.sbatch_extra=[{','.join(repr(e) for e in extra)}]"]
+    rendered, findings = render(over, tmp_path / "job")
+    assert rendered is not None, findings
+    head = sbatch_header(rendered.script)
+    assert [o for o in head if o.startswith(("--gres", "--gpus"))] == want
+    for p in rendered.spec.procs + rendered.spec.router:
+        assert not [a for a in p.argv if str(a).startswith(("--gres", "--gpus"))], p.name
+
+
+def test_a_gpu_option_in_sbatch_extra_beside_the_directive_is_refused() -> None:
+    from helpers.pdtool_cfg import compose
+
+    from pdtool.rules import validate
+
+    base = ("+recipe=llama-3.1-70b", "launcher=slurm")
+    for opt in ("--gres=gpu:8", "--gpus-per-node=8", "--gpus=16", "-G16"):
+        (err,) = [f for f in validate(compose(*base, f"launcher.sbatch_extra=['{opt}']"))
+                  if f.severity == "error"]
+        assert err.key == "launcher.sbatch_extra.0" and "gpu_directive=none" in err.fix
+    assert not [f for f in validate(compose(*base, "launcher.sbatch_extra=['--gres=nvme:1']"))
+                if f.severity == "error"]
+    (warn,) = [f for f in validate(compose(*base, "launcher.gpu_directive=none"))
+               if f.key == "launcher.gpu_directive"]
+    assert warn.severity == "warning" and "asks for no GPUs" in warn.message
 
 
 def test_exclusive_steps_bind_to_their_ranks_cpus(tmp_path: Path) -> None:

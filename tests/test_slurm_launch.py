@@ -149,10 +149,20 @@ GPU_SITE = [
 
 
 @pytest.mark.slow
-def test_each_step_sees_its_gpus_and_cpus(slurm, tmp_path: Path) -> None:
-    """From inside every step: the job's GPUs of its node (Slurm's GRES environment), and a CPU
-    mask equal to the CPUs the plan gave its ranks (task/affinity applied --cpu-bind)."""
+@pytest.mark.parametrize(("directive", "extra", "asks"), [
+    ("gpus-per-node", [], "--gpus-per-node=2"),
+    ("gres", [], "--gres=gpu:2"),
+    ("none", ["--gres=gpu:2"], "--gres=gpu:2"),  # the site's own option
+])
+def test_each_step_sees_its_gpus_and_cpus(slurm, tmp_path: Path, directive, extra,
+                                          asks) -> None:
+    """From inside every step: the job's GPUs of its node (Slurm's GRES environment: a step
+    asks none and inherits the job's, however the job asked: launcher.gpu_directive, or the
+    site's option in sbatch_extra), and a CPU mask equal to the CPUs the plan gave its ranks
+    (task/affinity applied --cpu-bind)."""
     from helpers.slurm_cluster import GPUS_PER_NODE, NODE_MEMORY_MB
+
+    assert asks.endswith(str(GPUS_PER_NODE))
 
     out, probes = tmp_path / "job", tmp_path / "probes"
     probes.mkdir()
@@ -160,6 +170,8 @@ def test_each_step_sees_its_gpus_and_cpus(slurm, tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, "-m", "pdtool.cli", "launch", *GPU_SITE, f"engine.python={probe}",
          f"+launcher.env.all.STEP_PROBE_DIR={probes}", "launcher.job_name=pdtool-gpus",
+         f"launcher.gpu_directive={directive}",
+         f"launcher.sbatch_extra=[{','.join(repr(e) for e in extra)}]",
          "--out", str(out), "--preflight", "--exit-when-healthy"],
         env=slurm.env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -168,9 +180,9 @@ def test_each_step_sees_its_gpus_and_cpus(slurm, tmp_path: Path) -> None:
     batch = (out / "logs" / f"slurm-{job}.out").read_text()
     assert state == ("COMPLETED", "0:0"), batch
     header = (out / "job.sbatch").read_text()
-    for opt in ("--ntasks-per-node=1", "--exclusive", "--mem=0",
-                f"--gpus-per-node={GPUS_PER_NODE}"):
+    for opt in ("--ntasks-per-node=1", "--exclusive", "--mem=0", asks):
         assert f"#SBATCH {opt}\n" in header
+    assert header.count("#SBATCH --g") == 1  # one GPU request
     plan = from_json((out / "plan.json").read_text())
     # --mem=0: the job holds every node's whole memory (without it, only the default)
     shown = slurm.run("scontrol", "-o", "show", "job", job)

@@ -3,14 +3,17 @@
 Pure functions of the config and plan. The shape (docs/slurm.md, "The job's shape"):
 
 * the job asks one task per node (every step is one task) and, per node, the GPUs
-  (`--gpus-per-node=launcher.gpus_per_node`, device=cuda only) and memory the processes use:
+  (device=cuda only, as `launcher.gpu_directive` says: `--gpus-per-node=N`, `--gres=gpu:N`,
+  or nothing when the site's partition or `launcher.sbatch_extra` asks) and memory the
+  processes use:
   an exclusive job takes whole nodes with all their memory (`--exclusive --mem=0`; without
   `--mem` Slurm gives an exclusive job only its default memory), a shared one
   (`launcher.exclusive=false`) asks `--cpus-per-task` for the busiest node's CPUs and
   `--mem=launcher.mem`;
-* every step is `--overlap` (they all share the node) and sees all GPUs of the job on its node,
-  so the plan's GPU ids are CUDA ordinals on every site, with or without device cgroups
-  (SGLang picks its GPUs with `--base-gpu-id` and indexes `--numa-node` by that absolute id);
+* every step is `--overlap` (they all share the node) and sees all GPUs of the job on its node
+  (it asks for none itself: a step inherits the job's), so the plan's GPU ids are CUDA
+  ordinals on every site, with or without device cgroups (SGLang picks its GPUs with
+  `--base-gpu-id` and indexes `--numa-node` by that absolute id);
 * on an exclusive node a step takes the node's CPUs and binds its task to the CPUs the plan
   gave its ranks (`--cpu-bind=mask_cpu:`; Slurm refuses a mask outside the step's CPUs, so
   the step must hold them all); on a shared node Slurm chose which CPUs the job has, so a step
@@ -84,9 +87,10 @@ def step_options(cfg: Config, ranks: list[RankPlan]) -> list[str]:
         out.append(f"--cpu-bind=mask_cpu:{cpu_mask(mine)}" if mine else "--cpu-bind=none")
     elif mine:
         out.append(f"--cpus-per-task={len(mine)}")
-    gpus = gpus_requested(cfg)
-    if gpus and ranks:
-        out.append(f"--gres=gpu:{gpus}")
+    # no GPU option: a step is given every GPU of the job on its node (srun(1) --gres: "By
+    # default, a job step is allocated all of the generic resources that have been
+    # requested by the job"), which --overlap lets concurrent steps share; asking again
+    # per step is what some Slurm versions refuse beside the job's --gpus-per-node
     return out
 
 
@@ -103,8 +107,10 @@ def job_options(cfg: Config, plan: Plan) -> list[str]:
         if lc.mem:
             out.append(f"--mem={lc.mem}")
     gpus = gpus_requested(cfg)
-    if gpus:
+    if gpus and lc.gpu_directive == "gpus-per-node":
         out.append(f"--gpus-per-node={gpus}")
+    elif gpus and lc.gpu_directive == "gres":
+        out.append(f"--gres=gpu:{gpus}")
     return out
 
 

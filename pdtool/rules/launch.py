@@ -1,10 +1,12 @@
 """Launcher settings that must agree with the placement: what a Slurm job asks for.
 
-The job asks `launcher.gpus_per_node` GPUs per node (device=cuda) and every step sees all of
-them, so the plan's GPU ids are CUDA ordinals: fewer GPUs than the highest id a node uses
-would leave a rank without its device. A job that does not take whole nodes
-(`launcher.exclusive=false`) gets only the memory it asks for, so it must ask
-(`launcher.mem`); Slurm's own size syntax is checked here so sbatch does not refuse it later.
+The job asks `launcher.gpus_per_node` GPUs per node (device=cuda), the way
+`launcher.gpu_directive` says or through the site's own option in `launcher.sbatch_extra`
+(never both), and every step sees all of them, so the plan's GPU ids are CUDA ordinals:
+fewer GPUs than the highest id a node uses would leave a rank without its device. A job that
+does not take whole nodes (`launcher.exclusive=false`) gets only the memory it asks for, so it
+must ask (`launcher.mem`); Slurm's own size syntax is checked here so sbatch does not refuse
+it later.
 The KV dtypes an SGLang launch line can carry are checked here too.
 """
 
@@ -21,9 +23,10 @@ _MEM = re.compile(r"^[0-9]+[KMGT]?$")
 
 
 def check_slurm_gpus(cfg: Config) -> list[Finding]:
-    """launcher.gpus_per_node covers every GPU id the plan uses on a node."""
+    """launcher.gpus_per_node covers every GPU id the plan uses on a node (with
+    gpu_directive=none the site's own option asks, and check_gpu_directive speaks)."""
     lc = cfg.launcher
-    if lc.kind != "slurm" or cfg.cluster.device != "cuda":
+    if lc.kind != "slurm" or cfg.cluster.device != "cuda" or lc.gpu_directive == "none":
         return []
     used = max((gpu + 1 for ranks in placements(cfg).values() for _, _, gpu in ranks),
                default=0)
@@ -83,7 +86,36 @@ def check_sglang_kv_dtype(cfg: Config) -> list[Finding]:
     return out
 
 
-ALL = (check_slurm_gpus, check_slurm_memory, check_sglang_kv_dtype)
+#: sbatch options that ask for GPUs (sbatch(1)); `-G` is --gpus' short form
+_GPU_OPTION = re.compile(r"^(--gres(=|$).*\bgpu\b|--gpus(-per-node|-per-task|-per-socket)?(=|$)"
+                        r"|-G)")
+
+
+def check_gpu_directive(cfg: Config) -> list[Finding]:
+    """One GPU request in the job's header: launcher.gpu_directive's, or the site's own in
+    launcher.sbatch_extra (then the directive is `none`); and on device=cuda, some request."""
+    lc = cfg.launcher
+    if lc.kind != "slurm" or cfg.cluster.device != "cuda":
+        return []
+    own = [(i, o) for i, o in enumerate(lc.sbatch_extra) if _GPU_OPTION.match(o.strip())]
+    if own and lc.gpu_directive != "none":
+        i, opt = own[0]
+        return [error(f"launcher.sbatch_extra.{i}",
+                      f"{opt!r} asks for GPUs, and launcher.gpu_directive={lc.gpu_directive} "
+                      f"asks again in the job's header: Slurm refuses or combines the two",
+                      "keep your option and set launcher.gpu_directive=none, or drop it "
+                      "(launcher.gpu_directive=gres asks --gres=gpu:N)")]
+    if not own and lc.gpu_directive == "none":
+        return [warning("launcher.gpu_directive",
+                        "none: the job asks for no GPUs; its steps get GPUs only if the "
+                        "partition gives every job some (Slurm allocates no GRES to a job "
+                        "that did not ask, exclusive or not)",
+                        "set launcher.gpu_directive=gres or gpus-per-node, or add your site's "
+                        "GPU option to launcher.sbatch_extra")]
+    return []
+
+
+ALL = (check_slurm_gpus, check_gpu_directive, check_slurm_memory, check_sglang_kv_dtype)
 
 
 def check_cross_node_loopback(cfg: Config) -> list[Finding]:

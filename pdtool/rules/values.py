@@ -42,6 +42,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 #: launcher.restart: restart a failed instance (bounded, with back-off), or end the deployment
 RESTART_POLICIES = ("on-failure", "never")
+GPU_DIRECTIVES = ("gpus-per-node", "gres", "none")
 
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> list[Finding]:
@@ -332,6 +333,7 @@ def check_launcher(cfg: Config) -> list[Finding]:
                 )
     out += _at_least("launcher.health_timeout_s", lc.health_timeout_s, 1)
     out += _choice("launcher.restart", lc.restart, RESTART_POLICIES)
+    out += _choice("launcher.gpu_directive", lc.gpu_directive, GPU_DIRECTIVES)
     out += _at_least("launcher.max_restarts", lc.max_restarts, 0)
     out += _at_least("launcher.restart_backoff_s", lc.restart_backoff_s, 0)
     out += _at_least("launcher.stop_grace_s", lc.stop_grace_s, 1)
