@@ -132,3 +132,79 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+# -- what SGLang keeps outside --mem-fraction-static ----------------------------------------
+#
+# SGLang 0.5.23 picks --mem-fraction-static itself when none is given
+# (`srt/arg_groups/memory_hook.py`): it reserves activations, CUDA graph buffers, parallel
+# slack and DeepEP buffers, and keeps the rest for weights and KV. pdtool always passes the
+# role's mem_fraction, so that reserve is what a fraction must leave free; the constants below
+# are SGLang's own (MiB), read from that file.
+
+#: decode CUDA graph batch size SGLang picks by GPU memory (MiB, below) and TP: (< 4, >= 4)
+_GRAPH_MAX_BS = ((20 * 1024, (8, 8)), (35 * 1024, (48, 160)), (60 * 1024, (32, 160)),
+                 (160 * 1024, (256, 512)))
+_GRAPH_MAX_BS_LARGEST = 512  # B200, MI300
+_RESERVE_BASE_MB = 512  # attention metadata and activation slack
+_ACTIVATION_MB_PER_TOKEN = 1.5
+_MIN_ACTIVATION_TOKENS = 2048
+_GRAPH_MB_PER_SEQ = 2
+_DP_ATTENTION_GRAPH_MB_PER_SEQ = 3  # x dp; 1.5 more above a batch of 300
+_LARGE_GPU_MB, _LARGE_GPU_FLOOR_MB = 60 * 1024, 10 * 1024
+_DEEPEP_MB = 2 * 1024  # DeepEP all-to-all buffers in the decode graph
+
+
+@dataclass(frozen=True)
+class Headroom:
+    """Memory SGLang 0.5.23 would keep free on one GPU of a role (MiB), by what needs it."""
+
+    activations_mb: float
+    graphs_mb: float
+    parallel_mb: float
+    deepep_mb: float
+    floor_mb: float  # the least SGLang keeps on a large GPU, whatever the sum
+
+    @property
+    def total_mb(self) -> float:
+        parts = _RESERVE_BASE_MB + self.activations_mb + self.graphs_mb + self.parallel_mb
+        return max(parts, self.floor_mb) + self.deepep_mb
+
+    def max_fraction(self, gpu_memory_gb: float) -> float:
+        """The largest mem_fraction that leaves this reserve free (SGLang's rounding)."""
+        gpu_mb = gpu_memory_gb * 1024
+        return round((gpu_mb - self.total_mb) / gpu_mb, 3)
+
+
+def uses_deepep(args: list[str]) -> bool:
+    """`--moe-a2a-backend deepep` among SGLang launch arguments."""
+    args = [str(a) for a in args]
+    return any(a == "--moe-a2a-backend=deepep"
+               or (a == "--moe-a2a-backend" and args[i + 1:i + 2] == ["deepep"])
+               for i, a in enumerate(args))
+
+
+def sglang_headroom(cfg: Config, name: str) -> Headroom:
+    """What SGLang 0.5.23 reserves outside weights and KV on one GPU of role `name`."""
+    rc = role(cfg, name)
+    gpu_mb = cfg.cluster.gpu_memory_gb * 1024
+    max_bs = next((bs[rc.tp >= 4] for limit, bs in _GRAPH_MAX_BS if gpu_mb < limit),
+                  _GRAPH_MAX_BS_LARGEST)
+    if rc.max_running_requests:
+        max_bs = min(max_bs, rc.max_running_requests)
+    if name == "decode":
+        tokens = max(rc.max_running_requests or max_bs, _MIN_ACTIVATION_TOKENS)
+        graphs = max_bs * _GRAPH_MB_PER_SEQ
+        if rc.dp_attention and rc.dp > 1:
+            graphs += max_bs * rc.dp * _DP_ATTENTION_GRAPH_MB_PER_SEQ
+            graphs += max_bs * rc.dp * 1.5 if max_bs > 300 else 0
+    else:  # prefill: no decode graphs (SGLang's prefill graphs are off by default)
+        tokens, graphs = max(rc.chunked_prefill_size, _MIN_ACTIVATION_TOKENS), 0
+    deepep = name == "decode" and uses_deepep([*cfg.engine.extra_args, *rc.extra_args])
+    return Headroom(
+        activations_mb=tokens * _ACTIVATION_MB_PER_TOKEN,
+        graphs_mb=float(graphs),
+        parallel_mb=rc.tp / 8 * 1024,
+        deepep_mb=_DEEPEP_MB if deepep else 0.0,
+        floor_mb=_LARGE_GPU_FLOOR_MB if gpu_mb > _LARGE_GPU_MB else 0.0,
+    )

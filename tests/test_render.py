@@ -459,6 +459,34 @@ def test_multi_node_instances_get_the_socket_interface(tmp_path: Path) -> None:
         spans = p.role == "prefill"  # TP16 over two nodes; decode instances are one node each
         assert ("NCCL_SOCKET_IFNAME=ens5" in p.argv) == spans
         assert ("GLOO_SOCKET_IFNAME=ens5" in p.argv) == spans
+        assert not [a for a in p.argv if str(a).startswith("NCCL_IB_HCA=")]  # EFA: no IB
+
+
+def test_a_gpu_site_refuses_a_multi_node_instance_without_its_interface() -> None:
+    from helpers.pdtool_cfg import assert_error, findings_for, recipe
+
+    over = ("prefill.tp=16", "prefill.nodes=2", "cluster.nodes=5")
+    assert_error(recipe("deepseek-r1", *over), "cluster.socket_ifname", "prefill.nodes=2",
+                 "container bridge")
+    assert findings_for(recipe("deepseek-r1", *over, "cluster.socket_ifname=ens5"),
+                        "cluster.socket_ifname") == []
+    assert findings_for(recipe("deepseek-r1"), "cluster.socket_ifname") == []  # one node each
+
+
+def test_connectx_sites_give_nccl_their_compute_nics(tmp_path: Path) -> None:
+    """On a DGX (H200 here; the H100 preset has the same NICs), NCCL's IB transport between
+    an instance's nodes is held to the preset's compute NICs by exact name; the storage and
+    management mlx5 ports stay out. launcher.env still wins."""
+    over = [*launcher_overrides("deepseek-r1", "slurm"), "cluster=dgx-h200", "transfer=verbs",
+            "prefill.tp=16", "prefill.nodes=2", "cluster.socket_ifname=bond0"]
+    rendered, findings = render(over, tmp_path / "job")
+    assert rendered is not None, findings
+    want = "NCCL_IB_HCA==mlx5_0,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_9,mlx5_10,mlx5_11"
+    for p in rendered.spec.procs:
+        assert (want in p.argv) == (p.role == "prefill"), p.name
+    rendered, _ = render([*over, "+launcher.env.all.NCCL_IB_HCA=mlx5_0"], tmp_path / "job2")
+    prefill = next(p for p in rendered.spec.procs if p.role == "prefill")
+    assert "NCCL_IB_HCA=mlx5_0" in prefill.argv and want not in prefill.argv
 
 
 def test_render_multirun_writes_one_folder_per_combination(tmp_path: Path) -> None:

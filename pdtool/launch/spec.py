@@ -148,6 +148,21 @@ def _url(node: int, port: int, path: str = "/health") -> Word:
     return word("http://", host(node), f":{port}{path}")
 
 
+def multi_node_env(cfg: Config) -> dict[str, str]:
+    """What NCCL and Gloo need between the nodes of one instance: the bootstrap interface
+    (cluster.socket_ifname; rules.launch refuses a GPU site without it), and on ConnectX
+    clusters the compute NICs for NCCL's IB transport, by exact name (`=`): left to itself
+    NCCL also takes the storage and management mlx5 ports a DGX node has."""
+    cl = cfg.cluster
+    env = {}
+    if cl.socket_ifname:
+        env = {"NCCL_SOCKET_IFNAME": cl.socket_ifname, "GLOO_SOCKET_IFNAME": cl.socket_ifname}
+    compute = [n.name for n in cl.nics if n.kind == "connectx" and n.gpus]
+    if cl.device == "cuda" and compute:
+        env["NCCL_IB_HCA"] = "=" + ",".join(compute)
+    return env
+
+
 def _role_env(cfg: Config, rname: str) -> dict[str, str]:
     """The role's launcher.env without its secrets (those come from a 0600 file)."""
     return secrets.split(cfg, rname)[0]
@@ -285,10 +300,8 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str,
             select = ["--rank", str(ranks[0].rank)]
             numa = numactl_binding(ranks)
             env = {**ranks[0].env, **env_user}
-        if len(inst.nodes) > 1 and cfg.cluster.socket_ifname:
-            # NCCL's and Gloo's bootstrap sockets between the instance's nodes
-            env = {"NCCL_SOCKET_IFNAME": cfg.cluster.socket_ifname,
-                   "GLOO_SOCKET_IFNAME": cfg.cluster.socket_ifname, **env}
+        if len(inst.nodes) > 1:
+            env = {**multi_node_env(cfg), **env}  # launcher.env still overrides
         p.argv = _wrap(cfg, launcher, p, ranks, env, numa,
                        _worker_argv(cfg, launcher, inst, node, select, p.engine_argv),
                        secret_roles)

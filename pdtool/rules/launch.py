@@ -180,7 +180,58 @@ def check_shared_host_nic(cfg: Config) -> list[Finding]:
     )]
 
 
-ALL = (*ALL, check_cross_node_loopback, check_shared_host_nic)
+def check_multi_node_bootstrap(cfg: Config) -> list[Finding]:
+    """An instance over several GPU nodes bootstraps NCCL and Gloo over sockets; left to
+    choose, they take the first interface that is up, which on GPU nodes is often a container
+    bridge or a storage network: the instance hangs at start. The interface is site-specific,
+    so no preset can carry it."""
+    from pdtool.schema import ROLES, role
+
+    cl = cfg.cluster
+    if cfg.launcher.kind != "slurm" or cl.device != "cuda" or cl.one_host or cl.socket_ifname:
+        return []
+    return [error("cluster.socket_ifname",
+                  f"{r}.nodes={role(cfg, r).nodes}: each {r} instance spans nodes, and NCCL and "
+                  f"Gloo need the interface that reaches the other nodes (their own pick is "
+                  f"the first one up: often a container bridge or a storage network)",
+                  "set cluster.socket_ifname to the nodes' routable interface (`ip -br addr` "
+                  "on a node: e.g. enp71s0 on EC2 p5, bond0 on many DGX sites)")
+            for r in ROLES if role(cfg, r).nodes > 1][:1]
+
+
+def _deepep_mode(args: list[str]) -> str:
+    args = [str(a) for a in args]
+    for i, a in enumerate(args):
+        if a.startswith("--deepep-mode="):
+            return a.split("=", 1)[1]
+        if a == "--deepep-mode" and i + 1 < len(args):
+            return args[i + 1]
+    return "auto"  # SGLang's default
+
+
+def check_deepep_on_efa(cfg: Config) -> list[Finding]:
+    """DeepEP's low-latency kernels (used by decode under `auto`) drive the NICs from the GPU
+    through NVSHMEM's IBGDA transport, which needs ConnectX (mlx5) NICs; EFA has none."""
+    from pdtool.memory import uses_deepep
+    from pdtool.schema import ROLES, role
+
+    if not any(n.kind == "efa" for n in cfg.cluster.nics) or cfg.engine.kind != "sglang":
+        return []
+    out = []
+    for r in ROLES:
+        args = [*cfg.engine.extra_args, *role(cfg, r).extra_args]
+        mode = _deepep_mode(args)
+        if uses_deepep(args) and mode in ("low_latency", "auto"):
+            out.append(warning(
+                f"{r}.extra_args",
+                f"DeepEP --deepep-mode {mode} on EFA ({cfg.cluster.name}): its low-latency "
+                f"kernels need NVSHMEM's IBGDA transport, i.e. ConnectX (mlx5) NICs",
+                "use --deepep-mode normal on EFA, or another --moe-a2a-backend"))
+    return out
+
+
+ALL = (*ALL, check_cross_node_loopback, check_shared_host_nic, check_multi_node_bootstrap,
+       check_deepep_on_efa)
 
 
 def check_container_model_path(cfg: Config) -> list[Finding]:

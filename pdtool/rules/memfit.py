@@ -2,14 +2,51 @@
 
 The arithmetic lives in `pdtool.memory` (the plan shows the same numbers); this module turns
 it into findings. Weights that leave no KV room are an error; a KV budget smaller than one
-chunk is an error; one that cannot hold a single full-context request is a warning.
+chunk is an error; one that cannot hold a single full-context request is a warning. With
+engine=sglang on GPUs, a mem_fraction that leaves less free than SGLang itself would keep
+(activations, CUDA graphs, parallel slack, DeepEP buffers: `pdtool.memory.sglang_headroom`) is
+a warning with the figures, and no fix suggests raising mem_fraction past that point.
 """
 
 from __future__ import annotations
 
-from pdtool.memory import deployment_memory, human_bytes
+from pdtool.memory import GIB, Headroom, deployment_memory, human_bytes, sglang_headroom
 from pdtool.rules.finding import Finding, error, warning
 from pdtool.schema import ROLES, Config, attn_tp, role
+
+#: the largest mem_fraction a fix may suggest where no engine reserve is modelled
+MAX_FRACTION = 0.95
+
+
+#: SGLang's sizing is written for data-center GPUs; below this it picks smaller chunks and
+#: batches itself, and a made-up small "GPU" (tests, emulated sites) is no such case
+HEADROOM_MIN_GPU_GB = 20
+
+
+def _headroom(cfg: Config, r: str) -> Headroom | None:
+    if cfg.engine.kind != "sglang" or cfg.cluster.device != "cuda" \
+            or cfg.cluster.gpu_memory_gb < HEADROOM_MIN_GPU_GB:
+        return None
+    return sglang_headroom(cfg, r)
+
+
+def check_headroom(cfg: Config, r: str, h: Headroom) -> list[Finding]:
+    rc, gpu = role(cfg, r), cfg.cluster.gpu_memory_gb
+    top = h.max_fraction(gpu)
+    if rc.mem_fraction <= top:
+        return []
+    parts = [f"activations {h.activations_mb / 1024:.1f}", f"CUDA graphs {h.graphs_mb / 1024:.1f}",
+             f"parallel slack {h.parallel_mb / 1024:.1f}"]
+    parts += [f"DeepEP buffers {h.deepep_mb / 1024:.1f}"] if h.deepep_mb else []
+    floor = (f", at least {h.floor_mb / 1024:.0f} GiB on a GPU this large"
+             if h.floor_mb else "")
+    return [warning(
+        f"{r}.mem_fraction",
+        f"{rc.mem_fraction} of {gpu:g} GiB leaves {gpu * (1 - rc.mem_fraction):.1f} GiB outside "
+        f"weights and KV; SGLang 0.5.23 keeps {h.total_mb / 1024:.1f} GiB there when it sizes "
+        f"itself ({', '.join(parts)} GiB{floor}): expect out-of-memory at CUDA graph capture "
+        f"or on a full batch",
+        f"set {r}.mem_fraction={top} or lower")]
 
 
 def check_memory(cfg: Config) -> list[Finding]:
@@ -18,6 +55,14 @@ def check_memory(cfg: Config) -> list[Finding]:
     for r, mem in zip(ROLES, deployment_memory(cfg), strict=True):
         rc = role(cfg, r)
         avail = cl.gpu_memory_gb * rc.mem_fraction
+        headroom = _headroom(cfg, r)
+        top = headroom.max_fraction(cl.gpu_memory_gb) if headroom else MAX_FRACTION
+        # raising the fraction helps only while weights + this need fit under the top
+        can_raise = mem.weights_gb + mem.kv_bytes_per_token / GIB * (
+            rc.chunked_prefill_size if r == "prefill" else rc.page_size) < cl.gpu_memory_gb * top
+        raise_it = f", or raise {r}.mem_fraction (up to {top})" if can_raise else ""
+        if headroom:
+            out += check_headroom(cfg, r, headroom)
         if mem.kv_budget_gb <= 0:
             split = (
                 f"attention/dense {mem.dense_weights_gb:.1f} GiB over attention TP {attn_tp(rc)}"
@@ -30,8 +75,8 @@ def check_memory(cfg: Config) -> list[Finding]:
                     f"weights need {mem.weights_gb:.1f} GiB per GPU ({split}); "
                     f"{r}.mem_fraction={rc.mem_fraction} x cluster.gpu_memory_gb="
                     f"{cl.gpu_memory_gb:g} = {avail:.1f} GiB leaves no room for the KV cache",
-                    f"shard over more GPUs ({r}.tp), use GPUs with more memory (cluster=...), "
-                    f"or raise {r}.mem_fraction",
+                    f"shard over more GPUs ({r}.tp) or use GPUs with more memory "
+                    f"(cluster=...){raise_it}",
                 )
             )
             continue
@@ -45,7 +90,7 @@ def check_memory(cfg: Config) -> list[Finding]:
                     f"{mem.kv_tokens} tokens at {per_tok}/token, fewer than one "
                     + ("prefill chunk" if r == "prefill" else "page")
                     + f" ({need} tokens)",
-                    f"raise {r}.mem_fraction or shard over more GPUs ({r}.tp)",
+                    f"shard over more GPUs ({r}.tp){raise_it}",
                 )
             )
         elif mem.kv_tokens < m.context_length:
@@ -55,8 +100,8 @@ def check_memory(cfg: Config) -> list[Finding]:
                     f"the KV budget of {mem.kv_budget_gb:.2f} GiB per GPU holds "
                     f"{mem.kv_tokens} tokens at {per_tok}/token, less than one request at "
                     f"model.context_length={m.context_length}",
-                    f"raise {r}.mem_fraction, shard over more GPUs ({r}.tp), or lower "
-                    "model.context_length to what you serve",
+                    f"lower model.context_length to what you serve, shard over more GPUs "
+                    f"({r}.tp){raise_it}",
                 )
             )
     return out
