@@ -23,6 +23,7 @@ COMMANDS: tuple[str, ...] = (
     "plan",
     "recipes",
     "config",
+    "discover",
     "render",
     "launch",  # launch issue: pdtool/commands/{render,launch}.py
     "bench",
