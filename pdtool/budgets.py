@@ -73,9 +73,10 @@ class Budget:
         return self.limit_s is None or self.need_s <= self.limit_s
 
 
-def bench_timeout_s(benchmark_args: list[str]) -> float:
-    """The `--timeout` launcher.benchmark gives `pdtool bench` (its default when absent); the
-    arguments are checked by rules.benchmark, so a bad value reads as the default here."""
+def bench_timeout_s(benchmark_args: list[str]) -> float | None:
+    """The `--timeout` launcher.benchmark gives `pdtool bench` (None when absent: the job
+    picks `in_job_bench_timeout_s`); the arguments are checked by rules.benchmark, so a bad
+    value reads as absent here."""
     args = [str(a) for a in benchmark_args]
     for i, a in enumerate(args):
         value = a.split("=", 1)[1] if a.startswith("--timeout=") else (
@@ -85,7 +86,14 @@ def bench_timeout_s(benchmark_args: list[str]) -> float:
                 return float(value)
             except ValueError:
                 break
-    return BENCH_TIMEOUT_DEFAULT_S
+    return None
+
+
+def in_job_bench_timeout_s(cfg: Config) -> float:
+    """The in-job benchmark's --timeout when launcher.benchmark sets none: the bench default,
+    or the deployment's transfer budget when that is longer (a DeepSeek recipe keeps SGLang's
+    300 s timers: 600 s), so the client never gives up before the deployment would say why."""
+    return max(BENCH_TIMEOUT_DEFAULT_S, sum(s for _, s in transfer_parts(cfg)))
 
 
 def transfer_parts(cfg: Config) -> tuple[tuple[str, float], ...]:
@@ -122,9 +130,9 @@ def budgets(cfg: Config) -> list[Budget]:
             "client sees a bare timeout, and decode holds the request's pages until its own "
             "timer fires)",
             f"raise {REQUEST_KEY} to at least the sum, or lower the transfer timeouts"))
-        if lc.benchmark:
-            out.append(client_budget(cfg, bench_timeout_s(list(lc.benchmark)),
-                                     "launcher.benchmark"))
+        timeout = bench_timeout_s(list(lc.benchmark))
+        if lc.benchmark and timeout is not None:
+            out.append(client_budget(cfg, timeout, "launcher.benchmark"))
     if lc.kind == "slurm":
         limit = slurm_seconds(lc.time)
         lead = ("the stop signal's lead, 3 x launcher.stop_grace_s + 30 s",

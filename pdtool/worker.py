@@ -134,6 +134,16 @@ def check_node(expect: str | None) -> str:
     return actual
 
 
+def check_node_matches_plan(ctx: WorkerContext) -> None:
+    """GPUs, NICs, NUMA nodes and CPUs of this node against the plan's (pdtool.nodecheck),
+    before anything loads: a mismatch stops the job naming the preset key."""
+    from pdtool.nodecheck import node_problems
+
+    problems = node_problems(list(ctx.ranks), ctx.plan.cluster.device)
+    if problems:
+        raise WorkerError("this node does not match the plan:\n  - " + "\n  - ".join(problems))
+
+
 def worker_env(ctx: WorkerContext) -> dict[str, str]:
     """Environment for this process: its ranks' fabric variables plus its identity and NICs
     (`transfer.workerenv.worker_env`, the one writer of the worker environment)."""
@@ -388,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ctx = resolve(args)
         node = check_node(args.expect_node)
+        check_node_matches_plan(ctx)
         ctx.env = worker_env(ctx)
         os.environ.update(ctx.env)
         check_engine_version(ctx)

@@ -10,7 +10,13 @@ import sys
 import pytest
 from helpers.pdtool_cfg import compose
 
-from pdtool.budgets import bench_timeout_s, budgets, slurm_seconds, stop_lead_s
+from pdtool.budgets import (
+    bench_timeout_s,
+    budgets,
+    in_job_bench_timeout_s,
+    slurm_seconds,
+    stop_lead_s,
+)
 from pdtool.rules import validate
 
 
@@ -48,10 +54,13 @@ def test_the_in_job_benchmark_client_must_outwait_the_transfer():
     assert bench_timeout_s(list(cfg.launcher.benchmark)) == 100
     (err,) = _errors(cfg, "launcher.benchmark")
     assert "--timeout" in err.message and "transfer.connect_timeout_s" in err.message
-    # without --timeout the bench default (300 s) holds 120 + 60 s
+    # without --timeout the job picks one that outlasts the transfer timers: the bench
+    # default 300 s for 120 + 60 s; 600 s for a DeepSeek recipe's 300 + 300 s
     cfg = compose("+recipe=sglang-local", "launcher=slurm", 'launcher.benchmark=[--requests,"4"]')
-    assert bench_timeout_s(list(cfg.launcher.benchmark)) == 300
-    assert not _errors(cfg, "launcher.benchmark")
+    assert bench_timeout_s(list(cfg.launcher.benchmark)) is None
+    assert in_job_bench_timeout_s(cfg) == 300 and not _errors(cfg, "launcher.benchmark")
+    cfg = compose("+recipe=deepseek-r1", 'launcher.benchmark=[--requests,"4"]')
+    assert in_job_bench_timeout_s(cfg) == 600 and not _errors(cfg, "launcher.benchmark")
 
 
 def test_a_slurm_time_limit_holds_the_health_wait_and_the_stop():

@@ -61,7 +61,8 @@ def test_rendered_quoted_and_shellcheck_clean(tmp_path: Path) -> None:
     argv = shlex.split(line.split("then run_benchmark ", 1)[1].rsplit("; fi", 1)[0])
     assert argv == ["${PDTOOL_PYTHON}", "-m", "pdtool.cli", "bench", "--job", "${RUN_DIR}",
                     "--url", "http://${HOSTS[0]}:8000", "--out", "${LOG_DIR}/bench",
-                    "--isl", "32-64", "--slo", "ttft_ms=500"]
+                    # no --timeout given: the job's outlasts SGLang's 300 + 300 s timers
+                    "--timeout", "600", "--isl", "32-64", "--slo", "ttft_ms=500"]
     res = subprocess.run(["shellcheck", "-x", "-s", "bash", str(rendered.script)],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr

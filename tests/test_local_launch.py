@@ -271,7 +271,9 @@ def test_worker_execs_the_sglang_line_with_messenger_environment(tmp_path: Path,
     dumps = tmp_path / "dumps"
     dumps.mkdir()
     secret_file = rendered.out / "secret.key"
-    env = {**os.environ, "ARGV_DUMP_DIR": str(dumps), "PDTOOL_SECRET_FILE": str(secret_file)}
+    env = {**os.environ, "ARGV_DUMP_DIR": str(dumps), "PDTOOL_SECRET_FILE": str(secret_file),
+           # the node's GPUs as a Slurm step sees them (pdtool.nodecheck counts them)
+           "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     env.pop("PDTOOL_SECRET", None)
     p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)

@@ -32,7 +32,10 @@ def _worker(plan: Path, role: str = "decode", pythonpath: str = "",
             **env_vars: str) -> subprocess.CompletedProcess[str]:
     args = ["--role", role] + (["--instance", "0", "--node-rank", "0"] if role != "router"
                                else [])
-    env = {**os.environ, "PDTOOL_PREFLIGHT": "", **env_vars}
+    # the node's GPUs as a Slurm step sees them (pdtool.nodecheck counts them; this machine
+    # has none, and these tests are about what comes after that check)
+    env = {**os.environ, "PDTOOL_PREFLIGHT": "", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
+           **env_vars}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([pythonpath, env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-m", "pdtool.worker", "--plan", str(plan), *args],

@@ -29,6 +29,12 @@ class NodeTree:
     numa_cpus: list[str]
     switches: list[Switch]
 
+    def smi_text(self) -> str:
+        """What `nvidia-smi --query-gpu=index,name,memory.total,pci.bus_id --format=csv,
+        noheader,nounits` prints on this node."""
+        return "".join(f"{i}, {self.gpu_name}, {self.gpu_mib}, 00000000:{bus:02X}:00.0\n"
+                       for i, bus in sorted(g for sw in self.switches for g in sw.gpus))
+
     def write(self, root: Path, bindir: Path) -> None:
         sysfs = root / "sys"
         for n, cpus in enumerate(self.numa_cpus):
@@ -38,14 +44,12 @@ class NodeTree:
         smt = sysfs / "devices/system/cpu/smt"
         smt.mkdir(parents=True)
         (smt / "active").write_text("1\n")
-        smi = []
         for k, sw in enumerate(self.switches):
             host = f"pci0000:{k * 16:02x}"
             port = sysfs / "devices" / host / f"0000:{k * 16:02x}:01.0" / \
                 f"0000:{k * 16 + 1:02x}:00.0"
-            for j, (index, bus) in enumerate(sw.gpus):
+            for j, (_, bus) in enumerate(sw.gpus):
                 self._device(sysfs, port, j, bus, sw.numa)
-                smi.append(f"{index}, {self.gpu_name}, {self.gpu_mib}, 00000000:{bus:02X}:00.0")
             for j, (name, driver, bus, gbps, state, layer) in enumerate(sw.nics, len(sw.gpus)):
                 dev = self._device(sysfs, port, j, bus, sw.numa)
                 drv = sysfs / "bus/pci/drivers" / driver
@@ -59,7 +63,7 @@ class NodeTree:
                 (ib / "ports/1/link_layer").write_text(layer + "\n")
         bindir.mkdir(parents=True, exist_ok=True)
         smi_path = bindir / "nvidia-smi"
-        smi_path.write_text("#!/bin/sh\ncat <<'END'\n" + "\n".join(sorted(smi)) + "\nEND\n")
+        smi_path.write_text(f"#!/bin/sh\ncat <<'END'\n{self.smi_text()}END\n")
         smi_path.chmod(0o755)
 
     @staticmethod
