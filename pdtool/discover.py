@@ -102,7 +102,7 @@ def query_gpus() -> tuple[list[Gpu], str]:
     return gpus_from_smi(res.stdout), ""
 
 
-def pci_path(root: Path, device: Path) -> tuple[str, ...]:
+def pci_path(device: Path) -> tuple[str, ...]:
     """The PCIe path of a sysfs device folder, from its host bridge (pci0000:00) down."""
     parts = Path(os.path.realpath(device)).parts
     start = next((i for i in range(1, len(parts))
@@ -130,7 +130,7 @@ def read_nics(root: Path) -> list[Nic]:
         state = _read(port / "state").split(":")[-1].strip() or "unknown"
         out.append(Nic(d.name, _NIC_KINDS.get(driver, ""), driver, state,
                        _gbps(_read(port / "rate")), _read(port / "link_layer"), _numa(dev),
-                       pci_path(root, dev)))
+                       pci_path(dev)))
     return sorted(out, key=lambda n: n.path)  # bus order (mlx5_10 after mlx5_9)
 
 
@@ -157,7 +157,7 @@ def close(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
 def read_node(root: Path, gpus: list[Gpu], allowed: set[int] | None) -> Node:
     devices = root / "sys/bus/pci/devices"
     node = Node(gpus=gpus, gpu_numa=[_numa(devices / g.bdf) for g in gpus],
-                gpu_paths=[pci_path(root, devices / g.bdf) for g in gpus],
+                gpu_paths=[pci_path(devices / g.bdf) for g in gpus],
                 nics=read_nics(root), numa_cpus=read_numa_cpus(root, allowed))
     smt = _read(root / "sys/devices/system/cpu/smt/active")
     if smt:

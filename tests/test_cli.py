@@ -293,6 +293,17 @@ def test_a_gpu_preset_on_launcher_local_is_compared_with_this_machine(tmp_path):
     assert pdtool("validate", "+recipe=tiny-local").returncode == 0  # the local preset fits
 
 
+def test_a_model_folder_missing_on_this_machine_is_refused_before_launch(tmp_path):
+    """A local model.path that does not exist failed in every worker after it started; a Hub
+    id (org/name) is left to download."""
+    p = pdtool("validate", "+recipe=sglang-local", "model.path=/no/such/checkpoint", "--json")
+    found = {f["key"]: f for f in json.loads(p.stdout)["findings"]}
+    assert p.returncode == 1
+    assert found["model.path"]["message"] == "/no/such/checkpoint does not exist on this machine"
+    p = pdtool("validate", "+recipe=sglang-local", "model.path=org/some-model", "--json")
+    assert "model.path" not in {f["key"] for f in json.loads(p.stdout)["findings"]}
+
+
 @pytest.mark.slow
 def test_config_prints_the_resolved_config_and_every_key():
     import json

@@ -41,4 +41,10 @@ def host_findings(cfg: Config) -> list[Finding]:
                          f"cluster={c.name} binds workers to CPUs {compress_cpus(want)}; this "
                          f"machine lets pdtool use CPUs {compress_cpus(sorted(here))} "
                          f"({len(missing)} missing)", FIX))
+    path = cfg.model.path
+    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().exists():
+        # a folder, not a Hub id: every worker would fail to load it after starting
+        out.append(error("model.path", f"{path} does not exist on this machine",
+                         "point model.path at a checkpoint folder here, or give a Hugging Face "
+                         "Hub id (org/name) to download"))
     return out
