@@ -548,3 +548,15 @@ def test_container_model_path_must_be_mounted() -> None:
 
     cfg = recipe("deepseek-r1", "launcher.container_image=img", "model.path=/fsx/r1")
     assert_error(cfg, "model.path", "no launcher.container_mounts entry")
+
+
+def test_a_container_without_pdtool_is_warned() -> None:
+    from helpers.pdtool_cfg import assert_warning, findings_for, recipe
+
+    image = "launcher.container_image=lmsysorg/sglang:v0.5.23-cu129"
+    w = assert_warning(recipe("deepseek-r1", image), "launcher.setup",
+                       "neither launcher.setup nor launcher.container_mounts mentions pdtool")
+    assert "pip install /shared/wheels/pdtool.whl" in w.fix and "--no-deps" not in w.fix
+    assert findings_for(recipe("deepseek-r1", image,
+                               "launcher.setup=[pip install /fsx/wheels/pdtool.whl]"),
+                        "launcher.setup") == []

@@ -251,7 +251,24 @@ def check_container_model_path(cfg: Config) -> list[Finding]:
     )]
 
 
-ALL = (*ALL, check_container_model_path)
+def check_container_gets_pdtool(cfg: Config) -> list[Finding]:
+    """Every process step runs `python -m pdtool.worker` inside the image; unless the image
+    ships pdtool, launcher.setup installs it or a mount brings a virtualenv that has it."""
+    lc = cfg.launcher
+    if lc.kind != "slurm" or not lc.container_image:
+        return []
+    if any("pdtool" in s for s in [lc.container_image, *lc.setup, *lc.container_mounts]):
+        return []
+    return [warning(
+        "launcher.setup",
+        f"the workers run `python -m pdtool.worker` inside {lc.container_image}, and neither "
+        "launcher.setup nor launcher.container_mounts mentions pdtool: unless the image has "
+        "it, every step fails at once",
+        "add launcher.setup='[pip install /shared/wheels/pdtool.whl]' (with its dependencies), "
+        "or mount a virtualenv that has pdtool")]
+
+
+ALL = (*ALL, check_container_model_path, check_container_gets_pdtool)
 
 
 def check_transfer_backend(cfg: Config) -> list[Finding]:
