@@ -67,6 +67,13 @@ def is_local(path: str) -> bool:
                            or path.startswith(("/", "./", "../", "~")))
 
 
+def is_hub_id(path: str) -> bool:
+    """`model.path` is a Hugging Face Hub id (`org/name`), not a folder here nor a builtin."""
+    import re
+
+    return not is_local(path) and re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None
+
+
 def read_arch(path: str | Path) -> Arch:
     """The architecture of the checkpoint in `path`, or a CheckpointError naming the field."""
     folder = Path(path)

@@ -83,6 +83,7 @@ def script_text(cfg: Any, plan: Any, spec: LaunchSpec, run_dir: Path) -> str:
         "setup": spec.setup,
         "venv": lc.venv,
         "venv_activate": spec.venv_activate,
+        "fetch": spec.fetch,
         "procs": spec.procs,
         "router_procs": spec.router,
         "health": spec.health(),

@@ -221,6 +221,10 @@ class LauncherConfig:
     # site's partition, or a GPU option in sbatch_extra, gives them); steps inherit the job's
     gpu_directive: str = "gpus-per-node"
     mem: str = ""  # Slurm --mem when not exclusive
+    # a folder every node sees: with model.path a Hub id (org/name), the job downloads it
+    # there once (or finds it) and every worker reads it offline (HF_HOME, HF_HUB_OFFLINE=1:
+    # pdtool.launch.weights); "" lets each worker download it itself
+    model_cache: str = ""
     # variables that are secrets besides the secret-looking names (pdtool.launch.secrets):
     # they reach the processes through 0600 files, from launcher.env or the submitting shell
     secret_env: list[str] = field(default_factory=list)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers.hf_checkpoints import greedy
+from helpers.hf_checkpoints import greedy, hub_cache
 from helpers.sglang_servers import MAX_NEW, PROMPTS, Served, tokenize
 
 from pdtool.checkpoints import ensure
@@ -29,16 +29,25 @@ pytestmark = pytest.mark.sglang_servers
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, ...], list[int]]:
     """Each prompt's greedy tokens from the aggregated SGLang deployment, which must equal
-    transformers' on the same checkpoint."""
-    served = Served(tmp_path_factory.mktemp("aggregated"), "mode=aggregated",
-                    "decode.instances=1").start()
+    transformers' on the same checkpoint.
+
+    This deployment names the checkpoint as a Hub id, as sites do, with launcher.model_cache:
+    the cache holds it (laid out as a download leaves it) and the server reads it offline
+    (HF_HUB_OFFLINE=1 in its environment), so the tokens also show that SGLang loaded the
+    cached weights and tokenizer."""
+    folder = Path(ensure("builtin:tiny-llama"))
+    tmp = tmp_path_factory.mktemp("aggregated")
+    hub_cache(tmp / "hf-cache", "acme/tiny-llama", folder)
+    served = Served(tmp, "mode=aggregated", "decode.instances=1",
+                    "model.path=acme/tiny-llama", f"launcher.model_cache={tmp / 'hf-cache'}")
+    served.start()
     try:
         # each prompt, and its last token alone (what a decode without the prompt's KV sees)
         prompts = [*PROMPTS, tokenize(), *([p[-1]] for p in PROMPTS)]
         out = {tuple(p): served.generate(p) for p in prompts}
     finally:
         served.stop()
-    folder = Path(ensure("builtin:tiny-llama"))
+    assert "model weights found in" in served.output()
     for p in PROMPTS[:3]:
         assert out[tuple(p)] == greedy(folder, p, MAX_NEW)
     return out

@@ -213,6 +213,19 @@ class Supervisor:
                 r.popen.wait(timeout=5)
 
     # -- the run ---------------------------------------------------------------------------
+    def _fetch(self) -> None:
+        """launcher.model_cache: the Hub model fetched (or found) once, in this environment
+        (a gated model's HF_TOKEN is this shell's), before any worker starts."""
+        from pdtool.launch.weights import FetchError, fetch
+
+        model, cache = self.spec.weights
+        self.say(f"launcher.model_cache: {model} in {cache}")
+        try:
+            folder, downloaded = fetch(model, Path(cache))
+        except FetchError as e:
+            raise HealthFailure(f"launcher.model_cache: {e}", EXIT_DIED) from None
+        self.say(f"model weights {'downloaded into' if downloaded else 'found in'} {folder}")
+
     def _health(self, procs: list[Proc]) -> None:
         # preflight workers run no router: its worker list does not exist then
         urls = {p.name: (p.health if self.preflight else p.ready) or p.health for p in procs}
@@ -238,6 +251,8 @@ class Supervisor:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self.say(f"logs in {self.log_dir}")
             self.base_env = prelude_env(self.spec, self.run_dir)
+            if self.spec.weights and not self.preflight:
+                self._fetch()
             for p in self.spec.procs:
                 self.start(p)
             self._health(self.spec.procs)

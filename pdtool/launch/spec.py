@@ -27,6 +27,7 @@ from pdtool.launch.resources import describe_cpus, job_options, numactl_binding,
 from pdtool.launch.restart import group_of
 from pdtool.launch.sglang import router_argv, server_argv
 from pdtool.launch.shell import Var, Word, word
+from pdtool.launch.weights import cache_env, cached_model
 from pdtool.plan import InstancePlan, Plan, RankPlan
 from pdtool.schema import Config, LauncherConfig
 
@@ -101,6 +102,10 @@ class LaunchSpec:
     # run_local.sh and the supervisor alike)
     setup: list[str] = field(default_factory=list)
     venv_activate: str = ""
+    # launcher.model_cache: the one-off fetch of a Hub model before any worker starts, with
+    # the prefill role's secrets (a gated model's HF_TOKEN) when it has any ([]: none)
+    fetch: list[str | Word] = field(default_factory=list)
+    weights: tuple[str, str] | None = None  # (the Hub id, launcher.model_cache) it fetches
 
     def health(self) -> list[Word]:
         return [word(f"{p.name}=", *p.health.parts) for p in self.procs if p.health]
@@ -294,7 +299,8 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str,
             select = ["--node-rank", str(ranks[0].node_rank)]
             # on Slurm, srun binds the step to the same CPUs (resources.step_options)
             numa = numactl_binding(ranks) if launcher == "local" else []
-            env = {**_common_env(ranks), **timer_env(cfg), **backend_env(cfg), **env_user}
+            env = {**_common_env(ranks), **timer_env(cfg), **backend_env(cfg),
+                   **cache_env(cfg), **env_user}
         else:
             p.engine_argv = []
             select = ["--rank", str(ranks[0].rank)]
@@ -390,8 +396,13 @@ def build_launch(cfg: Config, plan: Plan, run_dir: str,
     for i, line in enumerate(lc.setup):
         if "\n" in line or "\r" in line:
             raise LaunchError(f"launcher.setup.{i}: one shell line per entry, no line breaks")
+    model = cached_model(cfg)
+    fetch: list[str | Word] = [] if model is None else [
+        *(secrets.wrapper(RUN_DIR, "prefill") if "prefill" in secret_roles else []),
+        Var("PDTOOL_PYTHON"), "-m", "pdtool.launch.weights", "--cache", lc.model_cache, model]
     return LaunchSpec(launcher=launcher, engine=cfg.engine.kind, python=cfg.engine.python,
-                      procs=procs, router=[router], job=job,
+                      procs=procs, router=[router], job=job, fetch=fetch,
+                      weights=None if model is None else (model, lc.model_cache),
                       router_url=word("http://", host(plan.router.node), f":{plan.router.port}"),
                       setup=list(lc.setup),
                       venv_activate=str(Path(lc.venv) / "bin" / "activate") if lc.venv else "")

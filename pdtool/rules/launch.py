@@ -234,14 +234,25 @@ ALL = (*ALL, check_cross_node_loopback, check_shared_host_nic, check_multi_node_
        check_deepep_on_efa)
 
 
+def _mounted(path: str, mounts: list[str], same_path: bool = False) -> bool:
+    """Whether a `launcher.container_mounts` entry (SRC[:DST[:FLAGS]]) puts `path` in the
+    container; with `same_path`, at the host's own path."""
+    for m in mounts:
+        src, _, rest = m.partition(":")
+        dest = rest.split(":")[0] if rest else src
+        if (path == dest or path.startswith(dest.rstrip("/") + "/")) and (
+                not same_path or src.rstrip("/") == dest.rstrip("/")):
+            return True
+    return False
+
+
 def check_container_model_path(cfg: Config) -> list[Finding]:
     """A model folder on the host must be mounted into the container to be loaded there."""
     lc = cfg.launcher
     path = cfg.model.path
     if lc.kind != "slurm" or not lc.container_image or not path.startswith("/"):
         return []
-    dests = [m.split(":")[1] if m.count(":") >= 1 else m for m in lc.container_mounts]
-    if any(path == d or path.startswith(d.rstrip("/") + "/") for d in dests):
+    if _mounted(path, lc.container_mounts):
         return []
     return [error(
         "model.path",
@@ -249,6 +260,51 @@ def check_container_model_path(cfg: Config) -> list[Finding]:
         "container, where the engine loads it",
         f"add a mount such as '{path}:{path}:ro' to launcher.container_mounts",
     )]
+
+
+#: Hub organisations whose checkpoints ask each user to accept terms (a token is needed)
+GATED_ORGS = ("meta-llama", "google", "mistralai")
+
+
+def check_model_cache(cfg: Config) -> list[Finding]:
+    """launcher.model_cache is a folder every node sees, for a Hub model SGLang loads."""
+    from pdtool.arch import is_hub_id
+
+    cache = cfg.launcher.model_cache
+    if not cache:
+        return []
+    if not cache.startswith("/"):
+        return [error("launcher.model_cache", f"{cache!r} is not an absolute folder path",
+                      "give a folder on a filesystem every node mounts, e.g. "
+                      "launcher.model_cache=/fsx/hf-cache")]
+    if cfg.engine.kind != "sglang":
+        return [error("launcher.model_cache", "the reference engine downloads nothing (a Hub "
+                      "id builds its random-weight model): nothing would read the cache",
+                      "download the checkpoint to a folder and set model.path to it, or drop "
+                      "launcher.model_cache")]
+    lc = cfg.launcher
+    if lc.kind == "slurm" and lc.container_image and not _mounted(
+            cache, lc.container_mounts, same_path=True):
+        return [error("launcher.model_cache",
+                      f"{cache} is filled by the batch shell on the host, but no "
+                      "launcher.container_mounts entry puts it at the same path in the "
+                      "container, where the workers read it (HF_HOME)",
+                      f"add '{cache}:{cache}' to launcher.container_mounts")]
+    org = cfg.model.path.split("/")[0]
+    token = "HF_TOKEN" in lc.secret_env or "HF_TOKEN" in {**lc.env.all, **lc.env.prefill}
+    if org in GATED_ORGS and not token:
+        return [warning("launcher.model_cache",
+                        f"{cfg.model.path}: {org}'s models are gated on the Hub, and the job "
+                        "has no HF_TOKEN to fetch it with",
+                        "export HF_TOKEN in the shell that submits and add "
+                        "launcher.secret_env=[HF_TOKEN] (it reaches the job through a 0600 "
+                        "file), or fetch it into the cache beforehand")]
+    if not is_hub_id(cfg.model.path):
+        return [warning("launcher.model_cache",
+                        f"model.path={cfg.model.path!r} is not a Hub id (org/name): there is "
+                        "nothing to fetch, and the workers load the folder as given",
+                        "drop launcher.model_cache, or set model.path to the Hub id")]
+    return []
 
 
 def check_container_gets_pdtool(cfg: Config) -> list[Finding]:
@@ -268,7 +324,7 @@ def check_container_gets_pdtool(cfg: Config) -> list[Finding]:
         "or mount a virtualenv that has pdtool")]
 
 
-ALL = (*ALL, check_container_model_path, check_container_gets_pdtool)
+ALL = (*ALL, check_container_model_path, check_container_gets_pdtool, check_model_cache)
 
 
 def check_transfer_backend(cfg: Config) -> list[Finding]:

@@ -61,3 +61,17 @@ def deployment(folder: Path | None, tmp: Path, prefill_tp: int = 1, decode_tp: i
     dep = Deployment(specs, tmp)
     dep.start()
     return dep, f"http://127.0.0.1:{f_http}", [f"http://127.0.0.1:{u}" for u in (p_http, d_http)]
+
+
+def hub_cache(cache: Path, model: str, folder: Path, commit: str = "0" * 40) -> Path:
+    """`folder`'s files as the Hugging Face cache under `cache` (HF_HOME) holds model `model`
+    after a download: hub/models--ORG--NAME with refs/main naming the snapshot. Returns the
+    snapshot folder."""
+    import shutil
+
+    repo = cache / "hub" / ("models--" + model.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(folder, snapshot)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
