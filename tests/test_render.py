@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers.pdtool_cfg import recipe_args
+from helpers.rendered import check_script, launcher_overrides
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,42 +20,9 @@ from pdtool.compose import load_config, recipe_files
 from pdtool.launch.shell import Var, q, word, words
 from pdtool.plan import build_plan, compress_cpus, expand_cpus, from_json
 from pdtool.render import SECRET_NAME, render, write_job_folder
-from pdtool.schema import gpus_per_instance
 
 HERE = Path(__file__).parent
 RECIPES = sorted(recipe_files())
-
-
-def launcher_overrides(recipe: str, launcher: str) -> list[str]:
-    """Overrides that make a recipe fit the launcher: Slurm gets enough nodes; the local launcher
-    gets one machine with every GPU the deployment needs (a GPU recipe does not fit 8 GPUs)."""
-    args = [f"+recipe={recipe}", *recipe_args(recipe)]
-    cfg, findings = load_config(args)
-    assert cfg is not None, findings
-    if launcher == "slurm":
-        # shm cannot cross nodes: the one-machine recipes use TCP over the cluster network
-        # (over loopback: every rendered "node" is this machine)
-        net = ["transfer=tcp", "cluster.one_host=true"] if cfg.transfer.provider == "shm" else []
-        return [*args, "launcher=slurm", "cluster.nodes=16", *net]
-    need = sum(gpus_per_instance(cfg.prefill if r == "prefill" else cfg.decode) *
-               (cfg.prefill if r == "prefill" else cfg.decode).instances
-               for r in ("prefill", "decode"))
-    over = [*args, "launcher=local"]
-    if need > cfg.cluster.gpus_per_node:
-        numa = cfg.cluster.gpu_numa or [0]
-        per = max(1, need // max(1, len(set(numa))))
-        gpu_numa = [min(g // per, max(numa)) for g in range(need)]
-        over += [f"cluster.gpus_per_node={need}",
-                 "cluster.gpu_numa=[" + ",".join(map(str, gpu_numa)) + "]"]
-    return over
-
-
-def check_script(path: Path) -> None:
-    res = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    res = subprocess.run(["shellcheck", "-x", "-s", "bash", str(path)],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout + res.stderr
 
 
 @pytest.mark.parametrize("launcher", ["local", "slurm"])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers.hf_checkpoints import hub_cache
 from helpers.pdtool_cfg import assert_error, assert_warning, findings_for, recipe
-from test_render import check_script, launcher_overrides
+from helpers.rendered import check_script, launcher_overrides
 
 from pdtool.checkpoints import ensure
 from pdtool.launch.weights import FetchError, fetch
