@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdtool import __version__
+from pdtool import __version__, fabric_check
 from pdtool.launch import secrets as secret_env_files
 from pdtool.launch.benchmark import benchmark_argv
 from pdtool.launch.shell import Var, Word, q, words
@@ -84,6 +84,7 @@ def script_text(cfg: Any, plan: Any, spec: LaunchSpec, run_dir: Path) -> str:
         "venv": lc.venv,
         "venv_activate": spec.venv_activate,
         "fetch": spec.fetch,
+        "fabric_check_dir": fabric_check.FOLDER,
         "procs": spec.procs,
         "router_procs": spec.router,
         "health": spec.health(),

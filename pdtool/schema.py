@@ -182,6 +182,13 @@ class TransferConfig:
     # `pdtool`, transfer.sglang.BACKEND_NAME), or SGLang's own mooncake / nixl backends on the
     # plan's per-GPU NICs
     backend: str = "pdtool"
+    # `pdtool launch --preflight`: each prefill rank writes this many MiB to every decode rank
+    # it may send KV to, over each NIC pair, before the run reports healthy (0: no fabric
+    # check; pdtool.fabric_check, docs/fabric-check.md)
+    preflight_mib: int = 256
+    # a NIC pair measured under this many Gbit/s stops the preflight, naming the pair; -1: a
+    # quarter of the slower NIC's `cluster.nics` gbps (no floor where that is 0); 0: report only
+    preflight_min_gbps: float = -1.0
 
 
 @dataclass

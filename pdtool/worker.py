@@ -318,7 +318,16 @@ def run_preflight(ctx: WorkerContext) -> int:
     """The worker's own start-up path without an engine (`pdtool launch --preflight`): once
     plan, rank, NIC and environment are resolved, serve `GET /health` on this process's port
     (instance head or router) and stay up until SIGTERM/SIGINT. Checks a cluster's placement,
-    ports and reachability in seconds, before loading a large model."""
+    ports and reachability in seconds, before loading a large model; with the fabric check
+    (pdtool.fabric_check) the KV bandwidth of every NIC pair too, before health is served."""
+    from pdtool import fabric_check
+    from transfer.fabric import FabricError
+    from transfer.sglang.rails import RailError
+
+    try:
+        fabric_check.run(ctx, lambda msg: print(f"pdtool-worker: {msg}", flush=True))
+    except (fabric_check.FabricCheckError, FabricError, RailError) as e:
+        raise WorkerError(f"fabric check: {e}") from None
     return serve_health_until_stopped(ctx)
 
 

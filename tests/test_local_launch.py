@@ -238,6 +238,10 @@ def test_worker_sets_fabric_environment_and_serves_health(plan_file: Path) -> No
         assert fields["FI_PROVIDER"] == "shm" and fields["port"] == "27610"
         assert fields["gpu_memory"] == "host"  # reference engine: KV in host memory
         assert "preflight" in p.stdout.readline()
+        # its landing buffer for the fabric check is published before health (no prefill
+        # runs here: it does not wait for one)
+        assert "fabric check: decode-0 rank 0 waits for 1 prefill rank(s) on shm" in \
+            p.stdout.readline()
         assert "healthy" in p.stdout.readline()
         assert health(27610)["role"] == "decode"
         p.send_signal(signal.SIGTERM)

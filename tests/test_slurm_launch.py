@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from pdtool import fabric_check
 from pdtool.plan import from_json
 
 #: prefill TP2 spans nodes 0-1 (one "GPU" per node), decode instances on nodes 2 and 3
@@ -104,6 +105,12 @@ def test_job_places_each_role_on_its_node_group(engine: str, slurm, tmp_path: Pa
     assert lines[decode]["nics"] == "lo"
     assert lines[decode]["FI_PROVIDER"] == "-"  # tcp;ofi_rxm: provider via PDTOOL_*
     assert "deployment ready" in batch and f"healthy: {decode}" in batch
+    # the fabric check: each prefill rank (nodes 0 and 1) wrote into both decode instances
+    # (nodes 2 and 3) before any of them reported healthy, through the job folder
+    rows = fabric_check.results(out)
+    assert sorted((r["src"], r["dst"]) for r in rows) == sorted(
+        (f"prefill-0 rank {p}", f"decode-{d} rank 0") for p in (0, 1) for d in (0, 1)), batch
+    assert all(r["gbps"] > 0 and r["src_nic"] == r["dst_nic"] == "lo" for r in rows)
     assert "stopping after a healthy start" in batch
     assert not (out.parent / "elsewhere").exists()
     # stopped with SIGTERM (scancel --signal), not killed: every worker says so

@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from pdtool import fabric_check
 from pdtool.launch import record
 from pdtool.launch.health import (
     EXIT_DIED,
@@ -253,9 +255,15 @@ class Supervisor:
             self.base_env = prelude_env(self.spec, self.run_dir)
             if self.spec.weights and not self.preflight:
                 self._fetch()
+            if self.preflight:  # this run's fabric check measures afresh
+                shutil.rmtree(self.run_dir / fabric_check.FOLDER, ignore_errors=True)
             for p in self.spec.procs:
                 self.start(p)
             self._health(self.spec.procs)
+            if self.preflight:
+                for r in fabric_check.results(self.run_dir):
+                    self.say(f"fabric check: {r['src']} ({r['src_nic']}) -> {r['dst']} "
+                             f"({r['dst_nic']}): {r['gbps']:g} Gbit/s")
             for p in self.spec.router:
                 self.start(p)
             self._health(self.spec.router)

@@ -161,6 +161,11 @@ class TransferPlan:
     backend: str = "pdtool"  # transfer.backend: SGLang's own (mooncake, nixl) register GPU
     # memory themselves, so transfer.gpu_memory is pdtool's backend's only
     draft: str = ""  # the speculative draft's own KV in the counts (routes.draft_summary)
+    # the fabric check of preflight runs (pdtool.fabric_check): MiB per NIC pair (0: none),
+    # its floor in Gbit/s (-1: a quarter of the slower link) and each NIC's link speed
+    preflight_mib: int = 0
+    preflight_min_gbps: float = -1.0
+    nic_gbps: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -282,4 +282,7 @@ def transfer_plan(cfg: Config, tokens: int) -> TransferPlan:
         routes=route_plans(cfg, tokens),
         summary=route_summary(cfg),
         draft=draft_summary(cfg),
+        preflight_mib=tr.preflight_mib,
+        preflight_min_gbps=tr.preflight_min_gbps,
+        nic_gbps={n.name: n.gbps for n in cfg.cluster.nics},
     )

@@ -254,6 +254,10 @@ def check_roles(cfg: Config) -> list[Finding]:
     return out
 
 
+#: the fabric check's landing buffer is host memory on every decode rank
+MAX_PREFLIGHT_MIB = 4096
+
+
 def check_transfer(cfg: Config) -> list[Finding]:
     t = cfg.transfer
     out = _choice("transfer.provider", t.provider, PROVIDERS)
@@ -267,6 +271,14 @@ def check_transfer(cfg: Config) -> list[Finding]:
         v = getattr(t, name)
         if v <= 0:
             out.append(error(f"transfer.{name}", f"must be > 0, got {v}", f"set transfer.{name}"))
+    if not 0 <= t.preflight_mib <= MAX_PREFLIGHT_MIB:
+        out.append(error("transfer.preflight_mib", f"MiB written per NIC pair by the fabric "
+                         f"check must be 0 (none) to {MAX_PREFLIGHT_MIB}, got {t.preflight_mib}",
+                         "set transfer.preflight_mib=256 (a few hundred MiB runs at link speed)"))
+    if t.preflight_min_gbps < 0 and t.preflight_min_gbps != -1:
+        out.append(error("transfer.preflight_min_gbps", f"must be -1 (a quarter of the link "
+                         f"speed), 0 (report only) or a floor in Gbit/s, got "
+                         f"{t.preflight_min_gbps}", "set transfer.preflight_min_gbps=-1"))
     if 0 < t.peer_timeout_s <= t.heartbeat_s:
         out.append(error("transfer.peer_timeout_s",
                          f"{t.peer_timeout_s} s is not longer than transfer.heartbeat_s "
