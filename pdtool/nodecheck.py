@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pdtool.discover import gpus_from_smi, query_gpus, read_nics
-from pdtool.plan import compress_cpus, expand_cpus
+from pdtool.plan import compress_cpus, cpu_share, expand_cpus
 
 _FIX = "set it from the node (`pdtool discover`)"
 
@@ -92,11 +92,44 @@ def gpu_problems(ranks: list[Any], root: Path, smi_text: str | None = None) -> l
     return out
 
 
-def node_problems(ranks: list[Any], device: str, root: Path = Path("/"),
-                  allowed: set[int] | None = None) -> list[str]:
-    """Every way this node differs from what the plan says of these ranks."""
+def cpus_from_node(plan: Any, ranks: list[Any], root: Path = Path("/"),
+                   allowed: set[int] | None = None) -> tuple[list[int], list[str]]:
+    """The CPUs these ranks take on this node, read from the node rather than the preset:
+    each rank's share (`cpu_share`, as the plan shares the preset's lists) of the CPUs of its
+    NUMA node (sysfs) that this process may use, the share counted among the plan's ranks on
+    that NUMA node of this allocation node. Without sysfs NUMA nodes, the plan's lists within
+    the allowed set. Returns (CPUs, problems)."""
     allowed = set(os.sched_getaffinity(0)) if allowed is None else allowed
-    out = cpu_problems(ranks, allowed) + nic_problems(ranks, root) + numa_problems(ranks, root)
+    here = sorted({(r.numa, r.gpu) for i in plan.instances for r in i.ranks
+                   if r.node == ranks[0].node})
+    base = root / "sys/devices/system/node"
+    cpus: set[int] = set()
+    problems = []
+    for r in ranks:
+        listed = base / f"node{r.numa}" / "cpulist"
+        if not listed.exists():
+            cpus.update(c for c in expand_cpus(r.cpus or "") if c in allowed)
+            continue
+        blocks = [[c for c in expand_cpus(b) if c in allowed]
+                  for b in listed.read_text().strip().split(",") if b.strip()]
+        blocks = [b for b in blocks if b]
+        if not blocks:
+            problems.append(f"rank {r.rank}: NUMA node {r.numa} has no CPU this process may "
+                            f"use (it may use {compress_cpus(sorted(allowed))}): "
+                            f"cluster.gpu_numa; {_FIX}")
+            continue
+        peers = [g for numa, g in here if numa == r.numa]
+        cpus.update(cpu_share(blocks, len(peers), peers.index(r.gpu)))
+    return sorted(cpus), problems
+
+
+def node_problems(ranks: list[Any], device: str, root: Path = Path("/"),
+                  allowed: set[int] | None = None, check_plan_cpus: bool = True) -> list[str]:
+    """Every way this node differs from what the plan says of these ranks (the plan's CPU
+    lists are not compared when the worker takes its CPUs from the node)."""
+    allowed = set(os.sched_getaffinity(0)) if allowed is None else allowed
+    out = cpu_problems(ranks, allowed) if check_plan_cpus else []
+    out += nic_problems(ranks, root) + numa_problems(ranks, root)
     if device == "cuda":
         out += gpu_problems(ranks, root)
     return out

@@ -136,12 +136,27 @@ def check_node(expect: str | None) -> str:
 
 def check_node_matches_plan(ctx: WorkerContext) -> None:
     """GPUs, NICs, NUMA nodes and CPUs of this node against the plan's (pdtool.nodecheck),
-    before anything loads: a mismatch stops the job naming the preset key."""
-    from pdtool.nodecheck import node_problems
+    before anything loads: a mismatch stops the job naming the preset key. On an exclusive
+    Slurm node (PDTOOL_CPUS_FROM_NODE) the worker then binds itself, and so the engine it
+    starts, to its share of the node's own CPUs."""
+    from pdtool.nodecheck import cpus_from_node, node_problems
+    from pdtool.plan import compress_cpus, expand_cpus
 
-    problems = node_problems(list(ctx.ranks), ctx.plan.cluster.device)
+    from_node = workerenv.flag(workerenv.CPUS_FROM_NODE) and bool(ctx.ranks)
+    problems = node_problems(list(ctx.ranks), ctx.plan.cluster.device,
+                             check_plan_cpus=not from_node)
+    cpus: list[int] = []
+    if from_node:
+        cpus, more = cpus_from_node(ctx.plan, list(ctx.ranks))
+        problems += more
     if problems:
         raise WorkerError("this node does not match the plan:\n  - " + "\n  - ".join(problems))
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+        bound = compress_cpus(sorted(os.sched_getaffinity(0)))
+        print(f"pdtool-worker: CPUs from the node: {bound} (the preset gave "
+              f"{compress_cpus([c for r in ctx.ranks for c in expand_cpus(r.cpus)]) or 'none'})",
+              flush=True)
 
 
 def worker_env(ctx: WorkerContext) -> dict[str, str]:

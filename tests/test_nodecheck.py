@@ -10,9 +10,17 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from helpers.node_trees import dgx_h100
+from helpers.node_trees import dgx_h100, p5
+from helpers.pdtool_cfg import recipe
 
-from pdtool.nodecheck import cpu_problems, gpu_problems, nic_problems, numa_problems
+from pdtool.nodecheck import (
+    cpu_problems,
+    cpus_from_node,
+    gpu_problems,
+    nic_problems,
+    numa_problems,
+)
+from pdtool.plan import build_plan, compress_cpus
 
 
 def _rank(rank: int, gpu: int, nics: tuple[str, ...], kind: str, numa: int = 0,
@@ -53,6 +61,34 @@ def test_gpus_numa_nodes_and_cpus_against_the_plan(tmp_path: Path, monkeypatch) 
         "rank 0: NUMA node 2 is not on this node (it has [0, 1])")
     (p,) = cpu_problems([_rank(0, 0, (), "", cpus="0-3,8")], {0, 1, 2})
     assert "CPUs 3,8 of its plan list 0-3,8 are not this process's (it may use 0-2)" in p
+
+
+def test_an_exclusive_slurm_worker_takes_its_share_of_the_nodes_own_cpus(
+        tmp_path: Path) -> None:
+    """The p5 preset lists 192 CPUs (SMT on); this p5 has SMT off, and Slurm keeps 4 cores of
+    NUMA 0 for itself (CoreSpecCount): each rank takes its share of what the node has."""
+    tree = p5()
+    tree.numa_cpus = ["0-47", "48-95"]
+    root = tmp_path / "root"
+    tree.write(root, tmp_path / "bin")
+    plan = build_plan(recipe("llama-3.1-70b", "launcher=slurm", "cluster.nodes=16"))
+    (prefill,) = plan.role_instances("prefill")
+    by_gpu = {r.gpu: r for r in prefill.ranks}
+    assert by_gpu[0].cpus == "0-11,96-107"  # the preset's forecast
+    cpus, problems = cpus_from_node(plan, [by_gpu[0]], root, allowed=set(range(96)))
+    assert compress_cpus(cpus) == "0-11" and problems == []
+    cpus, _ = cpus_from_node(plan, [by_gpu[5]], root, allowed=set(range(96)))
+    assert compress_cpus(cpus) == "60-71"  # NUMA 1, its second of four GPUs
+    allowed = set(range(4, 96))
+    shares = [compress_cpus(cpus_from_node(plan, [by_gpu[g]], root, allowed)[0])
+              for g in range(4)]
+    assert shares == ["4-14", "15-25", "26-36", "37-47"]  # 44 cores, 11 each
+    # an SGLang process drives all eight: the union
+    cpus, _ = cpus_from_node(plan, list(prefill.ranks), root, allowed)
+    assert compress_cpus(cpus) == "4-95"
+    _, (p,) = cpus_from_node(plan, [by_gpu[0]], root, allowed=set(range(48, 96)))
+    assert p.startswith("rank 0: NUMA node 0 has no CPU this process may use (it may use "
+                        "48-95)")
 
 
 def test_a_launch_on_a_node_without_the_presets_nic_stops_naming_it(tmp_path: Path) -> None:

@@ -267,20 +267,24 @@ def test_a_gpu_option_in_sbatch_extra_beside_the_directive_is_refused() -> None:
     assert warn.severity == "warning" and "asks for no GPUs" in warn.message
 
 
-def test_exclusive_steps_bind_to_their_ranks_cpus(tmp_path: Path) -> None:
+def test_exclusive_steps_take_the_nodes_cpus_not_the_presets(tmp_path: Path) -> None:
+    """An exclusive step holds every CPU of its node, however many (the preset's 192 is never
+    asked), and its worker binds itself to its share of them (PDTOOL_CPUS_FROM_NODE; the
+    emulated cluster checks the binding in tests/test_slurm_launch.py)."""
     rendered, findings = render(launcher_overrides("llama-3.1-70b", "slurm"), tmp_path / "job")
     assert rendered is not None, findings
     head = sbatch_header(rendered.script)
     assert {"--exclusive", "--mem=0", "--gpus-per-node=8", "--ntasks-per-node=1"} <= set(head)
-    plan = rendered.plan
-    for p in rendered.spec.procs:
-        ranks = [r for i in plan.instances if i.role == p.role and i.index == p.instance
-                 for r in i.ranks if r.rank in p.ranks]
-        mask = sum(1 << c for r in ranks for c in expand_cpus(r.cpus))
-        assert f"--cpu-bind=mask_cpu:{hex(mask)}" in p.argv
-        assert "--cpus-per-task=192" in p.argv  # the step holds the node's CPUs
-    (router,) = rendered.spec.router
-    assert "--cpu-bind=none" in router.argv
+    for p in [*rendered.spec.procs, *rendered.spec.router]:
+        assert {"--whole", "--cpu-bind=none"} <= set(p.argv), p.name
+        assert not [a for a in p.argv if str(a).startswith(("--cpus-per-task", "--physcpubind"))]
+        assert ("PDTOOL_CPUS_FROM_NODE=1" in p.argv) == (p.role != "router")
+    # the reference engine keeps numactl for memory only
+    rendered, _ = render([*launcher_overrides("tiny-local", "slurm")], tmp_path / "ref")
+    assert {a for p in rendered.spec.procs for a in p.argv
+            if str(a).startswith("--membind")} == {"--membind=0"}
+    assert not [a for p in rendered.spec.procs for a in p.argv
+                if str(a).startswith("--physcpubind")]
 
 
 def test_local_per_node_processes_are_bound_to_their_ranks_cpus(tmp_path: Path) -> None:

@@ -165,8 +165,9 @@ def test_each_step_sees_its_gpus_and_cpus(slurm, tmp_path: Path, directive, extr
                                           asks) -> None:
     """From inside every step: the job's GPUs of its node (Slurm's GRES environment: a step
     asks none and inherits the job's, however the job asked: launcher.gpu_directive, or the
-    site's option in sbatch_extra), and a CPU mask equal to the CPUs the plan gave its ranks
-    (task/affinity applied --cpu-bind)."""
+    site's option in sbatch_extra), every CPU of its node (the preset here describes a node of
+    192 CPUs, this one has 2: the job asks for none by count), and each worker bound to its
+    ranks' share of the node's own CPUs."""
     from helpers.slurm_cluster import GPUS_PER_NODE, NODE_MEMORY_MB
 
     assert asks.endswith(str(GPUS_PER_NODE))
@@ -179,7 +180,7 @@ def test_each_step_sees_its_gpus_and_cpus(slurm, tmp_path: Path, directive, extr
          f"+launcher.env.all.STEP_PROBE_DIR={probes}", "launcher.job_name=pdtool-gpus",
          f"launcher.gpu_directive={directive}",
          f"launcher.sbatch_extra=[{','.join(repr(e) for e in extra)}]",
-         "--out", str(out), "--preflight", "--exit-when-healthy"],
+         "cluster.numa_cpus=[0-191]", "--out", str(out), "--preflight", "--exit-when-healthy"],
         env=slurm.env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     job = re.search(r"submitted job (\d+)", res.stdout).group(1)
@@ -196,14 +197,9 @@ def test_each_step_sees_its_gpus_and_cpus(slurm, tmp_path: Path, directive, extr
     tres = dict(kv.split("=", 1) for kv in re.search(r"\bTRES=(\S+)", shown).group(1).split(","))
     assert tres["mem"] == f"{NODE_MEMORY_MB * plan.nodes}M"
     assert f"TresPerNode=gres:gpu:{GPUS_PER_NODE}" in shown
-    want_cpus = {}
-    for inst in plan.instances:
-        by_node: dict[int, set[str]] = {}
-        for r in inst.ranks:
-            by_node.setdefault(r.node_rank, set()).add(r.cpus)
-        for k, cpus in by_node.items():
-            want_cpus[f"{inst.name}.n{k}"] = ",".join(sorted(cpus))
-    assert want_cpus == {"prefill-0.n0": "0,1", "decode-0.n0": "0", "decode-1.n0": "1"}
+    # the plan's forecast from the preset; the node has 2 CPUs on its one NUMA node
+    assert {r.cpus for i in plan.instances for r in i.ranks} == {"0-95", "96-191"}
+    want_cpus = {"prefill-0.n0": "0-1", "decode-0.n0": "0", "decode-1.n0": "1"}
     seen = {}
     for f in probes.glob("*.json"):
         rec = json.loads(f.read_text())
@@ -224,8 +220,9 @@ def test_each_step_sees_its_gpus_and_cpus(slurm, tmp_path: Path, directive, extr
         # every GPU of the node, so the plan's GPU ids are the CUDA ordinals (--base-gpu-id)
         assert env["CUDA_VISIBLE_DEVICES"] == "0,1", name
         assert env["SLURM_STEP_GPUS"] == "0,1", name
-        want = {"0,1": "0-1"}.get(want_cpus[name], want_cpus[name])
-        assert rec["cpus_allowed"] == want, f"{name}: bound to {rec['cpus_allowed']}"
+        assert rec["cpus_allowed"] == "0-1", name  # the step holds the whole node
+        log = (out / "logs" / job / f"{name}.log").read_text()
+        assert f"pdtool-worker: CPUs from the node: {want_cpus[name]} (the preset gave " in log
 
 
 def submit_running(slurm, out: Path, *extra: str) -> str:

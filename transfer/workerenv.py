@@ -18,6 +18,7 @@ This module is in `transfer/` because the SGLang backend and the messenger read 
     PDTOOL_SECRET_FILE        the 0600 per-deployment secret file (control-plane HMAC key)
     PDTOOL_HOSTS              the allocation's node addresses, space separated, by node index
     PDTOOL_PREFLIGHT          "1": workers serve /health without starting the engine
+    PDTOOL_CPUS_FROM_NODE     "1": the worker binds itself to its share of the node's CPUs
     PDTOOL_EXIT_WHEN_HEALTHY  "1": the job ends once every process is healthy (script only)
   identity (pdtool.worker, from its arguments or Slurm's task variables):
     PDTOOL_PLAN               the plan.json this process runs from
@@ -90,6 +91,10 @@ PREFLIGHT = Var("PDTOOL_PREFLIGHT", "job script (its --preflight argument), pdto
                 "pdtool.worker",
                 '"1": every worker resolves plan, rank and NIC and serves /health, without '
                 "starting the engine")
+CPUS_FROM_NODE = Var("PDTOOL_CPUS_FROM_NODE", "job script (exclusive Slurm steps)", "pdtool.worker",
+                     '"1": the worker binds itself to its share of the node\'s own CPUs '
+                     "(pdtool.nodecheck.cpus_from_node) instead of the preset's lists, which "
+                     "srun's --cpu-bind would take")
 EXIT_WHEN_HEALTHY = Var("PDTOOL_EXIT_WHEN_HEALTHY",
                         "job script (its --exit-when-healthy argument)", "job script",
                         '"1": the job stops once every process answered /health (a variable of '
@@ -162,7 +167,7 @@ HOPS = Var("PDTOOL_HOPS", "bench/ttft_hops.py", "bench/hops/sitecustomize.py",
            "(the TTFT hop profiler's hooks, loaded through PYTHONPATH)")
 
 VARIABLES: tuple[Var, ...] = (
-    RUN_DIR, PYTHON, SECRET_FILE, HOSTS, PREFLIGHT, EXIT_WHEN_HEALTHY,
+    RUN_DIR, PYTHON, SECRET_FILE, HOSTS, PREFLIGHT, CPUS_FROM_NODE, EXIT_WHEN_HEALTHY,
     PLAN, ROLE, INSTANCE, RANK, NODE_RANK,
     FI_PROVIDER, FI_DOMAIN, NICS, GPU_MEMORY, DRAFT_LAYERS, LAYER_STREAM,
     SECRET, CONTROL_FAULTS, REFERENCE_ALLOW_FAULTS, REFERENCE_CORRUPT_PAGE, HOPS,

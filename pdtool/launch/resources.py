@@ -14,9 +14,10 @@ Pure functions of the config and plan. The shape (docs/slurm.md, "The job's shap
   (it asks for none itself: a step inherits the job's), so the plan's GPU ids are CUDA
   ordinals on every site, with or without device cgroups (SGLang picks its GPUs with
   `--base-gpu-id` and indexes `--numa-node` by that absolute id);
-* on an exclusive node a step takes the node's CPUs and binds its task to the CPUs the plan
-  gave its ranks (`--cpu-bind=mask_cpu:`; Slurm refuses a mask outside the step's CPUs, so
-  the step must hold them all); on a shared node Slurm chose which CPUs the job has, so a step
+* on an exclusive node a step takes every CPU of the node (`--whole`, `--cpu-bind=none`) and
+  its worker binds itself to its ranks' share of the node's own NUMA CPU lists, read on the
+  node (`pdtool.nodecheck.cpus_from_node`): a preset's CPU lists are a forecast there, never
+  a request Slurm could refuse; on a shared node Slurm chose which CPUs the job has, so a step
   asks for its ranks' CPU count and Slurm binds it to CPUs of its own choosing.
 """
 
@@ -36,20 +37,21 @@ def rank_cpu_list(ranks: list[RankPlan]) -> list[int]:
     return sorted({c for r in ranks for c in expand_cpus(r.cpus)}) if ranks else []
 
 
-def cpu_mask(cpus: list[int]) -> str:
-    """`mask_cpu:` value (hex) for a CPU list."""
-    return hex(sum(1 << c for c in set(cpus)))
-
-
-def numactl_binding(ranks: list[RankPlan]) -> list[str]:
+def numactl_binding(ranks: list[RankPlan], cpus: bool = True) -> list[str]:
     """`numactl` prefix binding a process to its ranks' CPUs and NUMA nodes (none when the
     cluster preset lists no CPUs). It wraps each reference engine rank, on both launchers, and
-    a per-node engine's process under launcher=local, where no srun --cpu-bind binds it."""
-    cpus = compress_cpus(rank_cpu_list(ranks))
-    if not cpus:
+    a per-node engine's process under launcher=local, where no srun binds it. `cpus=False`
+    binds memory only: the worker takes its CPUs from the node (`cpus_from_node`)."""
+    cpus_text = compress_cpus(rank_cpu_list(ranks))
+    if not cpus_text:
         return []
     nodes = ",".join(str(n) for n in sorted({r.numa for r in ranks}))
-    return ["numactl", f"--physcpubind={cpus}", f"--membind={nodes}"]
+    return ["numactl", *([f"--physcpubind={cpus_text}"] if cpus else []), f"--membind={nodes}"]
+
+
+def cpus_from_node(cfg: Config, launcher: str) -> bool:
+    """Exclusive Slurm nodes: workers bind themselves to the node's CPUs, not the preset's."""
+    return launcher == "slurm" and cfg.launcher.exclusive
 
 
 def gpus_requested(cfg: Config) -> int:
@@ -79,12 +81,12 @@ def step_options(cfg: Config, ranks: list[RankPlan]) -> list[str]:
     """srun options of one step: its CPUs and binding, its GPUs. `ranks` empty: the router."""
     lc = cfg.launcher
     out: list[str] = []
-    every = node_cpus(cfg)
     mine = rank_cpu_list(ranks)
-    if lc.exclusive and every:
-        out.append(f"--cpus-per-task={len(every)}")
-        # the router has no ranks: it floats over the node, as its threads expect
-        out.append(f"--cpu-bind=mask_cpu:{cpu_mask(mine)}" if mine else "--cpu-bind=none")
+    if lc.exclusive:
+        # every CPU the node has, however many that is (srun(1) --whole), not the preset's
+        # count; the worker then binds itself to its share of them (cpus_from_node) and the
+        # router floats over the node, as its threads expect
+        out += ["--whole", "--cpu-bind=none"]
     elif mine:
         out.append(f"--cpus-per-task={len(mine)}")
     # no GPU option: a step is given every GPU of the job on its node (srun(1) --gres: "By

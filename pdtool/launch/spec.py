@@ -23,13 +23,20 @@ from pathlib import Path
 from pdtool.budgets import stop_lead_s
 from pdtool.launch import secrets
 from pdtool.launch.backends import backend_env, timer_env
-from pdtool.launch.resources import describe_cpus, job_options, numactl_binding, step_options
+from pdtool.launch.resources import (
+    cpus_from_node,
+    describe_cpus,
+    job_options,
+    numactl_binding,
+    step_options,
+)
 from pdtool.launch.restart import group_of
 from pdtool.launch.sglang import router_argv, server_argv
 from pdtool.launch.shell import Var, Word, word
 from pdtool.launch.weights import cache_env, cached_model
 from pdtool.plan import InstancePlan, Plan, RankPlan
 from pdtool.schema import Config, LauncherConfig
+from transfer import workerenv
 
 #: engines whose one process drives all GPUs of its node
 PER_NODE_ENGINES = ("sglang",)
@@ -268,6 +275,7 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str,
     env_user = _role_env(cfg, inst.role)
     procs: list[Proc] = []
     per_node = cfg.engine.kind in PER_NODE_ENGINES
+    from_node = cpus_from_node(cfg, launcher)
     groups: list[tuple[str, list[RankPlan]]]
     if per_node:
         by_node: dict[int, list[RankPlan]] = {}
@@ -304,10 +312,12 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str,
         else:
             p.engine_argv = []
             select = ["--rank", str(ranks[0].rank)]
-            numa = numactl_binding(ranks)
+            numa = numactl_binding(ranks, cpus=not from_node)
             env = {**ranks[0].env, **env_user}
         if len(inst.nodes) > 1:
             env = {**multi_node_env(cfg), **env}  # launcher.env still overrides
+        if from_node:
+            env = {workerenv.CPUS_FROM_NODE.name: "1", **env}
         p.argv = _wrap(cfg, launcher, p, ranks, env, numa,
                        _worker_argv(cfg, launcher, inst, node, select, p.engine_argv),
                        secret_roles)

@@ -62,27 +62,31 @@ def gpu_numa(cluster: ClusterConfig, gpu: int) -> int:
 
 
 def rank_cpus(cluster: ClusterConfig, gpu: int) -> str:
-    """This GPU's share of its NUMA node's CPUs.
-
-    Each comma-separated block of the NUMA node's list (e.g. the cores "0-47" and their
-    hyperthread siblings "96-143") is split evenly between the node's GPUs, so a rank gets whole
-    cores with their siblings. With fewer CPUs than GPUs, every rank gets the whole list.
-    """
+    """This GPU's share of its NUMA node's CPUs, as the cluster preset lists them
+    (`cpu_share`). On an exclusive Slurm node the worker takes the same share of the node's
+    own list instead (pdtool.nodecheck.cpus_from_node): this one is the plan's forecast."""
     numa = gpu_numa(cluster, gpu)
     if not 0 <= numa < len(cluster.numa_cpus):
         return ""
-    spec = cluster.numa_cpus[numa]
-    blocks = [expand_cpus(b) for b in spec.split(",") if b.strip()]
+    blocks = [expand_cpus(b) for b in cluster.numa_cpus[numa].split(",") if b.strip()]
     peers = [g for g in range(cluster.gpus_per_node) if gpu_numa(cluster, g) == numa]
-    n = len(peers)
-    if n <= 1 or gpu not in peers or any(len(b) < n for b in blocks):
-        return compress_cpus([c for b in blocks for c in b])
-    k = peers.index(gpu)
+    return compress_cpus(cpu_share(blocks, len(peers), peers.index(gpu) if gpu in peers else -1))
+
+
+def cpu_share(blocks: list[list[int]], peers: int, k: int) -> list[int]:
+    """Share `k` of `peers` of a NUMA node's CPUs.
+
+    Each block of the node's list (e.g. the cores "0-47" and their hyperthread siblings
+    "96-143") is split evenly between the node's GPUs, so a rank gets whole cores with their
+    siblings. With fewer CPUs than GPUs (or `k` not a peer), every rank gets the whole list.
+    """
+    if peers <= 1 or not 0 <= k < peers or any(len(b) < peers for b in blocks):
+        return [c for b in blocks for c in b]
     mine: list[int] = []
     for b in blocks:
-        per = len(b) // n
+        per = len(b) // peers
         mine.extend(b[k * per : (k + 1) * per])
-    return compress_cpus(mine)
+    return mine
 
 
 def choose_nics(
