@@ -84,6 +84,7 @@ def script_text(cfg: Any, plan: Any, spec: LaunchSpec, run_dir: Path) -> str:
         "venv": lc.venv,
         "venv_activate": spec.venv_activate,
         "fetch": spec.fetch,
+        "stage": spec.stage,
         "fabric_check_dir": fabric_check.FOLDER,
         "procs": spec.procs,
         "router_procs": spec.router,

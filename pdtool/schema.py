@@ -232,6 +232,10 @@ class LauncherConfig:
     # there once (or finds it) and every worker reads it offline (HF_HOME, HF_HUB_OFFLINE=1:
     # pdtool.launch.weights); "" lets each worker download it itself
     model_cache: str = ""
+    # a folder on each node's own disk: the model_cache snapshot is copied there by one task
+    # per node before the workers start, verified, and the workers read it ("": they read
+    # model_cache)
+    stage_to: str = ""
     # variables that are secrets besides the secret-looking names (pdtool.launch.secrets):
     # they reach the processes through 0600 files, from launcher.env or the submitting shell
     secret_env: list[str] = field(default_factory=list)

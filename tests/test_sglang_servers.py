@@ -31,15 +31,17 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, ...], li
     """Each prompt's greedy tokens from the aggregated SGLang deployment, which must equal
     transformers' on the same checkpoint.
 
-    This deployment names the checkpoint as a Hub id, as sites do, with launcher.model_cache:
-    the cache holds it (laid out as a download leaves it) and the server reads it offline
+    This deployment names the checkpoint as a Hub id, as sites do, with launcher.model_cache
+    and launcher.stage_to: the shared cache holds it (laid out as a download leaves it), the
+    launch copies it to the "node's disk" and the server reads that copy offline
     (HF_HUB_OFFLINE=1 in its environment), so the tokens also show that SGLang loaded the
-    cached weights and tokenizer."""
+    staged weights and tokenizer."""
     folder = Path(ensure("builtin:tiny-llama"))
     tmp = tmp_path_factory.mktemp("aggregated")
     hub_cache(tmp / "hf-cache", "acme/tiny-llama", folder)
     served = Served(tmp, "mode=aggregated", "decode.instances=1",
-                    "model.path=acme/tiny-llama", f"launcher.model_cache={tmp / 'hf-cache'}")
+                    "model.path=acme/tiny-llama", f"launcher.model_cache={tmp / 'hf-cache'}",
+                    f"launcher.stage_to={tmp / 'node-disk'}")
     served.start()
     try:
         # each prompt, and its last token alone (what a decode without the prompt's KV sees)
@@ -48,6 +50,7 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, ...], li
     finally:
         served.stop()
     assert "model weights found in" in served.output()
+    assert f"GiB copied to {tmp / 'node-disk' / 'hub'}" in served.output()
     for p in PROMPTS[:3]:
         assert out[tuple(p)] == greedy(folder, p, MAX_NEW)
     return out

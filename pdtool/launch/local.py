@@ -217,16 +217,23 @@ class Supervisor:
     # -- the run ---------------------------------------------------------------------------
     def _fetch(self) -> None:
         """launcher.model_cache: the Hub model fetched (or found) once, in this environment
-        (a gated model's HF_TOKEN is this shell's), before any worker starts."""
-        from pdtool.launch.weights import FetchError, fetch
+        (a gated model's HF_TOKEN is this shell's), before any worker starts; with
+        launcher.stage_to then copied to this machine's disk, verified."""
+        from pdtool.launch.weights import FetchError, fetch, stage
 
-        model, cache = self.spec.weights
+        model, cache, stage_to = self.spec.weights
         self.say(f"launcher.model_cache: {model} in {cache}")
+        key = "launcher.model_cache"
         try:
             folder, downloaded = fetch(model, Path(cache))
+            self.say(f"model weights {'downloaded into' if downloaded else 'found in'} {folder}")
+            if stage_to:
+                key = "launcher.stage_to"
+                folder, copied = stage(model, Path(cache), Path(stage_to))
+                self.say(f"model weights: {copied / 2**30:.2f} GiB copied to {folder}, verified"
+                         if copied else f"model weights: verified copy found in {folder}")
         except FetchError as e:
-            raise HealthFailure(f"launcher.model_cache: {e}", EXIT_DIED) from None
-        self.say(f"model weights {'downloaded into' if downloaded else 'found in'} {folder}")
+            raise HealthFailure(f"{key}: {e}", EXIT_DIED) from None
 
     def _health(self, procs: list[Proc]) -> None:
         # preflight workers run no router: its worker list does not exist then

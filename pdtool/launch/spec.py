@@ -112,7 +112,11 @@ class LaunchSpec:
     # launcher.model_cache: the one-off fetch of a Hub model before any worker starts, with
     # the prefill role's secrets (a gated model's HF_TOKEN) when it has any ([]: none)
     fetch: list[str | Word] = field(default_factory=list)
-    weights: tuple[str, str] | None = None  # (the Hub id, launcher.model_cache) it fetches
+    # launcher.stage_to: the fetched snapshot copied to the node's disk (Slurm: one task per
+    # node)
+    stage: list[str | Word] = field(default_factory=list)
+    # (the Hub id, launcher.model_cache, launcher.stage_to or "") the job fetches
+    weights: tuple[str, str, str] | None = None
 
     def health(self) -> list[Word]:
         return [word(f"{p.name}=", *p.health.parts) for p in self.procs if p.health]
@@ -407,12 +411,21 @@ def build_launch(cfg: Config, plan: Plan, run_dir: str,
         if "\n" in line or "\r" in line:
             raise LaunchError(f"launcher.setup.{i}: one shell line per entry, no line breaks")
     model = cached_model(cfg)
+    weights_cmd = [Var("PDTOOL_PYTHON"), "-m", "pdtool.launch.weights", "--cache", lc.model_cache]
     fetch: list[str | Word] = [] if model is None else [
         *(secrets.wrapper(RUN_DIR, "prefill") if "prefill" in secret_roles else []),
-        Var("PDTOOL_PYTHON"), "-m", "pdtool.launch.weights", "--cache", lc.model_cache, model]
+        *weights_cmd, model]
+    stage: list[str | Word] = []
+    if model is not None and lc.stage_to:
+        # after the fetch, offline (the snapshot is in the shared cache); on Slurm every node
+        # at once
+        stage = ["env", "HF_HUB_OFFLINE=1", *weights_cmd, "--stage-to", lc.stage_to, model]
+        if launcher == "slurm":
+            stage = ["srun", "--export=ALL", f"--nodes={plan.nodes}", "--ntasks-per-node=1",
+                     "--overlap", "--kill-on-bad-exit=1", "--job-name=stage-weights", *stage]
     return LaunchSpec(launcher=launcher, engine=cfg.engine.kind, python=cfg.engine.python,
-                      procs=procs, router=[router], job=job, fetch=fetch,
-                      weights=None if model is None else (model, lc.model_cache),
+                      procs=procs, router=[router], job=job, fetch=fetch, stage=stage,
+                      weights=None if model is None else (model, lc.model_cache, lc.stage_to),
                       router_url=word("http://", host(plan.router.node), f":{plan.router.port}"),
                       setup=list(lc.setup),
                       venv_activate=str(Path(lc.venv) / "bin" / "activate") if lc.venv else "")

@@ -307,6 +307,36 @@ def check_model_cache(cfg: Config) -> list[Finding]:
     return []
 
 
+def check_stage_to(cfg: Config) -> list[Finding]:
+    """launcher.stage_to copies the model_cache snapshot of a Hub model: it needs both, its own
+    folder, and in a container the same path mounted (the copy is made on the host)."""
+    from pdtool.arch import is_hub_id
+
+    lc = cfg.launcher
+    stage = lc.stage_to
+    if not stage:
+        return []
+    if not stage.startswith("/"):
+        return [error("launcher.stage_to", f"{stage!r} is not an absolute folder path",
+                      "give a folder on each node's own disk, e.g. "
+                      "launcher.stage_to=/local_nvme/hf-cache")]
+    if not lc.model_cache or not is_hub_id(cfg.model.path):
+        return [error("launcher.stage_to", "it copies the snapshot launcher.model_cache holds "
+                      "for a Hub model.path, and this job has none",
+                      "set launcher.model_cache and model.path=org/name, or drop "
+                      "launcher.stage_to")]
+    if stage.rstrip("/") == lc.model_cache.rstrip("/"):
+        return [error("launcher.stage_to", f"{stage} is launcher.model_cache itself",
+                      "give a folder on each node's own disk")]
+    if lc.kind == "slurm" and lc.container_image and not _mounted(
+            stage, lc.container_mounts, same_path=True):
+        return [error("launcher.stage_to",
+                      f"{stage} is filled on the host, but no launcher.container_mounts entry "
+                      "puts it at the same path in the container, where the workers read it",
+                      f"add '{stage}:{stage}' to launcher.container_mounts")]
+    return []
+
+
 def check_container_gets_pdtool(cfg: Config) -> list[Finding]:
     """Every process step runs `python -m pdtool.worker` inside the image; unless the image
     ships pdtool, launcher.setup installs it or a mount brings a virtualenv that has it."""
@@ -324,7 +354,8 @@ def check_container_gets_pdtool(cfg: Config) -> list[Finding]:
         "or mount a virtualenv that has pdtool")]
 
 
-ALL = (*ALL, check_container_model_path, check_container_gets_pdtool, check_model_cache)
+ALL = (*ALL, check_container_model_path, check_container_gets_pdtool, check_model_cache,
+       check_stage_to)
 
 
 def check_transfer_backend(cfg: Config) -> list[Finding]:

@@ -65,13 +65,28 @@ def deployment(folder: Path | None, tmp: Path, prefill_tp: int = 1, decode_tp: i
 
 def hub_cache(cache: Path, model: str, folder: Path, commit: str = "0" * 40) -> Path:
     """`folder`'s files as the Hugging Face cache under `cache` (HF_HOME) holds model `model`
-    after a download: hub/models--ORG--NAME with refs/main naming the snapshot. Returns the
-    snapshot folder."""
+    after a download: hub/models--ORG--NAME/blobs named by their hash (SHA-256 for the weights,
+    stored with LFS on the Hub; git's SHA-1 for the small files), snapshots/COMMIT/ holding
+    relative links to them, refs/main naming the snapshot. Returns the snapshot folder."""
+    import hashlib
+    import os
     import shutil
 
     repo = cache / "hub" / ("models--" + model.replace("/", "--"))
     snapshot = repo / "snapshots" / commit
-    shutil.copytree(folder, snapshot)
+    (repo / "blobs").mkdir(parents=True)
+    for f in sorted(folder.rglob("*")):
+        if f.is_dir():
+            continue
+        data = f.read_bytes()
+        if f.suffix in (".safetensors", ".bin"):
+            name = hashlib.sha256(data).hexdigest()
+        else:
+            name = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        shutil.copyfile(f, repo / "blobs" / name)
+        link = snapshot / f.relative_to(folder)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(repo / "blobs" / name, link.parent))
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
     return snapshot
