@@ -216,6 +216,9 @@ class LauncherConfig:
     sbatch_extra: list[str] = field(default_factory=list)  # extra "#SBATCH ..." option lines
     container_image: str = ""  # pyxis/enroot --container-image
     container_mounts: list[str] = field(default_factory=list)  # "src:dst[:ro]"
+    # a folder every node sees: the registry image is imported there once as squashfs and
+    # every job's nodes start from that file (pdtool.launch.containers); "": from the registry
+    container_cache: str = ""
     venv: str = ""  # virtualenv to activate before starting workers
     setup: list[str] = field(default_factory=list)  # shell lines run before workers start
     env: EnvConfig = field(default_factory=EnvConfig)

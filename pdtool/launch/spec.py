@@ -23,6 +23,7 @@ from pathlib import Path
 from pdtool.budgets import stop_lead_s
 from pdtool.launch import secrets
 from pdtool.launch.backends import backend_env, timer_env
+from pdtool.launch.containers import cached_image
 from pdtool.launch.resources import (
     cpus_from_node,
     describe_cpus,
@@ -90,6 +91,7 @@ class JobSpec:
     sbatch_extra: list[str]
     node_roles: list[str]  # one log line per node: what the plan put there
     container_setup: list[str | Word] = field(default_factory=list)  # see container_setup()
+    container_import: list[str | Word] = field(default_factory=list)  # see container_import()
     # Slurm signals the batch script this long before the time limit (--signal=B:TERM@S), time
     # for the ordered stop of its three groups (router, decode, prefill)
     stop_signal_s: int = stop_lead_s(LauncherConfig.stop_grace_s)
@@ -236,7 +238,8 @@ def _container_options(cfg: Config, image: bool = False) -> list[str | Word]:
     lc = cfg.launcher
     if not lc.container_image:
         return []
-    out: list[str | Word] = [f"--container-image={lc.container_image}"] if image else []
+    out: list[str | Word] = [
+        f"--container-image={cached_image(cfg) or lc.container_image}"] if image else []
     return [*out, word("--container-name=", *CONTAINER_NAME.parts),
             word("--container-mounts=", RUN_DIR, ":", RUN_DIR,
                  "".join("," + m for m in lc.container_mounts)),
@@ -251,9 +254,22 @@ def container_setup(cfg: Config, plan: Plan) -> list[str | Word]:
     if not lc.container_image:
         return []
     script = "\n".join(["set -euo pipefail", *lc.setup]) if lc.setup else "true"
+    # setup lines install packages into the image's system paths: as root inside it
+    # (pyxis --container-remap-root, enroot's ENROOT_REMAP_ROOT), the user outside
+    remap = ["--container-remap-root"] if lc.setup else []
     return ["srun", "--export=ALL", f"--nodes={plan.nodes}", "--ntasks-per-node=1",
             "--kill-on-bad-exit=1", "--job-name=container-setup",
-            *_container_options(cfg, image=True), "bash", "-c", script]
+            *_container_options(cfg, image=True), *remap, "bash", "-c", script]
+
+
+def container_import(cfg: Config) -> list[str | Word]:
+    """launcher.container_cache: the batch shell's one-off import of the image (none when the
+    cache holds it), before the setup step unpacks it on every node."""
+    lc = cfg.launcher
+    if cached_image(cfg) is None:
+        return []
+    return [Var("PDTOOL_PYTHON"), "-m", "pdtool.launch.containers", "--cache",
+            lc.container_cache, lc.container_image]
 
 
 def _wrap(cfg: Config, launcher: str, p: Proc, ranks: list[RankPlan], env: dict[str, str],
@@ -385,7 +401,7 @@ def _job(cfg: Config, plan: Plan, run_dir: str, procs: list[Proc]) -> JobSpec:
         batch_log=f"{run_dir}/logs/slurm-%j.out", sbatch_options=opts,
         sbatch_extra=list(lc.sbatch_extra),
         node_roles=[f"node {n}: {' '.join(roles.get(n, []))}" for n in range(plan.nodes)],
-        container_setup=container_setup(cfg, plan),
+        container_setup=container_setup(cfg, plan), container_import=container_import(cfg),
         stop_signal_s=stop_lead_s(lc.stop_grace_s),
     )
 

@@ -337,6 +337,29 @@ def check_stage_to(cfg: Config) -> list[Finding]:
     return []
 
 
+def check_container_cache(cfg: Config) -> list[Finding]:
+    """launcher.container_cache holds a registry image's squashfs: it needs a registry image
+    and a folder every node sees."""
+    lc = cfg.launcher
+    cache = lc.container_cache
+    if not cache:
+        return []
+    if not cache.startswith("/"):
+        return [error("launcher.container_cache", f"{cache!r} is not an absolute folder path",
+                      "give a folder on a filesystem every node mounts, e.g. "
+                      "launcher.container_cache=/fsx/enroot")]
+    if lc.kind != "slurm" or not lc.container_image:
+        return [error("launcher.container_cache", "it caches launcher.container_image for "
+                      "the Slurm job's steps, and this job runs none",
+                      "set launcher=slurm and launcher.container_image, or drop "
+                      "launcher.container_cache")]
+    if lc.container_image.startswith(("/", "./")) or lc.container_image.endswith(".sqsh"):
+        return [error("launcher.container_cache", f"launcher.container_image="
+                      f"{lc.container_image} is a file already: there is nothing to import",
+                      "drop launcher.container_cache")]
+    return []
+
+
 def check_container_gets_pdtool(cfg: Config) -> list[Finding]:
     """Every process step runs `python -m pdtool.worker` inside the image; unless the image
     ships pdtool, launcher.setup installs it or a mount brings a virtualenv that has it."""
@@ -354,8 +377,8 @@ def check_container_gets_pdtool(cfg: Config) -> list[Finding]:
         "or mount a virtualenv that has pdtool")]
 
 
-ALL = (*ALL, check_container_model_path, check_container_gets_pdtool, check_model_cache,
-       check_stage_to)
+ALL = (*ALL, check_container_model_path, check_container_gets_pdtool, check_container_cache,
+       check_model_cache, check_stage_to)
 
 
 def check_transfer_backend(cfg: Config) -> list[Finding]:
