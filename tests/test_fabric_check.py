@@ -6,6 +6,7 @@ emulated Slurm cluster's preflight (tests/test_slurm_launch.py) measures across 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -117,8 +118,22 @@ def test_a_pair_under_the_floor_stops_the_preflight_naming_it(tmp_path: Path) ->
     assert ("transfer.preflight_min_gbps: prefill-0 rank 0 (lo) -> decode-0 rank 0 (lo) "
             "moved ") in out and "under the floor of 100000 Gbit/s" in out
     assert "Traceback" not in out
-    # what was measured is kept for the user
+    # what was measured is kept for the user, and `pdtool plan --fabric` shows it
     assert len(fabric_check.results(tmp_path / "job")) == 2
+    res = subprocess.run(
+        [sys.executable, "-m", "pdtool.cli", "plan", "+recipe=tiny-local", "transfer=tcp",
+         "transfer.preflight_min_gbps=100000", "--no-ranks", "--fabric", str(tmp_path / "job")],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert res.returncode == 0, res.stderr
+    assert "floor 100000 Gbit/s (transfer.preflight_min_gbps)" in res.stdout
+    assert res.stdout.count("SLOW") == 2 and "decode-1 rank 0" in res.stdout
+    res = subprocess.run(
+        [sys.executable, "-m", "pdtool.cli", "plan", "+recipe=tiny-local", "--json", "--fabric",
+         str(tmp_path / "job")], capture_output=True, text=True, timeout=60)
+    assert json.loads(res.stdout)["fabric_check"] == fabric_check.results(tmp_path / "job")
+    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "plan", "+recipe=tiny-local",
+                          "--fabric", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "holds no fabric check results" in res.stderr
     # and a prefill worker started again (as the supervisor restarts one) does not measure
     # again, and is stopped by the slow pair it recorded
     ctx = resolve(parse_args(["--plan", str(tmp_path / "job" / "plan.json"), "--role",

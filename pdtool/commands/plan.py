@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from pdtool.commands._common import (
@@ -41,6 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="leave out the per-rank table (large deployments)",
     )
+    p.add_argument(
+        "--fabric",
+        type=Path,
+        metavar="JOB_DIR",
+        help="add the fabric check a --preflight run of this job folder measured (per NIC "
+        "pair: Gbit/s against the links and the floor)",
+    )
 
 
 def _heads(lo: int, n: int) -> str:
@@ -66,7 +74,38 @@ def _layout(t: Any) -> str:
     return f"{t.layout} ({t.layout_source}, {parts} per layer; transfer.layout does not apply)"
 
 
-def print_plan(con: Any, plan: Any, show_ranks: bool = True, headline: str = "") -> None:
+def print_fabric(con: Any, plan: Any, rows: list[dict[str, Any]]) -> None:
+    """The fabric check's pairs (pdtool.fabric_check.results) as a table."""
+    from rich.table import Table
+
+    from pdtool.fabric_check import enabled, floor_gbps
+
+    t = plan.transfer
+    if not enabled(plan):
+        con.print("fabric check: none (transfer.preflight_mib=0, an aggregated deployment or "
+                  "another backend)")
+        return
+    floor = floor_gbps(plan, "", "") if t.preflight_min_gbps >= 0 else None
+    rule = (f"{floor:g} Gbit/s (transfer.preflight_min_gbps)" if floor is not None
+            else "a quarter of the slower link, where its speed is known")
+    con.print(f"fabric check (--preflight runs): {t.preflight_mib} MiB per prefill->decode NIC "
+              f"pair, floor {rule}")
+    if not rows:
+        return
+    ft = Table(title="fabric check, measured", title_justify="left")
+    for col in ("prefill rank", "NIC", "decode rank", "NIC", "Gbit/s", "links", "floor", ""):
+        ft.add_column(col, no_wrap=True)
+    for r in rows:
+        links = "/".join(f"{g:g}" if g else "?" for g in r["link_gbps"])
+        slow = r["gbps"] < r["floor_gbps"]
+        ft.add_row(r["src"], r["src_nic"], r["dst"], r["dst_nic"], f"{r['gbps']:g}", links,
+                   f"{r['floor_gbps']:g}" if r["floor_gbps"] else "-",
+                   "[bold red]SLOW[/]" if slow else "ok")
+    con.print(ft)
+
+
+def print_plan(con: Any, plan: Any, show_ranks: bool = True, headline: str = "",
+               fabric: list[dict[str, Any]] | None = None) -> None:
     from rich.table import Table
 
     from pdtool.memory import GIB, human_bytes
@@ -192,6 +231,7 @@ def print_plan(con: Any, plan: Any, show_ranks: bool = True, headline: str = "")
             str(route.dst_rank), recv, str(route.writes_per_page), f"{route.writes_per_request:,}"
         )
     con.print(ct)
+    print_fabric(con, plan, fabric or [])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -201,6 +241,16 @@ def run(args: argparse.Namespace) -> int:
     if args.tokens < 1:
         print("pdtool plan: --tokens must be >= 1", file=sys.stderr)
         return 2
+    fabric: list[dict[str, Any]] | None = None
+    if args.fabric is not None:
+        from pdtool.fabric_check import FOLDER, results
+
+        if not (args.fabric / FOLDER / "results").is_dir():
+            print(f"pdtool plan: --fabric: {args.fabric} holds no fabric check results "
+                  f"({FOLDER}/results/): run `pdtool launch ... --preflight --out "
+                  f"{args.fabric}` first", file=sys.stderr)
+            return 2
+        fabric = results(args.fabric)
     runs = load_runs(args)
     con = console()
     err = console(stderr=True)
@@ -233,14 +283,18 @@ def run(args: argparse.Namespace) -> int:
             continue
         warnings = [f for f in r.findings if f.severity == "warning"]
         if args.json:
+            data = plan_to_dict(plan)
+            if fabric is not None:
+                data = {**data, "fabric_check": fabric}
             if args.multirun:
-                out.append({"overrides": r.overrides, "plan": plan_to_dict(plan)})
+                out.append({"overrides": r.overrides, "plan": data})
             else:
-                out.append(plan_to_dict(plan))
+                out.append(data)
             print_findings(err, warnings)
         else:
             print_findings(con, warnings)
-            print_plan(con, plan, show_ranks=not args.no_ranks, headline=headline(r.cfg))
+            print_plan(con, plan, show_ranks=not args.no_ranks, headline=headline(r.cfg),
+                       fabric=fabric)
         codes.append(EXIT_OK)
     if args.json:
         dump_json(out if args.multirun else out[0])
