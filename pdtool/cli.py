@@ -27,6 +27,7 @@ COMMANDS: tuple[str, ...] = (
     "render",
     "launch",  # launch issue: pdtool/commands/{render,launch}.py
     "bench",
+    "size",
     "status",
     "logs",
     "stop",

@@ -80,8 +80,15 @@ def check_model(cfg: Config) -> list[Finding]:
         "num_experts",
         "moe_intermediate_size",
         "draft_layers",
+        "experts_per_token",
     ):
         out += _at_least(f"model.{name}", getattr(m, name), 0)
+    if m.experts_per_token > m.num_experts:
+        out.append(error("model.experts_per_token",
+                         f"{m.experts_per_token} routed experts per token, but the model has "
+                         f"model.num_experts={m.num_experts}",
+                         "set model.experts_per_token to the router's top-k (0 for a dense "
+                         "model)"))
     if m.num_params_b <= 0:
         out.append(
             error(
