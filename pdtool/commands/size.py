@@ -235,20 +235,22 @@ def bench_points(paths: list[Path]) -> list[Any]:
                               ) from None
         for run in runs:
             s = run["summary"]
-            conc = (run.get("pace") or {}).get("concurrency")
-            if not s.get("completed") or not conc:
+            pace = run.get("pace") or {}
+            conc, rate = pace.get("concurrency") or 0, pace.get("rate") or 0.0
+            if not s.get("completed") or not (conc or rate):
                 continue
             isl = round(s["input_tokens"] / s["completed"])
             osl = max(round(s["output_tokens"] / s["completed"]), 2)
             dep = deployment(cfg, isl)
             wl = Workload(isl=((isl, 1.0),), osl=osl)
-            name = f"{path.name}:{run.get('target', '')}@c{conc}"
-            points.append(Point(f"{name} TTFT", dep, wl, "ttft_ms", s["ttft_ms"]["mean"],
-                                concurrency=int(conc)))
-            points.append(Point(f"{name} TPOT", dep, wl, "tpot_ms", s["tpot_ms"]["mean"],
-                                concurrency=int(conc)))
+            name = f"{path.name}:{run.get('target', '')}@" + (f"c{conc}" if conc else
+                                                                  f"{rate:g}/s")
+            for kind in ("ttft_ms", "tpot_ms"):
+                points.append(Point(f"{name} {kind[:4].upper()}", dep, wl, kind,
+                                    s[kind]["mean"], concurrency=int(conc), rate=float(rate)))
     if not points:
-        raise SizingError("--calibrate: no run with a concurrency and completed requests")
+        raise SizingError("--calibrate: no run with a concurrency or rate and completed "
+                          "requests")
     return points
 
 

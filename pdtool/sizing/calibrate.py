@@ -6,7 +6,8 @@ kinds, each computed by the model the same way as the prediction it checks:
 * `prefill_tokens_per_s_node`: a saturated prefill instance's input tokens/s per node;
 * `decode_tokens_per_s_node`: a decode instance's output tokens/s per node at a given batch
   per GPU and KV length;
-* `ttft_ms`, `tpot_ms`: the mean figures of `concurrency` closed-loop users (`pdtool bench`).
+* `ttft_ms`, `tpot_ms`: the mean figures of `concurrency` closed-loop users, or of Poisson
+  arrivals at `rate` (`pdtool bench --concurrency` / `--rate`).
 
 `fit` moves the named constants to minimise the sum of squared log ratios (model over
 measured), by a pattern search in log space: each constant stays positive, a ratio of 2
@@ -26,6 +27,7 @@ from pdtool.sizing.model import (
     _nic_gbps,
     closed_loop,
     decode_step_seconds,
+    predict,
     prefill_seconds,
 )
 
@@ -41,7 +43,8 @@ class Point:
     measured: float
     batch_per_gpu: float = 0.0  # decode_tokens_per_s_node
     context: float = 0.0  # decode_tokens_per_s_node: KV tokens per request
-    concurrency: int = 0  # ttft_ms, tpot_ms
+    concurrency: int = 0  # ttft_ms, tpot_ms: closed-loop users ...
+    rate: float = 0.0  # ... or Poisson arrivals, requests/s
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -63,7 +66,8 @@ def model_value(p: Point, hw: Hardware) -> float:
         batch = p.batch_per_gpu * side.gpus
         step = decode_step_seconds(cfg, side, hw, batch, p.context, _nic_gbps(dep, "decode", hw))
         return batch / step / max(role_nodes(dep, "decode"), 1)
-    pred = closed_loop(dep, p.workload, hw, p.concurrency)
+    pred = predict(dep, p.workload, hw, p.rate) if p.rate > 0 else \
+        closed_loop(dep, p.workload, hw, p.concurrency)
     return pred.ttft_ms if p.kind == "ttft_ms" else pred.tpot_ms
 
 
