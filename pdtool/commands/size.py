@@ -315,9 +315,10 @@ def published_points(hardware: Path | None = None) -> list[tuple[dict, Any]]:
         if cfg is None:
             raise SizingError(f"published point {e['name']}: its overrides do not validate")
         isl = int(e.get("isl", e.get("context", 1024)))
-        point = Point(e["name"], deployment(cfg, isl), Workload(isl=((isl, 1.0),), osl=1),
-                      e["kind"], float(e["measured"]), float(e.get("batch_per_gpu", 0)),
-                      float(e.get("context", 0)))
+        point = Point(e["name"], deployment(cfg, isl),
+                      Workload(isl=((isl, 1.0),), osl=int(e.get("osl", 1))), e["kind"],
+                      float(e["measured"]), float(e.get("batch_per_gpu", 0)),
+                      float(e.get("context", 0)), int(e.get("concurrency", 0)))
         out.append((e, point))
     return out
 

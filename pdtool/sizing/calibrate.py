@@ -6,8 +6,9 @@ kinds, each computed by the model the same way as the prediction it checks:
 * `prefill_tokens_per_s_node`: a saturated prefill instance's input tokens/s per node;
 * `decode_tokens_per_s_node`: a decode instance's output tokens/s per node at a given batch
   per GPU and KV length;
-* `ttft_ms`, `tpot_ms`: the mean figures of `concurrency` closed-loop users, or of Poisson
-  arrivals at `rate` (`pdtool bench --concurrency` / `--rate`).
+* `ttft_ms`, `tpot_ms`, `tokens_per_s_gpu`: the mean figures of `concurrency` closed-loop
+  users, or of Poisson arrivals at `rate` (`pdtool bench --concurrency` / `--rate`);
+* `max_tokens_per_s_gpu`: output tokens/s per GPU at the rate the deployment saturates.
 
 `fit` moves the named constants to minimise the sum of squared log ratios (model over
 measured), by a pattern search in log space: each constant stays positive, a ratio of 2
@@ -29,9 +30,11 @@ from pdtool.sizing.model import (
     decode_step_seconds,
     predict,
     prefill_seconds,
+    saturation_rate,
 )
 
-KINDS = ("prefill_tokens_per_s_node", "decode_tokens_per_s_node", "ttft_ms", "tpot_ms")
+KINDS = ("prefill_tokens_per_s_node", "decode_tokens_per_s_node", "ttft_ms", "tpot_ms",
+         "tokens_per_s_gpu", "max_tokens_per_s_gpu")
 
 
 @dataclass(frozen=True)
@@ -66,9 +69,12 @@ def model_value(p: Point, hw: Hardware) -> float:
         batch = p.batch_per_gpu * side.gpus
         step = decode_step_seconds(cfg, side, hw, batch, p.context, _nic_gbps(dep, "decode", hw))
         return batch / step / max(role_nodes(dep, "decode"), 1)
+    if p.kind == "max_tokens_per_s_gpu":
+        return saturation_rate(dep, p.workload, hw) * p.workload.osl / dep.gpus
     pred = predict(dep, p.workload, hw, p.rate) if p.rate > 0 else \
         closed_loop(dep, p.workload, hw, p.concurrency)
-    return pred.ttft_ms if p.kind == "ttft_ms" else pred.tpot_ms
+    return {"ttft_ms": pred.ttft_ms, "tpot_ms": pred.tpot_ms,
+            "tokens_per_s_gpu": pred.tokens_per_s_gpu}[p.kind]
 
 
 def role_nodes(dep: Deployment, role_name: str) -> int:

@@ -21,6 +21,7 @@ out in docs/sizing.md with its constants. In short:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -200,19 +201,19 @@ class Transfer:
     bytes: float  # over every decode attention rank of the group
     writes: float
     sources: int  # prefill attention ranks sending
-    nic_gbps: float  # line rate of one sending rank's NICs together
     nics: int  # NICs of one sending rank
     streamed: bool  # sent layer by layer while the prefill runs
 
 
-def transfer_seconds(t: Transfer, hw: Hardware, prefill_compute: float, layers: int) -> float:
+def transfer_seconds(t: Transfer, hw: Hardware, nic_gbps: float, prefill_compute: float,
+                     layers: int) -> float:
     """The part of the KV transfer a request waits for after its prefill: the sources send in
-    parallel, each over its NICs; a streamed transfer overlaps the prefill's compute but for
-    the last layer's share."""
+    parallel, each over its NICs (`nic_gbps` together); a streamed transfer overlaps the
+    prefill's compute but for the last layer's share."""
     if t.bytes <= 0:
         return 0.0
     per_src = t.bytes / t.sources
-    wire = per_src * 8 / (t.nic_gbps * 1e9 * hw.nic_eff)
+    wire = per_src * 8 / (nic_gbps * 1e9 * hw.nic_eff)
     posting = t.writes / t.sources / max(t.nics, 1) * hw.write_us / 1e6
     whole = wire + posting
     if not t.streamed:
@@ -309,7 +310,7 @@ def deployment(cfg: Config, tokens: int) -> Deployment:
         transfer = Transfer(
             bytes=tokens * d.kv_bytes_per_token * d.attn_tp,
             writes=float(sum(r.writes_per_request for r in t.routes)),
-            sources=sd["prefill"].attn_tp, nic_gbps=0.0, nics=max(len(nics["prefill"]), 1),
+            sources=sd["prefill"].attn_tp, nics=max(len(nics["prefill"]), 1),
             streamed=t.backend == "pdtool")
     return Deployment(cfg=cfg, sides=sd, transfer=transfer, nics=nics,
                       gpus=deployment_gpus(cfg), tokens=max(int(tokens), 1))
@@ -331,10 +332,9 @@ def _prefill_moments(dep: Deployment, side: Side, wl: Workload, hw: Hardware
         s2 += w * s * s
         if dep.transfer is not None:
             scale = n / dep.tokens
-            t = dep.transfer
-            t = Transfer(bytes=t.bytes * scale, writes=t.writes * scale, sources=t.sources,
-                         nic_gbps=nic, nics=t.nics, streamed=t.streamed)
-            xfer += w * transfer_seconds(t, hw, compute, dep.cfg.model.num_layers)
+            t = dataclasses.replace(dep.transfer, bytes=dep.transfer.bytes * scale,
+                                    writes=dep.transfer.writes * scale)
+            xfer += w * transfer_seconds(t, hw, nic, compute, dep.cfg.model.num_layers)
     return s1, s2, xfer
 
 
