@@ -105,6 +105,14 @@ def test_metrics_follow_traffic_and_the_plans_write_counts(tmp_path: Path) -> No
         assert all(d["pdtool_kv_transfers_failed_total"] == 0 for d in decode)
         # every slot is free again
         assert sum(d["pdtool_kv_slots_in_use"] for d in decode) == 0
+        # the job folder's scrape config names every one of them, labelled
+        import yaml
+
+        scrape_cfg = yaml.safe_load((job / "prometheus.yml").read_text())["scrape_configs"]
+        named = {g["labels"].get("instance", g["labels"]["role"]): f"http://{t}"
+                 for sc in scrape_cfg for g in sc["static_configs"] for t in g["targets"]}
+        assert named == {"router": router, **leads}
+        assert all(scrape(url) for url in named.values())
         # the front logs one line per request
         router_log = next((job / "logs").glob("local-*/router.log")).read_text()
         assert router_log.count(f"request: {PROMPT_TOKENS} prompt + {MAX_TOKENS} output") == \
@@ -113,3 +121,25 @@ def test_metrics_follow_traffic_and_the_plans_write_counts(tmp_path: Path) -> No
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=120)
+
+
+def test_sglang_deployments_scrape_the_router_and_opted_in_servers() -> None:
+    """SGLang: sglang-router's exporter always, each server's /metrics when its launch line
+    asks SGLang for them (`--enable-metrics`)."""
+    from helpers.pdtool_cfg import recipe
+
+    from pdtool.launch.scrape import scrape_config
+    from pdtool.plan import build_plan
+
+    cfg = recipe("sglang-local")
+    plan = build_plan(cfg)
+    hosts = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    (job,) = scrape_config(cfg, plan, hosts)["scrape_configs"]
+    assert job["job_name"] == "sglang-router"
+    assert job["static_configs"][0]["targets"] == [
+        f"{hosts[plan.router.node]}:{plan.router.metrics_port}"]
+    cfg = recipe("sglang-local", "decode.extra_args=[--enable-metrics]")
+    jobs = scrape_config(cfg, build_plan(cfg), hosts)["scrape_configs"]
+    servers = [g["labels"]["instance"] for j in jobs if j["job_name"] == "sglang-instances"
+               for g in j["static_configs"]]
+    assert servers == ["decode-0", "decode-1"]

@@ -137,7 +137,7 @@ def _size(args: argparse.Namespace) -> int:
     if args.rate is not None:
         rows.sort(key=lambda r: (r[1].gpus, -r[1].tokens_per_s_gpu))
     else:
-        rows.sort(key=lambda r: -r[1].tokens_per_s_gpu)
+        rows.sort(key=lambda r: (-round(r[1].tokens_per_s_gpu, 6), r[1].gpus))
     best = rows[:args.top]
     agg = next((r for r in rows if r[0].aggregated), None)
     if agg is not None and agg not in best:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pdtool import fabric_check
-from pdtool.launch import record
+from pdtool.launch import record, scrape
 from pdtool.launch.health import (
     EXIT_DIED,
     WATCHDOG_MISSES,
@@ -262,6 +262,8 @@ class Supervisor:
             self.base_env = prelude_env(self.spec, self.run_dir)
             if self.spec.weights and not self.preflight:
                 self._fetch()
+            scrape.main([str(self.run_dir), *(self.vars[f"HOSTS[{k}]"]
+                                               for k in range(self.spec.job.nodes))])
             if self.preflight:  # this run's fabric check measures afresh
                 shutil.rmtree(self.run_dir / fabric_check.FOLDER, ignore_errors=True)
             for p in self.spec.procs:

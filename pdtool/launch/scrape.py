@@ -1,0 +1,80 @@
+"""The job folder's Prometheus scrape config: every `/metrics` the deployment serves.
+
+Written as `prometheus.yml` once the hosts are known (the local supervisor when it starts the
+processes; the Slurm batch script after it resolved the allocation's addresses, through
+`python -m pdtool.launch.scrape JOB_DIR HOST...`), so `prometheus --config.file
+JOB_DIR/prometheus.yml` (or its `scrape_configs` pasted into a site's Prometheus) scrapes the
+deployment with each target labelled by role and instance:
+
+* the reference engine: its OpenAI front (requests, TTFT/TPOT/end-to-end histograms) and each
+  instance lead (the KV messenger's counters);
+* SGLang: sglang-router's exporter (`router.metrics_port` in the plan), and each instance's
+  HTTP port when its launch line has `--enable-metrics` (SGLang's own metrics; off unless
+  asked, as in SGLang).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+FILE = "prometheus.yml"
+METRICS_FLAG = "--enable-metrics"
+
+
+def scrape_config(cfg: Any, plan: Any, hosts: list[str]) -> dict[str, Any]:
+    """The `scrape_configs` of the deployment, `hosts[k]` the address of allocation node k."""
+    targets: list[tuple[str, str, dict[str, str]]] = []
+    r = plan.router
+    if plan.engine == "reference":
+        targets.append(("pdtool-front", f"{hosts[r.node]}:{r.port}", {"role": "router"}))
+    elif r.metrics_port is not None:
+        targets.append(("sglang-router", f"{hosts[r.node]}:{r.metrics_port}",
+                        {"role": "router"}))
+    for inst in plan.instances:
+        rc = getattr(cfg, inst.role)
+        if plan.engine == "reference" or METRICS_FLAG in [*cfg.engine.extra_args,
+                                                           *rc.extra_args]:
+            job = "pdtool-instances" if plan.engine == "reference" else "sglang-instances"
+            targets.append((job, f"{hosts[inst.nodes[0]]}:{inst.http_port}",
+                            {"role": inst.role, "instance": inst.name}))
+    jobs: dict[str, list[dict[str, Any]]] = {}
+    for job, target, labels in targets:
+        jobs.setdefault(job, []).append({"targets": [target],
+                                         "labels": {"deployment": cfg.launcher.job_name,
+                                                    **labels}})
+    return {"scrape_configs": [{"job_name": job, "metrics_path": "/metrics",
+                                "static_configs": groups} for job, groups in jobs.items()]}
+
+
+def write(run_dir: Path, cfg: Any, plan: Any, hosts: list[str]) -> Path:
+    import yaml
+
+    path = run_dir / FILE
+    path.write_text("# the deployment's /metrics (pdtool.launch.scrape)\n" +
+                    yaml.safe_dump(scrape_config(cfg, plan, hosts), sort_keys=False))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pdtool.compose import ComposeError, load_job_config
+    from pdtool.plan import from_json
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) < 2:
+        print("usage: python -m pdtool.launch.scrape JOB_DIR HOST...", file=sys.stderr)
+        return 2
+    run_dir, hosts = Path(args[0]), args[1:]
+    try:
+        cfg = load_job_config(run_dir)
+        plan = from_json((run_dir / "plan.json").read_text())
+        write(run_dir, cfg, plan, hosts)
+    except (ComposeError, OSError, ValueError, IndexError) as e:
+        # metrics are a convenience: the job goes on without the file
+        print(f"pdtool: warning: {FILE} not written: {e}", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
