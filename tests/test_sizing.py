@@ -165,3 +165,28 @@ def test_bad_input_is_named() -> None:
     res = _size("+recipe=deepseek-r1", "model.experts_per_token=0")
     assert res.returncode == 2 and "model.experts_per_token" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+def test_calibration_from_a_bench_run_on_this_machine(tmp_path: Path) -> None:
+    """`pdtool bench` on tiny-local at two loads, then `pdtool size --calibrate` on its
+    results.json: the fit lowers the model's error on those points, and the entry it writes
+    is one `--hardware` reads."""
+    out = tmp_path / "bench"
+    res = subprocess.run(
+        [sys.executable, "-m", "pdtool.cli", "bench", "+recipe=tiny-local", "--launch",
+         "--concurrency", "1,4", "--requests", "12", "--isl", "64", "--osl", "16",
+         "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    written = tmp_path / "cpu.yaml"
+    res = _size("--calibrate", str(out / "results.json"), "--write", str(written), "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["hardware"] == "cpu" and len(doc["points"]) == 4
+    import math
+
+    before = sum(math.log(p["before"] / p["measured"]) ** 2 for p in doc["points"])
+    assert doc["error"] <= before
+    hw = for_gpu("cpu", written)
+    assert hw.step_overhead_ms == pytest.approx(doc["fitted"]["step_overhead_ms"])
+    assert "fitted:" in hw.sources["step_overhead_ms"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -235,10 +236,12 @@ def bench_points(paths: list[Path]) -> list[Any]:
                               ) from None
         for run in runs:
             s = run["summary"]
-            pace = run.get("pace") or {}
-            conc, rate = pace.get("concurrency") or 0, pace.get("rate") or 0.0
-            if not s.get("completed") or not (conc or rate):
+            # "concurrency 4" or "rate 2.5/s" (pdtool.bench.args.Pace)
+            pace = re.fullmatch(r"(concurrency|rate) ([0-9.]+)(/s)?", str(run.get("pace")))
+            if not s.get("completed") or pace is None:
                 continue
+            conc = int(pace[2]) if pace[1] == "concurrency" else 0
+            rate = float(pace[2]) if pace[1] == "rate" else 0.0
             isl = round(s["input_tokens"] / s["completed"])
             osl = max(round(s["output_tokens"] / s["completed"]), 2)
             dep = deployment(cfg, isl)

@@ -266,6 +266,25 @@ def check_container_model_path(cfg: Config) -> list[Finding]:
 GATED_ORGS = ("meta-llama", "google", "mistralai")
 
 
+def _not_absolute(key: str, folder: str, example: str) -> list[Finding]:
+    """A folder key that must be an absolute path (every node and container resolves it)."""
+    if folder.startswith("/"):
+        return []
+    return [error(key, f"{folder!r} is not an absolute folder path",
+                  f"give an absolute folder, e.g. {key}={example}")]
+
+
+def _not_in_container(cfg: Config, key: str, folder: str) -> list[Finding]:
+    """A folder the host fills and the workers read: in a container, mounted at its path."""
+    lc = cfg.launcher
+    if lc.kind != "slurm" or not lc.container_image or _mounted(
+            folder, lc.container_mounts, same_path=True):
+        return []
+    return [error(key, f"{folder} is filled on the host, but no launcher.container_mounts "
+                  "entry puts it at the same path in the container, where the workers read it",
+                  f"add '{folder}:{folder}' to launcher.container_mounts")]
+
+
 def check_model_cache(cfg: Config) -> list[Finding]:
     """launcher.model_cache is a folder every node sees, for a Hub model SGLang loads."""
     from pdtool.arch import is_hub_id
@@ -273,23 +292,16 @@ def check_model_cache(cfg: Config) -> list[Finding]:
     cache = cfg.launcher.model_cache
     if not cache:
         return []
-    if not cache.startswith("/"):
-        return [error("launcher.model_cache", f"{cache!r} is not an absolute folder path",
-                      "give a folder on a filesystem every node mounts, e.g. "
-                      "launcher.model_cache=/fsx/hf-cache")]
+    if bad := _not_absolute("launcher.model_cache", cache, "/fsx/hf-cache"):
+        return bad
     if cfg.engine.kind != "sglang":
         return [error("launcher.model_cache", "the reference engine downloads nothing (a Hub "
                       "id builds its random-weight model): nothing would read the cache",
                       "download the checkpoint to a folder and set model.path to it, or drop "
                       "launcher.model_cache")]
     lc = cfg.launcher
-    if lc.kind == "slurm" and lc.container_image and not _mounted(
-            cache, lc.container_mounts, same_path=True):
-        return [error("launcher.model_cache",
-                      f"{cache} is filled by the batch shell on the host, but no "
-                      "launcher.container_mounts entry puts it at the same path in the "
-                      "container, where the workers read it (HF_HOME)",
-                      f"add '{cache}:{cache}' to launcher.container_mounts")]
+    if bad := _not_in_container(cfg, "launcher.model_cache", cache):
+        return bad
     org = cfg.model.path.split("/")[0]
     token = "HF_TOKEN" in lc.secret_env or "HF_TOKEN" in {**lc.env.all, **lc.env.prefill}
     if org in GATED_ORGS and not token:
@@ -316,10 +328,8 @@ def check_stage_to(cfg: Config) -> list[Finding]:
     stage = lc.stage_to
     if not stage:
         return []
-    if not stage.startswith("/"):
-        return [error("launcher.stage_to", f"{stage!r} is not an absolute folder path",
-                      "give a folder on each node's own disk, e.g. "
-                      "launcher.stage_to=/local_nvme/hf-cache")]
+    if bad := _not_absolute("launcher.stage_to", stage, "/local_nvme/hf-cache"):
+        return bad
     if not lc.model_cache or not is_hub_id(cfg.model.path):
         return [error("launcher.stage_to", "it copies the snapshot launcher.model_cache holds "
                       "for a Hub model.path, and this job has none",
@@ -328,13 +338,7 @@ def check_stage_to(cfg: Config) -> list[Finding]:
     if stage.rstrip("/") == lc.model_cache.rstrip("/"):
         return [error("launcher.stage_to", f"{stage} is launcher.model_cache itself",
                       "give a folder on each node's own disk")]
-    if lc.kind == "slurm" and lc.container_image and not _mounted(
-            stage, lc.container_mounts, same_path=True):
-        return [error("launcher.stage_to",
-                      f"{stage} is filled on the host, but no launcher.container_mounts entry "
-                      "puts it at the same path in the container, where the workers read it",
-                      f"add '{stage}:{stage}' to launcher.container_mounts")]
-    return []
+    return _not_in_container(cfg, "launcher.stage_to", stage)
 
 
 def check_container_cache(cfg: Config) -> list[Finding]:
@@ -344,10 +348,8 @@ def check_container_cache(cfg: Config) -> list[Finding]:
     cache = lc.container_cache
     if not cache:
         return []
-    if not cache.startswith("/"):
-        return [error("launcher.container_cache", f"{cache!r} is not an absolute folder path",
-                      "give a folder on a filesystem every node mounts, e.g. "
-                      "launcher.container_cache=/fsx/enroot")]
+    if bad := _not_absolute("launcher.container_cache", cache, "/fsx/enroot"):
+        return bad
     if lc.kind != "slurm" or not lc.container_image:
         return [error("launcher.container_cache", "it caches launcher.container_image for "
                       "the Slurm job's steps, and this job runs none",
