@@ -104,6 +104,18 @@ def test_a_preflight_run_measures_every_pair_and_records_it(transfer: str,
     assert all(r["gbps"] > 0 and r["mib"] == 32 for r in rows)
     for r in rows:  # the launch says it too
         assert f"fabric check: {r['src']} ({nic}) -> {r['dst']} ({nic}):" in res.stdout
+    if transfer == "shm":  # `pdtool size --fabric` sizes with the fabric as measured
+        from statistics import median
+
+        from pdtool.commands.size import _with_fabric
+        from pdtool.sizing.hardware import for_gpu
+
+        hw = _with_fabric(for_gpu("cpu"), tmp_path / "job")  # shm: no line rate to share
+        assert hw.default_nic_gbps == median(r["gbps"] for r in rows) and hw.nic_eff == 1.0
+        sized = subprocess.run([sys.executable, "-m", "pdtool.cli", "size", "+recipe=tiny-local",
+                                "--isl", "64", "--osl", "16", "--fabric", str(tmp_path / "job"),
+                                "--json"], capture_output=True, text=True, timeout=120)
+        assert sized.returncode == 0 and json.loads(sized.stdout)["deployments"], sized.stderr
     # a second run measures afresh (the folder is cleared when a preflight starts)
     stale = tmp_path / "job" / fabric_check.FOLDER / "results" / "prefill-9.r0.json"
     stale.write_text("[]")

@@ -34,8 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_overrides_argument(p)
     p.add_argument("--isl", default="1024", metavar="N|LO-HI",
                    help="input tokens per request: N, or LO-HI uniform (default 1024)")
-    p.add_argument("--osl", type=int, default=256, metavar="N",
-                   help="output tokens per request (default 256)")
+    p.add_argument("--osl", default="256", metavar="N|LO-HI",
+                   help="output tokens per request: N, or LO-HI uniform (its mean counts; "
+                   "default 256)")
     p.add_argument("--slo", default="ttft_ms=2000,tpot_ms=50", metavar="ttft_ms=X,tpot_ms=Y",
                    help="mean TTFT and TPOT to meet (default ttft_ms=2000,tpot_ms=50)")
     p.add_argument("--rate", type=float, metavar="R",
@@ -48,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens/s per GPU against tokens/s per user, SLO drawn")
     p.add_argument("--hardware", type=Path, metavar="YAML",
                    help="constants file (default conf/sizing/hardware.yaml)")
+    p.add_argument("--fabric", type=Path, metavar="JOB_DIR",
+                   help="take the KV fabric's efficiency from the fabric check a --preflight "
+                   "run of JOB_DIR measured (measured over line rate, per NIC pair)")
     p.add_argument("--calibrate", type=Path, nargs="+", metavar="RESULTS_JSON",
                    help="refit the cluster's GPU entry from `pdtool bench` results.json files")
     p.add_argument("--fit", default="prefill_overhead_ms,step_overhead_ms", metavar="A,B",
@@ -116,13 +120,12 @@ def _size(args: argparse.Namespace) -> int:
     from pdtool.sizing.search import candidates
 
     ttft, tpot = _slo(args.slo)
-    if args.osl < 1:
-        raise ValueError(f"--osl: expected >= 1 output tokens, got {args.osl}")
-    wl = Workload(isl=parse_lengths(args.isl, "--isl"), osl=args.osl)
+    osl = round(sum(n * w for n, w in parse_lengths(args.osl, "--osl")))
+    wl = Workload(isl=parse_lengths(args.isl, "--isl"), osl=max(osl, 1))
     cfg = _config(list(args.overrides))
     if cfg is None:
         return EXIT_ERRORS
-    hw = for_gpu(cfg.cluster.gpu_type, args.hardware)
+    hw = _with_fabric(for_gpu(cfg.cluster.gpu_type, args.hardware), args.fabric)
     rows = []
     for cand in candidates(cfg, args.gpus):
         dep = deployment(cand.cfg, round(wl.mean_isl))
@@ -154,6 +157,27 @@ def _size(args: argparse.Namespace) -> int:
         return EXIT_OK
     _print(out, cfg, args, hw.name, len(rows))
     return EXIT_OK
+
+
+def _with_fabric(hw: Any, job_dir: Path | None) -> Any:
+    """`hw` with the fabric as measured by a preflight run's fabric check: `nic_eff` the median
+    of measured over line rate where the preset gives the links' speed, else
+    `default_nic_gbps` the median measured rate (a NIC of unknown speed, e.g. shm)."""
+    if job_dir is None:
+        return hw
+    from statistics import median
+
+    from pdtool.fabric_check import results
+    from pdtool.sizing.model import SizingError
+
+    rows = results(job_dir)
+    if not rows:
+        raise SizingError(f"--fabric: {job_dir} holds no fabric check results: run `pdtool "
+                          f"launch ... --preflight --out {job_dir}` first")
+    shares = [r["gbps"] / min(r["link_gbps"]) for r in rows if all(r["link_gbps"])]
+    if shares:
+        return hw.with_fit(nic_eff=min(median(shares), 1.0))
+    return hw.with_fit(default_nic_gbps=median(r["gbps"] for r in rows), nic_eff=1.0)
 
 
 def _print(out: list[dict], cfg: Any, args: argparse.Namespace, hw: str, n: int) -> None:
@@ -221,7 +245,8 @@ def bench_points(paths: list[Path]) -> list[Any]:
     deployment from the results' resolved config, its concurrency and mean lengths)."""
     from omegaconf import OmegaConf
 
-    from pdtool.compose import to_typed
+    from pdtool.compose import ComposeError, to_typed
+    from pdtool.schema import Config
     from pdtool.sizing.calibrate import Point
     from pdtool.sizing.model import SizingError, Workload, deployment
 
@@ -229,9 +254,10 @@ def bench_points(paths: list[Path]) -> list[Any]:
     for path in paths:
         try:
             doc = json.loads(path.read_text())
-            cfg = to_typed(OmegaConf.create(doc["provenance"]["config"]))
+            cfg = to_typed(OmegaConf.merge(OmegaConf.structured(Config),
+                                           OmegaConf.create(doc["provenance"]["config"])))
             runs = doc["runs"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, ComposeError) as e:
             raise SizingError(f"--calibrate: {path} is not a pdtool bench results.json ({e})"
                               ) from None
         for run in runs:
@@ -263,7 +289,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     points = bench_points(args.calibrate)
     gpu = points[0].dep.cfg.cluster.gpu_type
-    hw = for_gpu(gpu, args.hardware)
+    hw = _with_fabric(for_gpu(gpu, args.hardware), args.fabric)
     names = [n.strip() for n in args.fit.split(",") if n.strip()]
     fitted, err = fit(points, hw, names)
     doc = _report(points, hw, fitted, names, err, args)
@@ -287,6 +313,9 @@ def _report(points: list, before: Any, after: Any, names: list[str], err: float,
         fitted_to = ", ".join(str(p) for p in args.calibrate or []) or \
             "conf/sizing/published.yaml's fit points"
         entry["sources"] = {**entry["sources"], **{n: f"fitted: {fitted_to}" for n in names}}
+        if args.fabric is not None:
+            for n in ("nic_eff", "default_nic_gbps"):
+                entry["sources"][n] = f"measured: the fabric check of {args.fabric}"
         args.write.write_text(yaml.safe_dump({after.name: entry}, sort_keys=False))
     doc = {"hardware": after.name, "fitted": {n: getattr(after, n) for n in names},
            "error": err, "points": rows}
