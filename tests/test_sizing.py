@@ -132,7 +132,7 @@ def test_the_stored_h100_constants_are_the_fit_of_the_published_points() -> None
 
 
 def test_every_suggestion_validates_clean() -> None:
-    for args in (["+recipe=llama-3.1-70b", "--gpus", "24"],
+    for args in (["+recipe=llama-3.1-70b", "decode.tp=8", "--gpus", "24"],
                  ["+recipe=deepseek-r1", "--isl", "1000-3000", "--osl", "500",
                   "--slo", "ttft_ms=3000,tpot_ms=100"]):
         res = _size(*args, "--json")

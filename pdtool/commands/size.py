@@ -99,17 +99,19 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
 
-def _config(overrides: list[str]) -> Any:
-    """The composed, validated config, or None after printing its errors."""
+def _config(overrides: list[str], varied: tuple[str, ...] = ()) -> Any:
+    """The composed config, or None after printing its errors; errors on keys starting with
+    one of `varied` are left to the candidates, which set those keys themselves."""
     from pdtool.compose import load_config
     from pdtool.rules import validate
 
     cfg, findings = load_config(overrides)
     findings = findings if cfg is None else [*findings, *validate(cfg)]
-    if cfg is None or any(f.severity == "error" for f in findings):
+    errors = [f for f in findings if f.severity == "error" and not f.key.startswith(varied)]
+    if cfg is None or errors:
         con = console(stderr=True)
         con.print("[bold red]pdtool size: the config has errors[/]")
-        print_findings(con, [f for f in findings if f.severity == "error"])
+        print_findings(con, errors or [f for f in findings if f.severity == "error"])
         return None
     return cfg
 
@@ -122,7 +124,8 @@ def _size(args: argparse.Namespace) -> int:
     ttft, tpot = _slo(args.slo)
     osl = round(sum(n * w for n, w in parse_lengths(args.osl, "--osl")))
     wl = Workload(isl=parse_lengths(args.isl, "--isl"), osl=max(osl, 1))
-    cfg = _config(list(args.overrides))
+    # what the search varies may be wrong in the base (cluster.nodes too few for its instances)
+    cfg = _config(list(args.overrides), ("prefill.", "decode.", "cluster.nodes", "mode"))
     if cfg is None:
         return EXIT_ERRORS
     hw = _with_fabric(for_gpu(cfg.cluster.gpu_type, args.hardware), args.fabric)
@@ -147,7 +150,7 @@ def _size(args: argparse.Namespace) -> int:
     if agg is not None and agg not in best:
         best.append(agg)  # the aggregated alternative beside the disaggregated ones
     out = [{"deployment": c.text, "aggregated": c.aggregated, "gpus": p.gpus,
-            "overrides": [*args.overrides, *c.overrides], **p.to_dict()} for c, p in best]
+            "overrides": _merged(args.overrides, c.overrides), **p.to_dict()} for c, p in best]
     if args.plot:
         _plot(args.plot, rows, best, cfg, wl, ttft, tpot, hw.name)
     if args.json:
@@ -157,6 +160,12 @@ def _size(args: argparse.Namespace) -> int:
         return EXIT_OK
     _print(out, cfg, args, hw.name, len(rows))
     return EXIT_OK
+
+
+def _merged(user: list[str], candidate: tuple[str, ...]) -> list[str]:
+    """The user's overrides, less the keys the candidate sets, then the candidate's."""
+    keys = {o.split("=", 1)[0] for o in candidate}
+    return [*(o for o in user if o.split("=", 1)[0].lstrip("+~") not in keys), *candidate]
 
 
 def _with_fabric(hw: Any, job_dir: Path | None) -> Any:
