@@ -131,8 +131,8 @@ def test_env_per_role_is_added_with_plus():
         (["+prefill.foo=1"], "prefill.foo", "not a pdtool setting"),
         (["+bar=1"], "bar", "not a pdtool setting"),
         (["+cluster.nics.0.speed=9"], "cluster.nics.0.speed", "not a pdtool setting"),
-        # keys no code read are gone: naming one is refused (issue 12)
-        (["model.experts_per_token=8"], "model.experts_per_token", "not in 'ModelConfig'"),
+        # keys no code read are gone: naming one is refused (issue 12; experts_per_token came
+        # back with a reader, pdtool size)
         (["model.num_shared_experts=1"], "model.num_shared_experts", "not in 'ModelConfig'"),
         (["model.num_mtp_layers=1"], "model.num_mtp_layers", "not in 'ModelConfig'"),
         (["+recipe=no-such-recipe"], "recipe", "no-such-recipe"),
