@@ -85,7 +85,7 @@ class ModelConfig:
     num_experts: int = 0  # routed experts per MoE layer (0: dense model)
     moe_intermediate_size: int = 0  # one expert's MLP width (FP8 block check, rules.moe)
     expert_params_b: float = 0.0  # billions of parameters in routed experts (all layers)
-    experts_per_token: int = 0  # routed experts each token goes to (top-k; pdtool size)
+    experts_per_token: int = 0  # routed experts per token (top-k: pdtool size; dense: unused)
     seed: int = 0  # reference engine: weights are generated from this seed
     draft_layers: int = 0  # speculative draft model's own KV layers (0: no draft KV pool)
 

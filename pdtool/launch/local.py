@@ -262,8 +262,9 @@ class Supervisor:
             self.base_env = prelude_env(self.spec, self.run_dir)
             if self.spec.weights and not self.preflight:
                 self._fetch()
-            scrape.main([str(self.run_dir), *(self.vars[f"HOSTS[{k}]"]
-                                               for k in range(self.spec.job.nodes))])
+            with self._signals_held():  # its config loading turns any exception into its own
+                scrape.main([str(self.run_dir), *(self.vars[f"HOSTS[{k}]"]
+                                                   for k in range(self.spec.job.nodes))])
             if self.preflight:  # this run's fabric check measures afresh
                 shutil.rmtree(self.run_dir / fabric_check.FOLDER, ignore_errors=True)
             for p in self.spec.procs:

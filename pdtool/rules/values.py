@@ -83,7 +83,7 @@ def check_model(cfg: Config) -> list[Finding]:
         "experts_per_token",
     ):
         out += _at_least(f"model.{name}", getattr(m, name), 0)
-    if m.experts_per_token > m.num_experts:
+    if 0 < m.num_experts < m.experts_per_token:  # a dense model (0 experts) ignores it
         out.append(error("model.experts_per_token",
                          f"{m.experts_per_token} routed experts per token, but the model has "
                          f"model.num_experts={m.num_experts}",
