@@ -11,6 +11,7 @@ job needs to be re-run without pdtool's config tree:
     launch.json                 every process and its command line (what --dry-run prints)
     secret.key                  per-deployment control-plane secret, mode 0600, never printed
     secret-<role>.env           secret environment variables, mode 0600 (pdtool.launch.secrets)
+                                (both removed when the deployment stops)
     logs/                       one folder per run, one log per process
 """
 
@@ -32,7 +33,7 @@ from pdtool.rules import validate
 from pdtool.rules.finding import Finding, error, has_errors
 
 SCRIPT_NAMES = {"slurm": "job.sbatch", "local": "run_local.sh"}
-SECRET_NAME = "secret.key"
+SECRET_NAME = secret_env_files.KEY_FILE
 
 
 @dataclass
@@ -78,6 +79,8 @@ def script_text(cfg: Any, plan: Any, spec: LaunchSpec, run_dir: Path) -> str:
         "python": cfg.engine.python,
         "stop_grace": lc.stop_grace_s,
         "secret_name": SECRET_NAME,
+        "secret_files": secret_env_files.file_names(),
+        "secret_roles": list(spec.secret_roles),
         "slurm": spec.launcher == "slurm",
         "job": spec.job,
         "setup": spec.setup,
@@ -131,17 +134,6 @@ def spec_to_dict(spec: LaunchSpec) -> dict[str, Any]:
             "processes": [proc(p) for p in spec.procs], "router": [proc(p) for p in spec.router]}
 
 
-def write_secret(path: Path) -> None:
-    """A per-deployment control-plane secret, created 0600 (kept if the folder already has one,
-    so re-rendering a running job's folder does not lock its processes out)."""
-    if path.exists():
-        os.chmod(path, 0o600)
-        return
-    from transfer.wire.secret import write_secret as create  # the one writer of the format
-
-    create(path)
-
-
 def build_job(cfg: Any, plan: Any, out: Path) -> tuple[Rendered, str, dict[str, dict[str, str]]]:
     """(what `out` would hold, the script's text, the secrets by role), writing nothing:
     `pdtool launch --dry-run` shows this, `write_job_folder` writes it."""
@@ -176,7 +168,7 @@ def write_job_folder(cfg: Any, plan: Any, out: Path) -> Rendered:
     (out / "config.yaml").write_text(config_to_yaml(secret_env_files.redacted(cfg)))
     (out / "plan.json").write_text(to_json(plan) + "\n")
     (out / "launch.json").write_text(json.dumps(spec_to_dict(spec), indent=2) + "\n")
-    write_secret(out / SECRET_NAME)
+    secret_env_files.ensure_key(out)
     secret_env_files.write_files(out, secret_env)
     return rendered
 

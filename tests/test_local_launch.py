@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -42,10 +43,14 @@ def test_starts_waits_for_health_and_stops_on_signal(how: str, tmp_path: Path) -
         assert health(base + 10)["role"] == "decode" and health(base + 11)["role"] == "decode"
         assert health(base + 50)["role"] == "router"
         assert len(procs_of(run.run_dir)) >= 4
+        key = run.run_dir / "secret.key"
+        assert stat.S_IMODE(key.stat().st_mode) == 0o600
         os.kill(run.p.pid, STOP_SIGNAL[how])
         code, out = run.finish()
         assert code == 130, out
         wait_gone(run.run_dir)
+        # the job folder keeps no secret once the deployment stopped
+        assert not key.exists() and "removed the job's secrets: secret.key" in out, out
         logs = list((run.run_dir / "logs").glob("local-*/*.log"))
         assert sorted(p.stem for p in logs) == ["decode-0.r0", "decode-1.r0", "prefill-0.r0",
                                                 "router"]

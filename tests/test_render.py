@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdtool.compose import load_config, recipe_files
+from pdtool.launch import secrets
 from pdtool.launch.shell import Var, q, word, words
 from pdtool.plan import build_plan, compress_cpus, expand_cpus, from_json
 from pdtool.render import SECRET_NAME, render, write_job_folder
@@ -383,6 +384,29 @@ def test_secrets_reach_processes_only_through_0600_files(tmp_path: Path) -> None
         role = r["argv"][r["argv"].index("--role") + 1]
         assert ("PLAIN" in r["env"]) == (role == "decode")
     assert not (tmp_path / "PWNED").exists() and not (out / "PWNED").exists()
+    # the deployment stopped (its health wait failed): the folder keeps no secret
+    assert not [f.name for f in out.iterdir() if f.name.startswith("secret")]
+    # a second run of the folder cannot re-make the environment secrets: it says so and starts
+    # nothing
+    again = subprocess.run(["bash", str(out / "run_local.sh")], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 1, again.stdout + again.stderr
+    assert ("secret-decode.env, secret-prefill.env, secret-router.env are gone" in again.stderr
+            and "Render the job again" in again.stderr), again.stderr
+    assert len(list(dumps.glob("*.json"))) == len(records)
+    assert not (out / "secret.key").exists()
+
+
+def test_a_rerun_of_a_stopped_folder_gets_a_fresh_control_plane_key(tmp_path: Path) -> None:
+    """What a job script runs first: the key a stopped run removed is made again (0600, a new
+    value); a role's environment secrets cannot be, and their absence is named."""
+    rendered, _ = render(launcher_overrides("tiny-local", "local"), tmp_path / "job")
+    key = rendered.out / "secret.key"
+    first = key.read_text()
+    assert secrets.remove(rendered.out) == ["secret.key"] and not key.exists()
+    assert secrets.main([str(rendered.out)]) == 0
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600 and key.read_text() != first
+    assert secrets.main([str(rendered.out), "decode"]) == 1
 
 
 def test_listed_secret_without_value_is_refused(tmp_path: Path) -> None:

@@ -260,6 +260,9 @@ def test_term_before_the_time_limit_stops_every_step_in_order(slurm, tmp_path: P
     for log in (out / "logs" / job).glob("*.log"):
         assert "pdtool-worker: stopped" in log.read_text(), log  # SIGTERM, not SIGKILL
     assert "SIGKILL" not in batch
+    # the ended job's folder keeps no secret
+    assert "removed the job's secrets: secret.key" in batch
+    assert not [f.name for f in out.iterdir() if f.name.startswith("secret")]
 
 
 def _step_worker_pid(job: str, role: str, instance: int) -> int:
@@ -386,6 +389,9 @@ def test_requeued_job_keeps_the_earlier_logs(slurm, tmp_path: Path) -> None:
     assert text.count("deployment ready") == 2, f"{text}\n{why}"  # --open-mode=append
     assert sorted(p.name for p in (out / "logs" / job).glob("*.log")) == first
     again = out / "logs" / f"{job}.1"
+    # the requeue stopped the first run, which removed the control-plane key; the second made a
+    # fresh one
+    assert text.count("removed the job's secrets: secret.key") >= 1, text
     assert sorted(p.name for p in again.glob("*.log")) == first
     for log in (out / "logs" / job).glob("*.log"):
         assert "pdtool-worker: start" in log.read_text()

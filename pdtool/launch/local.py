@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pdtool import fabric_check
-from pdtool.launch import record, scrape
+from pdtool.launch import record, scrape, secrets
 from pdtool.launch.health import (
     EXIT_DIED,
     WATCHDOG_MISSES,
@@ -260,6 +260,10 @@ class Supervisor:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self.say(f"logs in {self.log_dir}")
             self.base_env = prelude_env(self.spec, self.run_dir)
+            gone = secrets.missing(self.run_dir, self.spec.secret_roles)
+            if gone:
+                raise HealthFailure(gone, 1)
+            secrets.ensure_key(self.run_dir)
             if self.spec.weights and not self.preflight:
                 self._fetch()
             with self._signals_held():  # its config loading turns any exception into its own
@@ -316,10 +320,14 @@ class Supervisor:
                 signal.signal(sig, force)
             try:
                 self.stop_all()
+                removed = secrets.remove(self.run_dir)  # the folder keeps none once stopped
+                if removed:
+                    self.say(f"removed the job's secrets: {' '.join(removed)}")
                 if self.running:
                     self.say("stopped: every process of the deployment has exited")
             finally:
                 record.remove(self.run_dir)
+                secrets.remove(self.run_dir)  # (again, silently, should stopping have failed)
                 for s, h in old.items():
                     signal.signal(s, h)
 

@@ -8,6 +8,14 @@ runs in, so it never has to be typed at all. Each role's secrets go to
 `secret-<role>.env` (mode 0600, `export NAME='value'` lines, quoted); its processes start as
 `bash -c '. "$0" && exec "$@"' <file> <command...>`, so the values exist only in the process
 environment. The saved config shows `REDACTED` in their place.
+
+Beside them, `secret.key` (`KEY_FILE`) holds the deployment's control-plane key (0600).
+
+A job folder keeps its secrets only while the job runs: the supervisor and the rendered scripts
+remove every one of them when the deployment stops (`remove`), so the folders that pile up
+under launcher.output_dir hold none. A later run of the same folder gets a fresh control-plane
+key at its start (`python -m pdtool.launch.secrets`); the environment secrets cannot be
+re-made, so such a run stops before anything starts and says to render the job again.
 """
 
 from __future__ import annotations
@@ -16,7 +24,8 @@ import copy
 import os
 import re
 import shlex
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pdtool.launch.shell import Var, Word, word
@@ -26,6 +35,7 @@ from pdtool.schema import Config
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL", re.I)
 ROLES = ("prefill", "decode", "router")
 REDACTED = "REDACTED (secret-<role>.env in the job folder)"
+KEY_FILE = "secret.key"
 
 
 class SecretError(ValueError):
@@ -92,6 +102,63 @@ def write_files(out: Path, by_role: Mapping[str, Mapping[str, str]]) -> list[Pat
     return written
 
 
+def file_names() -> list[str]:
+    """Every secret file a job folder may hold: what `remove` deletes."""
+    return [KEY_FILE, *(file_name(r) for r in ROLES)]
+
+
+def ensure_key(run_dir: Path) -> None:
+    """A per-deployment control-plane key, created 0600 (kept if the folder already has one,
+    so re-rendering a running job's folder does not lock its processes out)."""
+    path = Path(run_dir) / KEY_FILE
+    if path.exists():
+        os.chmod(path, 0o600)
+        return
+    from transfer.wire.secret import write_secret  # the one writer of the format
+
+    write_secret(path)
+
+
+def missing(run_dir: Path, roles: Sequence[str]) -> str | None:
+    """Why a run of this folder cannot start: a role's secret file is gone (None: all there)."""
+    gone = [file_name(r) for r in roles if not (Path(run_dir) / file_name(r)).is_file()]
+    if not gone:
+        return None
+    return (f"{', '.join(gone)} {'is' if len(gone) == 1 else 'are'} gone from {run_dir}: a job "
+            "folder's secrets are removed when "
+            "its deployment stops. Render the job again (pdtool render / pdtool launch with the "
+            "same overrides) to write them")
+
+
+def remove(run_dir: Path) -> list[str]:
+    """Delete the folder's secret files; the names of those that were there."""
+    removed = []
+    for name in file_names():
+        try:
+            (Path(run_dir) / name).unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(name)
+    return removed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m pdtool.launch.secrets RUN_DIR [ROLE...]`, as a job script starts: a fresh
+    control-plane key when the folder has none; exit 1 naming the fix when a role's
+    environment secrets are gone."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        print("usage: python -m pdtool.launch.secrets RUN_DIR [ROLE...]", file=sys.stderr)
+        return 2
+    run_dir, roles = Path(args[0]), args[1:]
+    why = missing(run_dir, roles)
+    if why:
+        print(f"pdtool: ERROR: {why}", file=sys.stderr)
+        return 1
+    ensure_key(run_dir)
+    return 0
+
+
 def wrapper(run_dir: Var, rname: str) -> list[str | Word]:
     """Command prefix that loads a role's secrets into the environment, then execs the rest."""
     return ["bash", "-c", '. "$0" && exec "$@"', word(run_dir, f"/{file_name(rname)}")]
@@ -106,3 +173,7 @@ def redacted(cfg: Config) -> Config:
             if is_secret(cfg, k):
                 env[k] = REDACTED
     return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

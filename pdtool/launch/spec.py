@@ -119,6 +119,8 @@ class LaunchSpec:
     stage: list[str | Word] = field(default_factory=list)
     # (the Hub id, launcher.model_cache, launcher.stage_to or "") the job fetches
     weights: tuple[str, str, str] | None = None
+    # the roles whose processes load a secret-<role>.env (pdtool.launch.secrets)
+    secret_roles: tuple[str, ...] = ()
 
     def health(self) -> list[Word]:
         return [word(f"{p.name}=", *p.health.parts) for p in self.procs if p.health]
@@ -443,5 +445,5 @@ def build_launch(cfg: Config, plan: Plan, run_dir: str,
                       procs=procs, router=[router], job=job, fetch=fetch, stage=stage,
                       weights=None if model is None else (model, lc.model_cache, lc.stage_to),
                       router_url=word("http://", host(plan.router.node), f":{plan.router.port}"),
-                      setup=list(lc.setup),
+                      setup=list(lc.setup), secret_roles=tuple(sorted(secret_roles)),
                       venv_activate=str(Path(lc.venv) / "bin" / "activate") if lc.venv else "")
