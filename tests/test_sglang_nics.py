@@ -17,6 +17,7 @@ import importlib
 import json
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
 import helpers.sglang_pair as tsb
@@ -62,6 +63,12 @@ def _rank(role: str, cfg: dict[str, Any], rank: int, conn: Any) -> None:
     """A harness rank (child process) with its role's NICs in the environment and the
     module settings `cfg["tune"]` names ((module, name, value): small staging memory)."""
     os.environ.update(cfg.get("role_env", {}).get(role, {}))
+    if cfg.get("metrics_dir"):  # as SGLang's --enable-metrics sets it before its schedulers
+        # start (the forkserver imported prometheus_client before: its value class follows)
+        from prometheus_client import values
+
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = cfg["metrics_dir"]
+        values.ValueClass = values.MultiProcessValue()
     for module, name, value in cfg.get("tune", ()):
         setattr(importlib.import_module(module), name, value)
     from transfer.sglang import conn as sconn
@@ -135,13 +142,16 @@ def _scattered_rooms(n: int, first: int, pages: int = 3,
 
 
 @pytest.mark.timeout(600)
-def test_every_nic_carries_writes_and_each_operation_is_counted_once(monkeypatch) -> None:
+def test_every_nic_carries_writes_and_each_operation_is_counted_once(monkeypatch,
+                                                                    tmp_path: Path) -> None:
     """Prefill with two endpoints (127.0.0.2, .3), decode with three (.4, .5, .6): every
     endpoint on both sides carries operations, the decoder's per-slot count (its endpoints
-    counting into one slot table) is exactly the one-endpoint count, pages byte-exact."""
+    counting into one slot table) is exactly the one-endpoint count, pages byte-exact. The
+    transfer metrics (prometheus-client's multiprocess files, as SGLang's --enable-metrics
+    collects them) give each NIC's operations and every room's success."""
     rooms = _scattered_rooms(8, 20)
     cfg = {"mla": False, "heads": 2, "prefill_tp": 1, "decode_tp": 1, "rooms": rooms,
-           "provider": "tcp;ofi_rxm",
+           "provider": "tcp;ofi_rxm", "metrics_dir": str(tmp_path),
            "role_env": {"prefill": _nics("127.0.0.2", "127.0.0.3"),
                         "decode": _nics("127.0.0.4", "127.0.0.5", "127.0.0.6")}}
     res = _run(cfg, monkeypatch)
@@ -161,6 +171,28 @@ def test_every_nic_carries_writes_and_each_operation_is_counted_once(monkeypatch
     assert sum(stats["rail_ops"]) == sum(want.values()) and all(stats["rail_ops"]), stats
     assert stats["tags_free"] == TAGS and stats["rooms"] == 0, stats
     print(f"per-endpoint operations: prefill {stats['rail_ops']}, decode {spread}")
+    metrics = _collected(tmp_path)
+    by_nic: dict[str, float] = {}
+    for labels, value in metrics["pdtool_kv_write_operations_total"]:
+        by_nic[labels["nic"]] = by_nic.get(labels["nic"], 0) + value
+    assert by_nic == {"127.0.0.2": stats["rail_ops"][0], "127.0.0.3": stats["rail_ops"][1]}
+    assert [v for _, v in metrics["pdtool_kv_transfers_succeeded_total"]] == [len(rooms)]
+    assert [v for _, v in metrics["pdtool_kv_transfer_seconds_count"]] == [len(rooms)]
+
+
+def _collected(folder: Path) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """What a /metrics over these multiprocess files would show: sample name ->
+    [(labels, value)]."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(folder))
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
 
 
 @pytest.mark.timeout(600)

@@ -32,6 +32,7 @@ import numpy as np
 import zmq
 
 from ..layout import KVLayout, LayoutError
+from ..plane.metrics import TRANSFER_S_BOUNDS
 from ..progress import LAYER_MASK, PASS_SHIFT  # noqa: F401  the progress word's one home
 from ..routes import RouteError, ShardSpec
 from ..wakeups import CommandQueue, Doorbell
@@ -226,9 +227,6 @@ class TransferState:
     slot: int = -1
 
 
-#: upper bounds (seconds) of the decode messenger's transfer-time histogram (its stats)
-TRANSFER_S_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                     10.0)
 
 
 @dataclass

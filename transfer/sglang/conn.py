@@ -103,6 +103,7 @@ from transfer.geometry import (
 from transfer.layout import KVLayout, LayoutError, sglang_buffer_layouts
 from transfer.routes import RouteError, ShardSpec, Slice
 from transfer.sglang import layer_stream
+from transfer.sglang import metrics as transfer_metrics
 from transfer.sglang.chunk import Chunk
 from transfer.sglang.decode_plane import DecodePlane
 from transfer.sglang.prefill_plane import PrefillPlane
@@ -297,6 +298,10 @@ class PdtoolKVManager(CommonKVManager):
             disaggregation_mode == DisaggregationMode.DECODE,
             hmem=self.kv_path == "direct" and self.kv_device.type == "cuda")
         self.ep = self.rails.primary  # the decode's slot table lives here
+        # on SGLang's /metrics when it runs with --enable-metrics (metrics.py)
+        self.metrics = transfer_metrics.for_manager(
+            disaggregation_mode == DisaggregationMode.PREFILL,
+            self.kv_args.engine_rank % self.attn_tp_size)
         # one signed envelope per manager (its session); no secret: the manager refuses to start
         self.frames = Frames(_secret(), f"{disaggregation_mode.value}-{self.peer_key}")
         self.compat = compat_hash(wire_facts(
@@ -356,7 +361,7 @@ class PdtoolKVManager(CommonKVManager):
                                          slices=self._landed_slices, done=self._on_landed)
             self.rails.start_lanes()  # further NICs: their own C threads, counting into ep
             self.plane = DecodePlane(self.ep, self._on_counted, self._die,
-                                     lanes=len(self.rails) > 1)
+                                     lanes=len(self.rails) > 1, metrics=self.metrics)
             self._threads = [threading.Thread(target=self._guard(self._decode_control_loop),
                                               name="pdtool-decode-control", daemon=True)]
             self._start_heartbeat_checker_thread()
@@ -476,6 +481,20 @@ class PdtoolKVManager(CommonKVManager):
             else:
                 self.record_failure(room, self.problem)
                 self.update_status(room, KVPoll.Failed)
+
+    def update_status(self, bootstrap_room: int, status: KVPoll) -> None:
+        """SGLang's status change; a decode room that ends here (Success or Failed, from any
+        path: pdtool's counts, a peer's failure, SGLang's own timeouts) is counted once in
+        the transfer metrics."""
+        before = self.request_status.get(bootstrap_room)
+        super().update_status(bootstrap_room, status)
+        if self.disaggregation_mode != DisaggregationMode.DECODE or \
+                before in (None, KVPoll.Success, KVPoll.Failed):
+            return
+        after = self.request_status.get(bootstrap_room)
+        if after in (KVPoll.Success, KVPoll.Failed):
+            self.metrics.transfer_ended(after == KVPoll.Success,
+                                        self.plane.armed_for(bootstrap_room))
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for health checks and tests (`problem` empty while healthy)."""

@@ -28,9 +28,12 @@ from __future__ import annotations
 import logging
 import select
 import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 from transfer.plane.slots import SlotTable
+from transfer.sglang.metrics import NO_METRICS
 from transfer.wakeups import CommandQueue
 
 logger = logging.getLogger(__name__)
@@ -45,8 +48,10 @@ class DecodePlane:
     called from the progress thread: reason None = every expected write landed."""
 
     def __init__(self, ep, on_done: Callable[[int, str | None], None],
-                 on_death: Callable[[str], None], lanes: bool = False) -> None:
+                 on_death: Callable[[str], None], lanes: bool = False,
+                 metrics: Any = NO_METRICS) -> None:
         self.ep = ep
+        self.metrics = metrics  # slots in use (transfer.sglang.metrics)
         self._lanes = lanes
         self._active = False
         self.slots = SlotTable(ep.max_slots, ep.recv_counts, ep.recv_gen)
@@ -55,6 +60,7 @@ class DecodePlane:
         self._on_death = on_death
         self._lock = threading.Lock()
         self._rooms: dict[int, int] = {}  # slot -> room
+        self._armed: dict[int, float] = {}  # room -> when its slot was armed (monotonic)
         self._bell = CommandQueue()
         self._stop = threading.Event()
         self.problem = ""  # why the plane stopped; new transfers are refused with it
@@ -73,6 +79,8 @@ class DecodePlane:
             if got is None:
                 raise RuntimeError(f"more than {self.slots.capacity} transfers in flight")
             self._rooms[got[0]] = room
+            self._armed[room] = time.monotonic()
+            self.metrics.slots_in_use(self.slots.capacity - self.slots.free)
         self._bell.append(None)  # the progress thread switches from its idle wait to C waits
         return got
 
@@ -86,8 +94,16 @@ class DecodePlane:
     def release(self, slot: int) -> None:
         """Back to the free list; writes still in flight for it become stale."""
         with self._lock:
-            self._rooms.pop(slot, None)
+            room = self._rooms.pop(slot, None)
+            self._armed.pop(room, None)
             self.slots.release(slot)
+            self.metrics.slots_in_use(self.slots.capacity - self.slots.free)
+
+    def armed_for(self, room: int) -> float | None:
+        """Seconds since `room`'s slot was armed (None: it has none): the transfer time the
+        metrics record when the room succeeds."""
+        armed = self._armed.get(room)
+        return None if armed is None else time.monotonic() - armed
 
     def received(self, slot: int) -> int:
         return self.slots.received(slot)

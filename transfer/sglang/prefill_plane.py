@@ -56,6 +56,7 @@ from transfer import fabric
 from transfer.plane.ledger import Account, SendLedger
 from transfer.plane.stall import StallWatch
 from transfer.routes import sendable
+from transfer.sglang.metrics import NO_METRICS
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,8 @@ class PrefillPlane:
         self.staging = staging  # staging_plane.PrefillStaging: packed slices, bounce buffers
         self.rails: Rails = rails if rails is not None else Rails([ep], ["default"])
         self.rail_ops = [0] * len(self.rails)  # operations each local rail carried
+        # per NIC and decode peer on SGLang's /metrics (--enable-metrics; transfer.sglang.metrics)
+        self.metrics = getattr(mgr, "metrics", NO_METRICS)
         self.sends_written = 0  # (room, decode rank) sends that issued an operation
         self.chunks: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.ledger = SendLedger(max_tags, self.rails.send_done)
@@ -287,6 +290,7 @@ class PrefillPlane:
         s.issued += ops
         s.issued_bytes += nbytes
         self.rail_ops[rail] += ops
+        self.metrics.posted(self.rails.labels[rail], s.peer, ops, nbytes)
 
     def _paths(self, peer: Any) -> list[tuple[int, int]]:
         m, n = len(self.rails), max(1, len(peer.rails))
@@ -426,6 +430,7 @@ class PrefillPlane:
                 s = self.ledger.failed(tag)
             if s is None:
                 continue
+            self.metrics.write_failed(s.peer)
             self.fail(s.room, f"pdtool write to decode {s.peer} failed: {message} ({errno})")
         self.staging.reclaim()  # bounce buffers whose writes completed credit their Send
         now = time.monotonic()

@@ -8,7 +8,8 @@ scrape time from the messenger's `stats()` (nothing is added to the hot path): a
 the operations, page writes and bytes it issued and its failed writes, retired tags and stall
 resets; a decode lead its transfers that succeeded, failed and timed out, their time from
 submit to the last counted write (a histogram), and its transfer slots in use. Each process
-has a registry of its own, so the names below are the whole of what it exports.
+has a registry of its own, so the names below are the whole of what it exports. The transfer
+metrics' names are `transfer.plane.metrics`' table, which pdtool's SGLang backend exports too.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from transfer.messenger.common import TRANSFER_S_BOUNDS
+from transfer.plane.metrics import (
+    DECODE_COUNTERS,
+    PREFILL_COUNTERS,
+    SLOTS_IN_USE,
+    TRANSFER_S_BOUNDS,
+    TRANSFER_SECONDS,
+)
 
 #: latency buckets (seconds) of the front's histograms: a CPU engine's milliseconds up to a
 #: long generation's minute
@@ -75,28 +82,6 @@ class FrontMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-#: prefill messenger stats -> (metric, help): monotonic counts
-PREFILL_COUNTERS = {
-    "ops_issued": ("pdtool_kv_write_operations", "KV and aux RMA operations issued (what the "
-                   "decoders count)"),
-    "writes_issued": ("pdtool_kv_page_writes", "page writes issued (grouped into operations)"),
-    "bytes_issued": ("pdtool_kv_sent_bytes", "bytes the issued operations carry"),
-    "write_errors": ("pdtool_kv_write_errors", "operations that completed with an error"),
-    "leaked_tags": ("pdtool_kv_retired_tags", "fabric tags retired for good (a dead peer's "
-                    "writes never completed)"),
-    "stall_resets": ("pdtool_kv_stall_resets", "shm endpoint resets after a stalled peer"),
-}
-#: decode messenger stats -> (metric, help)
-DECODE_COUNTERS = {
-    "transfers_ok": ("pdtool_kv_transfers_succeeded", "transfers whose every write landed"),
-    "transfers_failed": ("pdtool_kv_transfers_failed", "transfers that failed (any reason)"),
-    "transfers_timed_out": ("pdtool_kv_transfers_timed_out", "failed transfers that ran past "
-                            "transfer.timeout_s"),
-    "stale_writes": ("pdtool_kv_stale_writes", "writes of an old transfer that landed after "
-                     "its slot was reused (counted, never credited)"),
-}
-
-
 class MessengerCollector(Collector):
     """The KV messenger's counters of one instance lead, from `stats()` at scrape time
     (`stats()` returns {} when the rank has no messenger: an aggregated instance)."""
@@ -119,11 +104,9 @@ class MessengerCollector(Collector):
                                 strict=True):
                 total += n
                 cumulative.append((bound, total))
-            yield HistogramMetricFamily(
-                "pdtool_kv_transfer_seconds", "from submit to the transfer's last counted "
-                "write (successful transfers)", buckets=cumulative, sum_value=s["transfer_s_sum"])
-            yield GaugeMetricFamily("pdtool_kv_slots_in_use", "transfer slots counting writes "
-                                    "or quarantined", value=s["slots_total"] - s["slots_free"])
+            yield HistogramMetricFamily(*TRANSFER_SECONDS, buckets=cumulative,
+                                        sum_value=s["transfer_s_sum"])
+            yield GaugeMetricFamily(*SLOTS_IN_USE, value=s["slots_total"] - s["slots_free"])
 
 
 def messenger_metrics(stats: Callable[[], dict[str, Any]],

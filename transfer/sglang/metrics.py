@@ -1,0 +1,104 @@
+"""pdtool's KV transfer metrics from inside SGLang's processes, on SGLang's own `/metrics`.
+
+SGLang started with `--enable-metrics` runs prometheus_client in multiprocess mode: before its
+scheduler processes start, the launcher sets PROMETHEUS_MULTIPROC_DIR; each process writes its
+samples to files there, and the HTTP server's `/metrics` merges them. The backend's KV manager
+lives in a scheduler process, so the counters it makes there appear on the server's `/metrics`
+beside SGLang's own: counters and the histogram summed over the processes that share a label
+set, the gauge summed over the live ones. Without `--enable-metrics` nothing is made
+(`for_manager` returns `NO_METRICS`, whose calls do nothing).
+
+Names and help are `transfer.plane.metrics`' table, the reference engine's too. Labels: `rank`
+(the scheduler's attention-TP rank: every rank's writes are counted, not only a lead's); on the
+prefill side `nic` (the endpoint that carried the operation, one per NIC with several NICs per
+GPU, `rails.py`) and `peer` (the decode rank's control address, `ip:port`). The counts are
+taken where the plane counts for itself (`PrefillPlane.posted`, the failed-write loop, the
+decode manager's status changes), once per submission or transfer, never per page.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from transfer.plane.metrics import (
+    DECODE_COUNTERS,
+    PREFILL_COUNTERS,
+    SLOTS_IN_USE,
+    TRANSFER_S_BOUNDS,
+    TRANSFER_SECONDS,
+)
+
+
+class NoMetrics:
+    """What a backend without `--enable-metrics` counts into: nothing."""
+
+    def posted(self, nic: str, peer: str, ops: int, nbytes: int) -> None:
+        pass
+
+    def write_failed(self, peer: str) -> None:
+        pass
+
+    def transfer_ended(self, ok: bool, seconds: float | None) -> None:
+        pass
+
+    def slots_in_use(self, n: int) -> None:
+        pass
+
+
+NO_METRICS = NoMetrics()
+
+
+class BackendMetrics(NoMetrics):
+    """One scheduler process's transfer metrics (multiprocess mode: no registry is needed,
+    the samples go to PROMETHEUS_MULTIPROC_DIR's files, which SGLang's `/metrics` reads)."""
+
+    def __init__(self, prefill: bool, rank: int) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.rank = str(rank)
+        if prefill:
+            labels = ["rank", "nic", "peer"]
+            self._ops = Counter(*PREFILL_COUNTERS["ops_issued"], labels, registry=None)
+            self._bytes = Counter(*PREFILL_COUNTERS["bytes_issued"], labels, registry=None)
+            self._errors = Counter(*PREFILL_COUNTERS["write_errors"], ["rank", "peer"],
+                                   registry=None)
+        else:
+            self._ok = Counter(*DECODE_COUNTERS["transfers_ok"], ["rank"], registry=None)
+            self._failed = Counter(*DECODE_COUNTERS["transfers_failed"], ["rank"],
+                                   registry=None)
+            self._seconds = Histogram(*TRANSFER_SECONDS, ["rank"], buckets=TRANSFER_S_BOUNDS,
+                                      registry=None)
+            self._slots = Gauge(*SLOTS_IN_USE, ["rank"], multiprocess_mode="livesum",
+                                registry=None)
+
+    def posted(self, nic: str, peer: str, ops: int, nbytes: int) -> None:
+        if ops:
+            self._ops.labels(self.rank, nic, peer).inc(ops)
+            self._bytes.labels(self.rank, nic, peer).inc(nbytes)
+
+    def write_failed(self, peer: str) -> None:
+        self._errors.labels(self.rank, peer).inc()
+
+    def transfer_ended(self, ok: bool, seconds: float | None) -> None:
+        """A decode room reached Success or Failed (`seconds`: since its slot was armed)."""
+        if not ok:
+            self._failed.labels(self.rank).inc()
+            return
+        self._ok.labels(self.rank).inc()
+        if seconds is not None:
+            self._seconds.labels(self.rank).observe(seconds)
+
+    def slots_in_use(self, n: int) -> None:
+        self._slots.labels(self.rank).set(n)
+
+
+def for_manager(prefill: bool, rank: int) -> Any:
+    """The metrics of a KV manager: real when SGLang exports metrics (--enable-metrics set
+    PROMETHEUS_MULTIPROC_DIR before this process started), else `NO_METRICS`."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return NO_METRICS
+    try:
+        return BackendMetrics(prefill, rank)
+    except ImportError:  # prometheus_client is SGLang's own dependency; without it, nothing
+        return NO_METRICS
