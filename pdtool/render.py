@@ -99,6 +99,7 @@ def script_text(cfg: Any, plan: Any, spec: LaunchSpec, run_dir: Path) -> str:
         "watchdog_s": lc.watchdog_s,
         "probe_timeout_s": lc.probe_timeout_s,
         "benchmark": benchmark_argv(cfg, spec),
+        "verify": lc.verify,
         "groups": spec.groups(),
         # --smoke and benchmarks run through the supervisor with restarts off
         "restart": lc.restart,

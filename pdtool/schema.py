@@ -255,6 +255,12 @@ class LauncherConfig:
     # latency.png land in logs/<jobid>/bench/ and the job then ends with the benchmark's
     # status. Empty: no benchmark, the deployment serves until stopped.
     benchmark: list[str] = field(default_factory=list)
+    # once the deployment is healthy, before it serves or benchmarks: this many greedy prompts
+    # through every prefill->decode pair, each pair's tokens compared with the other pairs'
+    # (SGLang) or with the model computed in the launcher (reference engine); a difference
+    # stops the deployment, naming the prompt, the pair and the token (pdtool.launch.verify;
+    # 0: off)
+    verify: int = 0
     # a process that exits or hangs while the deployment serves: on-failure restarts its
     # instance (all its processes, its srun steps on Slurm) up to max_restarts times per
     # instance, waiting restart_backoff_s before the first restart and twice as long before

@@ -475,3 +475,32 @@ def test_status_logs_and_stop_from_another_shell(tmp_path: Path) -> None:
         assert gone.returncode == 1 and "no running deployment" in gone.stderr
     finally:
         run.kill_everything()
+
+
+@pytest.mark.slow
+def test_launcher_verify_stops_a_deployment_whose_tokens_are_wrong(tmp_path: Path) -> None:
+    """run_local.sh with launcher.verify=2: once healthy, greedy prompts through the front are
+    compared with the model computed in the script's helper. A decode that damages a received
+    page of every request (the reference engine's test hook, as a faulty NIC would) answers
+    HTTP 200, and the run fails naming the prompts and the first differing character, before
+    it serves; the same deployment without the fault passes."""
+    def run(*keys: str) -> tuple[int, str]:
+        out = tmp_path / f"job{len(keys)}"
+        rendered, findings = render([*overrides(27800), "launcher.verify=2", *keys], out)
+        assert rendered is not None, findings
+        p = subprocess.run(["bash", str(rendered.script), "--exit-when-healthy"],
+                           env={**os.environ, "PDTOOL_PYTHON": sys.executable},
+                           capture_output=True, text=True, timeout=300, check=False)
+        wait_gone(out)
+        return p.returncode, p.stdout + p.stderr
+
+    code, out = run()
+    assert code == 0, out
+    assert "launcher.verify: 2 greedy prompts through the front: every text is the model's " \
+        "own" in out
+    code, out = run("+launcher.env.decode.PDTOOL_REFERENCE_ALLOW_FAULTS=1",
+                    "+launcher.env.decode.PDTOOL_REFERENCE_CORRUPT_PAGE='0,0'")
+    assert code == 1, out
+    assert "launcher.verify: 2 of 2 outputs differ from the model: prompt 0 through the " \
+        "front: differs from the model computed here at character" in out, out
+    assert "deployment ready" in out and "stopping" in out

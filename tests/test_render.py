@@ -137,8 +137,10 @@ def hostile_cfg(launcher: str):
 @pytest.mark.parametrize("launcher", ["local", "slurm"])
 def test_hostile_values_render_shellcheck_clean(launcher: str, tmp_path: Path) -> None:
     cfg = hostile_cfg(launcher)
+    cfg.launcher.verify = 2  # its branch of the script is checked too
     rendered = write_job_folder(cfg, build_plan(cfg), tmp_path / "job")
     check_script(rendered.script)
+    assert "-m pdtool.launch.verify" in rendered.script.read_text()
 
 
 @pytest.mark.slow

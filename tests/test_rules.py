@@ -597,3 +597,39 @@ def test_sglang_hnd_pools_are_refused_for_disaggregation():
 
     assert not hnd_findings("+launcher.env.all.SGLANG_USE_HND_KVCACHE=0")
     assert not hnd_findings("mode=aggregated", "+launcher.env.all.SGLANG_USE_HND_KVCACHE=1")
+
+
+def test_launcher_verify_needs_pairs_to_compare():
+    """On SGLang the check compares prefill->decode pairs with each other: it needs two, and
+    an aggregated deployment has none; the reference engine compares with its model."""
+    assert_error(recipe("sglang-local", "launcher.verify=2", "decode.instances=1"),
+                 "launcher.verify", "this deployment has 1")
+    assert_error(recipe("sglang-local", "launcher.verify=2", "mode=aggregated"),
+                 "launcher.verify", "aggregated deployment has none")
+    assert_error(recipe("tiny-local", "launcher.verify=-1"), "launcher.verify", "-1 prompts")
+    for ok in (recipe("sglang-local", "launcher.verify=2"),
+               recipe("tiny-local", "launcher.verify=2", "decode.instances=1")):
+        assert not [f for f in validate(ok) if f.key == "launcher.verify"]
+
+
+def test_the_pairs_outvote_the_damaged_one():
+    """Each prompt's reference is the tokens most pairs gave; an even split names both."""
+    from pdtool.launch.verify import compare_pairs, pairs, prompts
+
+    outs = {"prefill-0 -> decode-0": [[1, 2, 3], [4, 5]],
+            "prefill-0 -> decode-1": [[1, 9, 3], [4, 5]],
+            "prefill-0 -> decode-2": [[1, 2, 3], [4, 5]]}
+    assert compare_pairs(outs) == [
+        "prompt 0 through prefill-0 -> decode-1: differs from the tokens of 2 other pair(s) "
+        "at token 1: got [9, 3], want [2, 3]"]
+    even = compare_pairs({"a": [[7, 8]], "b": [[7, 6]]})
+    assert len(even) == 1 and "split evenly" in even[0] and "at token 1" in even[0]
+    texts = prompts(4)
+    assert len(set(texts)) == 4 and len({t.split()[0] + t.split()[1] for t in texts}) == 4
+    plan = build_plan(recipe("sglang-local"))
+    (pre,), dec = plan.router.prefill, plan.router.decode
+    assert [(p.name, p.prefill_url, p.decode_url, p.bootstrap_port)
+            for p in pairs(plan, ["10.0.0.1"])] == [
+        (f"prefill-0 -> decode-{k}", f"http://10.0.0.1:{pre.http_port}",
+         f"http://10.0.0.1:{d.http_port}", pre.bootstrap_port) for k, d in enumerate(dec)]
+    assert len(dec) == 2

@@ -67,7 +67,7 @@ FORWARD_S = 20
 @pytest.fixture(scope="module")
 def pd_shm(tmp_path_factory: pytest.TempPathFactory):
     served = Served(tmp_path_factory.mktemp("pd-shm"), f"launcher.watchdog_s={WATCHDOG_S}",
-                    f"launcher.probe_timeout_s={WATCHDOG_S}",
+                    f"launcher.probe_timeout_s={WATCHDOG_S}", "launcher.verify=3",
                     "prefill.extra_args=[--enable-metrics]",
                     "decode.extra_args=[--enable-metrics]").start()
     yield served
@@ -93,6 +93,15 @@ def test_pd_over_shm_is_token_exact(oracle, pd_shm: Served) -> None:
     got = pd_shm.generate_all(prompts * 2, concurrency=8)
     assert got == [oracle[tuple(p)] for p in prompts * 2]
     assert not pd_shm.failures()
+
+
+def test_the_launch_checked_every_pair_before_serving(pd_shm: Served) -> None:
+    """launcher.verify: once healthy, the supervisor sent 3 greedy prompts through each
+    prefill->decode pair (addressed directly, as the router addresses a pair) and they agreed."""
+    out = pd_shm.output()
+    assert "launcher.verify: 3 greedy prompts through each of 2 prefill->decode pairs: every " \
+        "pair gave the same tokens" in out, pd_shm.tail()
+    assert out.index("launcher.verify:") > out.index("deployment ready")
 
 
 def test_prefill_streams_layer_by_layer(pd_shm: Served) -> None:

@@ -42,6 +42,8 @@ This module is in `transfer/` because the SGLang backend and the messenger read 
     PDTOOL_CONTROL_FAULTS     drop/delay outgoing control messages (transfer.wire, tests)
     PDTOOL_REFERENCE_ALLOW_FAULTS  "1": the reference engine honours test fault hooks
     PDTOOL_REFERENCE_CORRUPT_PAGE  "LAYER,INDEX": with them, damage that page of every request
+    PDTOOL_SGLANG_CORRUPT_INSTANCE "N": SGLang decode instance N damages every request's first
+                              KV page once it landed (host pools; what launcher.verify catches)
     PDTOOL_HOPS               file the TTFT hop profiler's hooks append timestamps to (bench)
 """
 
@@ -161,6 +163,11 @@ REFERENCE_CORRUPT_PAGE = Var("PDTOOL_REFERENCE_CORRUPT_PAGE", "tests (launcher.e
                              '"LAYER,INDEX": with PDTOOL_REFERENCE_ALLOW_FAULTS=1, a decode rank '
                              "damages that received page of every request (what `pdtool bench "
                              "--verify` must catch)")
+SGLANG_CORRUPT_INSTANCE = Var("PDTOOL_SGLANG_CORRUPT_INSTANCE", "tests (launcher.env.decode.*)",
+                              "SGLang backend",
+                              '"N": the SGLang backend of decode instance N damages the first KV '
+                              "page of every request once it landed (host KV pools only): a "
+                              "faulty pair that `launcher.verify` must catch")
 
 HOPS = Var("PDTOOL_HOPS", "bench/ttft_hops.py", "bench/hops/sitecustomize.py",
            "file every deployment process appends its request hop timestamps to, when set "
@@ -170,7 +177,8 @@ VARIABLES: tuple[Var, ...] = (
     RUN_DIR, PYTHON, SECRET_FILE, HOSTS, PREFLIGHT, CPUS_FROM_NODE, EXIT_WHEN_HEALTHY,
     PLAN, ROLE, INSTANCE, RANK, NODE_RANK,
     FI_PROVIDER, FI_DOMAIN, NICS, GPU_MEMORY, DRAFT_LAYERS, LAYER_STREAM,
-    SECRET, CONTROL_FAULTS, REFERENCE_ALLOW_FAULTS, REFERENCE_CORRUPT_PAGE, HOPS,
+    SECRET, CONTROL_FAULTS, REFERENCE_ALLOW_FAULTS, REFERENCE_CORRUPT_PAGE,
+    SGLANG_CORRUPT_INSTANCE, HOPS,
 )
 BY_NAME: dict[str, Var] = {v.name: v for v in VARIABLES}
 

@@ -36,8 +36,8 @@ class Mismatch:
                 f"{self.want[lo:self.position + 20]!r}")
 
 
-def first_difference(a: str, b: str) -> int | None:
-    """Index of the first character where `a` and `b` differ (None: equal)."""
+def first_difference(a: Sequence[Any], b: Sequence[Any]) -> int | None:
+    """Index of the first character (or token) where `a` and `b` differ (None: equal)."""
     if a == b:
         return None
     n = min(len(a), len(b))

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from pdtool import fabric_check
-from pdtool.launch import record, scrape, secrets
+from pdtool.launch import record, scrape, secrets, verify
 from pdtool.launch.health import (
     EXIT_DIED,
     WATCHDOG_MISSES,
@@ -91,8 +91,9 @@ class Supervisor:
                  stop_grace: float = 30.0, health_timeout: float = 900.0,
                  preflight: bool = False, watchdog_s: float = 0.0,
                  restart: RestartPolicy | None = None, model: str = "",
-                 probe_timeout_s: float = 5.0) -> None:
+                 probe_timeout_s: float = 5.0, verify: tuple[Any, Any] | None = None) -> None:
         self.spec = spec
+        self.verify = verify  # (cfg, plan) when launcher.verify checks the ready deployment
         self.model = model  # the served model id (model.name), for the ready banner
         self.run_dir = Path(run_dir).resolve()
         self.out = out
@@ -126,7 +127,8 @@ class Supervisor:
         return cls(rendered.spec, rendered.out, out=out, stop_grace=lc.stop_grace_s,
                    health_timeout=lc.health_timeout_s, preflight=preflight,
                    watchdog_s=lc.watchdog_s, restart=restart, model=rendered.cfg.model.name,
-                   probe_timeout_s=lc.probe_timeout_s)
+                   probe_timeout_s=lc.probe_timeout_s,
+                   verify=(rendered.cfg, rendered.plan) if lc.verify else None)
 
     def say(self, msg: str) -> None:
         print(f"[pdtool {time.strftime('%H:%M:%S')}] {msg}", file=self.out, flush=True)
@@ -290,6 +292,13 @@ class Supervisor:
             for r in self.running:
                 print(f"  {r.proc.name:<{width}}  pid {r.popen.pid:<7}  {r.log}",
                       file=self.out, flush=True)
+            if self.verify is not None and not self.preflight:
+                hosts = [self.vars[f"HOSTS[{k}]"] for k in range(self.spec.job.nodes)]
+                try:
+                    verify.run(*self.verify, hosts, say=self.say)
+                except verify.VerifyFailed as e:
+                    print(f"pdtool: ERROR: launcher.verify: {e}", file=sys.stderr, flush=True)
+                    return 1
             if self.model and smoke is None and not self.preflight:
                 body = json.dumps({"model": self.model, "prompt": "Hello", "max_tokens": 16})
                 print(f"  model {self.model!r}; try:\n    curl -s {url}/v1/completions -H "

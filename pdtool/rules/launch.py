@@ -402,6 +402,31 @@ def check_transfer_backend(cfg: Config) -> list[Finding]:
 ALL = (*ALL, check_transfer_backend)
 
 
+def check_verify(cfg: Config) -> list[Finding]:
+    """launcher.verify compares prefill->decode pairs with each other on SGLang: two at least,
+    and an aggregated deployment moves no KV to check."""
+    n = cfg.launcher.verify
+    if n < 0:
+        return [error("launcher.verify", f"{n} prompts", "give 0 (off) or a number of prompts, "
+                      "e.g. launcher.verify=3")]
+    if not n or cfg.engine.kind != "sglang":
+        return []
+    if cfg.mode != "disaggregated":
+        return [error("launcher.verify", "compares prefill->decode pairs; an aggregated "
+                      "deployment has none", "set launcher.verify=0, or check an aggregated "
+                      "twin with pdtool bench --verify N --compare")]
+    npairs = cfg.prefill.instances * cfg.decode.instances
+    if npairs < 2:
+        return [error("launcher.verify", f"compares prefill->decode pairs with each other; "
+                      f"this deployment has {npairs}",
+                      "run two decode (or prefill) instances, or check against a deployment "
+                      "without KV transfer: pdtool bench --verify N --compare aggregated")]
+    return []
+
+
+ALL = (*ALL, check_verify)
+
+
 #: SGLang 0.5.23's staging buffer for heterogeneous TP (mooncake and nixl), and its pool size
 STAGING_ENV, STAGING_POOL_ENV = "SGLANG_DISAGG_STAGING_BUFFER", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB"
 

@@ -359,6 +359,7 @@ class PdtoolKVManager(CommonKVManager):
             self._geo_lock = threading.Lock()
             self.landing = DecodeLanding(self, path=self.kv_path, device=self.kv_device,
                                          slices=self._landed_slices, done=self._on_landed)
+            self.damage_pages = self._damage_hook()
             self.rails.start_lanes()  # further NICs: their own C threads, counting into ep
             self.plane = DecodePlane(self.ep, self._on_counted, self._die,
                                      lanes=len(self.rails) > 1, metrics=self.metrics)
@@ -933,7 +934,32 @@ class PdtoolKVManager(CommonKVManager):
         else:
             self._on_landed(room, reason)
 
+    def _damage_hook(self) -> dict[int, int] | None:
+        """PDTOOL_SGLANG_CORRUPT_INSTANCE (tests): room -> its first KV page, damaged once it
+        landed, when this decode is the instance named; None otherwise."""
+        try:
+            named = workerenv.integer(workerenv.SGLANG_CORRUPT_INSTANCE)
+            if named is None or named != workerenv.integer(workerenv.INSTANCE):
+                return None
+        except workerenv.WorkerEnvError as exc:
+            raise PdtoolBackendError(str(exc)) from None
+        if self.kv_device.type != "cpu":
+            raise PdtoolBackendError(f"{workerenv.SGLANG_CORRUPT_INSTANCE.name}: a test hook "
+                                     "for host KV pools only")
+        logger.warning("pdtool: %s: this decode damages the first KV page of every request",
+                       workerenv.SGLANG_CORRUPT_INSTANCE.name)
+        return {}
+
+    def _damage(self, room: int) -> None:
+        import ctypes
+
+        page = self.damage_pages.pop(room, None) if self.damage_pages is not None else None
+        if page is not None:
+            size = int(self.kv_args.kv_item_lens[0])
+            ctypes.memset(int(self.kv_args.kv_data_ptrs[0]) + page * size, 0x7F, size)
+
     def _on_landed(self, room: int, reason: str | None) -> None:
+        self._damage(room)
         if reason is None:
             if self.request_status.get(room) not in (None, KVPoll.Failed):
                 self.update_status(room, KVPoll.Success)
@@ -1083,6 +1109,8 @@ class PdtoolKVReceiver(CommonKVReceiver):
                 mgr.landing.give_back(blocks)  # never announced
             self._fail(f"pdtool: {exc}")
             return
+        if mgr.damage_pages is not None and len(kv_indices):
+            mgr.damage_pages[self.bootstrap_room] = int(kv_indices[0])
         if blocks is not None:
             mgr.landing.hold(Landing(self.bootstrap_room, blocks,
                                      np.asarray(kv_indices, dtype=np.int64), prefill_key,
