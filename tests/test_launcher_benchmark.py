@@ -89,6 +89,7 @@ def test_the_job_benchmarks_itself_once_healthy(slurm, tmp_path: Path) -> None:
         f"prefill.bootstrap_port={free_port()}", f"prefill.dist_init_port={free_port()}",
         f"decode.dist_init_port={free_port()}", f"router.port={router}",
         "launcher.health_timeout_s=120", "launcher.job_name=pdtool-bench", BENCH,
+        "launcher.verify=2",
     ]
     res = subprocess.run([sys.executable, "-m", "pdtool.cli", "launch", *overrides, "--out",
                           str(out)], env=slurm.env(), capture_output=True, text=True, timeout=120)
@@ -99,6 +100,9 @@ def test_the_job_benchmarks_itself_once_healthy(slurm, tmp_path: Path) -> None:
     log = batch.read_text() if batch.exists() else ""
     assert (state, code) == ("COMPLETED", "0:0"), log
     assert "benchmark finished (status 0)" in log, log
+    # launcher.verify checked the tokens once healthy, before the benchmark started
+    checked = "launcher.verify: 2 greedy prompts through the front: every text is the model's own"
+    assert checked in log and log.index(checked) < log.index("benchmark: pdtool bench"), log
     doc = json.loads((out / "logs" / job / "bench" / "results.json").read_text())
     assert (out / "logs" / job / "bench" / "latency.png").stat().st_size > 0
     runs = doc["runs"] if "runs" in doc else doc["results"]
