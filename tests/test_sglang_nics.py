@@ -176,7 +176,8 @@ def test_every_nic_carries_writes_and_each_operation_is_counted_once(monkeypatch
     for labels, value in metrics["pdtool_kv_write_operations_total"]:
         by_nic[labels["nic"]] = by_nic.get(labels["nic"], 0) + value
     assert by_nic == {"127.0.0.2": stats["rail_ops"][0], "127.0.0.3": stats["rail_ops"][1]}
-    assert [v for _, v in metrics["pdtool_kv_transfers_succeeded_total"]] == [len(rooms)]
+    ((labels, ok),) = metrics["pdtool_kv_transfers_succeeded_total"]  # one prefill rank
+    assert ok == len(rooms) and labels["rank"] == "0" and ":" in labels["peer"], labels
     assert [v for _, v in metrics["pdtool_kv_transfer_seconds_count"]] == [len(rooms)]
 
 

@@ -220,6 +220,8 @@ def test_sglang_servers_export_the_transfer_metrics(pd_shm: Served) -> None:
     for u in decodes:
         d = _scrape(u)
         assert _total(d, "pdtool_kv_transfers_failed_total") == 0
+        for labels, _ in d.get("pdtool_kv_transfer_seconds_count", []):  # the prefill rank
+            assert labels["rank"] == "0" and ":" in labels["peer"], labels
         assert "pdtool_kv_slots_in_use" in d
 
 

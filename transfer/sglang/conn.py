@@ -494,8 +494,8 @@ class PdtoolKVManager(CommonKVManager):
             return
         after = self.request_status.get(bootstrap_room)
         if after in (KVPoll.Success, KVPoll.Failed):
-            self.metrics.transfer_ended(after == KVPoll.Success,
-                                        self.plane.armed_for(bootstrap_room))
+            seconds, peer = self.plane.armed_for(bootstrap_room) or (None, "")
+            self.metrics.transfer_ended(after == KVPoll.Success, seconds, peer)
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for health checks and tests (`problem` empty while healthy)."""
@@ -878,7 +878,7 @@ class PdtoolKVManager(CommonKVManager):
                 raise PdtoolBackendError(geo.error)
             expected = None if geo is None else self._ops(geo, prefill_tp, num_pages, with_aux)
             try:
-                slot, gen = self.plane.allocate(room, expected)
+                slot, gen = self.plane.allocate(room, expected, prefill_key)
             except RuntimeError as exc:
                 raise PdtoolBackendError(str(exc)) from None
             if geo is None:

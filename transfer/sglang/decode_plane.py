@@ -60,7 +60,7 @@ class DecodePlane:
         self._on_death = on_death
         self._lock = threading.Lock()
         self._rooms: dict[int, int] = {}  # slot -> room
-        self._armed: dict[int, float] = {}  # room -> when its slot was armed (monotonic)
+        self._armed: dict[int, tuple[float, str]] = {}  # room -> (armed at, prefill peer)
         self._bell = CommandQueue()
         self._stop = threading.Event()
         self.problem = ""  # why the plane stopped; new transfers are refused with it
@@ -69,9 +69,9 @@ class DecodePlane:
         self._thread.start()
 
     # -- scheduler thread -------------------------------------------------------------------
-    def allocate(self, room: int, expected: int | None) -> tuple[int, int]:
-        """A fresh (slot, gen) counting writes for `room`; RuntimeError when none is free or
-        the plane stopped (the text says why)."""
+    def allocate(self, room: int, expected: int | None, peer: str = "") -> tuple[int, int]:
+        """A fresh (slot, gen) counting writes for `room` from the prefill rank `peer`;
+        RuntimeError when none is free or the plane stopped (the text says why)."""
         with self._lock:
             if self.problem:
                 raise RuntimeError(self.problem)
@@ -79,7 +79,7 @@ class DecodePlane:
             if got is None:
                 raise RuntimeError(f"more than {self.slots.capacity} transfers in flight")
             self._rooms[got[0]] = room
-            self._armed[room] = time.monotonic()
+            self._armed[room] = (time.monotonic(), peer)
             self.metrics.slots_in_use(self.slots.capacity - self.slots.free)
         self._bell.append(None)  # the progress thread switches from its idle wait to C waits
         return got
@@ -99,11 +99,11 @@ class DecodePlane:
             self.slots.release(slot)
             self.metrics.slots_in_use(self.slots.capacity - self.slots.free)
 
-    def armed_for(self, room: int) -> float | None:
-        """Seconds since `room`'s slot was armed (None: it has none): the transfer time the
-        metrics record when the room succeeds."""
+    def armed_for(self, room: int) -> tuple[float, str] | None:
+        """(seconds since `room`'s slot was armed, the prefill peer it counts writes from);
+        None when it has no slot: what the metrics record when the room ends."""
         armed = self._armed.get(room)
-        return None if armed is None else time.monotonic() - armed
+        return None if armed is None else (time.monotonic() - armed[0], armed[1])
 
     def received(self, slot: int) -> int:
         return self.slots.received(slot)

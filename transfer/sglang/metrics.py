@@ -11,7 +11,8 @@ set, the gauge summed over the live ones. Without `--enable-metrics` nothing is 
 Names and help are `transfer.plane.metrics`' table, the reference engine's too. Labels: `rank`
 (the scheduler's attention-TP rank: every rank's writes are counted, not only a lead's); on the
 prefill side `nic` (the endpoint that carried the operation, one per NIC with several NICs per
-GPU, `rails.py`) and `peer` (the decode rank's control address, `ip:port`). The counts are
+GPU, `rails.py`) and `peer` (the decode rank's control address, `ip:port`); on the decode side
+`peer` (the prefill rank the transfer counted writes from, `ip:port`). The counts are
 taken where the plane counts for itself (`PrefillPlane.posted`, the failed-write loop, the
 decode manager's status changes), once per submission or transfer, never per page.
 """
@@ -39,7 +40,7 @@ class NoMetrics:
     def write_failed(self, peer: str) -> None:
         pass
 
-    def transfer_ended(self, ok: bool, seconds: float | None) -> None:
+    def transfer_ended(self, ok: bool, seconds: float | None, peer: str) -> None:
         pass
 
     def slots_in_use(self, n: int) -> None:
@@ -64,10 +65,11 @@ class BackendMetrics(NoMetrics):
             self._errors = Counter(*PREFILL_COUNTERS["write_errors"], ["rank", "peer"],
                                    registry=None)
         else:
-            self._ok = Counter(*DECODE_COUNTERS["transfers_ok"], ["rank"], registry=None)
-            self._failed = Counter(*DECODE_COUNTERS["transfers_failed"], ["rank"],
+            labels = ["rank", "peer"]
+            self._ok = Counter(*DECODE_COUNTERS["transfers_ok"], labels, registry=None)
+            self._failed = Counter(*DECODE_COUNTERS["transfers_failed"], labels,
                                    registry=None)
-            self._seconds = Histogram(*TRANSFER_SECONDS, ["rank"], buckets=TRANSFER_S_BOUNDS,
+            self._seconds = Histogram(*TRANSFER_SECONDS, labels, buckets=TRANSFER_S_BOUNDS,
                                       registry=None)
             self._slots = Gauge(*SLOTS_IN_USE, ["rank"], multiprocess_mode="livesum",
                                 registry=None)
@@ -80,14 +82,15 @@ class BackendMetrics(NoMetrics):
     def write_failed(self, peer: str) -> None:
         self._errors.labels(self.rank, peer).inc()
 
-    def transfer_ended(self, ok: bool, seconds: float | None) -> None:
-        """A decode room reached Success or Failed (`seconds`: since its slot was armed)."""
+    def transfer_ended(self, ok: bool, seconds: float | None, peer: str) -> None:
+        """A decode room reached Success or Failed (`seconds`: since its slot was armed,
+        counting writes from the prefill rank `peer`; "" when it never was)."""
         if not ok:
-            self._failed.labels(self.rank).inc()
+            self._failed.labels(self.rank, peer).inc()
             return
-        self._ok.labels(self.rank).inc()
+        self._ok.labels(self.rank, peer).inc()
         if seconds is not None:
-            self._seconds.labels(self.rank).observe(seconds)
+            self._seconds.labels(self.rank, peer).observe(seconds)
 
     def slots_in_use(self, n: int) -> None:
         self._slots.labels(self.rank).set(n)
