@@ -96,11 +96,17 @@ def test_metrics_follow_traffic_and_the_plans_write_counts(tmp_path: Path) -> No
         kv_bytes = routes["pages_per_request"] * mem["kv_bytes_per_page"]
         prefill = scrape(leads["prefill-0"])
         assert prefill["pdtool_kv_page_writes_total"] == REQUESTS * writes
-        assert prefill["pdtool_kv_sent_bytes_total"] == REQUESTS * (kv_bytes + hidden_row)
+        # bytes by NIC and decode peer: each decode got what its own transfers carried
+        by_peer = {k: v for k, v in prefill.items() if k.startswith("pdtool_kv_sent_bytes_total")}
+        assert sum(by_peer.values()) == REQUESTS * (kv_bytes + hidden_row)
         assert prefill["pdtool_kv_write_errors_total"] == 0
         assert prefill["pdtool_kv_retired_tags_total"] == 0
         decode = [scrape(leads[f"decode-{i}"]) for i in range(2)]
         assert sum(d["pdtool_kv_transfers_succeeded_total"] for d in decode) == REQUESTS
+        assert by_peer == {
+            f'pdtool_kv_sent_bytes_total{{nic="shm",peer="decode{i}-r0"}}':  # shm's domain
+            d["pdtool_kv_transfers_succeeded_total"] * (kv_bytes + hidden_row)
+            for i, d in enumerate(decode)}, by_peer
         assert sum(d["pdtool_kv_transfer_seconds_count"] for d in decode) == REQUESTS
         assert all(d["pdtool_kv_transfers_failed_total"] == 0 for d in decode)
         # every slot is free again

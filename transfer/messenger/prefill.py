@@ -102,6 +102,12 @@ class PrefillRequest:
     timeout_s: float
 
 
+def peer_name(identity: bytes) -> str:
+    """A peer's process name from its routing id (`CommonConfig.identity`: name, pid, nonce),
+    e.g. `decode1-r0`: the same across the peer's restarts, so a metric label stays one series."""
+    return identity.decode(errors="replace").rsplit("-", 2)[0]
+
+
 @dataclass
 class _Dest(Account):
     """What this rank sends to one decode rank for one request: its account on one fabric
@@ -374,6 +380,9 @@ class PrefillMessenger(MessengerThread):
                 "ops_issued": getattr(self, "ops_issued", 0),
                 "bytes_issued": getattr(self, "bytes_issued", 0),
                 "write_errors": getattr(self, "write_errors", 0),
+                # [operations, bytes] per decode peer, and the NIC (domain) that carried them
+                "sent_to": {k: tuple(v) for k, v in dict(getattr(self, "sent_to", {})).items()},
+                "nic": self._ep.domain if hasattr(self, "_ep") else "",
                 "kicks": getattr(self, "kicks_sent", 0),
                 "stalled_s": round(self.stalled_s(), 3)}
 
@@ -438,6 +447,8 @@ class PrefillMessenger(MessengerThread):
         self.ops_issued = 0     # RMA operations: what decoders count
         self.bytes_issued = 0   # KV and aux bytes those operations carry
         self.write_errors = 0   # operations that completed with an error
+        # per decode peer (its process name, `peer_name`): [operations, bytes] sent to it
+        self.sent_to: dict[str, list[int]] = {}
         self._bell_seen = 0
         self._word_seen = int(self.progress[0])
         self._engine_wait_s = self.WAIT_SLICE_S  # ENGINE_WAIT_S once the engine kicks
@@ -985,6 +996,9 @@ class PrefillMessenger(MessengerThread):
         self.ops_issued += ops
         self.writes_issued += writes
         self.bytes_issued += nbytes
+        sent = self.sent_to.setdefault(peer_name(d.sender), [0, 0])
+        sent[0] += ops
+        sent[1] += nbytes
         if kicked and writes:
             self.kicks_sent += 1  # the C call kicked it: there is something to copy
 

@@ -4,10 +4,11 @@ lead's side door.
 The front counts what a client sees: requests by HTTP status, time to first token, time per
 output token and end-to-end latency (histograms), prompt and output tokens, requests in
 flight, decode instances up. Instance leads export their KV messenger's counters, read at
-scrape time from the messenger's `stats()` (nothing is added to the hot path): a prefill lead
-the operations, page writes and bytes it issued and its failed writes, retired tags and stall
-resets; a decode lead its transfers that succeeded, failed and timed out, their time from
-submit to the last counted write (a histogram), and its transfer slots in use. Each process
+scrape time from the messenger's `stats()` (nothing is added to the hot path but one dict
+entry per write call): a prefill lead the operations and bytes it issued (by `nic` and decode
+`peer`), its page writes, failed writes, retired tags and stall resets; a decode lead its
+transfers that succeeded, failed and timed out, their time from submit to the last counted
+write (a histogram), and its transfer slots in use. Each process
 has a registry of its own, so the names below are the whole of what it exports. The transfer
 metrics' names are `transfer.plane.metrics`' table, which pdtool's SGLang backend exports too.
 """
@@ -82,6 +83,10 @@ class FrontMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+#: prefill counts kept per decode peer too (the messenger's `sent_to`: [operations, bytes])
+BY_PEER = {"ops_issued": 0, "bytes_issued": 1}
+
+
 class MessengerCollector(Collector):
     """The KV messenger's counters of one instance lead, from `stats()` at scrape time
     (`stats()` returns {} when the rank has no messenger: an aggregated instance)."""
@@ -96,7 +101,12 @@ class MessengerCollector(Collector):
             return
         for key, (name, doc) in (PREFILL_COUNTERS if self.role == "prefill"
                                  else DECODE_COUNTERS).items():
-            if key in s:
+            if key in BY_PEER and "sent_to" in s:  # one series per NIC and decode peer
+                family = CounterMetricFamily(name, doc, labels=["nic", "peer"])
+                for peer, sent in sorted(s["sent_to"].items()):
+                    family.add_metric([s["nic"], peer], sent[BY_PEER[key]])
+                yield family
+            elif key in s:
                 yield CounterMetricFamily(name, doc, value=s[key])
         if self.role != "prefill" and "transfer_s_buckets" in s:
             cumulative, total = [], 0
