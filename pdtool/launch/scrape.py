@@ -58,17 +58,15 @@ def write(run_dir: Path, cfg: Any, plan: Any, hosts: list[str]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdtool.compose import ComposeError, load_job_config
-    from pdtool.plan import from_json
+    from pdtool.compose import ComposeError
+    from pdtool.launch import jobdir
 
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) < 2:
-        print("usage: python -m pdtool.launch.scrape JOB_DIR HOST...", file=sys.stderr)
+    given = jobdir.arguments(argv, "pdtool.launch.scrape")
+    if given is None:
         return 2
-    run_dir, hosts = Path(args[0]), args[1:]
+    run_dir, hosts = given
     try:
-        cfg = load_job_config(run_dir)
-        plan = from_json((run_dir / "plan.json").read_text())
+        cfg, plan = jobdir.load(run_dir)
         write(run_dir, cfg, plan, hosts)
     except (ComposeError, OSError, ValueError, IndexError) as e:
         # metrics are a convenience: the job goes on without the file

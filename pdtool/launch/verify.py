@@ -30,7 +30,6 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pdtool.bench.verify import first_difference
@@ -189,23 +188,17 @@ def run(cfg: Any, plan: Any, hosts: Sequence[str],
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdtool.compose import ComposeError, load_job_config
-    from pdtool.plan import from_json
+    from pdtool.compose import ComposeError
+    from pdtool.launch import jobdir
 
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) < 2:
-        print("usage: python -m pdtool.launch.verify JOB_DIR HOST...", file=sys.stderr)
+    given = jobdir.arguments(argv, "pdtool.launch.verify")
+    if given is None:
         return 2
-    run_dir, hosts = Path(args[0]), args[1:]
+    run_dir, hosts = given
     try:
-        cfg = load_job_config(run_dir)
-        plan = from_json((run_dir / "plan.json").read_text())
-    except (ComposeError, OSError, ValueError) as e:
-        print(f"pdtool: ERROR: launcher.verify: {e}", file=sys.stderr, flush=True)
-        return 1
-    try:
+        cfg, plan = jobdir.load(run_dir)
         run(cfg, plan, hosts, say=lambda s: print(s, flush=True))
-    except VerifyFailed as e:
+    except (ComposeError, OSError, ValueError, VerifyFailed) as e:
         print(f"pdtool: ERROR: launcher.verify: {e}", file=sys.stderr, flush=True)
         return 1
     return 0
