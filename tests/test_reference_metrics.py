@@ -101,14 +101,15 @@ def test_metrics_follow_traffic_and_the_plans_write_counts(tmp_path: Path) -> No
         assert sum(by_peer.values()) == REQUESTS * (kv_bytes + hidden_row)
         assert prefill["pdtool_kv_write_errors_total"] == 0
         assert prefill["pdtool_kv_retired_tags_total"] == 0
+        # a decode's transfers by the prefill instance they came from (the only one here)
         decode = [scrape(leads[f"decode-{i}"]) for i in range(2)]
-        assert sum(d["pdtool_kv_transfers_succeeded_total"] for d in decode) == REQUESTS
+        ok = [d['pdtool_kv_transfers_succeeded_total{peer="prefill-0"}'] for d in decode]
+        assert sum(ok) == REQUESTS
         assert by_peer == {
             f'pdtool_kv_sent_bytes_total{{nic="shm",peer="decode{i}-r0"}}':  # shm's domain
-            d["pdtool_kv_transfers_succeeded_total"] * (kv_bytes + hidden_row)
-            for i, d in enumerate(decode)}, by_peer
-        assert sum(d["pdtool_kv_transfer_seconds_count"] for d in decode) == REQUESTS
-        assert all(d["pdtool_kv_transfers_failed_total"] == 0 for d in decode)
+            ok[i] * (kv_bytes + hidden_row) for i in range(2)}, by_peer
+        assert [d['pdtool_kv_transfer_seconds_count{peer="prefill-0"}'] for d in decode] == ok
+        assert all(d['pdtool_kv_transfers_failed_total{peer="prefill-0"}'] == 0 for d in decode)
         # every slot is free again
         assert sum(d["pdtool_kv_slots_in_use"] for d in decode) == 0
         # the job folder's scrape config names every one of them, labelled

@@ -243,6 +243,12 @@ class TransferTally:
     seconds_sum: float = 0.0
     buckets: list[int] = field(default_factory=lambda: [0] * (len(TRANSFER_S_BOUNDS) + 1))
 
+    def snapshot(self) -> dict[str, Any]:
+        """The tally as `stats()` gives it (the decode messenger's keys)."""
+        return {"transfers_ok": self.ok, "transfers_failed": self.failed,
+                "transfers_timed_out": self.timed_out, "transfer_s_sum": self.seconds_sum,
+                "transfer_s_buckets": list(self.buckets)}
+
     def settled(self, ok: bool, timed_out: bool, seconds: float) -> None:
         if not ok:
             self.failed += 1

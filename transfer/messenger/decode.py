@@ -163,6 +163,7 @@ class DecodeMessenger(MessengerThread):
         self._counts: np.ndarray | None = None
         self._silent: frozenset[int] = frozenset()  # rebuilt by the messenger thread
         self.tally = TransferTally()  # settled transfers, for stats() (metrics)
+        self.tally_by_prefill: dict[int, TransferTally] = {}  # the same per prefill instance
         self.identity = config.identity("decode")
         self._start()
 
@@ -283,10 +284,10 @@ class DecodeMessenger(MessengerThread):
                 "slots_free": slots.free if slots is not None else 0,
                 "quarantined": len(slots.quarantined) if slots is not None else 0,
                 "requests": known, "stale_writes": self._stale if slots is not None else 0,
-                "transfers_ok": self.tally.ok, "transfers_failed": self.tally.failed,
-                "transfers_timed_out": self.tally.timed_out,
-                "transfer_s_sum": self.tally.seconds_sum,
-                "transfer_s_buckets": list(self.tally.buckets),
+                **self.tally.snapshot(),
+                # the same per prefill instance ("prefill-N"; "prefill-?" before one was chosen)
+                "by_prefill": {f"prefill-{g}" if g >= 0 else "prefill-?": t.snapshot()
+                               for g, t in dict(self.tally_by_prefill).items()},
                 "stalled_s": round(self.stalled_s(), 3), "lanes": self.config.receive_lanes,
                 # shm: its waits sleep up to this between polls (0: poll_backoff_s), since every
                 # prefill rank kicks them; and how many sleeps a kick ended
@@ -440,8 +441,10 @@ class DecodeMessenger(MessengerThread):
 
     def _set(self, x: _Xfer, status: TransferStatus, reason: str = "") -> None:
         if status in _SETTLED and x.status not in _SETTLED:
-            self.tally.settled(status is TransferStatus.SUCCESS, x.timed_out,
-                               time.monotonic() - x.submitted)
+            outcome = (status is TransferStatus.SUCCESS, x.timed_out,
+                       time.monotonic() - x.submitted)
+            self.tally.settled(*outcome)
+            self.tally_by_prefill.setdefault(x.group, TransferTally()).settled(*outcome)
         x.status = status
         x.reason = reason or x.reason
         received = self._slots.received(x.slot) if x.slot >= 0 else 0

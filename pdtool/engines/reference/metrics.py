@@ -7,10 +7,11 @@ flight, decode instances up. Instance leads export their KV messenger's counters
 scrape time from the messenger's `stats()` (nothing is added to the hot path but one dict
 entry per write call): a prefill lead the operations and bytes it issued (by `nic` and decode
 `peer`), its page writes, failed writes, retired tags and stall resets; a decode lead its
-transfers that succeeded, failed and timed out, their time from submit to the last counted
-write (a histogram), and its transfer slots in use. Each process
-has a registry of its own, so the names below are the whole of what it exports. The transfer
-metrics' names are `transfer.plane.metrics`' table, which pdtool's SGLang backend exports too.
+transfers that succeeded, failed and timed out and their time from submit to the last counted
+write (a histogram), by prefill instance (`peer`), its stale writes and transfer slots in
+use. Each process has a registry of its own, so the names below are the whole of what it
+exports. The transfer metrics' names are `transfer.plane.metrics`' table, which pdtool's
+SGLang backend exports too.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ class FrontMetrics:
 
 #: prefill counts kept per decode peer too (the messenger's `sent_to`: [operations, bytes])
 BY_PEER = {"ops_issued": 0, "bytes_issued": 1}
+#: decode counts kept per prefill instance (the messenger's `by_prefill`)
+TALLIED = ("transfers_ok", "transfers_failed", "transfers_timed_out")
 
 
 class MessengerCollector(Collector):
@@ -99,23 +102,36 @@ class MessengerCollector(Collector):
         s = self.stats()
         if not s:
             return
-        for key, (name, doc) in (PREFILL_COUNTERS if self.role == "prefill"
-                                 else DECODE_COUNTERS).items():
-            if key in BY_PEER and "sent_to" in s:  # one series per NIC and decode peer
-                family = CounterMetricFamily(name, doc, labels=["nic", "peer"])
-                for peer, sent in sorted(s["sent_to"].items()):
-                    family.add_metric([s["nic"], peer], sent[BY_PEER[key]])
+        if self.role == "prefill":
+            for key, (name, doc) in PREFILL_COUNTERS.items():
+                if key in BY_PEER and "sent_to" in s:  # one series per NIC and decode peer
+                    family = CounterMetricFamily(name, doc, labels=["nic", "peer"])
+                    for peer, sent in sorted(s["sent_to"].items()):
+                        family.add_metric([s["nic"], peer], sent[BY_PEER[key]])
+                    yield family
+                elif key in s:
+                    yield CounterMetricFamily(name, doc, value=s[key])
+            return
+        # decode: the transfers per prefill instance (peer), stale writes and slots in all
+        by_peer = s.get("by_prefill", {})
+        for key, (name, doc) in DECODE_COUNTERS.items():
+            if key in TALLIED:
+                family = CounterMetricFamily(name, doc, labels=["peer"])
+                for peer, tally in sorted(by_peer.items()):
+                    family.add_metric([peer], tally[key])
                 yield family
             elif key in s:
                 yield CounterMetricFamily(name, doc, value=s[key])
-        if self.role != "prefill" and "transfer_s_buckets" in s:
+        seconds = HistogramMetricFamily(*TRANSFER_SECONDS, labels=["peer"])
+        for peer, tally in sorted(by_peer.items()):
             cumulative, total = [], 0
-            for bound, n in zip((*map(str, TRANSFER_S_BOUNDS), "+Inf"), s["transfer_s_buckets"],
-                                strict=True):
+            for bound, n in zip((*map(str, TRANSFER_S_BOUNDS), "+Inf"),
+                                tally["transfer_s_buckets"], strict=True):
                 total += n
                 cumulative.append((bound, total))
-            yield HistogramMetricFamily(*TRANSFER_SECONDS, buckets=cumulative,
-                                        sum_value=s["transfer_s_sum"])
+            seconds.add_metric([peer], cumulative, tally["transfer_s_sum"])
+        yield seconds
+        if "slots_total" in s:
             yield GaugeMetricFamily(*SLOTS_IN_USE, value=s["slots_total"] - s["slots_free"])
 
 
