@@ -19,7 +19,15 @@ from pathlib import Path
 
 import pytest
 from helpers.hf_checkpoints import greedy, hub_cache
-from helpers.sglang_servers import MAX_NEW, PROMPTS, Served, tokenize
+from helpers.sglang_servers import (
+    MAX_NEW,
+    PROMPTS,
+    Served,
+    metric_samples,
+    metric_totals,
+    plan_writes,
+    tokenize,
+)
 
 from pdtool.checkpoints import ensure
 
@@ -96,12 +104,13 @@ def test_pd_over_shm_is_token_exact(oracle, pd_shm: Served) -> None:
 
 
 def test_the_launch_checked_every_pair_before_serving(pd_shm: Served) -> None:
-    """launcher.verify: once healthy, the supervisor sent 3 greedy prompts through each
-    prefill->decode pair (addressed directly, as the router addresses a pair) and they agreed."""
+    """launcher.verify: once healthy, and before it called the deployment ready, the
+    supervisor sent 3 greedy prompts through each prefill->decode pair (addressed directly,
+    as the router addresses a pair) and they agreed."""
     out = pd_shm.output()
     assert "launcher.verify: 3 greedy prompts through each of 2 prefill->decode pairs: every " \
         "pair gave the same tokens" in out, pd_shm.tail()
-    assert out.index("launcher.verify:") > out.index("deployment ready")
+    assert out.index("launcher.verify:") < out.index("deployment ready")  # then it serves
 
 
 def test_prefill_streams_layer_by_layer(pd_shm: Served) -> None:
@@ -148,55 +157,28 @@ def test_pdtool_bench_against_the_router(pd_shm: Served, tmp_path: Path) -> None
     assert run["summary"]["output_tokens"] == 6 * 4
 
 
-def _server_urls(served: Served) -> dict[str, str]:
-    """Each SGLang server's base URL by instance (prefill-0, decode-0, ...), from the
-    supervisor's health lines."""
-    import re
-
-    return dict(re.findall(r"healthy: (\S+)\.n0 \((http://[^/]+)/health\)", served.output()))
-
-
-def _scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """A server's /metrics, parsed with prometheus-client's own parser: sample name ->
-    [(labels, value)]."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append((sample.labels, sample.value))
-    return out
-
-
-def _total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:
-    return sum(v for _, v in samples.get(name, []))
-
-
 def test_sglang_servers_export_the_transfer_metrics(pd_shm: Served) -> None:
     """pdtool's backend counts its KV writes inside SGLang's scheduler processes and SGLang's
-    own /metrics (--enable-metrics) shows them: on the prefill, operations and bytes per NIC
-    and decode peer; on each decode, transfers that succeeded and their time. Two requests,
-    alone, of 1 and 3 pages (prompts no cache holds): the prefill's bytes grow by the plan's
-    KV bytes per page for each page more (each request's aux rows are the same size and
-    cancel out), and the decodes count one transfer per request."""
+    own /metrics (--enable-metrics) shows them: on the prefill, operations, page writes and
+    bytes per NIC and decode peer; on each decode, transfers that succeeded and their time.
+    Two requests, alone, of 1 and 3 pages (prompts no cache holds): each one's page writes are
+    what `pdtool plan --tokens N` says a request of its length writes, the prefill's bytes grow
+    by the plan's KV bytes per page for each page more (each request's aux rows are the same
+    size and cancel out), and the decodes count one transfer per request."""
     import json
 
-    urls = _server_urls(pd_shm)
+    urls = pd_shm.server_urls()
     decodes = [u for name, u in urls.items() if name.startswith("decode-")]
     page_bytes = next(m["kv_bytes_per_page"] for m in json.loads(
         (pd_shm.run_dir / "plan.json").read_text())["memory"] if m["role"] == "prefill")
 
-    def snapshot() -> tuple[float, float, float, float]:
-        pre = _scrape(urls["prefill-0"])
-        dec = [_scrape(u) for u in decodes]
-        return (_total(pre, "pdtool_kv_sent_bytes_total"),
-                _total(pre, "pdtool_kv_write_operations_total"),
-                sum(_total(d, "pdtool_kv_transfers_succeeded_total") for d in dec),
-                sum(_total(d, "pdtool_kv_transfer_seconds_count") for d in dec))
+    def snapshot() -> tuple[float, ...]:
+        pre = metric_totals(urls["prefill-0"])
+        dec = [metric_totals(u) for u in decodes]
+        return (pre["pdtool_kv_sent_bytes_total"], pre["pdtool_kv_write_operations_total"],
+                pre["pdtool_kv_page_writes_total"],
+                sum(d.get("pdtool_kv_transfers_succeeded_total", 0) for d in dec),
+                sum(d.get("pdtool_kv_transfer_seconds_count", 0) for d in dec))
 
     before = snapshot()
     short = [(17 * i + 5) % 290 + 3 for i in range(16)]            # one page of 16 tokens
@@ -207,19 +189,21 @@ def test_sglang_servers_export_the_transfer_metrics(pd_shm: Served) -> None:
     after = snapshot()
     first, second = (b - a for a, b in zip(before, middle, strict=True)), \
         (b - a for a, b in zip(middle, after, strict=True))
-    (bytes1, ops1, ok1, timed1), (bytes2, ops2, ok2, timed2) = first, second
-    print(f"prefill sent {bytes1:.0f} B in {ops1:.0f} operations, then {bytes2:.0f} B in "
-          f"{ops2:.0f}; page {page_bytes} B")
-    assert bytes1 > 0 and ops1 > 0 and ops2 > 0
+    (bytes1, ops1, writes1, ok1, timed1), (bytes2, ops2, writes2, ok2, timed2) = first, second
+    print(f"prefill sent {bytes1:.0f} B in {writes1:.0f} page writes ({ops1:.0f} operations), "
+          f"then {bytes2:.0f} B in {writes2:.0f} ({ops2:.0f}); page {page_bytes} B")
+    assert (writes1, writes2) == (plan_writes("sglang-local", 16),
+                                  plan_writes("sglang-local", 48))
+    assert 0 < ops1 <= writes1 and 0 < ops2 <= writes2
     assert bytes2 - bytes1 == 2 * page_bytes
     assert (ok1, ok2, timed1, timed2) == (1, 1, 1, 1)
-    pre = _scrape(urls["prefill-0"])
+    pre = metric_samples(urls["prefill-0"])
     for labels, _ in pre["pdtool_kv_sent_bytes_total"]:
         assert labels["rank"] == "0" and labels["nic"] and ":" in labels["peer"], labels
-    assert _total(pre, "pdtool_kv_write_errors_total") == 0
+    assert sum(v for _, v in pre.get("pdtool_kv_write_errors_total", [])) == 0
     for u in decodes:
-        d = _scrape(u)
-        assert _total(d, "pdtool_kv_transfers_failed_total") == 0
+        d = metric_samples(u)
+        assert sum(v for _, v in d.get("pdtool_kv_transfers_failed_total", [])) == 0
         for labels, _ in d.get("pdtool_kv_transfer_seconds_count", []):  # the prefill rank
             assert labels["rank"] == "0" and ":" in labels["peer"], labels
         assert "pdtool_kv_slots_in_use" in d
@@ -248,7 +232,7 @@ def test_a_busy_prefill_is_not_taken_for_a_hung_one(pd_shm: Served) -> None:
 
     from pdtool.launch.health import check
 
-    prefill = _server_urls(pd_shm)["prefill-0"]
+    prefill = pd_shm.server_urls()["prefill-0"]
     prompt = [(13 * i) % 300 + 3 for i in range(40)]  # 2 chunks of chunked_prefill_size 32
     got: list[list[int]] = []
     _post(f"{prefill}/slow_down", {"forward_sleep_time": FORWARD_S})

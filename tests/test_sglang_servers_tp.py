@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers.sglang_servers import Served, transformers_tokens
+from helpers.sglang_servers import Served, metric_totals, plan_writes, transformers_tokens
 
 pytestmark = pytest.mark.sglang_servers
 
@@ -29,8 +29,17 @@ def want() -> dict[tuple[int, ...], list[int]]:
     ("prefill.tp=1", "decode.tp=2", "transfer=tcp", "prefill.page_size=1", "decode.page_size=1"),
 ], ids=["tp2-to-tp1-shm-page16", "tp1-to-tp2-tcp-page1"])
 def test_tp_mismatch_is_token_exact(tmp_path: Path, want, overrides: tuple[str, ...]) -> None:
-    served = Served(tmp_path, *overrides, recipe="sglang-local-tp").start()
+    served = Served(tmp_path, *overrides, "prefill.extra_args=[--enable-metrics]",
+                    recipe="sglang-local-tp").start()
     try:
+        # one write per page shard: a fresh prompt's page writes, summed over the prefill's
+        # ranks on its /metrics, are what the plan says a request of its length writes
+        prefill = served.server_urls()["prefill-0"]
+        before = metric_totals(prefill).get("pdtool_kv_page_writes_total", 0)
+        fresh = [(31 * i + 7) % 290 + 3 for i in range(48)]
+        served.generate([277, *fresh[1:]], 2)
+        written = metric_totals(prefill)["pdtool_kv_page_writes_total"] - before
+        assert written == plan_writes("sglang-local-tp", 48, *overrides)
         prompts = [list(p) for p in want]
         # all at once, twice over: the second round hits the prefill's prefix cache
         got = served.generate_all(prompts * 2, concurrency=8)

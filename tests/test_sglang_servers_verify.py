@@ -30,7 +30,7 @@ def test_a_damaged_pair_is_named_before_the_deployment_serves(tmp_path: Path) ->
                        timeout=START_TIMEOUT_S + 180, check=False)
     out = p.stdout + p.stderr
     assert p.returncode == 1, out[-4000:]
-    assert "deployment ready" in out
+    assert "healthy: router" in out and "deployment ready" not in out  # never served
     (error,) = [line for line in out.splitlines() if "ERROR: launcher.verify" in line]
     print(error)
     named = re.findall(r"prompt (\d+) through (prefill-\d -> decode-\d): differs from the "

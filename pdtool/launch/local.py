@@ -284,6 +284,13 @@ class Supervisor:
                 self.start(p)
             self._health(self.spec.router)
             url = resolve([self.spec.router_url], self.vars)[0]
+            if self.verify is not None and not self.preflight:  # healthy, not yet serving
+                hosts = [self.vars[f"HOSTS[{k}]"] for k in range(self.spec.job.nodes)]
+                try:
+                    verify.run(*self.verify, hosts, say=self.say)
+                except verify.VerifyFailed as e:
+                    print(f"pdtool: ERROR: launcher.verify: {e}", file=sys.stderr, flush=True)
+                    return 1
             self.state, self.router_url = "ready", url
             self._record()
             self.say(f"deployment ready: router at {url}; {len(self.running)} processes "
@@ -292,13 +299,6 @@ class Supervisor:
             for r in self.running:
                 print(f"  {r.proc.name:<{width}}  pid {r.popen.pid:<7}  {r.log}",
                       file=self.out, flush=True)
-            if self.verify is not None and not self.preflight:
-                hosts = [self.vars[f"HOSTS[{k}]"] for k in range(self.spec.job.nodes)]
-                try:
-                    verify.run(*self.verify, hosts, say=self.say)
-                except verify.VerifyFailed as e:
-                    print(f"pdtool: ERROR: launcher.verify: {e}", file=sys.stderr, flush=True)
-                    return 1
             if self.model and smoke is None and not self.preflight:
                 body = json.dumps({"model": self.model, "prompt": "Hello", "max_tokens": 16})
                 print(f"  model {self.model!r}; try:\n    curl -s {url}/v1/completions -H "

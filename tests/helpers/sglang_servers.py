@@ -108,6 +108,14 @@ class Served:
         return [f"{name}: {line}" for name, text in self.logs().items()
                 for line in text.splitlines() if any(m in line for m in FAILURE_MARKS)]
 
+    def server_urls(self) -> dict[str, str]:
+        """Each SGLang server's base URL by instance (prefill-0, decode-0, ...), from the
+        supervisor's health lines."""
+        import re
+
+        return dict(re.findall(r"healthy: (\S+)\.n0 \((http://[^/]+)/health\)",
+                               self.output()))
+
     def tail(self, n: int = 4000) -> str:
         out = [self.output()[-n:]]
         with contextlib.suppress(IndexError, OSError):
@@ -151,3 +159,31 @@ def tokenize(text: str = TEXT) -> list[int]:
 
     return Tokenizer.from_file(f"{ensure('builtin:tiny-llama')}/tokenizer.json").encode(
         text).ids
+
+
+def metric_samples(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """A server's /metrics, parsed with prometheus-client's own parser: sample name ->
+    [(labels, value)]."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
+def metric_totals(url: str) -> dict[str, float]:
+    """Each sample name of a server's /metrics with its values summed over their labels."""
+    return {name: sum(v for _, v in got) for name, got in metric_samples(url).items()}
+
+
+def plan_writes(recipe: str, tokens: int, *overrides: str) -> int:
+    """Page writes (aux rows included) the plan says one request of `tokens` prompt tokens
+    makes, over every prefill rank (`pdtool plan --tokens N --json`)."""
+    out = subprocess.run([sys.executable, "-m", "pdtool.cli", "plan", f"+recipe={recipe}",
+                          *overrides, "--tokens", str(tokens), "--json"], capture_output=True,
+                         text=True, check=True).stdout
+    return sum(r["writes_per_request"] for r in json.loads(out)["transfer"]["routes"])

@@ -34,7 +34,7 @@ from transfer.plane.metrics import (
 class NoMetrics:
     """What a backend without `--enable-metrics` counts into: nothing."""
 
-    def posted(self, nic: str, peer: str, ops: int, nbytes: int) -> None:
+    def posted(self, nic: str, peer: str, ops: int, writes: int, nbytes: int) -> None:
         pass
 
     def write_failed(self, peer: str) -> None:
@@ -61,6 +61,7 @@ class BackendMetrics(NoMetrics):
         if prefill:
             labels = ["rank", "nic", "peer"]
             self._ops = Counter(*PREFILL_COUNTERS["ops_issued"], labels, registry=None)
+            self._writes = Counter(*PREFILL_COUNTERS["writes_issued"], labels, registry=None)
             self._bytes = Counter(*PREFILL_COUNTERS["bytes_issued"], labels, registry=None)
             self._errors = Counter(*PREFILL_COUNTERS["write_errors"], ["rank", "peer"],
                                    registry=None)
@@ -74,9 +75,12 @@ class BackendMetrics(NoMetrics):
             self._slots = Gauge(*SLOTS_IN_USE, ["rank"], multiprocess_mode="livesum",
                                 registry=None)
 
-    def posted(self, nic: str, peer: str, ops: int, nbytes: int) -> None:
+    def posted(self, nic: str, peer: str, ops: int, writes: int, nbytes: int) -> None:
+        """Operations of `writes` page writes (landing units on the staged path) and
+        `nbytes` went to `peer` over `nic`."""
         if ops:
             self._ops.labels(self.rank, nic, peer).inc(ops)
+            self._writes.labels(self.rank, nic, peer).inc(writes)
             self._bytes.labels(self.rank, nic, peer).inc(nbytes)
 
     def write_failed(self, peer: str) -> None:

@@ -282,15 +282,16 @@ class PrefillPlane:
             n = min(n, max(per_op, stripe // per_op * per_op))
         return rail, ep, fi_addr, mr, region, n
 
-    def posted(self, s: Send, rail: int, ops: int, nbytes: int) -> None:
-        """`ops` operations of `s` (`nbytes` in all) went out on local rail `rail`: each is
-        counted once, on the rail that carried it and in what the decoder counts."""
+    def posted(self, s: Send, rail: int, ops: int, nbytes: int, writes: int) -> None:
+        """`ops` operations of `s` (`writes` writes, `nbytes` in all) went out on local rail
+        `rail`: each is counted once, on the rail that carried it and in what the decoder
+        counts."""
         if ops and not s.issued:
             self.sends_written += 1
         s.issued += ops
         s.issued_bytes += nbytes
         self.rail_ops[rail] += ops
-        self.metrics.posted(self.rails.labels[rail], s.peer, ops, nbytes)
+        self.metrics.posted(self.rails.labels[rail], s.peer, ops, writes, nbytes)
 
     def _paths(self, peer: Any) -> list[tuple[int, int]]:
         m, n = len(self.rails), max(1, len(peer.rails))
@@ -403,7 +404,7 @@ class PrefillPlane:
                 s.queued -= 1
                 self.fail(s.room, f"pdtool write to decode {s.peer} refused: {exc}")
                 continue
-            self.posted(s, rail, nops, int(b.lengths[a:a + done].sum()))
+            self.posted(s, rail, nops, int(b.lengths[a:a + done].sum()), writes=done)
             b.at += done
             if done:
                 posted = True

@@ -297,7 +297,7 @@ class PrefillStaging:
             p.posted += done
             p.ops += ops
             p.rails |= (1 << rail) if ops else 0
-            plane.posted(s, rail, ops, done * unit)
+            plane.posted(s, rail, ops, done * unit, writes=done)  # landing units
             budget -= done * unit
             posted |= done > 0
             if p.posted == p.b - p.a:
