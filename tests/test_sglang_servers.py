@@ -206,7 +206,7 @@ def test_sglang_servers_export_the_transfer_metrics(pd_shm: Served) -> None:
         assert sum(v for _, v in d.get("pdtool_kv_transfers_failed_total", [])) == 0
         for labels, _ in d.get("pdtool_kv_transfer_seconds_count", []):  # the prefill rank
             assert labels["rank"] == "0" and ":" in labels["peer"], labels
-        assert "pdtool_kv_slots_in_use" in d
+        assert "pdtool_kv_slots_in_use" in d  # every decode's, with or without traffic
 
 
 def _post(url: str, body: dict) -> None:

@@ -74,6 +74,7 @@ class BackendMetrics(NoMetrics):
                                       registry=None)
             self._slots = Gauge(*SLOTS_IN_USE, ["rank"], multiprocess_mode="livesum",
                                 registry=None)
+            self.slots_in_use(0)  # on /metrics from the start, before any transfer
 
     def posted(self, nic: str, peer: str, ops: int, writes: int, nbytes: int) -> None:
         """Operations of `writes` page writes (landing units on the staged path) and
