@@ -19,6 +19,7 @@ from helpers.sglang_pair import (
     N_AUX,
     ROOMS,
     check_bytes,
+    collected_metrics,
     ops,
     run_pair,
 )
@@ -118,6 +119,26 @@ def test_killed_prefill_fails_the_request_with_a_reason() -> None:
     assert "Lost connection with prefill instance" in out[11]["error"]
     assert "KVTransferError" in out[11]["error"]
     assert remote_writes == 0 and not any(b.any() for b in bufs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_transfer_sglang_gives_up_on_counts_as_timed_out(tmp_path) -> None:
+    """A prefill that is alive but never sends: SGLang's own waiting timeout fails the decode's
+    room, and the backend's transfer metrics (prometheus-client's multiprocess files, as
+    SGLang's --enable-metrics collects them) count it as failed and timed out, from the
+    prefill rank the slot was armed for; nothing succeeded."""
+    cfg = {"mla": False, "heads": 2, "prefill_tp": 1, "decode_tp": 1, "hold": True,
+           "rooms": {11: ROOMS[11]}, "wait": 40, "metrics_dir": str(tmp_path),
+           "extra_env": {"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "3"}}
+    res = run_pair(cfg)
+    (_, out, *_), = res["decode"]
+    assert out[11]["states"][-1] == 0 and "timed out after" in out[11]["error"], out[11]
+    got = collected_metrics(str(tmp_path))
+    ((labels, failed),) = got["pdtool_kv_transfers_failed_total"]
+    assert failed == 1 and ":" in labels["peer"], labels
+    assert [v for _, v in got["pdtool_kv_transfers_timed_out_total"]] == [1]
+    assert "pdtool_kv_transfers_succeeded_total" not in got
 
 
 @pytest.mark.timeout(400)

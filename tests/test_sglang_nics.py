@@ -23,7 +23,16 @@ from typing import Any
 import helpers.sglang_pair as tsb
 import pytest
 import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
-from helpers.sglang_pair import LAYERS, N_AUX, STAGED_ENV, check_bytes, ops, plan_ops, run_pair
+from helpers.sglang_pair import (
+    LAYERS,
+    N_AUX,
+    STAGED_ENV,
+    check_bytes,
+    collected_metrics,
+    ops,
+    plan_ops,
+    run_pair,
+)
 
 from transfer.sglang.conn import MAX_SLOTS
 from transfer.sglang.staging_plane import BOUNCE_BUFFERS
@@ -63,12 +72,6 @@ def _rank(role: str, cfg: dict[str, Any], rank: int, conn: Any) -> None:
     """A harness rank (child process) with its role's NICs in the environment and the
     module settings `cfg["tune"]` names ((module, name, value): small staging memory)."""
     os.environ.update(cfg.get("role_env", {}).get(role, {}))
-    if cfg.get("metrics_dir"):  # as SGLang's --enable-metrics sets it before its schedulers
-        # start (the forkserver imported prometheus_client before: its value class follows)
-        from prometheus_client import values
-
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = cfg["metrics_dir"]
-        values.ValueClass = values.MultiProcessValue()
     for module, name, value in cfg.get("tune", ()):
         setattr(importlib.import_module(module), name, value)
     from transfer.sglang import conn as sconn
@@ -171,7 +174,7 @@ def test_every_nic_carries_writes_and_each_operation_is_counted_once(monkeypatch
     assert sum(stats["rail_ops"]) == sum(want.values()) and all(stats["rail_ops"]), stats
     assert stats["tags_free"] == TAGS and stats["rooms"] == 0, stats
     print(f"per-endpoint operations: prefill {stats['rail_ops']}, decode {spread}")
-    metrics = _collected(tmp_path)
+    metrics = collected_metrics(str(tmp_path))
     by_nic: dict[str, float] = {}
     for labels, value in metrics["pdtool_kv_write_operations_total"]:
         by_nic[labels["nic"]] = by_nic.get(labels["nic"], 0) + value
@@ -179,21 +182,6 @@ def test_every_nic_carries_writes_and_each_operation_is_counted_once(monkeypatch
     ((labels, ok),) = metrics["pdtool_kv_transfers_succeeded_total"]  # one prefill rank
     assert ok == len(rooms) and labels["rank"] == "0" and ":" in labels["peer"], labels
     assert [v for _, v in metrics["pdtool_kv_transfer_seconds_count"]] == [len(rooms)]
-
-
-def _collected(folder: Path) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """What a /metrics over these multiprocess files would show: sample name ->
-    [(labels, value)]."""
-    from prometheus_client import CollectorRegistry
-    from prometheus_client.multiprocess import MultiProcessCollector
-
-    registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(folder))
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in registry.collect():
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append((sample.labels, sample.value))
-    return out
 
 
 @pytest.mark.timeout(600)

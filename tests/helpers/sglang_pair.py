@@ -253,10 +253,37 @@ def reason_of(obj: Any) -> str:
     return ""
 
 
+def _metrics_mode(cfg: dict[str, Any]) -> None:
+    """`cfg["metrics_dir"]`: prometheus-client's multiprocess files go there, as SGLang's
+    --enable-metrics sets PROMETHEUS_MULTIPROC_DIR before its schedulers start (the forkserver
+    imported prometheus_client before: its value class follows the variable)."""
+    if cfg.get("metrics_dir"):
+        from prometheus_client import values
+
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = cfg["metrics_dir"]
+        values.ValueClass = values.MultiProcessValue()
+
+
+def collected_metrics(folder: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """What a /metrics over a run's multiprocess files would show: sample name ->
+    [(labels, value)]."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=folder)
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
 def prefill_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     """One prefill scheduler rank: (rank 0) bootstrap server, manager, one sender per room,
     the rooms of each wave (one per decode run) handled together as the scheduler does."""
     os.environ.update(cfg["env"])
+    _metrics_mode(cfg)
     from sglang.srt.disaggregation.base import KVPoll
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
@@ -324,6 +351,7 @@ def _send_rooms(cfg: dict[str, Any], senders: dict[int, Any], results: dict[int,
 def decode_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     """One decode scheduler rank: manager + one receiver per room, polled like the scheduler."""
     os.environ.update(cfg["env"])
+    _metrics_mode(cfg)
     import ctypes
     import threading
 

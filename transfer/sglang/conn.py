@@ -495,7 +495,10 @@ class PdtoolKVManager(CommonKVManager):
         after = self.request_status.get(bootstrap_room)
         if after in (KVPoll.Success, KVPoll.Failed):
             seconds, peer = self.plane.armed_for(bootstrap_room) or (None, "")
-            self.metrics.transfer_ended(after == KVPoll.Success, seconds, peer)
+            # SGLang's waiting timeout records "Request N timed out after ..." before this
+            why = self.failure_records.get(bootstrap_room, "")
+            self.metrics.transfer_ended(after == KVPoll.Success, seconds, peer,
+                                        timed_out=" timed out after " in why)
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for health checks and tests (`problem` empty while healthy)."""

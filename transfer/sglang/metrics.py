@@ -40,7 +40,8 @@ class NoMetrics:
     def write_failed(self, peer: str) -> None:
         pass
 
-    def transfer_ended(self, ok: bool, seconds: float | None, peer: str) -> None:
+    def transfer_ended(self, ok: bool, seconds: float | None, peer: str,
+                       timed_out: bool = False) -> None:
         pass
 
     def slots_in_use(self, n: int) -> None:
@@ -70,6 +71,8 @@ class BackendMetrics(NoMetrics):
             self._ok = Counter(*DECODE_COUNTERS["transfers_ok"], labels, registry=None)
             self._failed = Counter(*DECODE_COUNTERS["transfers_failed"], labels,
                                    registry=None)
+            self._timed_out = Counter(*DECODE_COUNTERS["transfers_timed_out"], labels,
+                                      registry=None)
             self._seconds = Histogram(*TRANSFER_SECONDS, labels, buckets=TRANSFER_S_BOUNDS,
                                       registry=None)
             self._slots = Gauge(*SLOTS_IN_USE, ["rank"], multiprocess_mode="livesum",
@@ -87,11 +90,15 @@ class BackendMetrics(NoMetrics):
     def write_failed(self, peer: str) -> None:
         self._errors.labels(self.rank, peer).inc()
 
-    def transfer_ended(self, ok: bool, seconds: float | None, peer: str) -> None:
+    def transfer_ended(self, ok: bool, seconds: float | None, peer: str,
+                       timed_out: bool = False) -> None:
         """A decode room reached Success or Failed (`seconds`: since its slot was armed,
-        counting writes from the prefill rank `peer`; "" when it never was)."""
+        counting writes from the prefill rank `peer`; "" when it never was; `timed_out`: a
+        failure by SGLang's waiting timeout, counted among the failed too)."""
         if not ok:
             self._failed.labels(self.rank, peer).inc()
+            if timed_out:
+                self._timed_out.labels(self.rank, peer).inc()
             return
         self._ok.labels(self.rank, peer).inc()
         if seconds is not None:
