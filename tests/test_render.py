@@ -409,6 +409,7 @@ def test_a_rerun_of_a_stopped_folder_gets_a_fresh_control_plane_key(tmp_path: Pa
     assert secrets.main([str(rendered.out)]) == 0
     assert stat.S_IMODE(key.stat().st_mode) == 0o600 and key.read_text() != first
     assert secrets.main([str(rendered.out), "decode"]) == 1
+    assert secrets.main([str(tmp_path / "gone")]) == 1  # named, no traceback
 
 
 def test_listed_secret_without_value_is_refused(tmp_path: Path) -> None:

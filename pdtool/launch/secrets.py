@@ -155,7 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why:
         print(f"pdtool: ERROR: {why}", file=sys.stderr)
         return 1
-    ensure_key(run_dir)
+    try:
+        ensure_key(run_dir)
+    except OSError as e:
+        print(f"pdtool: ERROR: the job's control-plane key {run_dir / KEY_FILE}: "
+              f"{e.strerror or e}", file=sys.stderr)
+        return 1
     return 0
 
 

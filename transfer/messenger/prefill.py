@@ -108,6 +108,15 @@ def peer_name(identity: bytes) -> str:
     return identity.decode(errors="replace").rsplit("-", 2)[0]
 
 
+def _by_peer_name(sent_to: dict[bytes, list[int]]) -> dict[str, tuple[int, int]]:
+    """[operations, bytes] per routing id, summed per peer name (a restarted peer's ids)."""
+    out: dict[str, tuple[int, int]] = {}
+    for sender, (ops, nbytes) in sent_to.items():
+        o, b = out.get(peer_name(sender), (0, 0))
+        out[peer_name(sender)] = (o + ops, b + nbytes)
+    return out
+
+
 @dataclass
 class _Dest(Account):
     """What this rank sends to one decode rank for one request: its account on one fabric
@@ -381,7 +390,7 @@ class PrefillMessenger(MessengerThread):
                 "bytes_issued": getattr(self, "bytes_issued", 0),
                 "write_errors": getattr(self, "write_errors", 0),
                 # [operations, bytes] per decode peer, and the NIC (domain) that carried them
-                "sent_to": {k: tuple(v) for k, v in dict(getattr(self, "sent_to", {})).items()},
+                "sent_to": _by_peer_name(dict(getattr(self, "sent_to", {}))),
                 "nic": self._ep.domain if hasattr(self, "_ep") else "",
                 "kicks": getattr(self, "kicks_sent", 0),
                 "stalled_s": round(self.stalled_s(), 3)}
@@ -447,8 +456,8 @@ class PrefillMessenger(MessengerThread):
         self.ops_issued = 0     # RMA operations: what decoders count
         self.bytes_issued = 0   # KV and aux bytes those operations carry
         self.write_errors = 0   # operations that completed with an error
-        # per decode peer (its process name, `peer_name`): [operations, bytes] sent to it
-        self.sent_to: dict[str, list[int]] = {}
+        # per decode peer (its routing id; `stats` names it): [operations, bytes] sent to it
+        self.sent_to: dict[bytes, list[int]] = {}
         self._bell_seen = 0
         self._word_seen = int(self.progress[0])
         self._engine_wait_s = self.WAIT_SLICE_S  # ENGINE_WAIT_S once the engine kicks
@@ -996,7 +1005,7 @@ class PrefillMessenger(MessengerThread):
         self.ops_issued += ops
         self.writes_issued += writes
         self.bytes_issued += nbytes
-        sent = self.sent_to.setdefault(peer_name(d.sender), [0, 0])
+        sent = self.sent_to.setdefault(d.sender, [0, 0])
         sent[0] += ops
         sent[1] += nbytes
         if kicked and writes:
