@@ -184,3 +184,20 @@ def test_shm_decoders_sleep_until_the_prefill_kicks_them(provider):
         # are shown deterministically in tests/test_fabric.py
         # (test_tcp_idle_sleeps_wait_on_the_cq_fd_and_a_wake_pipe)
         assert dec["stats"]["kick_sleep_s"] == 0 and kicks == [0, 0]
+
+
+def test_a_paused_owner_does_not_count_its_pause_as_a_peers_silence():
+    """PeerClock.excuse: the decoder's loop away for longer than a heartbeat (descheduled, the
+    GIL held) read no PONG meanwhile; that time moves every live peer's last sign of life
+    later, so the verdict (and the lease end taken from it) only comes later, never sooner."""
+    from transfer.messenger.common import PeerClock
+
+    clock = PeerClock(0.6)
+    clock.heard("a", 10.0)
+    clock.heard("b", 10.0)
+    assert clock.newly_dead(10.7) == ["a", "b"]  # silent 0.7 s: both dead
+    clock.heard("a", 11.0)                       # a answers again, b stays dead
+    clock.excuse(0.5)                            # the owner was away 10.9 .. 11.4 s
+    assert clock.last == {"a": 11.5, "b": 10.0}  # a dead peer's lease is not moved
+    assert clock.newly_dead(12.0) == []          # a: 0.5 s watched, not 1.0
+    assert clock.newly_dead(12.2) == ["a"]

@@ -285,6 +285,15 @@ class PeerClock:
             return True
         return False
 
+    def excuse(self, seconds: float) -> None:
+        """The owner was not running for `seconds` (descheduled, or its thread starved of the
+        GIL): a live peer's answers could not be read meanwhile, so that time does not count
+        as the peer's silence. Moves every live peer's last sign of life later, which only
+        delays a verdict (and the lease end computed from it), never hastens one."""
+        for p in self.last:
+            if p not in self.dead:
+                self.last[p] += seconds
+
     def newly_dead(self, now: float) -> list[Any]:
         out = [p for p, t in self.last.items()
                if p not in self.dead and now - t > self.timeout_s]
@@ -312,6 +321,9 @@ class MessengerThread:
         self._error: BaseException | None = None
         self._fatal = ""
         self._beat = time.monotonic()  # the messenger loop's last round (see stalled_s)
+        # the longest time between two rounds of the loop: how long the box (or the GIL) kept
+        # this thread away, which a liveness verdict about a peer has to allow for
+        self.longest_round_s = 0.0
         self._ctx: zmq.Context | None = None
         self._thread = threading.Thread(target=self._main, name=f"pdtool-{self.role}",
                                          daemon=True)
@@ -432,7 +444,9 @@ class MessengerThread:
         try:
             while not self._stop.is_set():
                 busy = self._step()
-                now = self._beat = time.monotonic()
+                now = time.monotonic()
+                self.longest_round_s = max(self.longest_round_s, now - self._beat)
+                self._beat = now
                 if now >= next_timer:
                     self._timers(now)
                     next_timer = now + self.TIMER_S

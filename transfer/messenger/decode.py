@@ -289,6 +289,7 @@ class DecodeMessenger(MessengerThread):
                 "by_prefill": {f"prefill-{g}" if g >= 0 else "prefill-?": t.snapshot()
                                for g, t in dict(self.tally_by_prefill).items()},
                 "stalled_s": round(self.stalled_s(), 3), "lanes": self.config.receive_lanes,
+                "longest_round_s": round(self.longest_round_s, 3),
                 # shm: its waits sleep up to this between polls (0: poll_backoff_s), since every
                 # prefill rank kicks them; and how many sleeps a kick ended
                 "kick_sleep_s": getattr(self, "_kick_cap", 0.0),
@@ -687,6 +688,13 @@ class DecodeMessenger(MessengerThread):
     # -- timers -----------------------------------------------------------------------------
     def _timers(self, now: float) -> None:
         cfg = self.config
+        # a round of this loop longer than a heartbeat (the process descheduled, the GIL held
+        # by the engine) read no PONG meanwhile: that time is not the prefill ranks' silence.
+        # Without this, a decode process paused for peer_timeout_s failed every transfer
+        away = now - getattr(self, "_timers_at", now)
+        self._timers_at = now
+        if away > cfg.heartbeat_s:
+            self._clock.excuse(away)
         self._stale = self._ep.stale_writes + sum(lane.stale_writes for lane in self._lanes)
         if now >= self._next_ping:
             self._next_ping = now + cfg.heartbeat_s

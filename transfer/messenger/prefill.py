@@ -393,7 +393,8 @@ class PrefillMessenger(MessengerThread):
                 "sent_to": _by_peer_name(dict(getattr(self, "sent_to", {}))),
                 "nic": self._ep.domain if hasattr(self, "_ep") else "",
                 "kicks": getattr(self, "kicks_sent", 0),
-                "stalled_s": round(self.stalled_s(), 3)}
+                "stalled_s": round(self.stalled_s(), 3),
+                "longest_round_s": round(self.longest_round_s, 3)}
 
     def abort(self, rid: str, reason: str = "aborted by the prefill engine") -> None:
         """Engine thread: stop sending a bound request; it shows up in `done()` as failed."""
