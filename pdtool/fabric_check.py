@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from transfer.fabric import FabricError
+
 FOLDER = "fabric-check"
 #: the longest a prefill rank waits for a decode rank's buffer, and for its own writes: the
 #: launcher's health timeout stops a preflight that waits on a peer that never came up sooner
@@ -139,7 +141,6 @@ def serve_targets(ctx: Any, folder: Path, say: Any) -> None:
 def measure_sources(ctx: Any, folder: Path, say: Any) -> None:
     """Prefill: write into each decode rank this rank may serve; record every pair; raise
     FabricCheckError for a pair under its floor (after recording them all)."""
-    from transfer.fabric import FabricError
     from transfer.probe import ProbeSource
 
     plan, tr = ctx.plan, ctx.plan.transfer

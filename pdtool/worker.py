@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from transfer import workerenv
+from transfer.fabric import FabricError
 from transfer.workerenv import RankPlace, WorkerEnvError
 
 PER_NODE_ENGINES = ("sglang",)
@@ -336,7 +337,6 @@ def run_preflight(ctx: WorkerContext) -> int:
     ports and reachability in seconds, before loading a large model; with the fabric check
     (pdtool.fabric_check) the KV bandwidth of every NIC pair too, before health is served."""
     from pdtool import fabric_check
-    from transfer.fabric import FabricError
     from transfer.sglang.rails import RailError
 
     try:

@@ -671,12 +671,16 @@ def test_missing_binding_names_the_system_package(tmp_path):
     pkg.mkdir()
     for f in (ROOT / "transfer").glob("*.py"):
         shutil.copy(f, pkg / f.name)
+    shutil.copytree(ROOT / "transfer" / "fabric", pkg / "fabric",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     # the editable install's finder would map `transfer` back to the checkout: drop it so the
     # copy on PYTHONPATH is what a plain (non-editable) install without the .so looks like
     code = (
         "import sys\n"
         "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
-        "import transfer.fabric\n"
+        "import transfer.fabric\n"  # the plain value types need no libfabric
+        "from transfer.fabric import RemoteRegion, encode_imm, shm_leftovers\n"
+        "from transfer.fabric import Endpoint\n"
     )
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -998,7 +1002,7 @@ def test_device_memory_domains_ask_for_the_api_that_lets_efa_take_dma_bufs():
     failed every KV registration while the binding asked for 1.18. With FI_HMEM the binding now
     asks for the highest version both its headers and the library know (1.x: at most 1.22);
     dma-bufs are tried only at >= 1.20, and EBADFLAGS falls back to registering the address."""
-    from transfer.fabric import _lib as lib
+    from transfer.fabric.native import lib
 
     assert lib.pd_api_version(0) == _fi_version(1, 17)
     want = min(lib.pd_header_version(), lib.pd_library_version(), _fi_version(1, 22))

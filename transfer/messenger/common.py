@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from ..fabric import FabricError
 from ..layout import KVLayout, LayoutError
 from ..plane.metrics import TRANSFER_S_BOUNDS
 from ..progress import LAYER_MASK, PASS_SHIFT  # noqa: F401  the progress word's one home
@@ -348,7 +349,7 @@ class MessengerThread:
         """An endpoint of the configured provider on the configured domain (messenger thread).
         EFA names its RDM domain after the device with a `-rdm` suffix, so a NIC name is tried
         as given, then with that suffix; neither existing is an error naming `domain`."""
-        from ..fabric import Endpoint, FabricError  # validate/plan never need libfabric
+        from ..fabric import Endpoint  # loads the binding: validate/plan never need it
 
         cfg = self.config
         options = {**self.idle_options(), **options}

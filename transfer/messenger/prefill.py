@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from ..fabric import FabricError, RemoteRegion, WriteGroup, encode_imm
 from ..geometry import slice_ops, writes_per_page
 from ..kick import PeerKick
 from ..layout import AuxSpec, KVLayout, LayoutError, as_buffer, aux_spec, write_plan
@@ -811,7 +812,6 @@ class PrefillMessenger(MessengerThread):
         self._publish(req.rid, PrefillResult(req.rid, False, reason), row)
 
     def _dest(self, p: dict[str, Any], src_pages: np.ndarray) -> _Dest | None:
-        from ..fabric import RemoteRegion, encode_imm
 
         cfg, me = self.config, self.config.rank
         slices = [s for s in _slices(p) if s.src_rank == me]
@@ -940,7 +940,6 @@ class PrefillMessenger(MessengerThread):
         """Queue writes for `_flush_writes`, cut at operation boundaries into pieces of at most
         `_BATCH_BYTES`. `per_op` writes go in one operation (the last one of the range may
         carry fewer). `peers`/`regions`: the receive lanes to spread over."""
-        from ..fabric import WriteGroup
 
         cuts = [0]
         total = int(ln.sum())
@@ -965,7 +964,6 @@ class PrefillMessenger(MessengerThread):
         `_BATCH_BYTES` went since the control socket was last served, it is served before the
         next call (PINGs answered, REQUESTs assembled, ABORTs seen; `_serve_socket`); an ABORT
         stops its request's remaining writes, and a failed write only its own request's."""
-        from ..fabric import FabricError
 
         todo, self._queued = self._queued, []
         i = 0

@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from ..fabric import shm_leftovers
 from ..hostmem import host_buffer
 from ..routes import ShardSpec, pages_for
 from ..wire.channel import FAULTS_ENV
@@ -532,10 +533,6 @@ def _recv(conn: Any, timeout: float, what: str) -> Any:
 
 def _remove_shm(pids: list[int]) -> None:
     """libfabric's shm provider leaves a file per process in /dev/shm when killed."""
-    try:
-        from ..fabric import shm_leftovers
-    except ImportError:
-        return
     for path in shm_leftovers(pids):
         with contextlib.suppress(OSError):
             os.unlink(path)

@@ -22,6 +22,8 @@ import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
+from transfer.fabric import shm_leftovers
+
 from .serve import RankSpec
 
 #: ports handed out by this process: a port is free only until something binds it, so two
@@ -163,10 +165,6 @@ class Deployment:
 def _remove_shm_leftovers(pids: list[int]) -> None:
     """libfabric's shm provider leaves a 16 MiB file in /dev/shm per process that was killed
     (a test may SIGKILL one on purpose); remove those of our processes, all gone by now."""
-    try:
-        from transfer.fabric import shm_leftovers
-    except ImportError:  # no libfabric binding: nothing could have been left
-        return
     for path in shm_leftovers(pids):
         with contextlib.suppress(OSError):
             os.unlink(path)
