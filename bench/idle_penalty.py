@@ -8,9 +8,9 @@ the decode messenger's per-request input checks (`DecodeMessenger.submit`'s nump
 64-token prompt, a few microseconds of Python) and the reference model's first decode step (the
 prompt's last token through the tiny-local model, as `bench/ttft_hops.py` times it in-process).
 A disaggregated first token wakes threads of three processes that sat idle while the prefill
-computed (docs/benchmark.md, "Fifth round"); an aggregated one runs in one process that computed
-a moment before. On a machine with dedicated cores the ratios stay near 1; where they grow with
-the gap, every such wake-up pays them.
+computed (docs/benchmark-rounds.md, "Fifth round"); an aggregated one runs in one process that
+computed a moment before. On a machine with dedicated cores the ratios stay near 1; where they
+grow with the gap, every such wake-up pays them.
 """
 
 from __future__ import annotations

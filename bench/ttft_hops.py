@@ -10,9 +10,9 @@ the same prompts in this one process (chunked like the prefill instance, then th
 first step): the work any deployment must do, so `TTFT - in-process` is what serving adds.
 The first decode step is also timed alone, right after that prefill (as an aggregated instance
 runs it) and after idling as long as the prefill took (as a decode instance, waiting for the
-KV, runs it): on the dev VM the second took 1.7 times the first (docs/benchmark.md, "Fifth
-round"), a cost of the machine that a disaggregated first token pays and an aggregated one
-does not.
+KV, runs it): on the dev VM the second took 1.7 times the first (docs/benchmark-rounds.md,
+"Fifth round"), a cost of the machine that a disaggregated first token pays and an aggregated
+one does not.
 
 Per worker process it also reads /proc (CPU time, run-queue wait, context switches of each
 thread) around the served requests only: what the engine threads and everything else

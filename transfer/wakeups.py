@@ -54,7 +54,7 @@ class CommandQueue(deque):
         """Append without waking the messenger thread: for a command it needs only once the
         engine's next signal (a progress-word change, which its waits watch, or a ringing
         command) comes, and that signal always follows. Each wake-up in the middle of a forward
-        pass took the GIL from the engine thread (docs/benchmark.md, "Third round")."""
+        pass took the GIL from the engine thread (docs/benchmark-rounds.md, "Third round")."""
         super().append(item)
 
     def drain_wakeups(self) -> None:

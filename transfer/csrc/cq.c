@@ -41,8 +41,8 @@ uint64_t pd_inflight_bytes(pd_ep *ep) { return ep->inflight_bytes; }
 
 /* Where the in-flight and error counts live, for a reader that must not call in: every call
    through the binding releases the GIL, and a messenger thread taking it back after each
-   short call, mid forward pass, made the engine thread wait for it (docs/benchmark.md, "Third
-   round"). Valid while the endpoint is open; a racy read is only a hint (the next poll
+   short call, mid forward pass, made the engine thread wait for it (docs/benchmark-rounds.md,
+   "Third round"). Valid while the endpoint is open; a racy read is only a hint (the next poll
    settles it). */
 const uint64_t *pd_inflight_word(pd_ep *ep) { return &ep->inflight; }
 const uint64_t *pd_completions_word(pd_ep *ep) { return &ep->completions; }
@@ -63,7 +63,7 @@ size_t pd_take_errors(pd_ep *ep, struct pd_err *out, size_t max) {
    from this thread, whichever counted the last write (the owner's wait or a lane): the
    owner's wait then keeps polling in C instead of returning to its messenger thread, which
    took the GIL and handed the news on, one more wake-up on the way to the first token
-   (docs/benchmark.md, "Seventh round"). Without one, the owner's wait returns. */
+   (docs/benchmark-rounds.md, "Seventh round"). Without one, the owner's wait returns. */
 static void pd_slot_complete(pd_ep *o) {
     int fd = __atomic_load_n(&o->news_fd, __ATOMIC_ACQUIRE);
     if (fd >= 0) {

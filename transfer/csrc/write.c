@@ -217,8 +217,8 @@ static int kicked_before(const struct pd_write_group *groups, size_t g) {
 /* Batches in one call, each its own registration, peer lanes, imm and tag: a sender whose
    step holds writes for every layer buffer of a pass made one call per buffer, and each call
    through the binding releases the GIL, which a messenger thread then took back mid forward
-   pass while the engine thread waited for it (docs/benchmark.md, "Third round"). Each group
-   is checked and submitted as one batch (write_batch); on an error `*group` names the group
+   pass while the engine thread waited for it (docs/benchmark-rounds.md, "Third round"). Each
+   group is checked and submitted as one batch (write_batch); on an error `*group` names the group
    and `*done` its writes submitted, the groups before it were submitted whole. `timeout_ns`
    bounds the whole call. A peer's kick word is kicked once everything is posted (and on
    retries), and after its first operation too when the call carries PD_KICK_EARLY_BYTES or

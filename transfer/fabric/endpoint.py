@@ -562,7 +562,7 @@ class Endpoint(Waits, Lanes):
         operations. A step holding writes for many layer buffers (each its own registration)
         made one call per buffer before, and every call releases the GIL: an engine thread
         computing the next pass then waited for the messenger thread to hand it back, once
-        per call (docs/benchmark.md, "Third round").
+        per call (docs/benchmark-rounds.md, "Third round").
 
         Each group is checked and submitted as one `write_batch`; `timeout` bounds the whole
         call, and a peer's kick word is kicked once after the last operation of the call, and

@@ -74,7 +74,8 @@ class CommonConfig:
     writes that come only after each prefill forward pass, a sender whose peer has not copied
     yet), the C waits sleep between polls, from `POLL_SLEEP_S` doubling to this; any poll that
     finds work starts over. Measured on a 2-core box, the decoder's yield-only wait took more
-    CPU than the prefill compute it waited for (docs/benchmark.md). 0: yield only (no sleep).
+    CPU than the prefill compute it waited for (docs/benchmark-rounds.md). 0: yield only (no
+    sleep).
     """
 
     secret: bytes

@@ -139,7 +139,8 @@ class DecodeMessenger(MessengerThread):
     # mid-stream makes the sender wake it at each burst: at 1 MiB pages the gaps between bursts
     # outlast 256 polls, 4,700-8,700 sleeps per 2 GiB; 1,024 polls (about 2 ms) bridge them
     # (120-300 sleeps), and the prefill spent 0.255-0.26 CPU s/GiB instead of 0.29-0.305,
-    # 0.89-1.27x the raw binding's GB/s instead of 0.66-1.05x (docs/benchmark.md, "Ninth round")
+    # 0.89-1.27x the raw binding's GB/s instead of 0.66-1.05x (docs/benchmark-rounds.md,
+    # "Ninth round")
     TCP_STREAM_SPINS = 1024
 
     def __init__(self, config: DecodeConfig, kv_buffers: Sequence[Any], layout: str = "HND",

@@ -221,7 +221,7 @@ class PrefillMessenger(MessengerThread):
     # pass, and its engine thread spent a tenth of each pass waiting for the GIL; at 50 ms,
     # once the engine announced only every 4 MiB, these returns were most of the thread's
     # rounds, and the engine thread still stalled 5-9 ms per 2,000-token prompt (2-4 ms at
-    # 0.25 s; docs/benchmark.md, "Eighth round").
+    # 0.25 s; docs/benchmark-rounds.md, "Eighth round").
     ENGINE_WAIT_S = 0.25
 
     def __init__(self, config: PrefillConfig, kv_buffers: Sequence[Any], layout: str = "HND",

@@ -39,7 +39,7 @@ class PageAllocator:
     and a cache larger than L2 streams them from memory, where ascending addresses are what
     the prefetchers follow. A LIFO free list handed every other request of a size its pages
     in descending order, and those prefills took 1.3-1.6x as long (median 1.4x;
-    docs/benchmark.md, "Tenth round"). SGLang's allocators sort their free pages too
+    docs/benchmark-rounds.md, "Tenth round"). SGLang's allocators sort their free pages too
     (`merge_and_sort_free`)."""
 
     def __init__(self, num_pages: int) -> None:

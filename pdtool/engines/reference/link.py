@@ -40,7 +40,7 @@ log = logging.getLogger("pdtool.reference.link")
 # How long an idle messenger thread sleeps on its sockets and command doorbell (either wakes it
 # at once): only its timers (heartbeats every 0.5 s, timeouts) wait for it. At the messenger's
 # default 5 ms, each idle decoder's thread took the GIL 200 times a second, ~4 % of a loaded core
-# (docs/benchmark.md).
+# (docs/benchmark-rounds.md).
 IDLE_WAIT_S = 0.02
 REDISCOVER_S = 1.0  # a silent prefill instance's /health is read this often (new addresses?)
 
@@ -250,8 +250,8 @@ class PrefillSide(_Side):
     # computed since it last woke (LinkSpec.announce_bytes may set it:
     # tests do, to stream short prompts pass by pass). What is left for the prompt's end is
     # then at most this, about a millisecond of writes on shm, while every wake-up stalled
-    # the engine thread (its GIL) about half a millisecond (docs/benchmark.md, "Eighth
-    # round"): at 2,000 tokens, 40-55 wake-ups per prompt had cost it 11-23 ms.
+    # the engine thread (its GIL) about half a millisecond (docs/benchmark-rounds.md,
+    # "Eighth round"): at 2,000 tokens, 40-55 wake-ups per prompt had cost it 11-23 ms.
     ANNOUNCE_BYTES = 4 << 20
 
     def layer_done(self, layer: int) -> None:
@@ -259,7 +259,7 @@ class PrefillSide(_Side):
         thread woke and took the GIL four times per pass; each handoff cost the engine thread a
         scheduler wake-up, which on a loaded 2-core box doubled a 2,000-token prefill (1.85 s
         against 0.97 s aggregated). On CPU the layers' pages are written right after the pass
-        instead, one pass later at most (docs/benchmark.md). A pass that ends some prompt
+        instead, one pass later at most (docs/benchmark-rounds.md). A pass that ends some prompt
         announces its last layer only after their `finish`: the thread then wakes once for
         that layer and the hidden states. A pass that ends none announces only once
         ANNOUNCE_BYTES of KV were computed since the last announcement; the next announced

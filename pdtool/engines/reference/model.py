@@ -199,8 +199,8 @@ class _Rotary:
     and applied to every layer's q and k, with the same values as computing them for each.
     With `PassTables`, the fused attention of `_attend` and the fused projections, a CPU
     decode step of the tiny-local model went from about 1,390 torch ops to 890 and took about
-    half as long (docs/benchmark.md, "Seventh round"): on a CPU such small ops cost their
-    dispatch, not their arithmetic, and a decode instance pays that cost cold."""
+    half as long (docs/benchmark-rounds.md, "Seventh round"): on a CPU such small ops cost
+    their dispatch, not their arithmetic, and a decode instance pays that cost cold."""
 
     def __init__(self, positions: torch.Tensor, dim: int, theta: float,
                  dtype: torch.dtype) -> None:
