@@ -1,14 +1,16 @@
 """Render a validated deployment into a job folder: scripts + resolved config + plan + secret.
 
-Python decides everything (`pdtool.launch.spec` builds every command line as shell words);
-Jinja (StrictUndefined, so a missing value fails instead of rendering empty) only prints them,
-and every interpolated value goes through the `q` filter (shlex.quote). The folder holds all a
-job needs to be re-run without pdtool's config tree:
+Python decides everything (`pdtool.launch.spec` builds every command line as shell words,
+written to launch.json, which pdtool's supervisor runs). The scripts do the site's set-up and
+hand over to the supervisor; Jinja (StrictUndefined, so a missing value fails instead of
+rendering empty) prints their few values through the `q` filter (shlex.quote). The folder holds
+all a job needs to be re-run without pdtool's config tree:
 
-    job.sbatch | run_local.sh   the script for `launcher.kind`
+    job.sbatch | run_local.sh   the script for `launcher.kind` (set-up, then the supervisor)
     config.yaml                 the resolved config
     plan.json                   the plan (what the worker entry loads)
-    launch.json                 every process and its command line (what --dry-run prints)
+    launch.json                 every process and its command line (what the supervisor runs
+                                and --dry-run prints)
     secret.key                  per-deployment control-plane secret, mode 0600, never printed
     secret-<role>.env           secret environment variables, mode 0600 (pdtool.launch.secrets)
                                 (both removed when the deployment stops)
@@ -23,11 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdtool import __version__, fabric_check
+from pdtool import __version__
 from pdtool.launch import secrets as secret_env_files
-from pdtool.launch.benchmark import benchmark_argv
-from pdtool.launch.shell import Var, Word, q, words
-from pdtool.launch.spec import LaunchError, LaunchSpec, build_launch
+from pdtool.launch.shell import q, words
+from pdtool.launch.spec import LaunchError, LaunchSpec, build_launch, spec_to_dict
 from pdtool.paths import templates_dir
 from pdtool.rules import validate
 from pdtool.rules.finding import Finding, error, has_errors
@@ -70,69 +71,22 @@ def jinja_env():
 
 
 def script_text(cfg: Any, plan: Any, spec: LaunchSpec, run_dir: Path) -> str:
-    """The launcher's script as text."""
-    lc = cfg.launcher
+    """The launcher's script as text: the site's set-up (Slurm: the allocation's nodes, the
+    container, launcher.setup, the virtualenv), then the hand-over to pdtool's supervisor,
+    which runs what launch.json lists."""
     ctx = {
         "version": __version__,
         "recipe": cfg.recipe or "default",
         "run_dir": str(run_dir),
         "python": cfg.engine.python,
-        "stop_grace": lc.stop_grace_s,
-        "secret_name": SECRET_NAME,
         "secret_files": secret_env_files.file_names(),
-        "secret_roles": list(spec.secret_roles),
-        "slurm": spec.launcher == "slurm",
         "job": spec.job,
         "setup": spec.setup,
-        "venv": lc.venv,
+        "venv": cfg.launcher.venv,
         "venv_activate": spec.venv_activate,
-        "fetch": spec.fetch,
-        "stage": spec.stage,
-        "fabric_check_dir": fabric_check.FOLDER,
-        "procs": spec.procs,
-        "router_procs": spec.router,
-        "health": spec.health(),
-        "router_health": spec.router_health(),
-        "router_ready": spec.router_ready(),
-        "router_url": spec.router_url,
-        "health_timeout": lc.health_timeout_s,
-        "watchdog_s": lc.watchdog_s,
-        "probe_timeout_s": lc.probe_timeout_s,
-        "benchmark": benchmark_argv(cfg, spec),
-        "verify": lc.verify,
-        "groups": spec.groups(),
-        # --smoke and benchmarks run through the supervisor with restarts off
-        "restart": lc.restart,
-        "max_restarts": lc.max_restarts,
-        "restart_backoff_s": lc.restart_backoff_s,
-        "local_hosts": ["127.0.0.1"] * plan.nodes,
     }
     name = "slurm.sbatch.j2" if spec.launcher == "slurm" else "local.sh.j2"
     return jinja_env().get_template(name).render(**ctx)
-
-
-def _word_json(w: object) -> object:
-    if isinstance(w, Word):
-        return {"word": [p if isinstance(p, str) else {"var": p.name} for p in w.parts]}
-    if isinstance(w, Var):
-        return {"var": w.name}
-    return w
-
-
-def spec_to_dict(spec: LaunchSpec) -> dict[str, Any]:
-    """The launch spec as JSON data; shell variables appear as {"var": NAME}."""
-
-    def proc(p):
-        return {
-            "name": p.name, "role": p.role, "instance": p.instance, "node": p.node,
-            "ranks": list(p.ranks), "argv": [_word_json(a) for a in p.argv],
-            "engine_argv": [_word_json(a) for a in p.engine_argv],
-            "health": _word_json(p.health) if p.health else None,
-            "ready": _word_json(p.ready) if p.ready else None,
-        }
-
-    return {"launcher": spec.launcher, "engine": spec.engine, "nodes": spec.job.nodes,
-            "processes": [proc(p) for p in spec.procs], "router": [proc(p) for p in spec.router]}
 
 
 def build_job(cfg: Any, plan: Any, out: Path) -> tuple[Rendered, str, dict[str, dict[str, str]]]:

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from pdtool.compose import load_config
+from pdtool.launch.benchmark import benchmark_argv
+from pdtool.launch.shell import display
 from pdtool.render import render
 from pdtool.rules import validate
 
@@ -56,9 +58,7 @@ def test_rendered_quoted_and_shellcheck_clean(tmp_path: Path) -> None:
                                  "launcher.benchmark=[--isl,32-64,--slo,'ttft_ms=500']"],
                                 tmp_path / "job")
     assert rendered is not None, findings
-    text = rendered.script.read_text()
-    line = next(ln for ln in text.splitlines() if ln.startswith("if ((!PDTOOL_PREFLIGHT))"))
-    argv = shlex.split(line.split("then run_benchmark ", 1)[1].rsplit("; fi", 1)[0])
+    argv = shlex.split(display(benchmark_argv(rendered.cfg, rendered.spec)))
     assert argv == ["${PDTOOL_PYTHON}", "-m", "pdtool.cli", "bench", "--job", "${RUN_DIR}",
                     "--url", "http://${HOSTS[0]}:8000", "--out", "${LOG_DIR}/bench",
                     # no --timeout given: the job's outlasts SGLang's 300 + 300 s timers
@@ -67,7 +67,7 @@ def test_rendered_quoted_and_shellcheck_clean(tmp_path: Path) -> None:
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     plain, _ = render(["+recipe=deepseek-r1"], tmp_path / "plain")
-    assert "run_benchmark" not in plain.script.read_text()
+    assert benchmark_argv(plain.cfg, plain.spec) == []
 
 
 def test_bench_job_option_refuses_overrides(tmp_path: Path) -> None:

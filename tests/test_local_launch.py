@@ -67,11 +67,9 @@ def test_starts_waits_for_health_and_stops_on_signal(how: str, tmp_path: Path) -
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", list(STARTERS))
-def test_one_process_dying_stops_everything(how: str, tmp_path: Path) -> None:
+def test_one_process_dying_stops_everything(tmp_path: Path) -> None:
     """launcher.restart=never: one process exiting ends the deployment (benchmarks)."""
-    base = 27200 if how == "supervisor" else 27300
-    run = STARTERS[how](base, tmp_path / "job", "launcher.restart=never")
+    run = STARTERS["supervisor"](27200, tmp_path / "job", "launcher.restart=never")
     try:
         run.wait_for("deployment ready")
         os.kill(worker_pid(run.run_dir, "decode", 1), signal.SIGKILL)
@@ -83,45 +81,10 @@ def test_one_process_dying_stops_everything(how: str, tmp_path: Path) -> None:
         run.kill_everything()
 
 
-def signalled_script(tmp_path: Path, body: str, delay_s: float) -> tuple[int, str, Path]:
-    """Run the rendered local script's own set-up and helpers with BODY in place of its
-    start-up, SIGTERM it DELAY_S after BODY begins; its exit code, output and job folder."""
-    rendered, findings = render(overrides(27500), tmp_path / "job")
-    assert rendered is not None, findings
-    text = rendered.script.read_text()
-    setup = text[:text.index('log "logs in ${LOG_DIR}')]
-    driver = tmp_path / "driver.sh"
-    driver.write_text(f'{setup}log "body begins"\n{body}\nsleep 600 & wait "$!"\n')
-    run = Running(["bash", str(driver)], rendered.script.parent,
-                  {**os.environ, "PDTOOL_RUN_DIR": "/nonexistent"})
-    try:
-        run.wait_for("body begins")
-        time.sleep(delay_s)
-        os.kill(run.p.pid, signal.SIGTERM)
-        code, out = run.finish(timeout=30)  # a hang: TimeoutExpired
-        wait_gone(run.run_dir)
-        return code, out, run.run_dir
-    finally:
-        run.kill_everything()
-
-
-@pytest.mark.parametrize("delay_s", [0.02, 0.05, 0.11, 0.17, 0.23])
-def test_a_signal_while_processes_start_stops_every_one_of_them(delay_s: float,
-                                                                tmp_path: Path) -> None:
-    """SIGTERM at any moment of start-up: whichever processes were started are stopped, the
-    script exits 130 with no shell error. Many quick starts make the signal land between a
-    start and its record often: that gap once left a worker running (the script then waited
-    on it for ever) or PIDS longer than NAMES (`NAMES[$i]: unbound variable`)."""
-    starts = 'for n in $(seq 400); do start_proc "decode-0.r${n}" /dev/null sleep 600; done'
-    code, out, _ = signalled_script(tmp_path, starts, delay_s)
-    assert code == 130, out
-    assert "unbound variable" not in out and "received SIGTERM" in out, out
-
-
 SUPERVISED_STARTS = """
 import dataclasses, sys
 from pathlib import Path
-from pdtool.launch.local import Supervisor
+from pdtool.launch.supervisor import Supervisor
 from pdtool.render import render
 rendered, _ = render(sys.argv[2:], Path(sys.argv[1]))
 spec = rendered.spec
@@ -155,15 +118,41 @@ def test_a_signal_while_the_supervisor_starts_processes_stops_every_one(
         run.kill_everything()
 
 
+SUPERVISED_HEALTH_WAIT = """
+import dataclasses, sys
+from pathlib import Path
+from pdtool.launch.shell import word
+from pdtool.launch.supervisor import Supervisor
+from pdtool.render import render
+rendered, _ = render(sys.argv[3:], Path(sys.argv[1]))
+spec = rendered.spec
+url = word(f"http://127.0.0.1:{sys.argv[2]}/health")  # nothing listens there
+spec.procs = [dataclasses.replace(spec.procs[0], name="decode-0.r0", argv=["sleep", "600"],
+                                  health=url, ready=None)]
+spec.router = []
+sup = Supervisor.for_job(rendered)
+sup.health_timeout = 600
+sys.exit(sup.run())
+"""
+
+
 def test_a_signal_while_waiting_for_health_stops_at_once(tmp_path: Path) -> None:
-    """The health wait does not delay a SIGTERM to the script alone (`kill PID`,
-    `scancel --batch`) until the poll ends (here: never healthy, a 600 s timeout)."""
-    port = free_port_run(1)
-    body = (f'start_proc decode-0.r0 /dev/null sleep 600\n'
-            f'wait_healthy 600 decode-0.r0=http://127.0.0.1:{port}/health')
-    code, out, _ = signalled_script(tmp_path, body, 0.5)
-    assert code == 130, out
-    assert "stopping decode-0.r0" in out, out
+    """The health wait does not delay a SIGTERM (`kill PID`, `scancel --batch`) until the
+    poll ends (here: never healthy, a 600 s timeout)."""
+    run_dir = tmp_path / "job"
+    run = Running([sys.executable, "-c", SUPERVISED_HEALTH_WAIT, str(run_dir),
+                   str(free_port_run(1)), *overrides(27700)], run_dir,
+                  {**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        run.wait_for("started decode-0.r0")
+        time.sleep(0.5)
+        os.kill(run.p.pid, signal.SIGTERM)
+        code, out = run.finish(timeout=30)
+        assert code == 130, out
+        assert "stopping decode-0.r0" in out, out
+        wait_gone(run.run_dir)
+    finally:
+        run.kill_everything()
 
 
 @pytest.mark.slow
@@ -370,8 +359,6 @@ def test_sglang_router_is_ready_once_every_instance_is_registered(tmp_path: Path
         "aggregated": ("regular=3", "2 of 3 regular", ("regular_count",), (3,)),
     }[mode]
     assert ready == f"http://127.0.0.1:{base + 50}/workers#{want}"
-    script = rendered.script.read_text()  # the wait; the watchdog probes /health
-    assert f"router=http://\"${{HOSTS[0]}}\"':{base + 50}/workers#{want}'" in script
     workers = [_StandInWorker(base), _StandInWorker(base + 10)]  # decode-1 (base + 11) is not up
     log = open(tmp_path / "router.log", "w")  # noqa: SIM115
     p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -133,9 +133,9 @@ def test_worker_that_cannot_start_fails_the_job(slurm, tmp_path: Path) -> None:
         blocker.close()
     batch = (out / "logs" / f"slurm-{job}.out").read_text()
     assert state == "FAILED", batch
-    assert "decode-1.r0 exited" in batch
+    assert "pdtool: ERROR: decode-1.r0 exited" in batch
+    assert "before the deployment was healthy" in batch
     assert "cannot serve health on 127.0.0.1:26201" in batch
-    assert "pdtool: ERROR: deployment did not become healthy" in batch
     # the other workers were stopped with the job: no step of it is left
     steps = slurm.run("squeue", "-h", "-s", "-j", job, check=False)
     assert steps.strip() == ""
@@ -318,10 +318,10 @@ def _wait_batch(batch: Path, text: str, after: int = 0, timeout: float = 180) ->
 
 @pytest.mark.slow
 def test_a_dead_step_is_restarted_inside_the_job(slurm, tmp_path: Path) -> None:
-    """launcher.restart=on-failure: decode-1's worker is killed, its srun step ends, the batch
-    script starts the step again (same name, same node) and waits for its health; prefill-0's
-    rank 1 is killed next: the whole TP2 instance (both steps) is restarted. The job keeps
-    running; a TERM then stops it in order as usual."""
+    """launcher.restart=on-failure: decode-1's worker is killed, its srun step ends, the job's
+    supervisor starts the step again (same name, same node) and waits for its health;
+    prefill-0's rank 1 is killed next: the whole TP2 instance (both steps) is restarted. The
+    job keeps running; a TERM then stops it in order as usual."""
     out = tmp_path / "job"
     job = submit_running(slurm, out, "launcher.job_name=pdtool-restart",
                          "launcher.restart=on-failure", "launcher.restart_backoff_s=0.5")
@@ -337,7 +337,7 @@ def test_a_dead_step_is_restarted_inside_the_job(slurm, tmp_path: Path) -> None:
         mark = len(text)
         os.kill(_step_worker_pid(job, "prefill", 0), signal.SIGKILL)  # one of its two ranks
         text = _wait_batch(batch, "prefill-0 is serving again (restart 1)", after=mark)
-        restarted = [m.group(1) for m in re.finditer(r"\] starting (\S+) ", text[mark:])]
+        restarted = [m.group(1) for m in re.finditer(r"\] started (\S+) ", text[mark:])]
         assert restarted == ["prefill-0.r0", "prefill-0.r1"], text[mark:]
         assert slurm.job_state(job)[0] == "RUNNING"
         logs = (out / "logs" / job / "decode-1.r0.log").read_text()

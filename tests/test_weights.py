@@ -16,6 +16,7 @@ from helpers.pdtool_cfg import assert_error, assert_warning, findings_for, recip
 from helpers.rendered import check_script, launcher_overrides
 
 from pdtool.checkpoints import ensure
+from pdtool.launch.shell import display
 from pdtool.launch.weights import FetchError, fetch, stage
 from pdtool.render import render
 
@@ -49,15 +50,14 @@ def test_the_job_fetches_once_before_any_worker_and_workers_read_offline(
     rendered, findings = render(over, tmp_path / "job")
     assert rendered is not None, findings
     check_script(rendered.script)
-    text = rendered.script.read_text()
-    fetch_line = f"-m pdtool.launch.weights --cache /fsx/hf-cache {MODEL}"
-    assert text.count(fetch_line) == 1
-    assert text.index(fetch_line) < text.index("\nstart_group ")
+    # the supervisor (what the script hands over to) runs it before any worker
+    assert display(rendered.spec.fetch).endswith(
+        f"-m pdtool.launch.weights --cache /fsx/hf-cache {MODEL}"), rendered.spec.fetch
     for p in rendered.spec.procs:
         assert "HF_HOME=/fsx/hf-cache" in p.argv and "HF_HUB_OFFLINE=1" in p.argv, p.name
     # without the key nothing is fetched and the workers reach the Hub themselves
     rendered, _ = render([*over[:-1]], tmp_path / "plain")
-    assert "pdtool.launch.weights" not in rendered.script.read_text()
+    assert rendered.spec.fetch == [] and rendered.spec.stage == []
     assert not [a for p in rendered.spec.procs for a in p.argv if str(a).startswith("HF_HOME=")]
 
 
@@ -188,12 +188,9 @@ def test_the_job_stages_after_the_fetch_and_workers_read_the_copy(launcher: str,
     rendered, findings = render(over, tmp_path / "job")
     assert rendered is not None, findings
     check_script(rendered.script)
-    text = rendered.script.read_text()
-    line = f"-m pdtool.launch.weights --cache /fsx/hf-cache --stage-to /local_nvme/hf {MODEL}"
-    assert text.count(line) == 1
-    fetched = text.index(f"-m pdtool.launch.weights --cache /fsx/hf-cache {MODEL}")
-    assert fetched < text.index(line) < text.index("\nstart_group ")
-    staging = text[:text.index(line)].rsplit("\n", 1)[1]
+    staging = display(rendered.spec.stage)  # run by the supervisor after the fetch
+    assert staging.endswith(
+        f"-m pdtool.launch.weights --cache /fsx/hf-cache --stage-to /local_nvme/hf {MODEL}")
     if launcher == "slurm":  # one task on each node of the job
         assert f"srun --export=ALL --nodes={rendered.plan.nodes} --ntasks-per-node=1" in staging
     assert "HF_HUB_OFFLINE=1" in staging
@@ -201,17 +198,17 @@ def test_the_job_stages_after_the_fetch_and_workers_read_the_copy(launcher: str,
         assert "HF_HOME=/local_nvme/hf" in p.argv and "HF_HUB_OFFLINE=1" in p.argv, p.name
 
 
-def test_every_node_of_the_job_stages_as_the_script_says(slurm, tmp_path: Path) -> None:
-    """The staging line of a rendered job, run by real srun in an allocation of the plan's
-    nodes: one task on each node, all of them done before the line returns (the emulated
-    nodes share this disk, so one copies and the others find its verified copy)."""
+def test_every_node_of_the_job_stages_as_the_spec_says(slurm, tmp_path: Path) -> None:
+    """The staging line of a rendered job (what its supervisor runs), run by real srun in an
+    allocation of the plan's nodes: one task on each node, all of them done before the line
+    returns (the emulated nodes share this disk, so one copies and the others find its
+    verified copy)."""
     shared, local = _staged(tmp_path)
     over = [*launcher_overrides("sglang-local", "slurm"), f"model.path={MODEL}",
             f"launcher.model_cache={shared}", f"launcher.stage_to={local}"]
     rendered, findings = render(over, tmp_path / "job")
     assert rendered is not None, findings
-    (line,) = [ln.strip() for ln in rendered.script.read_text().splitlines()
-               if "--stage-to" in ln]
+    line = display(rendered.spec.stage)
     nodes = rendered.plan.nodes
     batch = tmp_path / "stage.sh"
     batch.write_text(f"#!/bin/bash\nexport PDTOOL_PYTHON={sys.executable}\n{line}\n")

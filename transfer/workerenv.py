@@ -12,9 +12,9 @@ composes them, so a variable's format lives in one place.
 This module is in `transfer/` because the SGLang backend and the messenger read it and
 `transfer/` never imports `pdtool/`; pdtool imports it from here.
 
-  launch (job script / local launcher, every process):
+  launch (pdtool's supervisor, every process):
     PDTOOL_RUN_DIR            the job folder (the scripts' RUN_DIR; marks the job's processes)
-    PDTOOL_PYTHON             interpreter of the script's health wait (default: engine.python)
+    PDTOOL_PYTHON             interpreter of the supervisor and its helpers (default: engine.python)
     PDTOOL_SECRET_FILE        the 0600 per-deployment secret file (control-plane HMAC key)
     PDTOOL_HOSTS              the allocation's node addresses, space separated, by node index
     PDTOOL_PREFLIGHT          "1": workers serve /health without starting the engine
@@ -74,22 +74,22 @@ class Var:
         return value or None
 
 
-# -- launch: set by the job script (templates/*.j2) or pdtool.launch.local for every process ----
-RUN_DIR = Var("PDTOOL_RUN_DIR", "job script, pdtool.launch.local",
+# -- launch: set by pdtool's supervisor (pdtool.launch.supervisor) for every process -----------
+RUN_DIR = Var("PDTOOL_RUN_DIR", "pdtool.launch.supervisor",
               "process lookup (a job's processes by folder)",
               "the job folder; every process of the job carries it, so its processes can be "
               "found by folder (the script itself never reads it: its folder is the one it was "
               "rendered into)")
-PYTHON = Var("PDTOOL_PYTHON", "the user (optional)", "job script",
-             "interpreter of pdtool's own helpers in the job script (the health wait); "
-             "default: engine.python")
-SECRET_FILE = Var("PDTOOL_SECRET_FILE", "job script, pdtool.launch.local",
+PYTHON = Var("PDTOOL_PYTHON", "the user (optional)", "job script, pdtool.launch.supervisor",
+             "interpreter the job script runs pdtool's supervisor with, and the supervisor its "
+             "helpers (the weights fetch, the job's benchmark); default: engine.python")
+SECRET_FILE = Var("PDTOOL_SECRET_FILE", "pdtool.launch.supervisor",
                   "pdtool.worker, reference engine, SGLang backend",
                   "path of the 0600 per-deployment secret the control plane signs with; the "
                   "secret itself never travels in the environment")
-HOSTS = Var("PDTOOL_HOSTS", "job script, pdtool.launch.local", "reference engine",
+HOSTS = Var("PDTOOL_HOSTS", "pdtool.launch.supervisor", "reference engine",
             "the allocation's node addresses, space separated, indexed by the plan's node number")
-PREFLIGHT = Var("PDTOOL_PREFLIGHT", "job script (its --preflight argument), pdtool.launch.local",
+PREFLIGHT = Var("PDTOOL_PREFLIGHT", "pdtool.launch.supervisor (the script's --preflight)",
                 "pdtool.worker",
                 '"1": every worker resolves plan, rank and NIC and serves /health, without '
                 "starting the engine")

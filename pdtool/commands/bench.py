@@ -452,7 +452,7 @@ def _launch_and_bench(args: argparse.Namespace, cfg: Any, compare: list[tuple[st
     deployment on ports moved clear of the others' (`twin_offsets`)."""
     from pdtool.commands._common import EXIT_USAGE
     from pdtool.commands.render import render_or_explain
-    from pdtool.launch.local import Supervisor
+    from pdtool.launch.supervisor import Supervisor
 
     overrides = list(args.overrides)
     try:

@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  batch log:  {sub.batch_log}")
         print(f"  process logs: {sub.log_dir}/<process>.log")
         return 0
-    from pdtool.launch.local import Supervisor
     from pdtool.launch.restart import RestartPolicy
+    from pdtool.launch.supervisor import Supervisor
 
     sup = Supervisor.for_job(
         rendered,

@@ -1,6 +1,6 @@
 """The record of a running local deployment, so another shell can find, inspect and stop it.
 
-The local supervisor (`pdtool.launch.local.Supervisor`) keeps `running.json` in the job folder
+The local supervisor (`pdtool.launch.supervisor.Supervisor`) keeps `running.json` in the job folder
 while it runs: its own pid, the state (`starting`, `ready`), the router's URL once ready, and
 every process it started (name, pid, log, health URL). It rewrites the file after each start
 and restart and removes it after the last process stopped. `pdtool status`, `pdtool logs` and

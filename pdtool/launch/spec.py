@@ -1,7 +1,8 @@
 """The launch spec: which processes a deployment runs and their exact command lines (pure data).
 
-Built from the config and the plan at render time; the Slurm and local templates only print
-it, the local supervisor runs it, `--dry-run` shows it. Command lines are lists of shell words
+Built from the config and the plan at render time and written to the job folder as
+launch.json (`spec_to_dict`); pdtool's supervisor runs it (`spec_from_dict`, when a rendered
+script hands over), `--dry-run` shows it. Command lines are lists of shell words
 (`pdtool.launch.shell`): literals are quoted when rendered, and the few values that exist only at
 run time are shell variables: `RUN_DIR` (the job folder), `LOG_DIR` (this run's logs),
 `HOSTS[k]` (address of allocation node k) and `NODE_NAMES[k]` (its Slurm name).
@@ -17,7 +18,7 @@ NIC and fabric environment, then starts the engine (exec for SGLang).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from pdtool.budgets import stop_lead_s
@@ -31,7 +32,6 @@ from pdtool.launch.resources import (
     numactl_binding,
     step_options,
 )
-from pdtool.launch.restart import group_of
 from pdtool.launch.sglang import router_argv, server_argv
 from pdtool.launch.shell import Var, Word, word
 from pdtool.launch.weights import cache_env, cached_model
@@ -111,57 +111,82 @@ class LaunchSpec:
     # run_local.sh and the supervisor alike)
     setup: list[str] = field(default_factory=list)
     venv_activate: str = ""
-    # launcher.model_cache: the one-off fetch of a Hub model before any worker starts, with
-    # the prefill role's secrets (a gated model's HF_TOKEN) when it has any ([]: none)
+    # launcher.model_cache: the one-off fetch of a Hub model before any worker starts (the
+    # supervisor runs it), with the prefill role's secrets (a gated model's HF_TOKEN) when it
+    # has any ([]: none)
     fetch: list[str | Word] = field(default_factory=list)
     # launcher.stage_to: the fetched snapshot copied to the node's disk (Slurm: one task per
     # node)
     stage: list[str | Word] = field(default_factory=list)
-    # (the Hub id, launcher.model_cache, launcher.stage_to or "") the job fetches
-    weights: tuple[str, str, str] | None = None
     # the roles whose processes load a secret-<role>.env (pdtool.launch.secrets)
     secret_roles: tuple[str, ...] = ()
-
-    def health(self) -> list[Word]:
-        return [word(f"{p.name}=", *p.health.parts) for p in self.procs if p.health]
-
-    def router_health(self) -> list[Word]:
-        return [word(f"{p.name}=", *p.health.parts) for p in self.router if p.health]
-
-    def router_ready(self) -> list[Word]:
-        """What the wait polls for the router: its readiness URL, else its health."""
-        return [word(f"{p.name}=", *(p.ready or p.health).parts)
-                for p in self.router if p.ready or p.health]
 
     def all(self) -> list[Proc]:
         return self.procs + self.router
 
-    def groups(self) -> list[ProcGroup]:
-        """The restart units (pdtool.launch.restart): each instance with all its processes,
-        and the router, in start order, with their health endpoints (NAME=URL)."""
-        out: dict[str, ProcGroup] = {}
-        for p in self.all():
-            g = out.setdefault(group_of(p.name), ProcGroup(group_of(p.name), p.role, [], [], []))
-            g.procs.append(p)
-            if p.health:
-                g.health.append(word(f"{p.name}=", *p.health.parts))
-                g.ready.append(word(f"{p.name}=", *(p.ready or p.health).parts))
-        return list(out.values())
-
-
-@dataclass
-class ProcGroup:
-    """One instance's processes (or the router's): started, stopped and restarted together."""
-
-    name: str  # "prefill-0", "decode-1", "router"
-    role: str
-    procs: list[Proc]
-    health: list[Word]  # NAME=URL health endpoints
-    ready: list[Word]  # NAME=URL readiness (what a restart waits for; preflight: health)
-
 
 class LaunchError(ValueError):
     """The config cannot be turned into launch artifacts; the message names the key."""
+
+
+# -- launch.json: the spec as data, and back --------------------------------------------------
+def _encode(v: object) -> object:
+    if isinstance(v, Word):
+        return {"word": [_encode(p) for p in v.parts]}
+    if isinstance(v, Var):
+        return {"var": v.name}
+    if isinstance(v, (list, tuple)):
+        return [_encode(x) for x in v]
+    return v
+
+
+def _decode(v: object) -> object:
+    if isinstance(v, dict) and "word" in v:
+        return Word(tuple(_decode(p) for p in v["word"]))  # type: ignore[misc]
+    if isinstance(v, dict) and "var" in v:
+        return Var(v["var"])
+    if isinstance(v, list):
+        return [_decode(x) for x in v]
+    return v
+
+
+def _proc_dict(p: Proc) -> dict[str, object]:
+    return {"name": p.name, "role": p.role, "instance": p.instance, "node": p.node,
+            "ranks": list(p.ranks), "comment": p.comment, "argv": _encode(p.argv),
+            "engine_argv": _encode(p.engine_argv),
+            "health": _encode(p.health) if p.health else None,
+            "ready": _encode(p.ready) if p.ready else None}
+
+
+def spec_to_dict(spec: LaunchSpec) -> dict[str, object]:
+    """The launch spec as JSON data (the job folder's launch.json); shell variables appear as
+    {"var": NAME}, words made of parts as {"word": [...]}. What the scripts' supervisor runs:
+    `spec_from_dict` gives the very spec back."""
+    job = {f.name: _encode(getattr(spec.job, f.name)) for f in fields(spec.job)}
+    return {"launcher": spec.launcher, "engine": spec.engine, "python": spec.python,
+            "nodes": spec.job.nodes, "processes": [_proc_dict(p) for p in spec.procs],
+            "router": [_proc_dict(p) for p in spec.router], "router_url": _encode(spec.router_url),
+            "job": job, "setup": list(spec.setup), "venv_activate": spec.venv_activate,
+            "fetch": _encode(spec.fetch), "stage": _encode(spec.stage),
+            "secret_roles": list(spec.secret_roles)}
+
+
+def spec_from_dict(d: dict) -> LaunchSpec:
+    """Inverse of `spec_to_dict`; KeyError or TypeError on data it did not write."""
+    def proc(p: dict) -> Proc:
+        return Proc(name=p["name"], role=p["role"], instance=p["instance"], node=p["node"],
+                    ranks=tuple(p["ranks"]), comment=p["comment"], argv=_decode(p["argv"]),
+                    engine_argv=_decode(p["engine_argv"]), health=_decode(p["health"]),
+                    ready=_decode(p["ready"]))  # type: ignore[arg-type]
+
+    return LaunchSpec(
+        launcher=d["launcher"], engine=d["engine"], python=d["python"],
+        procs=[proc(p) for p in d["processes"]], router=[proc(p) for p in d["router"]],
+        job=JobSpec(**{k: _decode(v) for k, v in d["job"].items()}),  # type: ignore[arg-type]
+        router_url=_decode(d["router_url"]), setup=list(d["setup"]),  # type: ignore[arg-type]
+        venv_activate=d["venv_activate"], fetch=_decode(d["fetch"]),  # type: ignore[arg-type]
+        stage=_decode(d["stage"]),  # type: ignore[arg-type]
+        secret_roles=tuple(d["secret_roles"]))
 
 
 def _url(node: int, port: int, path: str = "/health") -> Word:
@@ -443,7 +468,6 @@ def build_launch(cfg: Config, plan: Plan, run_dir: str,
                      "--overlap", "--kill-on-bad-exit=1", "--job-name=stage-weights", *stage]
     return LaunchSpec(launcher=launcher, engine=cfg.engine.kind, python=cfg.engine.python,
                       procs=procs, router=[router], job=job, fetch=fetch, stage=stage,
-                      weights=None if model is None else (model, lc.model_cache, lc.stage_to),
                       router_url=word("http://", host(plan.router.node), f":{plan.router.port}"),
                       setup=list(lc.setup), secret_roles=tuple(sorted(secret_roles)),
                       venv_activate=str(Path(lc.venv) / "bin" / "activate") if lc.venv else "")

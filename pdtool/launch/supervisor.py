@@ -1,15 +1,20 @@
-"""Local supervisor: run a rendered deployment on this machine and keep it in one piece.
+"""pdtool's one supervisor: start a rendered deployment, keep it in one piece, stop it in order.
 
-Each process starts in its own session (process group), so stopping it also stops whatever it
-spawned (SGLang's schedulers, the reference engine's TP ranks). The supervisor streams status
-(starts, health progress, exits), waits for every instance and then the router to be healthy,
-and stops everything — SIGTERM to each group, SIGKILL after a grace period — on Ctrl-C,
-SIGTERM, or when a process exits on its own or stops answering its health check
+`pdtool launch` runs it in-process for launcher=local, and the rendered scripts hand over to it
+(`exec python -m pdtool.launch.supervisor JOB_DIR ...`: run_local.sh, and the Slurm batch script
+once it has resolved the allocation's nodes and run the site's setup), so the life cycle below
+is written once. It streams status (starts, health progress, exits), waits for every instance
+and then the router to be healthy, and stops everything — SIGTERM to each process, SIGKILL
+after a grace period — on Ctrl-C, SIGTERM (Slurm's `--signal=B:TERM@N` before the time limit,
+scancel), or when a process exits on its own or stops answering its health check
 (launcher.watchdog_s) and launcher.restart does not restart its instance (pdtool.launch.restart:
 `on-failure` stops that instance, waits, starts it again and waits for its health, at most
 launcher.max_restarts times per instance); the router stops first, then decode, then prefill.
-It runs the same launch spec the rendered `run_local.sh` prints, so the two never disagree:
-launcher.setup's lines and launcher.venv's activation shape both one's processes' environment.
+
+How a process is started and signalled is the launcher's (`LocalProcesses`, `SlurmSteps`):
+locally each process starts in its own session, so stopping it also stops whatever it spawned
+(SGLang's schedulers, the reference engine's TP ranks); under Slurm each is a job step, signalled
+through scancel.
 """
 
 from __future__ import annotations
@@ -86,13 +91,91 @@ class Running:
     log: Path
 
 
+class LocalProcesses:
+    """launcher=local: each process in its own session (process group) with its output in its
+    log file; a signal goes to the whole group, so what a worker spawned stops with it."""
+
+    slurm = False
+
+    def popen(self, argv: list[str], log: Path, env: dict[str, str],
+              cwd: Path) -> subprocess.Popen:
+        with open(log, "ab") as fh:
+            return subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                    cwd=cwd)
+
+    def signal(self, procs: list[Running], sig: signal.Signals) -> None:
+        for r in procs:
+            _signal_group(r.popen, sig)
+
+    def alive(self, r: Running) -> bool:
+        return _group_alive(r.popen)
+
+    def sweep(self, procs: list[Running]) -> None:
+        """SIGKILL whatever is left in the processes' groups (children of a dead leader)."""
+        self.signal(procs, signal.SIGKILL)
+
+
+class SlurmSteps:
+    """launcher=slurm: each process is an `srun ... --job-name=NAME --output=LOG` job step of
+    the job `job_id` (srun writes the log; its own messages go to the batch log). A signal goes
+    to the step through `scancel --signal`: srun's own handling of a SIGTERM cancels the step
+    with SIGKILL at once, before the engine could stop cleanly."""
+
+    slurm = True
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+
+    def popen(self, argv: list[str], log: Path, env: dict[str, str],
+              cwd: Path) -> subprocess.Popen:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env, cwd=cwd)
+
+    def signal(self, procs: list[Running], sig: signal.Signals) -> None:
+        steps = self._steps()
+        for r in procs:
+            step = steps.get(r.proc.name)
+            if step is not None:
+                subprocess.run(["scancel", f"--signal={sig.name.removeprefix('SIG')}", step],
+                               capture_output=True, check=False)
+            if step is None or sig == signal.SIGKILL:  # not (or no longer) a step: its srun
+                with contextlib.suppress(ProcessLookupError):
+                    r.popen.send_signal(sig)
+
+    def alive(self, r: Running) -> bool:
+        return r.popen.poll() is None
+
+    def sweep(self, procs: list[Running]) -> None:
+        """Nothing: a step ends with its srun."""
+
+    def _steps(self) -> dict[str, str]:
+        """Step id by step name (each step is named after its process)."""
+        try:
+            done = subprocess.run(["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"],
+                                  capture_output=True, text=True, timeout=30, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return {}
+        pairs = (line.split(None, 1) for line in done.stdout.splitlines())
+        return {name.strip(): step for step, name in (p for p in pairs if len(p) == 2)}
+
+
 class Supervisor:
     def __init__(self, spec: LaunchSpec, run_dir: Path, out: TextIO = sys.stdout,
                  stop_grace: float = 30.0, health_timeout: float = 900.0,
                  preflight: bool = False, watchdog_s: float = 0.0,
                  restart: RestartPolicy | None = None, model: str = "",
-                 probe_timeout_s: float = 5.0, verify: tuple[Any, Any] | None = None) -> None:
+                 probe_timeout_s: float = 5.0, verify: tuple[Any, Any] | None = None,
+                 hosts: list[str] | None = None, node_names: list[str] | None = None,
+                 log_dir: Path | None = None, setup_done: bool = False) -> None:
+        """`hosts` / `node_names`: the address and Slurm name of each allocation node (this
+        machine's for launcher=local); `log_dir`: this run's log folder (the batch script's,
+        under Slurm; a fresh `logs/local-<time>-<pid>` otherwise); `setup_done`: the script
+        that hands over ran launcher.setup and launcher.venv already (its environment is
+        this process's)."""
         self.spec = spec
+        self.procs: LocalProcesses | SlurmSteps = (
+            SlurmSteps(os.environ.get("SLURM_JOB_ID", "")) if spec.launcher == "slurm"
+            else LocalProcesses())
         self.verify = verify  # (cfg, plan) when launcher.verify checks the ready deployment
         self.model = model  # the served model id (model.name), for the ready banner
         self.run_dir = Path(run_dir).resolve()
@@ -103,6 +186,7 @@ class Supervisor:
         self.watchdog_s = watchdog_s
         self.probe_timeout_s = probe_timeout_s
         self.restart = restart or RestartPolicy()
+        self.setup_done = setup_done
         self.restarts: dict[str, int] = {}  # restarts so far, per instance (group_of)
         self.force = False
         self.held: str | None = None  # a signal that came while a process was being started
@@ -112,11 +196,17 @@ class Supervisor:
         self.router_url = ""
         self.base_env = dict(os.environ)  # run() adds launcher.setup's and the venv's
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        self.log_dir = self.run_dir / "logs" / f"local-{stamp}-{os.getpid()}"
-        self.vars = {"RUN_DIR": str(self.run_dir), "LOG_DIR": str(self.log_dir)}
+        self.log_dir = log_dir or self.run_dir / "logs" / f"local-{stamp}-{os.getpid()}"
+        self.hosts = hosts or ["127.0.0.1"] * spec.job.nodes
+        names = node_names or ["localhost"] * spec.job.nodes
+        # the variables the command lines name (pdtool.launch.spec): the job's, and the
+        # environment's (SLURM_JOB_ID names the job's container, PDTOOL_PYTHON runs helpers)
+        self.vars = {k: v for k, v in os.environ.items() if k in ("SLURM_JOB_ID", "PDTOOL_PYTHON")}
+        self.vars.setdefault("PDTOOL_PYTHON", sys.executable)
+        self.vars.update(RUN_DIR=str(self.run_dir), LOG_DIR=str(self.log_dir))
         for k in range(spec.job.nodes):
-            self.vars[f"HOSTS[{k}]"] = "127.0.0.1"
-            self.vars[f"NODE_NAMES[{k}]"] = "localhost"
+            self.vars[f"HOSTS[{k}]"] = self.hosts[k]
+            self.vars[f"NODE_NAMES[{k}]"] = names[k]
 
     @classmethod
     def for_job(cls, rendered: Any, out: TextIO = sys.stdout, preflight: bool = False,
@@ -139,12 +229,10 @@ class Supervisor:
         log = Path(resolve([p.log], self.vars)[0])
         env = {**self.base_env, **launch_env(
             run_dir=str(self.run_dir), secret_file=str(self.run_dir / "secret.key"),
-            hosts=["127.0.0.1"] * self.spec.job.nodes, preflight=self.preflight)}
-        with self._signals_held(), open(log, "ab") as fh:
+            hosts=self.hosts, preflight=self.preflight)}
+        with self._signals_held():
             try:
-                popen = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env,
-                                         start_new_session=True, cwd=self.run_dir)
+                popen = self.procs.popen(argv, log, env, self.run_dir)
             except OSError as e:
                 raise HealthFailure(f"cannot start {p.name}: {argv[0]}: {e.strerror}", 1) from e
             r = Running(p, popen, log)
@@ -154,7 +242,10 @@ class Supervisor:
         return r
 
     def _record(self) -> None:
-        """Rewrite running.json: what `pdtool status / logs / stop` read from another shell."""
+        """Rewrite running.json: what `pdtool status / logs / stop` read from another shell
+        (on this machine: a Slurm job's processes are the cluster's, seen with squeue)."""
+        if self.procs.slurm:
+            return
         record.write(record.Record(
             run_dir=str(self.run_dir), supervisor_pid=os.getpid(), state=self.state,
             router_url=self.router_url, log_dir=str(self.log_dir),
@@ -193,49 +284,48 @@ class Supervisor:
         self.say(f"stopping {len(alive)} process(es): router, then decode, then prefill")
         for group in STOP_ORDER:
             self._stop_group([r for r in alive if r.proc.role == group])
-        for r in self.running:  # children that outlived their leader
-            _signal_group(r.popen, signal.SIGKILL)
+        self.procs.sweep(self.running)  # children that outlived their leader
 
     def _stop_group(self, alive: list[Running]) -> None:
         if not alive:
             return
         for r in alive:
             self.say(f"stopping {r.proc.name}")
-            _signal_group(r.popen, signal.SIGTERM)
+        self.procs.signal(alive, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace
         # wait for whole process groups: what a worker spawned must be gone too
-        while (any(_group_alive(r.popen) for r in alive) and time.monotonic() < deadline
+        while (any(self.procs.alive(r) for r in alive) and time.monotonic() < deadline
                and not self.force):
             time.sleep(0.1)
+        late = [r for r in alive if self.procs.alive(r)]
+        for r in late:
+            why = "second interrupt" if self.force else \
+                f"did not stop within {self.stop_grace:g}s"
+            self.say(f"{r.proc.name} {why}: SIGKILL")
+        if late:
+            self.procs.signal(late, signal.SIGKILL)
         for r in alive:
-            if _group_alive(r.popen):
-                why = "second interrupt" if self.force else \
-                    f"ignored SIGTERM for {self.stop_grace:.0f}s"
-                self.say(f"{r.proc.name} {why}: SIGKILL")
-                _signal_group(r.popen, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 r.popen.wait(timeout=5)
 
     # -- the run ---------------------------------------------------------------------------
     def _fetch(self) -> None:
-        """launcher.model_cache: the Hub model fetched (or found) once, in this environment
-        (a gated model's HF_TOKEN is this shell's), before any worker starts; with
-        launcher.stage_to then copied to this machine's disk, verified."""
-        from pdtool.launch.weights import FetchError, fetch, stage
-
-        model, cache, stage_to = self.spec.weights
-        self.say(f"launcher.model_cache: {model} in {cache}")
-        key = "launcher.model_cache"
-        try:
-            folder, downloaded = fetch(model, Path(cache))
-            self.say(f"model weights {'downloaded into' if downloaded else 'found in'} {folder}")
-            if stage_to:
-                key = "launcher.stage_to"
-                folder, copied = stage(model, Path(cache), Path(stage_to))
-                self.say(f"model weights: {copied / 2**30:.2f} GiB copied to {folder}, verified"
-                         if copied else f"model weights: verified copy found in {folder}")
-        except FetchError as e:
-            raise HealthFailure(f"{key}: {e}", EXIT_DIED) from None
+        """launcher.model_cache: the Hub model fetched (or found) once, with the prefill
+        role's secrets (a gated model's HF_TOKEN), then with launcher.stage_to copied to each
+        node's disk, verified (under Slurm one task per node), before any worker starts."""
+        for key, argv, what in (("launcher.model_cache", self.spec.fetch, "fetched"),
+                                ("launcher.stage_to", self.spec.stage, "staged")):
+            if not argv:
+                continue
+            self.say(f"{key}: the model weights" + (" to every node's disk" if
+                                                    key == "launcher.stage_to" else ""))
+            done = subprocess.run(resolve(argv, self.vars), env=self.base_env,
+                                  cwd=self.run_dir, stdin=subprocess.DEVNULL,
+                                  stdout=self.out if self.out is sys.stderr else None,
+                                  check=False)
+            if done.returncode:
+                raise HealthFailure(f"{key}: the model weights could not be {what} (see "
+                                    "above)", EXIT_DIED)
 
     def _health(self, procs: list[Proc]) -> None:
         # preflight workers run no router: its worker list does not exist then
@@ -261,16 +351,16 @@ class Supervisor:
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self.say(f"logs in {self.log_dir}")
-            self.base_env = prelude_env(self.spec, self.run_dir)
+            if not self.setup_done:
+                self.base_env = prelude_env(self.spec, self.run_dir)
             gone = secrets.missing(self.run_dir, self.spec.secret_roles)
             if gone:
                 raise HealthFailure(gone, 1)
             secrets.ensure_key(self.run_dir)
-            if self.spec.weights and not self.preflight:
+            if not self.preflight:
                 self._fetch()
             with self._signals_held():  # its config loading turns any exception into its own
-                scrape.main([str(self.run_dir), *(self.vars[f"HOSTS[{k}]"]
-                                                   for k in range(self.spec.job.nodes))])
+                scrape.main([str(self.run_dir), *self.hosts])
             if self.preflight:  # this run's fabric check measures afresh
                 shutil.rmtree(self.run_dir / fabric_check.FOLDER, ignore_errors=True)
             for p in self.spec.procs:
@@ -285,9 +375,8 @@ class Supervisor:
             self._health(self.spec.router)
             url = resolve([self.spec.router_url], self.vars)[0]
             if self.verify is not None and not self.preflight:  # healthy, not yet serving
-                hosts = [self.vars[f"HOSTS[{k}]"] for k in range(self.spec.job.nodes)]
                 try:
-                    verify.run(*self.verify, hosts, say=self.say)
+                    verify.run(*self.verify, self.hosts, say=self.say)
                 except verify.VerifyFailed as e:
                     print(f"pdtool: ERROR: launcher.verify: {e}", file=sys.stderr, flush=True)
                     return 1
@@ -383,9 +472,8 @@ class Supervisor:
         One that dies again is left to `watch` (the next restart); a timeout ends the run."""
         self.restarts[group] = n
         victims = [r for r in self.running if group_of(r.proc.name) == group]
-        self._stop_group([r for r in victims if _group_alive(r.popen)])
-        for r in victims:  # what the dead leader spawned
-            _signal_group(r.popen, signal.SIGKILL)
+        self._stop_group([r for r in victims if self.procs.alive(r)])
+        self.procs.sweep(victims)  # what the dead leader spawned
         self.running = [r for r in self.running if r not in victims]
         delay = self.restart.delay(n)
         self.say(f"restarting {group} in {delay:g}s (restart {n} of "
@@ -393,9 +481,11 @@ class Supervisor:
         time.sleep(delay)
         procs = [r.proc for r in victims]
         for p in procs:
-            log = Path(resolve([p.log], self.vars)[0])
-            with open(log, "a") as fh:
-                fh.write(f"\n[pdtool {time.strftime('%H:%M:%S')}] restart {n} of {p.name}\n")
+            if not self.procs.slurm:  # (srun opens a step's log itself)
+                log = Path(resolve([p.log], self.vars)[0])
+                with open(log, "a") as fh:
+                    fh.write(f"\n[pdtool {time.strftime('%H:%M:%S')}] restart {n} of "
+                             f"{p.name}\n")
             self.start(p)
         try:
             self._health(procs)
@@ -429,3 +519,93 @@ def _group_alive(popen: subprocess.Popen) -> bool:
     except (ProcessLookupError, PermissionError):
         return False
     return True
+
+
+def job_task(sup: Supervisor, argv: list[str], log_dir: Path) -> Callable[[str], int]:
+    """launcher.benchmark inside the job: `pdtool bench` against the healthy deployment, with
+    every process watched meanwhile (one that exits ends the run, and the benchmark, with 1)."""
+
+    def task(_url: str) -> int:
+        sup.say(f"benchmark: pdtool bench, results in {log_dir / 'bench'}")
+        bench = subprocess.Popen(argv, stdin=subprocess.DEVNULL, cwd=sup.run_dir)
+        try:
+            while bench.poll() is None:
+                gone = sup.dead()
+                if gone:
+                    name, status, log = gone[0]
+                    bench.terminate()
+                    print(f"pdtool: ERROR: {name} exited ({status}) during the benchmark; see "
+                          f"{log}", file=sys.stderr, flush=True)
+                    return 1
+                time.sleep(1)
+        finally:
+            if bench.poll() is None:
+                bench.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    bench.wait(timeout=30)
+        sup.say(f"benchmark finished (status {bench.returncode}): stopping the deployment")
+        return bench.returncode
+
+    return task
+
+
+def from_job_folder(run_dir: Path, *, hosts: list[str] | None, node_names: list[str] | None,
+                    log_dir: Path | None, preflight: bool, setup_done: bool,
+                    out: TextIO = sys.stdout) -> tuple[Supervisor, Callable[[str], int] | None]:
+    """The supervisor of a rendered job folder: its processes exactly as launch.json lists them
+    (what was rendered and shown), its timers, restart policy, verify and benchmark from
+    config.yaml and plan.json. Also the job's benchmark task."""
+    from pdtool.launch import jobdir
+    from pdtool.launch.benchmark import benchmark_argv
+    from pdtool.launch.spec import spec_from_dict
+
+    cfg, plan = jobdir.load(run_dir)
+    try:
+        spec = spec_from_dict(json.loads((run_dir / "launch.json").read_text()))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{run_dir / 'launch.json'} was not written by this pdtool version "
+                         f"({type(e).__name__}: {e}): render the job again") from None
+    lc = cfg.launcher
+    sup = Supervisor(spec, run_dir, out=out, stop_grace=lc.stop_grace_s,
+                     health_timeout=lc.health_timeout_s, preflight=preflight,
+                     watchdog_s=lc.watchdog_s, restart=RestartPolicy.of(lc),
+                     model=cfg.model.name, probe_timeout_s=lc.probe_timeout_s,
+                     verify=(cfg, plan) if lc.verify else None, hosts=hosts,
+                     node_names=node_names, log_dir=log_dir, setup_done=setup_done)
+    bench = benchmark_argv(cfg, spec)
+    task = job_task(sup, resolve(bench, sup.vars), sup.log_dir) if bench and not preflight \
+        else None
+    return sup, task
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pdtool.launch.supervisor JOB_DIR [--preflight] [--exit-when-healthy]`: what
+    the rendered scripts hand over to (the Slurm batch script adds the allocation's nodes and
+    its log folder)."""
+    import argparse
+
+    from pdtool.compose import ComposeError
+
+    ap = argparse.ArgumentParser(prog="python -m pdtool.launch.supervisor")
+    ap.add_argument("job_dir", type=Path)
+    ap.add_argument("--preflight", action="store_true")
+    ap.add_argument("--exit-when-healthy", action="store_true")
+    ap.add_argument("--hosts", nargs="+", help="address of each allocation node (Slurm)")
+    ap.add_argument("--node-names", nargs="+", help="Slurm name of each allocation node")
+    ap.add_argument("--log-dir", type=Path, help="this run's log folder (Slurm)")
+    ap.add_argument("--setup-done", action="store_true",
+                    help="launcher.setup and launcher.venv ran in the script that hands over")
+    args = ap.parse_args(argv)
+    try:
+        sup, task = from_job_folder(args.job_dir.resolve(), hosts=args.hosts,
+                                    node_names=args.node_names, log_dir=args.log_dir,
+                                    preflight=args.preflight, setup_done=args.setup_done)
+    except (OSError, ValueError, ComposeError) as e:
+        print(f"pdtool: ERROR: {e}", file=sys.stderr, flush=True)
+        secrets.remove(args.job_dir)
+        return 1
+    return sup.run(exit_when_healthy=args.exit_when_healthy, smoke=task, task="benchmark")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -107,6 +107,7 @@ class Scenario:
 class Outcome:
     decode: list[dict[str, Any]] = field(default_factory=list)
     prefill: list[dict[str, Any]] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)  # every rank process of the run
 
 
 # --------------------------------------------------------------------------- deterministic data
@@ -521,7 +522,8 @@ def run(s: Scenario, secret: bytes | None = None) -> Outcome:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        _remove_shm([p.pid for p in procs if p.pid])
+        out.pids = [p.pid for p in procs if p.pid]
+        _remove_shm(out.pids)
     return out
 
 
