@@ -404,16 +404,16 @@ def test_secrets_reach_processes_only_through_0600_files(tmp_path: Path) -> None
 
 
 def test_a_rerun_of_a_stopped_folder_gets_a_fresh_control_plane_key(tmp_path: Path) -> None:
-    """What a job script runs first: the key a stopped run removed is made again (0600, a new
-    value); a role's environment secrets cannot be, and their absence is named."""
+    """What the supervisor does first: the key a stopped run removed is made again (0600, a
+    new value); a role's environment secrets cannot be, and their absence is named."""
     rendered, _ = render(launcher_overrides("tiny-local", "local"), tmp_path / "job")
     key = rendered.out / "secret.key"
     first = key.read_text()
     assert secrets.remove(rendered.out) == ["secret.key"] and not key.exists()
-    assert secrets.main([str(rendered.out)]) == 0
+    assert secrets.missing(rendered.out, ()) is None
+    secrets.ensure_key(rendered.out)
     assert stat.S_IMODE(key.stat().st_mode) == 0o600 and key.read_text() != first
-    assert secrets.main([str(rendered.out), "decode"]) == 1
-    assert secrets.main([str(tmp_path / "gone")]) == 1  # named, no traceback
+    assert "secret-decode.env" in secrets.missing(rendered.out, ("decode",))
 
 
 def test_listed_secret_without_value_is_refused(tmp_path: Path) -> None:

@@ -1,9 +1,8 @@
 """Wait until every endpoint answers its health check, while watching the processes behind them.
 
-Used by the rendered scripts (`python -m pdtool.launch.health --timeout T --watch NAME:PID:LOG
-NAME=URL ...`) and in-process by the local supervisor. With `--watchdog S` (started once
-everything is healthy) it probes instead and exits (4) naming the first endpoint that stops
-answering: a hung engine whose process still runs is restarted (launcher.restart) or ends the
+Used by pdtool's supervisor (`wait_healthy`), which also probes every process once everything
+is healthy (`watchdog`, launcher.watchdog_s): the first endpoint that stops answering is named,
+and a hung engine whose process still runs is restarted (launcher.restart) or ends the
 deployment too. A worker that exits before it is healthy
 fails the wait at once with its name, status and the end of its log, instead of the job sitting
 until the timeout; a timeout names every endpoint that never answered. Progress is printed every
@@ -17,12 +16,11 @@ healthy workers of each type. The router answers
 with sglang-router 0.3.2: "Workers initialized: 0 total, 0 healthy", then /model_info and
 /server_info of each worker); a deployment called ready then would refuse its first requests.
 srt-slurm waits on the same list (`stats.prefill_count`/`decode_count` of `/workers`).
-(Preflight workers start no router: the scripts and the supervisor wait on /health then.)
+(Preflight workers start no router: the supervisor waits on /health then.)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -173,52 +171,3 @@ def watchdog(endpoints: Mapping[str, str], logs: Mapping[str, str], interval: fl
         while time.monotonic() < deadline and not stop():
             time.sleep(min(0.5, interval))
     return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pdtool.launch.health", description=__doc__)
-    ap.add_argument("--timeout", type=float, required=True)
-    ap.add_argument("--every", type=float, default=10.0, help="seconds between progress lines")
-    ap.add_argument("--watch", action="append", default=[], metavar="NAME:PID:LOG")
-    ap.add_argument("--watchdog", type=float, default=0, metavar="SECONDS",
-                    help="instead of the wait (the scripts start it once everything is "
-                    "healthy): probe every SECONDS; exit 4 naming the endpoint (and its log "
-                    "tail) that fails --failures probes in a row")
-    ap.add_argument("--failures", type=int, default=3)
-    ap.add_argument("--probe-timeout", type=float, default=5.0, metavar="SECONDS",
-                    help="with --watchdog: a probe unanswered this long is a miss")
-    ap.add_argument("--hung-file", default="", metavar="PATH",
-                    help="with --watchdog: write the name of the endpoint that hung here, so "
-                    "the script restarts that instance (launcher.restart=on-failure)")
-    ap.add_argument("endpoints", nargs="+", metavar="NAME=URL")
-    args = ap.parse_args(argv)
-    watched = []
-    for w in args.watch:
-        name, pid, log = w.split(":", 2)
-        watched.append((name, int(pid), log))
-    endpoints = dict(e.split("=", 1) for e in args.endpoints)
-
-    def dead() -> list[tuple[str, str, str]]:
-        return [(n, f"pid {p}", log) for n, p, log in watched if not pid_alive(p)]
-
-    if args.watchdog <= 0:
-        try:
-            took = wait_healthy(endpoints, dead, args.timeout, every=args.every)
-        except HealthFailure as e:
-            print(f"pdtool: ERROR: {e}", file=sys.stderr, flush=True)
-            return e.code
-        print(f"all {len(endpoints)} endpoint(s) healthy after {took:.1f}s", flush=True)
-    if args.watchdog > 0:
-        logs = {n: log for n, _, log in watched}
-        hung = watchdog(endpoints, logs, args.watchdog, args.failures,
-                        probe_timeout=args.probe_timeout)
-        if hung is not None:
-            print(f"pdtool: ERROR: {hung}", file=sys.stderr, flush=True)
-            if args.hung_file:
-                Path(args.hung_file).write_text(hung.name + "\n")
-            return hung.code
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,22 +1,10 @@
-"""What a helper the job script runs (`python -m pdtool.launch.MODULE JOB_DIR HOST...`) is
-given: the job folder, whose resolved config and plan it loads, and the address of each node
-of the allocation (HOST k: node k), known only once the job runs."""
+"""A rendered job folder's resolved config and plan, as the supervisor and its helpers load
+them when the job runs (they travel in the folder: config.yaml, plan.json)."""
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-
-def arguments(argv: Sequence[str] | None, module: str) -> tuple[Path, list[str]] | None:
-    """(job folder, hosts) from the command line; None after printing the usage."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) < 2:
-        print(f"usage: python -m {module} JOB_DIR HOST...", file=sys.stderr)
-        return None
-    return Path(args[0]), args[1:]
 
 
 def load(run_dir: Path) -> tuple[Any, Any]:

@@ -1,8 +1,7 @@
 """The job folder's Prometheus scrape config: every `/metrics` the deployment serves.
 
-Written as `prometheus.yml` once the hosts are known (the local supervisor when it starts the
-processes; the Slurm batch script after it resolved the allocation's addresses, through
-`python -m pdtool.launch.scrape JOB_DIR HOST...`), so `prometheus --config.file
+Written as `prometheus.yml` by pdtool's supervisor once the hosts are known (the allocation's
+addresses, under Slurm), so `prometheus --config.file
 JOB_DIR/prometheus.yml` (or its `scrape_configs` pasted into a site's Prometheus) scrapes the
 deployment with each target labelled by role and instance:
 
@@ -57,22 +56,14 @@ def write(run_dir: Path, cfg: Any, plan: Any, hosts: list[str]) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def write_for_job(run_dir: Path, hosts: list[str]) -> None:
+    """`prometheus.yml` of a rendered job folder, from its config and plan. Metrics are a
+    convenience: a failure is one warning line, and the deployment goes on without the file."""
     from pdtool.compose import ComposeError
     from pdtool.launch import jobdir
 
-    given = jobdir.arguments(argv, "pdtool.launch.scrape")
-    if given is None:
-        return 2
-    run_dir, hosts = given
     try:
         cfg, plan = jobdir.load(run_dir)
         write(run_dir, cfg, plan, hosts)
     except (ComposeError, OSError, ValueError, IndexError) as e:
-        # metrics are a convenience: the job goes on without the file
         print(f"pdtool: warning: {FILE} not written: {e}", file=sys.stderr, flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

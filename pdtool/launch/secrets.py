@@ -11,11 +11,12 @@ environment. The saved config shows `REDACTED` in their place.
 
 Beside them, `secret.key` (`KEY_FILE`) holds the deployment's control-plane key (0600).
 
-A job folder keeps its secrets only while the job runs: the supervisor and the rendered scripts
-remove every one of them when the deployment stops (`remove`), so the folders that pile up
-under launcher.output_dir hold none. A later run of the same folder gets a fresh control-plane
-key at its start (`python -m pdtool.launch.secrets`); the environment secrets cannot be
-re-made, so such a run stops before anything starts and says to render the job again.
+A job folder keeps its secrets only while the job runs: pdtool's supervisor removes every one
+of them when the deployment stops (`remove`; a script that fails before it hands over, too),
+so the folders that pile up under launcher.output_dir hold none. A later run of the same folder
+gets a fresh control-plane key at its start (`ensure_key`); the environment secrets cannot be
+re-made, so such a run stops before anything starts and says to render the job again
+(`missing`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import copy
 import os
 import re
 import shlex
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -142,28 +142,6 @@ def remove(run_dir: Path) -> list[str]:
     return removed
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m pdtool.launch.secrets RUN_DIR [ROLE...]`, as a job script starts: a fresh
-    control-plane key when the folder has none; exit 1 naming the fix when a role's
-    environment secrets are gone."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args:
-        print("usage: python -m pdtool.launch.secrets RUN_DIR [ROLE...]", file=sys.stderr)
-        return 2
-    run_dir, roles = Path(args[0]), args[1:]
-    why = missing(run_dir, roles)
-    if why:
-        print(f"pdtool: ERROR: {why}", file=sys.stderr)
-        return 1
-    try:
-        ensure_key(run_dir)
-    except OSError as e:
-        print(f"pdtool: ERROR: the job's control-plane key {run_dir / KEY_FILE}: "
-              f"{e.strerror or e}", file=sys.stderr)
-        return 1
-    return 0
-
-
 def wrapper(run_dir: Var, rname: str) -> list[str | Word]:
     """Command prefix that loads a role's secrets into the environment, then execs the rest."""
     return ["bash", "-c", '. "$0" && exec "$@"', word(run_dir, f"/{file_name(rname)}")]
@@ -178,7 +156,3 @@ def redacted(cfg: Config) -> Config:
             if is_secret(cfg, k):
                 env[k] = REDACTED
     return out
-
-
-if __name__ == "__main__":
-    sys.exit(main())

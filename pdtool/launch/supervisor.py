@@ -277,7 +277,7 @@ class Supervisor:
         return out
 
     def stop_all(self) -> None:
-        """Stop the router first, then decode, then prefill (as the rendered scripts do)."""
+        """Stop the router first, then decode, then prefill."""
         alive = [r for r in self.running if r.popen.poll() is None]
         if not alive:
             return
@@ -356,11 +356,15 @@ class Supervisor:
             gone = secrets.missing(self.run_dir, self.spec.secret_roles)
             if gone:
                 raise HealthFailure(gone, 1)
-            secrets.ensure_key(self.run_dir)
+            try:
+                secrets.ensure_key(self.run_dir)
+            except OSError as e:
+                raise HealthFailure(f"the job's control-plane key {self.run_dir / secrets.KEY_FILE}"
+                                    f": {e.strerror or e}", 1) from None
             if not self.preflight:
                 self._fetch()
             with self._signals_held():  # its config loading turns any exception into its own
-                scrape.main([str(self.run_dir), *self.hosts])
+                scrape.write_for_job(self.run_dir, self.hosts)
             if self.preflight:  # this run's fabric check measures afresh
                 shutil.rmtree(self.run_dir / fabric_check.FOLDER, ignore_errors=True)
             for p in self.spec.procs:

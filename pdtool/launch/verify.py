@@ -2,8 +2,8 @@
 
 A deployment that answers HTTP 200 with wrong tokens (a faulty NIC or host, a page written to
 the wrong place) passes every health check and every load test. So, once the deployment is
-healthy, the launcher (the local supervisor, `run_local.sh`, the Slurm batch script) sends N
-greedy prompts and compares the tokens:
+healthy, pdtool's supervisor (local and Slurm alike) sends N greedy prompts and compares the
+tokens:
 
 * SGLang: every prompt goes through every prefill->decode pair of the plan, addressed
   directly the way sglang-router addresses a pair (the same `/generate` body to the prefill and
@@ -15,15 +15,13 @@ greedy prompts and compares the tokens:
 * The reference engine: the prompts through its OpenAI front, compared with the model computed
   in this process (`client.oracle_texts`, what `pdtool bench --verify` uses).
 
-`python -m pdtool.launch.verify JOB_DIR HOST...` (HOST: the address of allocation node k) exits
-0 with one line saying what matched, or 1 naming every difference.
+`run` says what matched in one line, or raises VerifyFailed naming every difference.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import sys
 import threading
 import urllib.error
 import urllib.request
@@ -185,24 +183,3 @@ def run(cfg: Any, plan: Any, hosts: Sequence[str],
     else:
         result = check_reference(cfg, plan, hosts, n, timeout)
     say(f"launcher.verify: {result}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    from pdtool.compose import ComposeError
-    from pdtool.launch import jobdir
-
-    given = jobdir.arguments(argv, "pdtool.launch.verify")
-    if given is None:
-        return 2
-    run_dir, hosts = given
-    try:
-        cfg, plan = jobdir.load(run_dir)
-        run(cfg, plan, hosts, say=lambda s: print(s, flush=True))
-    except (ComposeError, OSError, ValueError, VerifyFailed) as e:
-        print(f"pdtool: ERROR: launcher.verify: {e}", file=sys.stderr, flush=True)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
