@@ -81,6 +81,24 @@ def test_one_process_dying_stops_everything(tmp_path: Path) -> None:
         run.kill_everything()
 
 
+def signalled_supervisor(program: str, args: list[str], cue: str, delay_s: float,
+                         run_dir: Path) -> tuple[int, str]:
+    """Run a supervisor PROGRAM (`python -c`, the job folder and ARGS as its arguments),
+    SIGTERM it DELAY_S after it printed CUE; its exit code and output, once no process of the
+    job is left."""
+    run = Running([sys.executable, "-c", program, str(run_dir), *args], run_dir,
+                  {**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        run.wait_for(cue)
+        time.sleep(delay_s)
+        os.kill(run.p.pid, signal.SIGTERM)
+        code, out = run.finish(timeout=60)
+        wait_gone(run.run_dir)
+        return code, out
+    finally:
+        run.kill_everything()
+
+
 SUPERVISED_STARTS = """
 import dataclasses, sys
 from pathlib import Path
@@ -103,19 +121,10 @@ def test_a_signal_while_the_supervisor_starts_processes_stops_every_one(
         delay_s: float, tmp_path: Path) -> None:
     """The supervisor (`pdtool launch`) the same way: its own start-up with many quick starts
     in place of the workers, SIGTERM at any moment, no process left running."""
-    run_dir = tmp_path / "job"
-    run = Running([sys.executable, "-c", SUPERVISED_STARTS, str(run_dir), *overrides(27600)],
-                  run_dir, {**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        run.wait_for("body begins")
-        time.sleep(delay_s)
-        os.kill(run.p.pid, signal.SIGTERM)
-        code, out = run.finish(timeout=60)
-        assert code == 130, out
-        assert "received SIGTERM" in out, out
-        wait_gone(run.run_dir)
-    finally:
-        run.kill_everything()
+    code, out = signalled_supervisor(SUPERVISED_STARTS, [*overrides(27600)], "body begins",
+                                     delay_s, tmp_path / "job")
+    assert code == 130, out
+    assert "received SIGTERM" in out, out
 
 
 SUPERVISED_HEALTH_WAIT = """
@@ -139,20 +148,11 @@ sys.exit(sup.run())
 def test_a_signal_while_waiting_for_health_stops_at_once(tmp_path: Path) -> None:
     """The health wait does not delay a SIGTERM (`kill PID`, `scancel --batch`) until the
     poll ends (here: never healthy, a 600 s timeout)."""
-    run_dir = tmp_path / "job"
-    run = Running([sys.executable, "-c", SUPERVISED_HEALTH_WAIT, str(run_dir),
-                   str(free_port_run(1)), *overrides(27700)], run_dir,
-                  {**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        run.wait_for("started decode-0.r0")
-        time.sleep(0.5)
-        os.kill(run.p.pid, signal.SIGTERM)
-        code, out = run.finish(timeout=30)
-        assert code == 130, out
-        assert "stopping decode-0.r0" in out, out
-        wait_gone(run.run_dir)
-    finally:
-        run.kill_everything()
+    code, out = signalled_supervisor(SUPERVISED_HEALTH_WAIT,
+                                     [str(free_port_run(1)), *overrides(27700)],
+                                     "started decode-0.r0", 0.5, tmp_path / "job")
+    assert code == 130, out
+    assert "stopping decode-0.r0" in out, out
 
 
 @pytest.mark.slow
