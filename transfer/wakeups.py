@@ -23,7 +23,8 @@ def _drain(fd: int) -> None:
 
 
 class CommandQueue(deque):
-    """Commands from the engine thread to the messenger thread. Appending also rings two
+    """Commands from the engine thread to the messenger thread, each `(handler, *args)` with the
+    messenger's bound handler (no dispatch by name). Appending also rings two
     doorbells, so a command wakes the thread at once wherever it waits: `bell[0]` (an int64
     its C waits watch, `Endpoint.wait_change`) and a byte on a pipe (`wake_fd`, which its idle
     wait polls along with its sockets; before, a new request waited out `idle_sleep_s`)."""

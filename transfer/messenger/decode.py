@@ -192,8 +192,8 @@ class DecodeMessenger(MessengerThread):
             if rid in self._states:
                 raise ValueError(f"rid: {rid!r} is already being transferred")
             self._states[rid] = TransferState(rid, TransferStatus.PENDING)
-        self._cmds.append(("submit", _Xfer(rid, tokens.astype(_U32), pages.astype(_U32), peer,
-                                           time.monotonic())))
+        x = _Xfer(rid, tokens.astype(_U32), pages.astype(_U32), peer, time.monotonic())
+        self._cmds.append((self._cmd_submit, x))
 
     def reconnect(self, group: int, endpoints: Sequence[str]) -> None:
         """Prefill instance `group` (a restarted process) listens on `endpoints` now, one per
@@ -208,7 +208,7 @@ class DecodeMessenger(MessengerThread):
                 isinstance(a, str) and a.startswith("tcp://") for a in endpoints):
             raise ValueError(f"endpoints: expected {len(old[group])} tcp://host:port "
                              f"addresses, got {endpoints!r}")
-        self._cmds.append(("reconnect", group, endpoints))
+        self._cmds.append((self._cmd_reconnect, group, endpoints))
 
     def silent_groups(self) -> frozenset[int]:
         """Prefill instances with a rank silent for more than peer_timeout_s (dead, or
@@ -257,7 +257,7 @@ class DecodeMessenger(MessengerThread):
         """Engine thread: give up on a transfer (client gone). It goes ABORTING, then FAILED
         once its pages are safe; free them only after `failed()` lists it."""
         self.status(rid)
-        self._cmds.append(("cancel", rid, reason))
+        self._cmds.append((self._cmd_cancel, rid, reason))
 
     def release(self, rid: str) -> None:
         """Engine thread, once per SUCCESS or FAILED request when it leaves the transfer stage
@@ -272,8 +272,8 @@ class DecodeMessenger(MessengerThread):
         # quiet: the slot comes back at the thread's next wake-up (a timer at the latest).
         # Waking it here took the GIL from the engine thread right in the request's first
         # decode step, which follows the release
-        self._cmds.post(("release", rid, st.slot if st.status is TransferStatus.SUCCESS
-                         else -1))
+        slot = st.slot if st.status is TransferStatus.SUCCESS else -1
+        self._cmds.post((self._cmd_release, rid, slot))
 
     def stats(self) -> dict[str, float]:
         """Any thread: a snapshot for health checks and tests. Idle means every slot is free
@@ -473,7 +473,8 @@ class DecodeMessenger(MessengerThread):
         self._bell_seen = int(self._cmds.bell[0])  # before taking the commands: none is missed
         while self._cmds:
             cmd = self._cmds.popleft()
-            getattr(self, f"_cmd_{cmd[0]}")(*cmd[1:])
+            handler, *args = cmd  # (bound handler, its arguments): no lookup by name
+            handler(*args)
         for g, group in enumerate(self._chans):
             for r, ch in enumerate(group):
                 for _peer, msg in ch.recv():

@@ -281,7 +281,7 @@ class PrefillMessenger(MessengerThread):
         waiting for their timeout. Other ranks: nothing to do (they answer the decoders'
         ABORTs)."""
         if self.config.rank == 0:
-            self._cmds.append(("refuse", req, reason))
+            self._cmds.append((self._cmd_refuse, req, reason))
 
     def bind(self, req: PrefillRequest, src_pages: Sequence[int] | np.ndarray) -> None:
         """Every rank, engine thread: `req` (from the lead's poll_requests, broadcast by the
@@ -300,7 +300,7 @@ class PrefillMessenger(MessengerThread):
                                  f"buffers as many rows as requests bound at once")
             row = self._aux_free.pop() if self._aux else -1
             self._bound[req.rid] = req.num_tokens
-        self._cmds.append(("bind", req, pages, row))
+        self._cmds.append((self._cmd_bind, req, pages, row))
 
     def begin_pass(self, chunks: Sequence[tuple[str, int, int]]) -> int:
         """Every rank, engine thread, before a forward pass: `(rid, first_token, end_token)`
@@ -324,7 +324,7 @@ class PrefillMessenger(MessengerThread):
         self._pass_id += 1
         # quiet: the thread needs the pass only once its layers are done, and the progress
         # word that says so wakes it (bind rang, so it waits on that word by now)
-        self._cmds.post(("pass", _Pass(self._pass_id, out)))
+        self._cmds.post((self._cmd_pass, _Pass(self._pass_id, out)))
         self.progress[0] = self._pass_id << PASS_SHIFT
         return self._pass_id
 
@@ -333,7 +333,7 @@ class PrefillMessenger(MessengerThread):
         self.progress[0] = (self._pass_id << PASS_SHIFT) | (layer + 1)
         if not self._engine_kicks and self._cmds.kick is not None:
             self._engine_kicks = True  # the word's writer is this thread: it kicks (below)
-            self._cmds.append(("engine_kicks",))
+            self._cmds.append((self._cmd_engine_kicks,))
         if self._cmds.kick is not None:
             self._cmds.ring()  # the messenger thread's wait sleeps on its kick word or pipe
 
@@ -349,7 +349,7 @@ class PrefillMessenger(MessengerThread):
         if len(aux) != len(self._aux):
             raise ValueError(f"finish of {rid}: {len(aux)} aux rows for {len(self._aux)} aux "
                              f"buffers")
-        cmd = ("finish", rid, [_row_bytes(a) for a in aux])
+        cmd = (self._cmd_finish, rid, [_row_bytes(a) for a in aux])
         if wake:
             self._cmds.append(cmd)
         else:
@@ -399,7 +399,7 @@ class PrefillMessenger(MessengerThread):
 
     def abort(self, rid: str, reason: str = "aborted by the prefill engine") -> None:
         """Engine thread: stop sending a bound request; it shows up in `done()` as failed."""
-        self._cmds.append(("abort", rid, reason))
+        self._cmds.append((self._cmd_abort, rid, reason))
 
     # ================================================================ messenger thread
     def _setup(self) -> None:
@@ -513,7 +513,8 @@ class PrefillMessenger(MessengerThread):
         self._word_seen = int(self.progress[0])    # _progress reads it (again) below
         while self._cmds:
             cmd = self._cmds.popleft()
-            getattr(self, f"_cmd_{cmd[0]}")(*cmd[1:])
+            handler, *args = cmd  # (bound handler, its arguments): no lookup by name
+            handler(*args)
         self._serve_socket()
         if self._passes:
             self._progress()
