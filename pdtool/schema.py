@@ -21,6 +21,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from transfer import timers
 from transfer.parallel import ParallelDims
 
 ATTENTION_KINDS = ("mha", "gqa", "mla")
@@ -167,12 +168,12 @@ class TransferConfig:
 
     provider: str = "shm"  # efa | verbs;ofi_rxm | tcp;ofi_rxm | shm
     layout: str = "HND"  # HND | NHD
-    timeout_s: float = 60.0  # one transfer's time limit (SGLang's waiting timeout too)
+    timeout_s: float = timers.TIMEOUT_S  # one transfer's time limit (SGLang's waiting timeout too)
     # reference engine: decode ranks wait this long for a prefill lead's /health (its control
     # addresses) at start; engine=sglang: SGLang's bootstrap timeout
-    connect_timeout_s: float = 120.0
-    peer_timeout_s: float = 5.0  # a messenger peer silent this long is dead (its lease)
-    heartbeat_s: float = 0.5  # messenger liveness pings; must be < peer_timeout_s
+    connect_timeout_s: float = timers.CONNECT_TIMEOUT_S
+    peer_timeout_s: float = timers.PEER_TIMEOUT_S  # a messenger peer silent this long is dead
+    heartbeat_s: float = timers.HEARTBEAT_S  # messenger liveness pings; < peer_timeout_s
     lanes: int = 0  # receive endpoints per decode rank, each copying on its own thread (0: 2 on
     # shm, where the receiver does every copy; 1 elsewhere)
     # how KV in GPU memory reaches the fabric: auto | direct (FI_HMEM) | staged (host bounce

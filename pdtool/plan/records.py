@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdtool.memory import RoleMemory
+from transfer import timers
 
 PLAN_VERSION = 1
 DEFAULT_TOKENS = 4096
@@ -152,8 +153,8 @@ class TransferPlan:
     pages_per_request: int  # pages prefill sends (messenger: one token short; SGLang: all)
     routes: tuple[RoutePlan, ...]  # one per decode attention rank (same in every DP group)
     summary: str  # one line: how sources map to destinations
-    peer_timeout_s: float = 5.0  # messenger liveness (transfer.peer_timeout_s)
-    heartbeat_s: float = 0.5
+    peer_timeout_s: float = timers.PEER_TIMEOUT_S  # messenger liveness (transfer.peer_timeout_s)
+    heartbeat_s: float = timers.HEARTBEAT_S
     lanes: int = 0  # decoder receive lanes (transfer.lanes; 0: the messenger's default)
     layout_source: str = LAYOUT_FROM_CONFIG  # where `layout` comes from (routes.kv_pool)
     gpu_memory: str = "auto"  # transfer.gpu_memory: auto | direct | staged

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from .. import timers
 from ..fabric import FabricError
 from ..layout import KVLayout, LayoutError
 from ..plane.metrics import TRANSFER_S_BOUNDS
@@ -85,9 +86,9 @@ class CommonConfig:
     provider: str = "shm"
     domain: str | None = None
     buffers_per_layer: int = 1
-    timeout_s: float = 60.0
-    heartbeat_s: float = 0.5
-    peer_timeout_s: float = 5.0
+    timeout_s: float = timers.TIMEOUT_S
+    heartbeat_s: float = timers.HEARTBEAT_S
+    peer_timeout_s: float = timers.PEER_TIMEOUT_S
     busy_sleep_s: float = 0.0
     idle_sleep_s: float = 0.005  # = MessengerThread.TIMER_S: messages and commands wake it anyway
     poll_backoff_s: float = 0.0005
