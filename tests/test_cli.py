@@ -1,4 +1,6 @@
-"""The real `pdtool` command, run as a subprocess: exit codes, --json, -m sweeps, no tracebacks."""
+"""The `pdtool` command: exit codes, --json, -m sweeps, no tracebacks. Called in-process
+(`pdtool.cli.main`, what the console script runs) for speed; the installed command itself, its
+help, its broken pipe, its imports and the built wheel run as real processes."""
 
 from __future__ import annotations
 
@@ -10,14 +12,22 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.cli import run_cli
 
 PDTOOL = (
     [shutil.which("pdtool")] if shutil.which("pdtool") else [sys.executable, "-m", "pdtool.cli"]
 )
 
 
-def pdtool(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "200"}  # wide tables: no cell is wrapped or cut
+def pdtool(*args: str) -> subprocess.CompletedProcess[str]:
+    p = run_cli(*args)
+    assert "Traceback" not in p.stdout + p.stderr, p.stdout + p.stderr
+    return p
+
+
+def pdtool_process(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """The installed command (or `python -m pdtool.cli`) as a real process."""
+    env = {**os.environ, "COLUMNS": "200"}
     p = subprocess.run(
         [*PDTOOL, *args], capture_output=True, text=True, timeout=timeout, check=False, env=env
     )
@@ -26,7 +36,7 @@ def pdtool(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 def test_help_lists_commands():
-    p = pdtool("--help")
+    p = pdtool_process("--help")
     assert p.returncode == 0
     for cmd in ("validate", "plan", "recipes"):
         assert cmd in p.stdout

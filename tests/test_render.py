@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.cli import run_cli
 from helpers.rendered import check_script, launcher_overrides
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -75,9 +76,7 @@ def test_render_is_reproducible(tmp_path: Path) -> None:
 
 def test_cli_refuses_invalid_config(tmp_path: Path) -> None:
     out = tmp_path / "job"
-    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "render", "+recipe=tiny-local",
-                          "prefill.tp=3", "--out", str(out)], capture_output=True, text=True,
-                         env={**os.environ, "COLUMNS": "200"})
+    res = run_cli("render", "+recipe=tiny-local", "prefill.tp=3", "--out", str(out))
     assert res.returncode == 1
     assert "not rendered" in res.stderr and "prefill.tp" in res.stderr
     assert "Traceback" not in res.stderr
@@ -86,8 +85,7 @@ def test_cli_refuses_invalid_config(tmp_path: Path) -> None:
 
 def test_cli_render_never_prints_the_secret(tmp_path: Path) -> None:
     out = tmp_path / "job"
-    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "render", "+recipe=tiny-local",
-                          "--out", str(out)], capture_output=True, text=True)
+    res = run_cli("render", "+recipe=tiny-local", "--out", str(out))
     assert res.returncode == 0, res.stderr
     secret = (out / SECRET_NAME).read_text().strip()
     assert len(bytes.fromhex(secret)) == 32
@@ -358,8 +356,7 @@ def test_secrets_reach_processes_only_through_0600_files(tmp_path: Path) -> None
             "launcher.secret_env=[DB_PASS]", "+launcher.env.decode.PLAIN=visible"]
     env = {**os.environ, "DB_PASS": password, "ARGV_DUMP_DIR": str(dumps),
            "PDTOOL_PYTHON": sys.executable}
-    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "render", *over, "--out", str(out)],
-                         capture_output=True, text=True, env=env)
+    res = run_cli("render", *over, "--out", str(out), env=env)
     assert res.returncode == 0, res.stderr
     assert token not in res.stdout + res.stderr
     files = {f.name: f for f in out.iterdir() if f.is_file()}
@@ -418,9 +415,8 @@ def test_a_rerun_of_a_stopped_folder_gets_a_fresh_control_plane_key(tmp_path: Pa
 
 def test_listed_secret_without_value_is_refused(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "NO_SUCH_SECRET_X"}
-    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "render", "+recipe=tiny-local",
-                          "launcher.secret_env=[NO_SUCH_SECRET_X]", "--out", str(tmp_path / "j")],
-                         capture_output=True, text=True, env={**env, "COLUMNS": "200"})
+    res = run_cli("render", "+recipe=tiny-local", "launcher.secret_env=[NO_SUCH_SECRET_X]",
+                  "--out", str(tmp_path / "j"), env=env, clear=True)
     assert res.returncode == 1
     assert "launcher.secret_env" in res.stderr and "NO_SUCH_SECRET_X" in res.stderr
     assert "Traceback" not in res.stderr
@@ -492,9 +488,8 @@ def test_connectx_sites_give_nccl_their_compute_nics(tmp_path: Path) -> None:
 
 
 def test_render_multirun_writes_one_folder_per_combination(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "render", "-m", "+recipe=tiny-local",
-                          "decode.instances=1,2", "--out", str(tmp_path / "sweep")],
-                         capture_output=True, text=True, timeout=120)
+    res = run_cli("render", "-m", "+recipe=tiny-local", "decode.instances=1,2", "--out",
+                  str(tmp_path / "sweep"))
     assert res.returncode == 0, res.stderr
     for i, n in ((0, 1), (1, 2)):
         plan = from_json((tmp_path / "sweep" / str(i) / "plan.json").read_text())
@@ -503,9 +498,8 @@ def test_render_multirun_writes_one_folder_per_combination(tmp_path: Path) -> No
 
 def test_dry_run_shows_the_header_and_writes_nothing(tmp_path: Path) -> None:
     out = tmp_path / "job"
-    res = subprocess.run([sys.executable, "-m", "pdtool.cli", "launch", "+recipe=deepseek-r1",
-                          "+launcher.env.all.HF_TOKEN=hf_dryrunsecret", "--dry-run", "--out",
-                          str(out)], capture_output=True, text=True, timeout=120)
+    res = run_cli("launch", "+recipe=deepseek-r1", "+launcher.env.all.HF_TOKEN=hf_dryrunsecret",
+                  "--dry-run", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert "#SBATCH --nodes=4" in res.stdout and "#SBATCH --gpus-per-node=8" in res.stdout
     assert "hf_dryrunsecret" not in res.stdout + res.stderr

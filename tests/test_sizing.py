@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.cli import run_cli
 from helpers.pdtool_cfg import recipe
 
 from pdtool.compose import load_config
@@ -37,8 +38,7 @@ HW = Hardware(name="test", peak_tflops={"bf16": 1000.0, "fp8": 2000.0}, hbm_tbps
 
 
 def _size(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pdtool.cli", "size", *args],
-                          capture_output=True, text=True, timeout=300)
+    return run_cli("size", *args)
 
 
 def test_prefill_is_flops_over_the_instance_plus_its_all_reduces() -> None:
