@@ -61,6 +61,7 @@ def test_a_port_that_is_down_is_left_out_and_said(tmp_path: Path) -> None:
     assert "# GPUs [1] have no RDMA NIC on their PCIe switch" in text
 
 
+@pytest.mark.slow
 def test_this_machine_gives_a_preset_that_launches_tiny_local(tmp_path: Path) -> None:
     """No GPU here: a CPU preset of worker slots from this machine's CPUs, which validates
     and serves tiny-local (--smoke checks the tokens against the model in process)."""

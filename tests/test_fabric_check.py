@@ -92,6 +92,7 @@ def _preflight(tmp_path: Path, *over: str) -> subprocess.CompletedProcess:
          str(tmp_path / "job")], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transfer", ["shm", "tcp"])
 def test_a_preflight_run_measures_every_pair_and_records_it(transfer: str,
                                                             tmp_path: Path) -> None:
@@ -123,6 +124,7 @@ def test_a_preflight_run_measures_every_pair_and_records_it(transfer: str,
     assert not stale.exists()
 
 
+@pytest.mark.slow
 def test_a_pair_under_the_floor_stops_the_preflight_naming_it(tmp_path: Path) -> None:
     res = _preflight(tmp_path, "transfer=tcp", "transfer.preflight_min_gbps=100000")
     out = res.stdout + res.stderr
@@ -157,6 +159,7 @@ def test_a_pair_under_the_floor_stops_the_preflight_naming_it(tmp_path: Path) ->
     assert said == []  # nothing was written
 
 
+@pytest.mark.slow
 def test_no_fabric_check_when_the_key_is_zero(tmp_path: Path) -> None:
     res = _preflight(tmp_path, "transfer.preflight_mib=0")
     assert res.returncode == 0, res.stdout + res.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+import pytest
 import torch
 
 from pdtool.engines.reference.cache import PagedKV
@@ -45,6 +46,7 @@ def _child(path: str, q) -> None:
     w.array[0] = (5 << PASS_SHIFT) | 2
 
 
+@pytest.mark.slow
 def test_a_word_in_a_file_is_one_word_for_every_process(tmp_path):
     path = str(tmp_path / "progress")
     lead = ProgressWord(path)

@@ -43,6 +43,7 @@ def test_mha_equal_tp_pages_arrive_byte_exact_and_counted() -> None:
     assert all(o["states"][0] in (1, 2, 3) for o in _out.values())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_mla_prefill_tp2_to_decode_tp1_over_tcp_rxm() -> None:
     """MLA latent replicated on both prefill ranks: SGLang marks one real, one dummy; only the

@@ -239,6 +239,7 @@ def test_staged_path_bounces_lands_and_bounds_its_memory() -> None:
     assert sum(copy[n + 1] < post[n] for n in post if n + 1 in copy) >= len(post) // 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_staged_mla_over_tcp_rxm() -> None:
     """The staged path for MLA's latent (one buffer per layer), prefill TP2 -> decode TP1."""

@@ -106,6 +106,7 @@ def test_load_raises_ttft_and_tpot_until_the_deployment_saturates() -> None:
     assert not predict(dep, wl, hw, 1e4).feasible
 
 
+@pytest.mark.slow
 def test_a_fit_recovers_the_constants_that_made_the_measurements() -> None:
     truth = HW.with_fit(prefill_overhead_ms=30.0, step_overhead_ms=7.0)
     dep = deployment(recipe("llama-3.1-70b"), 1024)
@@ -131,6 +132,7 @@ def test_the_stored_h100_constants_are_the_fit_of_the_published_points() -> None
     assert abs(errors["deepseek-h800-decode"]) < 0.25  # an independent source, within 25 %
 
 
+@pytest.mark.slow
 def test_every_suggestion_validates_clean() -> None:
     for args in (["+recipe=llama-3.1-70b", "decode.tp=8", "--gpus", "24"],
                  ["+recipe=deepseek-r1", "--isl", "1000-3000", "--osl", "500",
