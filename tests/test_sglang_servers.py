@@ -57,7 +57,7 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, ...], li
         out = {tuple(p): served.generate(p) for p in prompts}
     finally:
         served.stop()
-    assert "model weights found in" in served.output()
+    assert "model weights: acme/tiny-llama found in" in served.output()
     assert f"GiB copied to {tmp / 'node-disk' / 'hub'}" in served.output()
     for p in PROMPTS[:3]:
         assert out[tuple(p)] == greedy(folder, p, MAX_NEW)
