@@ -49,7 +49,7 @@ from pdtool.launch.shell import resolve
 from pdtool.launch.spec import LaunchSpec, Proc
 from transfer.workerenv import launch_env
 
-#: the stop order (pdtool's scripts use the same): no new requests first, prefill last
+#: the stop order: no new requests first, prefill last (a decode receiving KV outlives it)
 STOP_ORDER = ("router", "decode", "prefill")
 
 
@@ -173,7 +173,7 @@ class Supervisor:
         that hands over ran launcher.setup and launcher.venv already (its environment is
         this process's)."""
         self.spec = spec
-        self.procs: LocalProcesses | SlurmSteps = (
+        self.runner: LocalProcesses | SlurmSteps = (
             SlurmSteps(os.environ.get("SLURM_JOB_ID", "")) if spec.launcher == "slurm"
             else LocalProcesses())
         self.verify = verify  # (cfg, plan) when launcher.verify checks the ready deployment
@@ -232,7 +232,7 @@ class Supervisor:
             hosts=self.hosts, preflight=self.preflight)}
         with self._signals_held():
             try:
-                popen = self.procs.popen(argv, log, env, self.run_dir)
+                popen = self.runner.popen(argv, log, env, self.run_dir)
             except OSError as e:
                 raise HealthFailure(f"cannot start {p.name}: {argv[0]}: {e.strerror}", 1) from e
             r = Running(p, popen, log)
@@ -244,7 +244,7 @@ class Supervisor:
     def _record(self) -> None:
         """Rewrite running.json: what `pdtool status / logs / stop` read from another shell
         (on this machine: a Slurm job's processes are the cluster's, seen with squeue)."""
-        if self.procs.slurm:
+        if self.runner.slurm:
             return
         record.write(record.Record(
             run_dir=str(self.run_dir), supervisor_pid=os.getpid(), state=self.state,
@@ -284,26 +284,26 @@ class Supervisor:
         self.say(f"stopping {len(alive)} process(es): router, then decode, then prefill")
         for group in STOP_ORDER:
             self._stop_group([r for r in alive if r.proc.role == group])
-        self.procs.sweep(self.running)  # children that outlived their leader
+        self.runner.sweep(self.running)  # children that outlived their leader
 
     def _stop_group(self, alive: list[Running]) -> None:
         if not alive:
             return
         for r in alive:
             self.say(f"stopping {r.proc.name}")
-        self.procs.signal(alive, signal.SIGTERM)
+        self.runner.signal(alive, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace
         # wait for whole process groups: what a worker spawned must be gone too
-        while (any(self.procs.alive(r) for r in alive) and time.monotonic() < deadline
+        while (any(self.runner.alive(r) for r in alive) and time.monotonic() < deadline
                and not self.force):
             time.sleep(0.1)
-        late = [r for r in alive if self.procs.alive(r)]
+        late = [r for r in alive if self.runner.alive(r)]
         for r in late:
             why = "second interrupt" if self.force else \
                 f"did not stop within {self.stop_grace:g}s"
             self.say(f"{r.proc.name} {why}: SIGKILL")
         if late:
-            self.procs.signal(late, signal.SIGKILL)
+            self.runner.signal(late, signal.SIGKILL)
         for r in alive:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 r.popen.wait(timeout=5)
@@ -476,8 +476,8 @@ class Supervisor:
         One that dies again is left to `watch` (the next restart); a timeout ends the run."""
         self.restarts[group] = n
         victims = [r for r in self.running if group_of(r.proc.name) == group]
-        self._stop_group([r for r in victims if self.procs.alive(r)])
-        self.procs.sweep(victims)  # what the dead leader spawned
+        self._stop_group([r for r in victims if self.runner.alive(r)])
+        self.runner.sweep(victims)  # what the dead leader spawned
         self.running = [r for r in self.running if r not in victims]
         delay = self.restart.delay(n)
         self.say(f"restarting {group} in {delay:g}s (restart {n} of "
@@ -485,7 +485,7 @@ class Supervisor:
         time.sleep(delay)
         procs = [r.proc for r in victims]
         for p in procs:
-            if not self.procs.slurm:  # (srun opens a step's log itself)
+            if not self.runner.slurm:  # (srun opens a step's log itself)
                 log = Path(resolve([p.log], self.vars)[0])
                 with open(log, "a") as fh:
                     fh.write(f"\n[pdtool {time.strftime('%H:%M:%S')}] restart {n} of "
