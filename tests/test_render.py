@@ -556,3 +556,14 @@ def test_a_container_without_pdtool_is_warned() -> None:
     assert findings_for(recipe("deepseek-r1", image,
                                "launcher.setup=[pip install /fsx/wheels/pdtool.whl]"),
                         "launcher.setup") == []
+
+
+def test_a_script_that_cannot_hand_over_says_why_and_keeps_no_secret(tmp_path: Path) -> None:
+    """run_local.sh with PDTOOL_PYTHON naming no command: it cannot exec the supervisor, so it
+    says which variable to fix and removes the job's secrets itself (exit 1, not bash's 127)."""
+    rendered, _ = render(launcher_overrides("tiny-local", "local"), tmp_path / "job")
+    res = subprocess.run(["bash", str(rendered.script)], capture_output=True, text=True,
+                         env={**os.environ, "PDTOOL_PYTHON": "/no/such/python"}, timeout=60)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "PDTOOL_PYTHON=/no/such/python: no such command" in res.stderr
+    assert not (rendered.out / SECRET_NAME).exists()
