@@ -344,3 +344,14 @@ def test_a_bounce_buffer_written_over_two_endpoints_is_free_once_both_completed(
     finally:
         for ep in txs + rxs:
             ep.close()
+
+
+def test_landed_units_reach_the_device_run_by_run_as_an_index_select_would():
+    """`_Copier.landed_to`: units in runs (whole landing blocks) and single ones, in any
+    order, come out as `index_select` gives them, one copy per contiguous run."""
+    from transfer.staging import _Copier
+
+    units = torch.arange(40 * 8, dtype=torch.uint8).view(40, 8)
+    rows = np.array([4, 5, 6, 7, 30, 12, 13, 2, 3], dtype=np.int64)
+    got = _Copier(torch.device("cpu")).landed_to(units, rows, torch.device("cpu"))
+    assert torch.equal(got, units.index_select(0, torch.from_numpy(rows)))

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import time
 from collections.abc import Iterable, Sequence
@@ -236,6 +237,23 @@ class _Copier:
             event = torch.cuda.Event()
             event.record(self.stream)
         return event, keep
+
+    def landed_to(self, units: Any, rows: np.ndarray, device: Any) -> Any:
+        """`units[rows]` (host landing memory, [units, unit bytes]; pinned on the staged GPU
+        path) as a tensor on `device`: one copy per contiguous run of `rows` (a request's
+        units sit in whole blocks) straight from the landing memory. A CPU `index_select`
+        first made a pageable copy, which the host -> device copy then had to go through
+        again; on CUDA these copies are queued on the copier's stream, which `scatter_slice`
+        uses next and waits for."""
+        import torch
+
+        out = torch.empty((len(rows), units.shape[1]), dtype=units.dtype, device=device)
+        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+        with ctx:
+            for a, b in _runs(rows, 1):
+                first = int(rows[a])
+                out[a:b].copy_(units[first:first + b - a], non_blocking=self.cuda)
+        return out
 
     def scatter_slice(self, landed: Any, dst: Any, rows: Any, head_lo: int, heads: int) -> None:
         """The reverse of `gather_slice`, after the count: `landed` ([rows, heads, head_bytes],

@@ -580,8 +580,9 @@ class DecodeLanding:
         return v
 
     def _deliver(self, got: Landing) -> None:
-        """Landed units -> the NHD pool: per (layer buffer, slice), one gather of the
-        landed runs and one indexed copy into the token rows."""
+        """Landed units -> the NHD pool: per layer buffer, the landed runs copied straight
+        from the landing memory to the pool's device, then per slice one indexed copy into
+        the token rows."""
         import torch
 
         args, pool = self.mgr.kv_args, self.pool
@@ -594,9 +595,9 @@ class DecodeLanding:
             slices = self._slices(got, b)
             heads = sum(s.num_heads for s in slices)
             offs = landing_offsets(got.blocks, self.block_bytes, self.unit, b * npages + pos)
-            idx = torch.from_numpy((offs // np.uint64(self.unit)).astype(np.int64))
-            landed = units.index_select(0, idx.to(units.device))
             dst = self._view(b, heads)
+            landed = pool.copier.landed_to(units, (offs // np.uint64(self.unit)).astype(
+                np.int64), dst.device)
             hb = dst.shape[2]
             for s in slices:
                 lo = s.dst_head_off * page * hb
