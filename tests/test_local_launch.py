@@ -133,15 +133,14 @@ from pathlib import Path
 from pdtool.launch.shell import word
 from pdtool.launch.supervisor import Supervisor
 from pdtool.render import render
-rendered, _ = render(sys.argv[3:], Path(sys.argv[1]))
+over = [a for a in sys.argv[3:] if not a.startswith("launcher.health_timeout_s=")]
+rendered, _ = render([*over, "launcher.health_timeout_s=600"], Path(sys.argv[1]))
 spec = rendered.spec
 url = word(f"http://127.0.0.1:{sys.argv[2]}/health")  # nothing listens there
 spec.procs = [dataclasses.replace(spec.procs[0], name="decode-0.r0", argv=["sleep", "600"],
                                   health=url, ready=None)]
 spec.router = []
-sup = Supervisor.for_job(rendered)
-sup.health_timeout = 600
-sys.exit(sup.run())
+sys.exit(Supervisor.for_job(rendered).run())
 """
 
 

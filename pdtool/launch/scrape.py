@@ -56,14 +56,10 @@ def write(run_dir: Path, cfg: Any, plan: Any, hosts: list[str]) -> Path:
     return path
 
 
-def write_for_job(run_dir: Path, hosts: list[str]) -> None:
-    """`prometheus.yml` of a rendered job folder, from its config and plan. Metrics are a
-    convenience: a failure is one warning line, and the deployment goes on without the file."""
-    from pdtool.compose import ComposeError
-    from pdtool.launch import jobdir
-
+def write_or_warn(run_dir: Path, cfg: Any, plan: Any, hosts: list[str]) -> None:
+    """`write`, where a failure is one warning line: metrics are a convenience, and the
+    deployment goes on without the file."""
     try:
-        cfg, plan = jobdir.load(run_dir)
         write(run_dir, cfg, plan, hosts)
-    except (ComposeError, OSError, ValueError, IndexError) as e:
+    except (OSError, ValueError, IndexError) as e:
         print(f"pdtool: warning: {FILE} not written: {e}", file=sys.stderr, flush=True)

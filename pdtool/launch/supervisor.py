@@ -160,31 +160,31 @@ class SlurmSteps:
 
 
 class Supervisor:
-    def __init__(self, spec: LaunchSpec, run_dir: Path, out: TextIO = sys.stdout,
-                 stop_grace: float = 30.0, health_timeout: float = 900.0,
-                 preflight: bool = False, watchdog_s: float = 0.0,
-                 restart: RestartPolicy | None = None, model: str = "",
-                 probe_timeout_s: float = 5.0, verify: tuple[Any, Any] | None = None,
-                 hosts: list[str] | None = None, node_names: list[str] | None = None,
-                 log_dir: Path | None = None, setup_done: bool = False) -> None:
-        """`hosts` / `node_names`: the address and Slurm name of each allocation node (this
-        machine's for launcher=local); `log_dir`: this run's log folder (the batch script's,
-        under Slurm; a fresh `logs/local-<time>-<pid>` otherwise); `setup_done`: the script
-        that hands over ran launcher.setup and launcher.venv already (its environment is
-        this process's)."""
+    def __init__(self, spec: LaunchSpec, run_dir: Path, cfg: Any, plan: Any, *,
+                 out: TextIO = sys.stdout, preflight: bool = False,
+                 restart: RestartPolicy | None = None, hosts: list[str] | None = None,
+                 node_names: list[str] | None = None, log_dir: Path | None = None,
+                 setup_done: bool = False) -> None:
+        """`spec` the processes; `cfg` and `plan` the job's (its launcher.* timers, verify,
+        the served model, the /metrics targets); `restart`: None restarts nothing (--smoke,
+        benchmarks). `hosts` / `node_names`: the address and Slurm name of each allocation
+        node (this machine's for launcher=local); `log_dir`: this run's log folder (the batch
+        script's, under Slurm; a fresh `logs/local-<time>-<pid>` otherwise); `setup_done`:
+        the script that hands over ran launcher.setup and launcher.venv already (its
+        environment is this process's)."""
         self.spec = spec
         self.runner: LocalProcesses | SlurmSteps = (
             SlurmSteps(os.environ.get("SLURM_JOB_ID", "")) if spec.launcher == "slurm"
             else LocalProcesses())
-        self.verify = verify  # (cfg, plan) when launcher.verify checks the ready deployment
-        self.model = model  # the served model id (model.name), for the ready banner
+        self.cfg, self.plan = cfg, plan
+        lc = cfg.launcher
         self.run_dir = Path(run_dir).resolve()
         self.out = out
-        self.stop_grace = stop_grace
-        self.health_timeout = health_timeout
+        self.stop_grace = lc.stop_grace_s
+        self.health_timeout = lc.health_timeout_s
         self.preflight = preflight
-        self.watchdog_s = watchdog_s
-        self.probe_timeout_s = probe_timeout_s
+        self.watchdog_s = lc.watchdog_s
+        self.probe_timeout_s = lc.probe_timeout_s
         self.restart = restart or RestartPolicy()
         self.setup_done = setup_done
         self.restarts: dict[str, int] = {}  # restarts so far, per instance (group_of)
@@ -211,14 +211,10 @@ class Supervisor:
     @classmethod
     def for_job(cls, rendered: Any, out: TextIO = sys.stdout, preflight: bool = False,
                 restart: RestartPolicy | None = None) -> Supervisor:
-        """The supervisor of a rendered job folder (`pdtool.render.Rendered`), its timers
-        from the job's launcher.* keys: what `pdtool launch` and `pdtool bench` run."""
-        lc = rendered.cfg.launcher
-        return cls(rendered.spec, rendered.out, out=out, stop_grace=lc.stop_grace_s,
-                   health_timeout=lc.health_timeout_s, preflight=preflight,
-                   watchdog_s=lc.watchdog_s, restart=restart, model=rendered.cfg.model.name,
-                   probe_timeout_s=lc.probe_timeout_s,
-                   verify=(rendered.cfg, rendered.plan) if lc.verify else None)
+        """The supervisor of a job just rendered (`pdtool.render.Rendered`): what `pdtool
+        launch` and `pdtool bench` run."""
+        return cls(rendered.spec, rendered.out, rendered.cfg, rendered.plan, out=out,
+                   preflight=preflight, restart=restart)
 
     def say(self, msg: str) -> None:
         print(f"[pdtool {time.strftime('%H:%M:%S')}] {msg}", file=self.out, flush=True)
@@ -363,8 +359,7 @@ class Supervisor:
                                     f": {e.strerror or e}", 1) from None
             if not self.preflight:
                 self._fetch()
-            with self._signals_held():  # its config loading turns any exception into its own
-                scrape.write_for_job(self.run_dir, self.hosts)
+            scrape.write_or_warn(self.run_dir, self.cfg, self.plan, self.hosts)
             if self.preflight:  # this run's fabric check measures afresh
                 shutil.rmtree(self.run_dir / fabric_check.FOLDER, ignore_errors=True)
             for p in self.spec.procs:
@@ -378,9 +373,9 @@ class Supervisor:
                 self.start(p)
             self._health(self.spec.router)
             url = resolve([self.spec.router_url], self.vars)[0]
-            if self.verify is not None and not self.preflight:  # healthy, not yet serving
+            if self.cfg.launcher.verify and not self.preflight:  # healthy, not yet serving
                 try:
-                    verify.run(*self.verify, self.hosts, say=self.say)
+                    verify.run(self.cfg, self.plan, self.hosts, say=self.say)
                 except verify.VerifyFailed as e:
                     print(f"pdtool: ERROR: launcher.verify: {e}", file=sys.stderr, flush=True)
                     return 1
@@ -392,9 +387,10 @@ class Supervisor:
             for r in self.running:
                 print(f"  {r.proc.name:<{width}}  pid {r.popen.pid:<7}  {r.log}",
                       file=self.out, flush=True)
-            if self.model and smoke is None and not self.preflight:
-                body = json.dumps({"model": self.model, "prompt": "Hello", "max_tokens": 16})
-                print(f"  model {self.model!r}; try:\n    curl -s {url}/v1/completions -H "
+            model = self.cfg.model.name
+            if model and smoke is None and not self.preflight:
+                body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 16})
+                print(f"  model {model!r}; try:\n    curl -s {url}/v1/completions -H "
                       f"'Content-Type: application/json' -d '{body}'", file=self.out, flush=True)
             if smoke is not None:
                 code = smoke(url)
@@ -559,22 +555,19 @@ def from_job_folder(run_dir: Path, *, hosts: list[str] | None, node_names: list[
     """The supervisor of a rendered job folder: its processes exactly as launch.json lists them
     (what was rendered and shown), its timers, restart policy, verify and benchmark from
     config.yaml and plan.json. Also the job's benchmark task."""
-    from pdtool.launch import jobdir
+    from pdtool.compose import load_job_config
     from pdtool.launch.benchmark import benchmark_argv
     from pdtool.launch.spec import spec_from_dict
+    from pdtool.plan import from_json
 
-    cfg, plan = jobdir.load(run_dir)
+    cfg, plan = load_job_config(run_dir), from_json((run_dir / "plan.json").read_text())
     try:
         spec = spec_from_dict(json.loads((run_dir / "launch.json").read_text()))
     except (KeyError, TypeError) as e:
         raise ValueError(f"{run_dir / 'launch.json'} was not written by this pdtool version "
                          f"({type(e).__name__}: {e}): render the job again") from None
-    lc = cfg.launcher
-    sup = Supervisor(spec, run_dir, out=out, stop_grace=lc.stop_grace_s,
-                     health_timeout=lc.health_timeout_s, preflight=preflight,
-                     watchdog_s=lc.watchdog_s, restart=RestartPolicy.of(lc),
-                     model=cfg.model.name, probe_timeout_s=lc.probe_timeout_s,
-                     verify=(cfg, plan) if lc.verify else None, hosts=hosts,
+    sup = Supervisor(spec, run_dir, cfg, plan, out=out, preflight=preflight,
+                     restart=RestartPolicy.of(cfg.launcher), hosts=hosts,
                      node_names=node_names, log_dir=log_dir, setup_done=setup_done)
     bench = benchmark_argv(cfg, spec)
     task = job_task(sup, resolve(bench, sup.vars), sup.log_dir) if bench and not preflight \

@@ -22,6 +22,17 @@ def kick(word: np.ndarray) -> None:
 
 
 
+def _watched_words(call: str, a: np.ndarray, b: np.ndarray | None) -> tuple[Any, Any]:
+    """C pointers to the words a wait watches (`b` may be None: NULL); ValueError naming
+    `call` for anything but a contiguous int64 numpy array."""
+    for name, arr in (("a", a), ("b", b)):
+        if arr is not None and (type(arr) is not np.ndarray or arr.dtype != np.int64
+                                or arr.size < 1 or not arr.flags.c_contiguous):
+            raise ValueError(f"{call}: {name} must be a contiguous int64 numpy array")
+    return (ffi.cast("int64_t *", a.ctypes.data),
+            ffi.cast("int64_t *", b.ctypes.data) if b is not None else ffi.NULL)
+
+
 class Waits:
     """Endpoint's waits (mixed into `Endpoint`, whose handle, lock and counters they use)."""
 
@@ -88,12 +99,7 @@ class Waits:
         control socket (`set_ctl_fd`) may have a message. For waiting on compute, e.g. a
         prefill engine's progress word: after a few empty polls it sleeps `sleep_s` per poll,
         so the wait costs neither a core nor the GIL."""
-        for name, arr in (("a", a), ("b", b)):
-            if arr is not None and (type(arr) is not np.ndarray or arr.dtype != np.int64
-                                    or arr.size < 1 or not arr.flags.c_contiguous):
-                raise ValueError(f"wait_change: {name} must be a contiguous int64 numpy array")
-        pa = ffi.cast("int64_t *", a.ctypes.data)
-        pb = ffi.cast("int64_t *", b.ctypes.data) if b is not None else ffi.NULL
+        pa, pb = _watched_words("wait_change", a, b)
         with self._lock:
             ret = lib.pd_wait_change(self._calls(), pa, a_seen, pb, b_seen,
                                       int(sleep_s * 1e9), int(timeout * 1e9))
@@ -107,13 +113,7 @@ class Waits:
         another thread stores a value other than `a_seen` in `a[0]` (or `b_seen` in `b[0]`)
         ("changed"), or `timeout` passes ("timeout"). A sender's wait while its writes are in
         flight and the engine computes: idles as the endpoint's `idle_*` settings say."""
-        for name, arr in (("a", a), ("b", b)):
-            if arr is not None and (type(arr) is not np.ndarray or arr.dtype != np.int64
-                                    or arr.size < 1 or not arr.flags.c_contiguous):
-                raise ValueError(f"wait_idle_or_change: {name} must be a contiguous int64 "
-                                 "numpy array")
-        pa = ffi.cast("int64_t *", a.ctypes.data)
-        pb = ffi.cast("int64_t *", b.ctypes.data) if b is not None else ffi.NULL
+        pa, pb = _watched_words("wait_idle_or_change", a, b)
         with self._lock:
             ret = lib.pd_wait_idle_or_change(self._calls(), pa, a_seen, pb, b_seen,
                                               int(timeout * 1e9))

@@ -334,6 +334,7 @@ class DecodeMessenger(MessengerThread):
     # ================================================================ messenger thread
     def _setup(self) -> None:
         cfg = self.config
+        self._timers_at = time.monotonic()  # the last liveness check (see _timers)
         self._ep = self._open_endpoint(max_slots=max(cfg.max_inflight, 1))
         limit = self._ep.iov_limit
         self._writes_per_op = min(cfg.writes_per_op or limit, limit)
@@ -693,8 +694,7 @@ class DecodeMessenger(MessengerThread):
         # a round of this loop longer than a heartbeat (the process descheduled, the GIL held
         # by the engine) read no PONG meanwhile: that time is not the prefill ranks' silence.
         # Without this, a decode process paused for peer_timeout_s failed every transfer
-        away = now - getattr(self, "_timers_at", now)
-        self._timers_at = now
+        away, self._timers_at = now - self._timers_at, now
         if away > cfg.heartbeat_s:
             self._clock.excuse(away)
         self._stale = self._ep.stale_writes + sum(lane.stale_writes for lane in self._lanes)
