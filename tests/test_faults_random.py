@@ -220,13 +220,15 @@ def _check(t: Trial, out) -> tuple[Counter, list[float], list[str]]:
 def test_randomized_faults_fail_only_affected_requests_and_leak_nothing():
     rng = random.Random(SEED)
     total, settle, failures, by_kind = Counter(), [], [], Counter()
+    longest = 0  # the longest messenger loop round of any trial, ms
     t0 = time.monotonic()
     for n in range(TRIALS):
         t = _draw(n, rng)
         start = time.monotonic()
         out = run(t.scenario)
         counts, times, errs = _check(t, out)
-        total.update(counts)
+        longest = max(longest, counts["longest-round-ms"])
+        total.update({k: v for k, v in counts.items() if k != "longest-round-ms"})
         by_kind[t.kind] += 1
         settle += times
         line = (f"trial {n:3d} {t.kind:18s} {t.scenario.provider:11s} "
@@ -238,7 +240,8 @@ def test_randomized_faults_fail_only_affected_requests_and_leak_nothing():
             failures.append((n, t.kind, t.scenario, errs))
     print(f"fault trials: {TRIALS} (seed {SEED}) in {time.monotonic() - t0:.0f} s; kinds "
           f"{dict(by_kind)}; outcomes {dict(total)}; failed transfers settled (pages free) "
-          f"in max {max(settle, default=0):.2f} s; violations in {len(failures)} trials")
+          f"in max {max(settle, default=0):.2f} s; longest messenger loop round {longest} ms; "
+          f"violations in {len(failures)} trials")
     assert not failures, failures
 
 
