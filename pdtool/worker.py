@@ -339,11 +339,12 @@ def run_preflight(ctx: WorkerContext) -> int:
     from pdtool import fabric_check
     from transfer.sglang.rails import RailError
 
+    server = claim_health_port(ctx)  # a taken port fails here, before peers count on this rank
     try:
         fabric_check.run(ctx, lambda msg: print(f"pdtool-worker: {msg}", flush=True))
     except (fabric_check.FabricCheckError, FabricError, RailError) as e:
         raise WorkerError(f"fabric check: {e}") from None
-    return serve_health_until_stopped(ctx)
+    return serve_health_until_stopped(ctx, server)
 
 
 ENGINES: dict[str, Callable[[WorkerContext], int]] = {
@@ -370,18 +371,28 @@ class _Health(BaseHTTPRequestHandler):
         pass
 
 
-def serve_health_until_stopped(ctx: WorkerContext) -> int:
+def claim_health_port(ctx: WorkerContext) -> ThreadingHTTPServer | None:
+    """Bind this rank's health port without listening yet: the port is this process's from
+    now on, and a health probe is refused (not left hanging) until the server listens."""
+    if ctx.port is None:
+        return None
+    handler = type("Health", (_Health,), {"info": {"role": ctx.role, "name": ctx.name}})
+    server = ThreadingHTTPServer((ctx.host, ctx.port), handler, bind_and_activate=False)
+    try:
+        server.server_bind()
+    except OSError as e:
+        server.server_close()
+        raise WorkerError(f"cannot serve health on {ctx.host}:{ctx.port}: {e.strerror}"
+                          " (is another process using that port?)") from None
+    return server
+
+
+def serve_health_until_stopped(ctx: WorkerContext, server: ThreadingHTTPServer | None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    server = None
-    if ctx.port is not None:
-        handler = type("Health", (_Health,), {"info": {"role": ctx.role, "name": ctx.name}})
-        try:
-            server = ThreadingHTTPServer((ctx.host, ctx.port), handler)
-        except OSError as e:
-            raise WorkerError(f"cannot serve health on {ctx.host}:{ctx.port}: {e.strerror}"
-                              " (is another process using that port?)") from None
+    if server is not None:
+        server.server_activate()
         threading.Thread(target=server.serve_forever, daemon=True).start()
         print(f"pdtool-worker: healthy: http://{ctx.host}:{ctx.port}/health", flush=True)
     else:
