@@ -336,3 +336,15 @@ def test_a_token_with_no_text_still_counts():
         api = type("Api", (), {"completions": Completions(chunks)})()
         rec = asyncio.run(one(api, "m", Request("some text", 1), lambda: float(next(ticks))))
         assert rec.ok and rec.tokens == [1] and rec.input_tokens == 900, rec
+
+
+def test_plot_of_one_token_outputs_warns_of_nothing(tmp_path, recwarn):
+    """osl 1 has no TPOT or ITL: those panels say so instead of an empty legend's warning."""
+    pytest.importorskip("matplotlib")
+    from pdtool.bench.plot import plot
+
+    records = [Record(start=0.0, input_tokens=64, stamps=[0.2 + i / 100], tokens=[1],
+                      end=0.21 + i / 100) for i in range(4)]
+    out = plot(tmp_path / "latency.png", [("disaggregated", records, summarize([records]))])
+    assert out.stat().st_size > 0
+    assert not [w for w in recwarn if "legend" in str(w.message)]

@@ -53,7 +53,10 @@ def plot(path: Path, series: list[tuple[str, list[Record], dict]], title: str = 
         ax.set_title(f"{name}: cumulative distribution", fontsize=9)
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[1]:
+            ax.legend(fontsize=7)
+        else:  # e.g. TPOT and ITL at one output token: there are no gaps between tokens
+            ax.text(0.5, 0.5, "no values", ha="center", va="center", transform=ax.transAxes)
     ax = axes[len(PANELS)]
     groups: dict[str, list[tuple[float, float, str]]] = {}
     for label, _records, summary in series:
