@@ -8,12 +8,15 @@ import hashlib
 import hmac
 
 import msgpack
+import numpy as np
 import pytest
 import sglang  # noqa: F401  (scripts/install.sh --test installs it: fail, never skip)
 
+from transfer.fabric.values import RemoteRegion
+from transfer.geometry import KVGroup
 from transfer.sglang import conn
 from transfer.wire import PROTOCOL_VERSION, WireError, write_secret
-from transfer.wire.sglang import TAG, Frames
+from transfer.wire.sglang import TAG, Frames, Hello, LandingArea, Meta, PeerAnswer, RailKeys
 
 SECRET = b"s3cret-of-the-deployment"
 META = {"peer": "10.0.0.2:7000", "room": 7, "kv_indices": b"\x01\x00\x00\x00",
@@ -86,3 +89,36 @@ def test_secret_comes_from_the_0600_file(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("PDTOOL_SECRET_FILE", str(loose))
     with pytest.raises(conn.PdtoolBackendError, match="lets others read it"):
         conn._secret()
+
+
+def _region(base: int) -> RemoteRegion:
+    return RemoteRegion(base, base + 1, 1 << 20)
+
+
+def test_records_cross_the_wire_as_they_were_built() -> None:
+    """Each frame is decoded once into its record: what the receiver reads is what the
+    sender built, field by field (regions, page ids, landing area, draft shards)."""
+    decode, prefill = Frames(SECRET, "decode-a"), Frames(SECRET, "prefill-b")
+    hello = Hello(compat=b"c" * 16, peer="10.0.0.2:7000", ip="10.0.0.2", port=7000,
+                  fabric_name=b"fi-name", provider="tcp;ofi_rxm", tp_size=2, tp_rank=1, gpu=3,
+                  iov_limit=4, is_mla=False, page_size=16, num_draft=0,
+                  kv=(_region(0x1000), _region(0x2000)), kv_data_lens=(4096, 4096),
+                  kv_item_lens=(512, 512), aux=(_region(0x3000),), aux_item_lens=(64,),
+                  rails=(RailKeys(b"fi-name-2", (_region(0x5000), _region(0x6000)),
+                                  (_region(0x7000),)),))
+    got, session = prefill.receive(decode.send(hello))
+    assert got == hello and session == decode.session
+    answer = PeerAnswer("10.0.0.1:6000", 8, 4, None, KVGroup("draft", 2, 8, True))
+    assert decode.receive(prefill.send(answer, to=session))[0] == answer
+    refused = PeerAnswer("10.0.0.1:6000", 8, 1, "page sizes differ")
+    assert decode.receive(prefill.send(refused, to=session))[0] == refused
+    blocks = np.array([5, 9], np.int32)
+    meta = Meta("10.0.0.2:7000", 1 << 63, np.array([1, 2, 3], np.int32), None, 7, 9, 2, False,
+                16, LandingArea(_region(0x8000), 1 << 16, 4096, blocks, (_region(0x9000),)))
+    got = prefill.receive(decode.send(meta))[0]
+    assert isinstance(got, Meta) and got.kv_indices.tolist() == [1, 2, 3]
+    assert got.landing is not None and got.landing.blocks.tolist() == [5, 9]
+    assert (got.room, got.slot, got.gen, got.decode_prefix_len, got.landing.rails) == \
+        (1 << 63, 7, 9, 16, (_region(0x9000),))
+    dummy = Meta("10.0.0.2:7000", 8, np.array([4], np.int32), 3, 1, 1, 2, True, 0)
+    assert prefill.receive(decode.send(dummy))[0].kv_indices.size == 0  # a dummy sends no pages

@@ -117,7 +117,7 @@ from transfer.sglang.staging_plane import (
     kv_path,
 )
 from transfer.wire import WireError, check_secret, compat_hash, read_secret
-from transfer.wire.sglang import TAG, Frames
+from transfer.wire.sglang import TAG, Frames, Hello, LandingArea, Meta, PeerAnswer, RailKeys
 from transfer.wire.sglang import facts as wire_facts
 
 logger = logging.getLogger(__name__)
@@ -159,13 +159,13 @@ class DecodePeer:
     fabric_name: bytes
     tp_size: int
     tp_rank: int
-    kv_regions: list[fabric.RemoteRegion]
+    kv_regions: tuple[fabric.RemoteRegion, ...]
     kv_layouts: list[KVLayout]
-    aux_regions: list[fabric.RemoteRegion]
-    aux_item_lens: list[int]
+    aux_regions: tuple[fabric.RemoteRegion, ...]
+    aux_item_lens: tuple[int, ...]
     identity: tuple[Any, ...] = ()  # (ip, GPU, TP size, TP rank): kept by a restarted rank
     # every endpoint (NIC) of the decode rank, the one above first: (name, kv, aux regions)
-    rails: list[RemoteRail] = field(default_factory=list)
+    rails: list[RailKeys] = field(default_factory=list)
     per_op: int = 1  # page writes grouped into one operation (smaller iov limit of both)
     slice: Slice | None = None  # what this prefill rank sends it (None: another rank does)
     # a draft model's KV buffers (the last `draft.count`): how the pair shards them, this
@@ -205,44 +205,6 @@ class DecodePeer:
             return None
         kind, i = where
         return (self.rails[rail].kv if kind == "kv" else self.rails[rail].aux)[i]
-
-
-@dataclass(frozen=True)
-class RemoteRail:
-    """One endpoint (NIC) of a decode rank: its fabric name and its keys for the same memory."""
-
-    fabric_name: bytes
-    kv: list[fabric.RemoteRegion]
-    aux: list[fabric.RemoteRegion]
-
-
-@dataclass
-class RoomTarget:
-    """One decode destination of one request (from a META frame)."""
-
-    peer: str
-    kv_indices: npt.NDArray[np.int32]
-    aux_index: int | None
-    slot: int
-    gen: int
-    required_dst_info_num: int
-    is_dummy: bool
-    decode_prefix_len: int
-    # the decode rank's landing area for this request (staging_plane), or None: in place
-    landing: fabric.RemoteRegion | None = None
-    landing_blocks: npt.NDArray[np.int32] | None = None
-    landing_block: int = 0
-    landing_unit: int = 0
-
-
-@dataclass(frozen=True)
-class PrefillGeometry:
-    """What one prefill rank answered to this decode rank's registration (KIND_PEER)."""
-
-    total_kv_heads: int
-    writes_per_op: int
-    error: str | None = None
-    draft: KVGroup | None = None  # how the pair shards a draft model's KV buffers
 
 
 # --------------------------------------------------------------------------- manager
@@ -354,7 +316,7 @@ class PdtoolKVManager(CommonKVManager):
                                  name="pdtool-prefill-writer", daemon=True)]
         elif disaggregation_mode == DisaggregationMode.DECODE:
             self.total_kv_heads = 1 if self.is_mla else 0  # 0: per prefill rank, see PEER
-            self.prefill_geometry: dict[str, PrefillGeometry] = {}
+            self.prefill_geometry: dict[str, PeerAnswer] = {}
             self._awaiting: dict[str, list[tuple[int, int, int, int, bool]]] = {}
             self._geo_lock = threading.Lock()
             self.landing = DecodeLanding(self, path=self.kv_path, device=self.kv_device,
@@ -519,26 +481,20 @@ class PdtoolKVManager(CommonKVManager):
         return f"{self.local_ip}:{self.rank_port}"
 
     def build_receiver_registration_message(self) -> list[bytes]:
-        return self.frames.encode("HELLO", {
-            "compat": self.compat, "peer": self.peer_key, "ip": self.local_ip,
-            "port": self.rank_port,
-            "fabric_name": self.ep.name, "provider": self.ep.provider,
-            "tp_size": self.attn_tp_size, "tp_rank": self.kv_args.engine_rank % self.attn_tp_size,
-            "gpu": int(self.kv_args.gpu_id or 0), "iov_limit": self.rails.iov_limit,
-            "is_mla": self.is_mla, "page_size": self.kv_args.page_size,
-            "num_draft": self.num_draft,
-            "kv": [mr.descriptor().to_dict() for mr in self.kv_mrs],
-            "kv_data_lens": list(self.kv_args.kv_data_lens),
-            "kv_item_lens": list(self.kv_args.kv_item_lens),
-            "aux": [mr.descriptor().to_dict() for mr in self.aux_mrs],
-            "aux_item_lens": list(self.kv_args.aux_item_lens),
-            "rails": [{"fabric_name": ep.name,
-                       "kv": [self.rails.twin(mr, i).descriptor().to_dict()
-                              for mr in self.kv_mrs],
-                       "aux": [self.rails.twin(mr, i).descriptor().to_dict()
-                               for mr in self.aux_mrs]}
-                      for i, ep in enumerate(self.rails.eps) if i],
-        })
+        def keys(mrs: list[Any], rail: int) -> tuple[fabric.RemoteRegion, ...]:
+            return tuple(self.rails.twin(mr, rail).descriptor() for mr in mrs)
+
+        return self.frames.send(Hello(
+            compat=self.compat, peer=self.peer_key, ip=self.local_ip, port=self.rank_port,
+            fabric_name=self.ep.name, provider=self.ep.provider, tp_size=self.attn_tp_size,
+            tp_rank=self.kv_args.engine_rank % self.attn_tp_size,
+            gpu=int(self.kv_args.gpu_id or 0), iov_limit=self.rails.iov_limit,
+            is_mla=self.is_mla, page_size=self.kv_args.page_size, num_draft=self.num_draft,
+            kv=keys(self.kv_mrs, 0), kv_data_lens=tuple(self.kv_args.kv_data_lens),
+            kv_item_lens=tuple(self.kv_args.kv_item_lens), aux=keys(self.aux_mrs, 0),
+            aux_item_lens=tuple(self.kv_args.aux_item_lens),
+            rails=tuple(RailKeys(ep.name, keys(self.kv_mrs, i), keys(self.aux_mrs, i))
+                        for i, ep in enumerate(self.rails.eps) if i)))
 
     def build_receiver_metadata_message(self, *, bootstrap_room: int, required_dst_info_num: int,
                                         kv_indices: npt.NDArray[np.int32], aux_index: int | None,
@@ -547,19 +503,14 @@ class PdtoolKVManager(CommonKVManager):
                                         slot: int = 0, gen: int = 0,
                                         landing_blocks: tuple[int, ...] | None = None
                                         ) -> list[bytes]:
-        body = {
-            "peer": self.peer_key, "room": bootstrap_room,
-            "kv_indices": b"" if is_dummy else np.asarray(kv_indices, np.int32).tobytes(),
-            "aux_index": aux_index, "slot": slot, "gen": gen,
-            "required_dst_info_num": required_dst_info_num, "is_dummy": bool(is_dummy),
-            "decode_prefix_len": int(decode_prefix_len or 0),
-        }
+        landing = None
         if landing_blocks is not None and not is_dummy:
             first, *further = self.landing.regions()  # its keys on each endpoint (NIC)
-            body.update(landing=first.to_dict(), landing_rails=[r.to_dict() for r in further],
-                        landing_block=self.landing.block_bytes, landing_unit=self.landing.unit,
-                        landing_blocks=np.asarray(landing_blocks, np.int32).tobytes())
-        return self.frames.encode("META", body)
+            landing = LandingArea(first, self.landing.block_bytes, self.landing.unit,
+                                  np.asarray(landing_blocks, np.int32), tuple(further))
+        return self.frames.send(Meta(
+            self.peer_key, bootstrap_room, np.asarray(kv_indices, np.int32), aux_index, slot,
+            gen, required_dst_info_num, bool(is_dummy), int(decode_prefix_len or 0), landing))
 
     # -- prefill: control thread -------------------------------------------------------------
     def _prefill_control_loop(self) -> None:
@@ -572,35 +523,28 @@ class PdtoolKVManager(CommonKVManager):
                 self._on_abort(msg)
                 continue
             try:  # MAC, version, replay and every field checked before a byte is used
-                got = self.frames.decode(msg)
-            except WireError as exc:
+                got, session = self.frames.receive(msg)
+            except ValueError as exc:  # WireError, or a record that cannot be built
                 logger.warning("pdtool: dropping control frame: %s", exc)
                 continue
             try:
-                if got.type == "HELLO":
-                    self._on_register(got.body, got.session)
-                elif got.type == "META":
-                    self._on_meta(got.body)
+                if isinstance(got, Hello):
+                    self._on_register(got, session)
+                elif isinstance(got, Meta):
+                    self._on_meta(got)
                 else:
-                    raise ValueError(f"unexpected kind {got.type!r}")
+                    raise ValueError(f"unexpected kind {got.KIND!r}")
             except (TypeError, ValueError) as exc:  # signed and well-formed, yet unusable
-                logger.warning("pdtool: dropping %s frame: %s", got.type, exc)
+                logger.warning("pdtool: dropping %s frame: %s", got.KIND, exc)
 
-    def _on_register(self, b: dict[str, Any], session: bytes) -> None:
+    def _on_register(self, h: Hello, session: bytes) -> None:
         peer = DecodePeer(
-            key=b["peer"], ip=b["ip"], port=int(b["port"]), fabric_name=b["fabric_name"],
-            tp_size=int(b["tp_size"]), tp_rank=int(b["tp_rank"]),
-            kv_regions=[fabric.RemoteRegion.from_dict(d) for d in b["kv"]],
-            kv_layouts=[], aux_regions=[fabric.RemoteRegion.from_dict(d) for d in b["aux"]],
-            aux_item_lens=list(b["aux_item_lens"]),
-            identity=(b["ip"], int(b["gpu"]), int(b["tp_size"]), int(b["tp_rank"])),
-        )
-        peer.rails = [RemoteRail(peer.fabric_name, peer.kv_regions, peer.aux_regions)] + [
-            RemoteRail(r["fabric_name"], [fabric.RemoteRegion.from_dict(d) for d in r["kv"]],
-                       [fabric.RemoteRegion.from_dict(d) for d in r["aux"]])
-            for r in b["rails"]]
+            key=h.peer, ip=h.ip, port=h.port, fabric_name=h.fabric_name, tp_size=h.tp_size,
+            tp_rank=h.tp_rank, kv_regions=h.kv, kv_layouts=[], aux_regions=h.aux,
+            aux_item_lens=h.aux_item_lens, identity=(h.ip, h.gpu, h.tp_size, h.tp_rank),
+            rails=[RailKeys(h.fabric_name, h.kv, h.aux), *h.rails])
         try:
-            self._match_peer(peer, b)
+            self._match_peer(peer, h)
         except (PdtoolBackendError, LayoutError, RouteError) as exc:
             peer.error = f"decode rank {peer.key} cannot be served by this prefill: {exc}"
             logger.error("pdtool: %s", peer.error)
@@ -618,11 +562,8 @@ class PdtoolKVManager(CommonKVManager):
                 self._retired.append(self.peers.pop(stale))
             self._by_identity[peer.identity] = peer.key
             self.peers[peer.key] = peer
-        draft = None if peer.draft is None else {
-            "count": peer.draft.count, "heads": peer.draft.heads, "whole": peer.draft.whole}
-        self._send_to_decode(peer, self.frames.encode("PEER", {
-            "peer": self.peer_key, "total_kv_heads": self.total_kv_heads,
-            "writes_per_op": peer.per_op, "error": peer.error or None, "draft": draft},
+        self._send_to_decode(peer, self.frames.send(PeerAnswer(
+            self.peer_key, self.total_kv_heads, peer.per_op, peer.error, peer.draft),
             to=session))
 
     def _send_to_decode(self, peer: DecodePeer, frame: list[bytes]) -> None:
@@ -658,57 +599,56 @@ class PdtoolKVManager(CommonKVManager):
                 self._unreachable[(ip, port)] = time.monotonic() + 60.0
                 logger.warning("pdtool: cannot reach decode %s:%s: %s", ip, port, exc)
 
-    def _match_peer(self, peer: DecodePeer, b: dict[str, Any]) -> None:
+    def _match_peer(self, peer: DecodePeer, h: Hello) -> None:
         """Check both sides can talk and work out what this rank sends to that decode rank."""
-        if b["provider"] != self.ep.provider:
+        if h.provider != self.ep.provider:
             raise PdtoolBackendError(f"libfabric provider: prefill {self.ep.provider!r}, "
-                                     f"decode {b['provider']!r} (set PDTOOL_FI_PROVIDER alike)")
-        if bool(b["is_mla"]) != self.is_mla:
+                                     f"decode {h.provider!r} (set PDTOOL_FI_PROVIDER alike)")
+        if h.is_mla != self.is_mla:
             raise PdtoolBackendError("one side uses an MLA pool, the other not")
         page = self.kv_args.page_size
-        if int(b["page_size"]) != page:
-            raise PdtoolBackendError(f"--page-size: prefill {page}, decode {b['page_size']}")
+        if h.page_size != page:
+            raise PdtoolBackendError(f"--page-size: prefill {page}, decode {h.page_size}")
         mine = len(self.kv_args.kv_data_lens)
-        if int(b.get("num_draft", 0)) != self.num_draft:
+        if h.num_draft != self.num_draft:
             raise PdtoolBackendError(
-                f"draft-model KV buffers: prefill has {self.num_draft}, decode "
-                f"{b.get('num_draft', 0)} "
+                f"draft-model KV buffers: prefill has {self.num_draft}, decode {h.num_draft} "
                 f"(give both roles the same --speculative-algorithm and draft model)")
-        if len(b["kv_data_lens"]) != mine or len(b["kv"]) not in (0, mine):
+        if len(h.kv_data_lens) != mine or len(h.kv) not in (0, mine):
             raise PdtoolBackendError(f"KV buffers: prefill has {mine}, decode "
-                                     f"{len(b['kv_data_lens'])} (same model and speculative "
+                                     f"{len(h.kv_data_lens)} (same model and speculative "
                                      f"settings?)")
         if list(peer.aux_item_lens) != list(self.kv_args.aux_item_lens):
             raise PdtoolBackendError(
                 f"metadata buffers differ: prefill item lengths {list(self.kv_args.aux_item_lens)}"
                 f", decode {peer.aux_item_lens} (enable the same optional metadata on both)")
-        if b["compat"] != self.compat:  # the checks above name the usual differences
+        if h.compat != self.compat:  # the checks above name the usual differences
             raise PdtoolBackendError("HELLO.compat: the decode rank's static facts differ "
                                      "from this prefill's (pdtool versions differ?)")
-        heads = 1 if self.is_mla else self._decode_heads(peer, b)
+        heads = 1 if self.is_mla else self._decode_heads(peer, h)
         ntarget = len(self.kv_args.kv_item_lens) - self.num_draft
         mine_heads, theirs_heads = [self.heads_local] * ntarget, [heads] * ntarget
         if self.num_draft:
             # the draft's shards from the bytes a token takes on each side (geometry)
             peer.draft, unit = sglang_draft_group(
                 self.num_draft, self.kv_args.kv_item_lens[-1] // page,
-                int(b["kv_item_lens"][-1]) // page, self.attn_tp_size, peer.tp_size,
+                h.kv_item_lens[-1] // page, self.attn_tp_size, peer.tp_size,
                 target_mla=self.is_mla)
             mine_heads += [self.kv_args.kv_item_lens[-1] // page // unit] * self.num_draft
-            theirs_heads += [int(b["kv_item_lens"][-1]) // page // unit] * self.num_draft
+            theirs_heads += [h.kv_item_lens[-1] // page // unit] * self.num_draft
         peer.src_layouts = sglang_buffer_layouts(self.kv_args.kv_data_lens,
                                                  self.kv_args.kv_item_lens, mine_heads, page)
-        peer.kv_layouts = sglang_buffer_layouts(b["kv_data_lens"], b["kv_item_lens"],
+        peer.kv_layouts = sglang_buffer_layouts(h.kv_data_lens, h.kv_item_lens,
                                                 theirs_heads, page)
         for mine_, theirs in zip(peer.src_layouts, peer.kv_layouts, strict=True):
             mine_.check_peer(theirs)
         for i, r in enumerate(peer.rails):
             if len(r.kv) != len(peer.kv_regions) or len(r.aux) != len(peer.aux_regions) or \
-                    [x.length for x in r.kv + r.aux] != \
-                    [x.length for x in peer.kv_regions + peer.aux_regions]:
+                    [x.length for x in (*r.kv, *r.aux)] != \
+                    [x.length for x in (*peer.kv_regions, *peer.aux_regions)]:
                 raise PdtoolBackendError(f"HELLO.rails[{i - 1}]: its regions are not the same "
                                          f"memory as the first endpoint's")
-        peer.per_op = max(1, min(self.rails.iov_limit, int(b["iov_limit"])))
+        peer.per_op = max(1, min(self.rails.iov_limit, h.iov_limit))
         slices = sglang_slices(self.is_mla, self.total_kv_heads, self.attn_tp_size,
                                peer.tp_size, peer.tp_rank)
         my_rank = self.kv_args.engine_rank % self.attn_tp_size
@@ -724,14 +664,14 @@ class PdtoolKVManager(CommonKVManager):
         if peer.draft is not None:
             drafts = sglang_group_slices(peer.draft, self.attn_tp_size, peer.tp_size,
                                          peer.tp_rank)
-            self._warn_if_unplanned(peer, b, len(drafts))
+            self._warn_if_unplanned(peer, h, len(drafts))
             if self.is_mla and peer.draft.whole:
                 peer.draft_slice = drafts[0]  # whichever connected rank is real sends it
             else:
                 own = [s for s in drafts if s.src_rank == my_rank]
                 peer.draft_slice = own[0] if own else None
 
-    def _warn_if_unplanned(self, peer: DecodePeer, b: dict[str, Any], sources: int) -> None:
+    def _warn_if_unplanned(self, peer: DecodePeer, h: Hello, sources: int) -> None:
         """The plan (PDTOOL_DRAFT_LAYERS set) counted the draft as sharded like the target's
         KV; where this pair's draft takes another number of slices, its figure is off."""
         if workerenv.DRAFT_LAYERS.get() is None:
@@ -739,7 +679,7 @@ class PdtoolKVManager(CommonKVManager):
         page = self.kv_args.page_size
         try:
             planned = sglang_draft_group(self.num_draft, self.kv_args.kv_item_lens[0] // page,
-                                         int(b["kv_item_lens"][0]) // page, self.attn_tp_size,
+                                         h.kv_item_lens[0] // page, self.attn_tp_size,
                                          peer.tp_size, target_mla=self.is_mla)[0]
             want = len(sglang_group_slices(planned, self.attn_tp_size, peer.tp_size,
                                            peer.tp_rank))
@@ -751,47 +691,34 @@ class PdtoolKVManager(CommonKVManager):
                            "the target's): the plan's writes/request is off for it",
                            peer.key, sources, want)
 
-    def _decode_heads(self, peer: DecodePeer, b: dict[str, Any]) -> int:
+    def _decode_heads(self, peer: DecodePeer, h: Hello) -> int:
         """The decode rank's local KV heads, from its item length and this rank's head size
         (both sides hold the same heads × head_dim × dtype per token and head)."""
         page = self.kv_args.page_size
         head_bytes = self.kv_args.kv_item_lens[0] // (page * self.heads_local)
         want = ShardSpec(self.total_kv_heads, peer.tp_size).heads_per_rank
-        got, rem = divmod(int(b["kv_item_lens"][0]), page * head_bytes)
+        got, rem = divmod(h.kv_item_lens[0], page * head_bytes)
         if rem or got != want:
             raise PdtoolBackendError(
-                f"decode KV item length {b['kv_item_lens'][0]} B is not {want} heads "
+                f"decode KV item length {h.kv_item_lens[0]} B is not {want} heads "
                 f"({self.total_kv_heads} over TP {peer.tp_size}) × {head_bytes} B × page {page}: "
                 f"same model and --kv-cache-dtype on both sides?")
         return got
 
-    def _on_meta(self, b: dict[str, Any]) -> None:
-        room = int(b["room"])
-        target = RoomTarget(
-            peer=b["peer"], kv_indices=np.frombuffer(b["kv_indices"], dtype=np.int32),
-            aux_index=b["aux_index"], slot=int(b["slot"]), gen=int(b["gen"]),
-            required_dst_info_num=int(b["required_dst_info_num"]), is_dummy=bool(b["is_dummy"]),
-            decode_prefix_len=int(b["decode_prefix_len"]),
-        )
-        if b.get("landing") is not None:
-            target.landing = fabric.RemoteRegion.from_dict(b["landing"])
-            target.landing_blocks = np.frombuffer(b["landing_blocks"], dtype=np.int32)
-            target.landing_block, target.landing_unit = int(b["landing_block"]), \
-                int(b["landing_unit"])
+    def _on_meta(self, target: Meta) -> None:
+        room, landing = target.room, target.landing
         peer = self.peers.get(target.peer)
-        if target.landing is not None and peer is not None and not peer.error:
-            twins = [fabric.RemoteRegion.from_dict(d) for d in b.get("landing_rails", [])]
-            if len(twins) != len(peer.rails) - 1 or \
-                    any(r.length != target.landing.length for r in twins):
-                raise ValueError(f"META.landing_rails: {len(twins)} regions for the decode's "
-                                 f"{len(peer.rails) - 1} further endpoints, or not the "
-                                 f"landing area's length")
-            peer.landing_twins[target.landing] = twins
-        if target.landing is not None and peer is not None and not peer.error and (
-                target.landing_unit < max(lay.page_bytes for lay in peer.kv_layouts)
-                or target.landing_block % target.landing_unit):
-            raise ValueError(f"META.landing_unit {target.landing_unit} B is smaller than the "
-                             f"decode's page or does not divide its block")
+        if landing is not None and peer is not None and not peer.error:
+            if len(landing.rails) != len(peer.rails) - 1 or \
+                    any(r.length != landing.region.length for r in landing.rails):
+                raise ValueError(f"META.landing_rails: {len(landing.rails)} regions for the "
+                                 f"decode's {len(peer.rails) - 1} further endpoints, or not "
+                                 f"the landing area's length")
+            if landing.unit < max(lay.page_bytes for lay in peer.kv_layouts) \
+                    or landing.block % landing.unit:
+                raise ValueError(f"META.landing_unit {landing.unit} B is smaller than the "
+                                 f"decode's page or does not divide its block")
+            peer.landing_twins[landing.region] = list(landing.rails)
         infos = self.transfer_infos.setdefault(room, {})
         infos[target.peer] = target
         if peer is None or peer.error:
@@ -889,7 +816,7 @@ class PdtoolKVManager(CommonKVManager):
                     (room, slot, prefill_tp, num_pages, with_aux))
         return slot, gen
 
-    def _ops(self, geo: PrefillGeometry, prefill_tp: int, num_pages: int,
+    def _ops(self, geo: PeerAnswer, prefill_tp: int, num_pages: int,
              with_aux: bool) -> int:
         """Operations this rank counts for one request (pages grouped `writes_per_op`)."""
         return sglang_decode_writes(
@@ -901,15 +828,10 @@ class PdtoolKVManager(CommonKVManager):
             num_aux=len(self.aux_mrs) if with_aux else 0, writes_per_op=geo.writes_per_op,
             draft=geo.draft)
 
-    def _on_peer(self, b: dict[str, Any]) -> None:
+    def _on_peer(self, geo: PeerAnswer) -> None:
         """A prefill rank's answer to our registration: the count of every slot waiting for
         it becomes known (or they fail with its reason)."""
-        key = str(b["peer"])
-        d = b.get("draft")
-        draft = None if d is None else KVGroup("draft", int(d["count"]), int(d["heads"]),
-                                               bool(d["whole"]))
-        geo = PrefillGeometry(int(b["total_kv_heads"]), int(b["writes_per_op"]),
-                              str(b["error"]) if b.get("error") else None, draft)
+        key, draft = geo.peer, geo.draft
         if geo.writes_per_op < 1 or geo.total_kv_heads < 1:
             raise ValueError(f"prefill {key}: writes_per_op/total_kv_heads must be >= 1")
         if not geo.error and (draft.count if draft else 0) != self.num_draft:
@@ -999,10 +921,10 @@ class PdtoolKVManager(CommonKVManager):
                 continue
             if msg[0] == TAG:
                 try:
-                    got = self.frames.decode(msg)
-                    if got.type != "PEER":
-                        raise ValueError(f"unexpected kind {got.type!r}")
-                    self._on_peer(got.body)
+                    got, _session = self.frames.receive(msg)
+                    if not isinstance(got, PeerAnswer):
+                        raise ValueError(f"unexpected kind {got.KIND!r}")
+                    self._on_peer(got)
                 except (TypeError, ValueError) as exc:  # WireError is a ValueError
                     logger.warning("pdtool decode: dropping control frame: %s", exc)
                 continue

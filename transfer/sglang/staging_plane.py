@@ -178,9 +178,10 @@ class PrefillStaging:
         lengths = np.full(n, unit, dtype=np.uint64)
         if t.landing is not None:
             idx = b * len(t.kv_indices) + positions
-            dst = landing_offsets(t.landing_blocks, t.landing_block, t.landing_unit, idx) \
+            la = t.landing
+            dst = landing_offsets(la.blocks, la.block, la.unit, idx) \
                 + np.uint64(sl.dst_head_off * page * hb)
-            region = t.landing
+            region = la.region
         else:
             if sl.num_heads != theirs.heads_local or not peer.kv_regions:
                 raise ValueError(f"decode {peer.key} gave no landing area for a head slice "
