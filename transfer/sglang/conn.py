@@ -5,13 +5,17 @@ backend only moves bytes and reports `KVPoll` states. It subclasses SGLang's `Co
 its mooncake and nixl backends do, so bootstrap (HTTP registry), rank mapping across TP sizes,
 heartbeats, timeouts and failure bookkeeping stay SGLang's own code.
 
+The manager is SGLang's one class for both roles; its halves live in `prefill_side.py` and
+`decode_side.py`, this module keeps what both share (set-up, failure, status, metrics) and
+SGLang's sender, receiver and bootstrap server.
+
 Data plane (pdtool's messenger rules, docs/messenger.md; `prefill_plane.py`, `decode_plane.py`):
   * a rank opens one libfabric `Endpoint` per NIC beside its GPU (`rails.py`, the plan's
     GPU->NIC map in PDTOOL_NICS) and registers every KV/aux buffer and its staging memory
     on each; the decode's further endpoints count into its first one's slots, the prefill
     stripes its operations, staged ones too, over its endpoints by bytes in flight (each
     operation counted once, whichever NIC);
-  * registration: each decode rank sends REG to the prefill ranks it reads from; each answers
+  * registration: each decode rank sends HELLO to the prefill ranks it reads from; each answers
     PEER with the KV head count (SGLang's decode never gets it) and how many consecutive page
     writes it groups into one RMA operation (the smaller iov limit of the two endpoints);
   * prefill turns a chunk's page ids into (src offset, dst offset, length) arrays with
@@ -70,18 +74,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, KVTransferDestination
 from sglang.srt.disaggregation.common.conn import (
-    ABORT_TAG,
-    AbortNotification,
     CommonKVBootstrapServer,
     CommonKVManager,
     CommonKVReceiver,
@@ -90,46 +90,28 @@ from sglang.srt.disaggregation.common.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 from sglang.srt.runtime_context import get_device
-from sglang.srt.utils.network import NetworkAddress
 
 from transfer import fabric, workerenv
-from transfer.geometry import (
-    KVGroup,
-    sglang_decode_writes,
-    sglang_draft_group,
-    sglang_group_slices,
-    sglang_slices,
-)
-from transfer.layout import KVLayout, LayoutError, sglang_buffer_layouts
-from transfer.routes import RouteError, ShardSpec, Slice
-from transfer.sglang import layer_stream
+from transfer.layout import KVLayout, sglang_buffer_layouts
+from transfer.routes import RouteError
 from transfer.sglang import metrics as transfer_metrics
-from transfer.sglang.chunk import Chunk
-from transfer.sglang.decode_plane import DecodePlane
-from transfer.sglang.prefill_plane import PrefillPlane
+from transfer.sglang.decode_side import DecodeSide
+from transfer.sglang.errors import MAX_SLOTS, PdtoolBackendError
+from transfer.sglang.prefill_side import PrefillSide
 from transfer.sglang.rails import RailError, Rails, rail_specs
 from transfer.sglang.sources import dummy_flags
 from transfer.sglang.staging_plane import (
-    BOUNCE_BUFFERS,
-    DecodeLanding,
     Landing,
-    PrefillStaging,
     kv_path,
 )
 from transfer.wire import WireError, check_secret, compat_hash, read_secret
-from transfer.wire.sglang import TAG, Frames, Hello, LandingArea, Meta, PeerAnswer, RailKeys
+from transfer.wire.sglang import Frames
 from transfer.wire.sglang import facts as wire_facts
 
 logger = logging.getLogger(__name__)
 
-WIRE_VERSION = 1
 STATUS_TAG = b"PDTOOL_STATUS"
 DEFAULT_PROVIDER = "tcp;ofi_rxm"
-MAX_SLOTS = 4096  # concurrent transfers per rank (decode slots / prefill completion tags)
-
-
-class PdtoolBackendError(RuntimeError):
-    """A deployment this backend cannot serve; the message names the setting to change."""
 
 
 # --------------------------------------------------------------------------- control frames
@@ -148,67 +130,8 @@ def _load_secret(path: str, fallback: str) -> bytes:
         raise PdtoolBackendError(f"PDTOOL_SECRET_FILE: {exc}") from None
 
 
-# --------------------------------------------------------------------------- peer state
-@dataclass
-class DecodePeer:
-    """A decode rank as the prefill side knows it after its registration frame."""
-
-    key: str
-    ip: str
-    port: int
-    fabric_name: bytes
-    tp_size: int
-    tp_rank: int
-    kv_regions: tuple[fabric.RemoteRegion, ...]
-    kv_layouts: list[KVLayout]
-    aux_regions: tuple[fabric.RemoteRegion, ...]
-    aux_item_lens: tuple[int, ...]
-    identity: tuple[Any, ...] = ()  # (ip, GPU, TP size, TP rank): kept by a restarted rank
-    # every endpoint (NIC) of the decode rank, the one above first: (name, kv, aux regions)
-    rails: list[RailKeys] = field(default_factory=list)
-    per_op: int = 1  # page writes grouped into one operation (smaller iov limit of both)
-    slice: Slice | None = None  # what this prefill rank sends it (None: another rank does)
-    # a draft model's KV buffers (the last `draft.count`): how the pair shards them, this
-    # rank's slice of them (None: another rank sends them) and this rank's layouts of them in
-    # the pair's head units (`src_layouts`, one per KV buffer: the target's are kv_layouts')
-    draft: KVGroup | None = None
-    draft_slice: Slice | None = None
-    src_layouts: list[KVLayout] = field(default_factory=list)
-    sends_aux: bool = False
-    error: str | None = None  # why requests from this peer cannot be served
-
-    def buffer_slice(self, b: int) -> Slice | None:
-        """What this prefill rank sends of KV buffer `b` (the draft's buffers come last)."""
-        if self.draft is not None and b >= len(self.src_layouts) - self.draft.count:
-            return self.draft_slice
-        return self.slice
-    # (local rail, remote rail) -> fi_addr on that local rail's endpoint (inserted lazily)
-    addrs: dict[tuple[int, int], int] = field(default_factory=dict)
-    _twin_index: dict[Any, tuple[str, int]] = field(default_factory=dict)
-    # its landing area's keys on its further endpoints (META `landing_rails`)
-    landing_twins: dict[fabric.RemoteRegion, list[fabric.RemoteRegion]] = \
-        field(default_factory=dict)
-
-    def remote_twin(self, region: fabric.RemoteRegion, rail: int) -> fabric.RemoteRegion | None:
-        """`region` (as registered on the decode's first endpoint) on its endpoint `rail`;
-        None for memory it advertised on its first endpoint only."""
-        if rail == 0:
-            return region
-        landing = self.landing_twins.get(region)
-        if landing is not None:
-            return landing[rail - 1] if rail - 1 < len(landing) else None
-        if not self._twin_index:
-            self._twin_index = {r: ("kv", i) for i, r in enumerate(self.kv_regions)}
-            self._twin_index.update({r: ("aux", i) for i, r in enumerate(self.aux_regions)})
-        where = self._twin_index.get(region)
-        if where is None or rail >= len(self.rails):
-            return None
-        kind, i = where
-        return (self.rails[rail].kv if kind == "kv" else self.rails[rail].aux)[i]
-
-
 # --------------------------------------------------------------------------- manager
-class PdtoolKVManager(CommonKVManager):
+class PdtoolKVManager(PrefillSide, DecodeSide, CommonKVManager):
     """One per scheduler rank: owns the fabric endpoint and the backend's threads.
 
     Built exactly as SGLang's `PrefillBootstrapQueue` / `DecodePreallocQueue._init_kv_manager`
@@ -284,50 +207,8 @@ class PdtoolKVManager(CommonKVManager):
                 f"{self.ep.provider}: {exc}"
             ) from exc
         self._stop = threading.Event()
-        if disaggregation_mode == DisaggregationMode.PREFILL:
-            self.peers: dict[str, DecodePeer] = {}
-            self._by_identity: dict[tuple[Any, ...], str] = {}
-            self._retired: list[DecodePeer] = []  # replaced peers whose AV entry goes
-            timeout = float(envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get())
-            tags = MAX_SLOTS - BOUNCE_BUFFERS  # the last tags count the bounce buffers' writes
-            self.staging = PrefillStaging(self, self.ep, tags, path=self.kv_path,
-                                          device=self.kv_device)
-            # as long as SGLang lets a silent peer live before calling it dead
-            heartbeat_s = float(envs.SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL.get()) * \
-                int(envs.SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE.get())
-            self.plane = PrefillPlane(self, self.ep, tags, timeout, stuck_s=timeout,
-                                      staging=self.staging, rails=self.rails,
-                                      stall_s=min(heartbeat_s, timeout))
-            try:
-                self.layer_stream = layer_stream.start(self)  # None: PDTOOL_LAYER_STREAM off
-            except workerenv.WorkerEnvError as exc:
-                raise PdtoolBackendError(str(exc)) from None
-            # frames to decode ranks go out from their own thread: SGLang's PUSH sockets wait
-            # up to 30 s for a dead peer, which must stall neither writes nor control frames
-            self._outbox: queue.SimpleQueue[tuple[str, int, list[bytes]] | None] = \
-                queue.SimpleQueue()
-            self._unreachable: dict[tuple[str, int], float] = {}
-            self._threads = [
-                threading.Thread(target=self._guard(self._prefill_outbox_loop),
-                                 name="pdtool-prefill-outbox", daemon=True),
-                threading.Thread(target=self._guard(self._prefill_control_loop),
-                                 name="pdtool-prefill-control", daemon=True),
-                threading.Thread(target=self._guard(self._prefill_writer_loop),
-                                 name="pdtool-prefill-writer", daemon=True)]
-        elif disaggregation_mode == DisaggregationMode.DECODE:
-            self.total_kv_heads = 1 if self.is_mla else 0  # 0: per prefill rank, see PEER
-            self.prefill_geometry: dict[str, PeerAnswer] = {}
-            self._awaiting: dict[str, list[tuple[int, int, int, int, bool]]] = {}
-            self._geo_lock = threading.Lock()
-            self.landing = DecodeLanding(self, path=self.kv_path, device=self.kv_device,
-                                         slices=self._landed_slices, done=self._on_landed)
-            self.damage_pages = self._damage_hook()
-            self.rails.start_lanes()  # further NICs: their own C threads, counting into ep
-            self.plane = DecodePlane(self.ep, self._on_counted, self._die,
-                                     lanes=len(self.rails) > 1, metrics=self.metrics)
-            self._threads = [threading.Thread(target=self._guard(self._decode_control_loop),
-                                              name="pdtool-decode-control", daemon=True)]
-            self._start_heartbeat_checker_thread()
+        self._threads = self._start_prefill() \
+            if disaggregation_mode == DisaggregationMode.PREFILL else self._start_decode()
         for t in self._threads:
             t.start()
 
@@ -475,466 +356,9 @@ class PdtoolKVManager(CommonKVManager):
         out["rail_writes"] = self.rails.remote_writes()
         return out
 
-    # -- decode -> prefill frames (called by CommonKVReceiver) ------------------------------
     @property
     def peer_key(self) -> str:
         return f"{self.local_ip}:{self.rank_port}"
-
-    def build_receiver_registration_message(self) -> list[bytes]:
-        def keys(mrs: list[Any], rail: int) -> tuple[fabric.RemoteRegion, ...]:
-            return tuple(self.rails.twin(mr, rail).descriptor() for mr in mrs)
-
-        return self.frames.send(Hello(
-            compat=self.compat, peer=self.peer_key, ip=self.local_ip, port=self.rank_port,
-            fabric_name=self.ep.name, provider=self.ep.provider, tp_size=self.attn_tp_size,
-            tp_rank=self.kv_args.engine_rank % self.attn_tp_size,
-            gpu=int(self.kv_args.gpu_id or 0), iov_limit=self.rails.iov_limit,
-            is_mla=self.is_mla, page_size=self.kv_args.page_size, num_draft=self.num_draft,
-            kv=keys(self.kv_mrs, 0), kv_data_lens=tuple(self.kv_args.kv_data_lens),
-            kv_item_lens=tuple(self.kv_args.kv_item_lens), aux=keys(self.aux_mrs, 0),
-            aux_item_lens=tuple(self.kv_args.aux_item_lens),
-            rails=tuple(RailKeys(ep.name, keys(self.kv_mrs, i), keys(self.aux_mrs, i))
-                        for i, ep in enumerate(self.rails.eps) if i)))
-
-    def build_receiver_metadata_message(self, *, bootstrap_room: int, required_dst_info_num: int,
-                                        kv_indices: npt.NDArray[np.int32], aux_index: int | None,
-                                        state_indices: list | None, decode_prefix_len: int | None,
-                                        is_dummy: bool, device_kv_indices=None,
-                                        slot: int = 0, gen: int = 0,
-                                        landing_blocks: tuple[int, ...] | None = None
-                                        ) -> list[bytes]:
-        landing = None
-        if landing_blocks is not None and not is_dummy:
-            first, *further = self.landing.regions()  # its keys on each endpoint (NIC)
-            landing = LandingArea(first, self.landing.block_bytes, self.landing.unit,
-                                  np.asarray(landing_blocks, np.int32), tuple(further))
-        return self.frames.send(Meta(
-            self.peer_key, bootstrap_room, np.asarray(kv_indices, np.int32), aux_index, slot,
-            gen, required_dst_info_num, bool(is_dummy), int(decode_prefix_len or 0), landing))
-
-    # -- prefill: control thread -------------------------------------------------------------
-    def _prefill_control_loop(self) -> None:
-        recv = self._make_worker_recv(self.server_socket)
-        while not self._stop.is_set():
-            msg = recv()
-            if not msg:
-                continue
-            if msg[0] == ABORT_TAG:
-                self._on_abort(msg)
-                continue
-            try:  # MAC, version, replay and every field checked before a byte is used
-                got, session = self.frames.receive(msg)
-            except ValueError as exc:  # WireError, or a record that cannot be built
-                logger.warning("pdtool: dropping control frame: %s", exc)
-                continue
-            try:
-                if isinstance(got, Hello):
-                    self._on_register(got, session)
-                elif isinstance(got, Meta):
-                    self._on_meta(got)
-                else:
-                    raise ValueError(f"unexpected kind {got.KIND!r}")
-            except (TypeError, ValueError) as exc:  # signed and well-formed, yet unusable
-                logger.warning("pdtool: dropping %s frame: %s", got.KIND, exc)
-
-    def _on_register(self, h: Hello, session: bytes) -> None:
-        peer = DecodePeer(
-            key=h.peer, ip=h.ip, port=h.port, fabric_name=h.fabric_name, tp_size=h.tp_size,
-            tp_rank=h.tp_rank, kv_regions=h.kv, kv_layouts=[], aux_regions=h.aux,
-            aux_item_lens=h.aux_item_lens, identity=(h.ip, h.gpu, h.tp_size, h.tp_rank),
-            rails=[RailKeys(h.fabric_name, h.kv, h.aux), *h.rails])
-        try:
-            self._match_peer(peer, h)
-        except (PdtoolBackendError, LayoutError, RouteError) as exc:
-            peer.error = f"decode rank {peer.key} cannot be served by this prefill: {exc}"
-            logger.error("pdtool: %s", peer.error)
-        with self.room_lock:
-            old = self.peers.get(peer.key)
-            if old is not None and [r.fabric_name for r in old.rails] == \
-                    [r.fabric_name for r in peer.rails]:
-                peer.addrs = old.addrs
-            elif old is not None:
-                self._retired.append(old)
-            # a decode rank that restarted registers from a new port with the same GPU and TP
-            # rank: forget the old one (its AV entry goes once nothing of it is in flight)
-            stale = self._by_identity.get(peer.identity)
-            if stale is not None and stale != peer.key and stale in self.peers:
-                self._retired.append(self.peers.pop(stale))
-            self._by_identity[peer.identity] = peer.key
-            self.peers[peer.key] = peer
-        self._send_to_decode(peer, self.frames.send(PeerAnswer(
-            self.peer_key, self.total_kv_heads, peer.per_op, peer.error, peer.draft),
-            to=session))
-
-    def _send_to_decode(self, peer: DecodePeer, frame: list[bytes]) -> None:
-        self._outbox.put((peer.ip, peer.port, frame))
-
-    def fail_room(self, room: int, reason: str) -> None:
-        """Any prefill thread: fail `room` now (the first reason is kept) and tell its decode
-        ranks from the outbox thread, so the caller never waits on a dead decode's socket."""
-        if room not in self.request_status:
-            return
-        with self.failure_lock:
-            reason = self.failure_records.setdefault(room, reason)
-        self.update_status(room, KVPoll.Failed)
-        parts = self._encode_kv_status_message(bootstrap_room=room, status=KVPoll.Failed,
-                                               failure_reason=reason)
-        for ip, port in self._room_notify_targets(room):
-            self._outbox.put((ip, port, parts))
-
-    def _prefill_outbox_loop(self) -> None:
-        """Send queued frames to decode ranks; one that timed out is skipped for a minute
-        (it is dead or wedged: nothing it would read is worth holding the others for)."""
-        while not self._stop.is_set():
-            item = self._outbox.get()
-            if item is None:
-                return
-            ip, port, parts = item
-            if time.monotonic() < self._unreachable.get((ip, port), 0.0):
-                continue
-            na = NetworkAddress(ip, port)
-            try:
-                self._send_multipart_locked(na.to_tcp(), parts, is_ipv6=na.is_ipv6)
-            except Exception as exc:  # the decode may be gone; never stop serving
-                self._unreachable[(ip, port)] = time.monotonic() + 60.0
-                logger.warning("pdtool: cannot reach decode %s:%s: %s", ip, port, exc)
-
-    def _match_peer(self, peer: DecodePeer, h: Hello) -> None:
-        """Check both sides can talk and work out what this rank sends to that decode rank."""
-        if h.provider != self.ep.provider:
-            raise PdtoolBackendError(f"libfabric provider: prefill {self.ep.provider!r}, "
-                                     f"decode {h.provider!r} (set PDTOOL_FI_PROVIDER alike)")
-        if h.is_mla != self.is_mla:
-            raise PdtoolBackendError("one side uses an MLA pool, the other not")
-        page = self.kv_args.page_size
-        if h.page_size != page:
-            raise PdtoolBackendError(f"--page-size: prefill {page}, decode {h.page_size}")
-        mine = len(self.kv_args.kv_data_lens)
-        if h.num_draft != self.num_draft:
-            raise PdtoolBackendError(
-                f"draft-model KV buffers: prefill has {self.num_draft}, decode {h.num_draft} "
-                f"(give both roles the same --speculative-algorithm and draft model)")
-        if len(h.kv_data_lens) != mine or len(h.kv) not in (0, mine):
-            raise PdtoolBackendError(f"KV buffers: prefill has {mine}, decode "
-                                     f"{len(h.kv_data_lens)} (same model and speculative "
-                                     f"settings?)")
-        if list(peer.aux_item_lens) != list(self.kv_args.aux_item_lens):
-            raise PdtoolBackendError(
-                f"metadata buffers differ: prefill item lengths {list(self.kv_args.aux_item_lens)}"
-                f", decode {peer.aux_item_lens} (enable the same optional metadata on both)")
-        if h.compat != self.compat:  # the checks above name the usual differences
-            raise PdtoolBackendError("HELLO.compat: the decode rank's static facts differ "
-                                     "from this prefill's (pdtool versions differ?)")
-        heads = 1 if self.is_mla else self._decode_heads(peer, h)
-        ntarget = len(self.kv_args.kv_item_lens) - self.num_draft
-        mine_heads, theirs_heads = [self.heads_local] * ntarget, [heads] * ntarget
-        if self.num_draft:
-            # the draft's shards from the bytes a token takes on each side (geometry)
-            peer.draft, unit = sglang_draft_group(
-                self.num_draft, self.kv_args.kv_item_lens[-1] // page,
-                h.kv_item_lens[-1] // page, self.attn_tp_size, peer.tp_size,
-                target_mla=self.is_mla)
-            mine_heads += [self.kv_args.kv_item_lens[-1] // page // unit] * self.num_draft
-            theirs_heads += [h.kv_item_lens[-1] // page // unit] * self.num_draft
-        peer.src_layouts = sglang_buffer_layouts(self.kv_args.kv_data_lens,
-                                                 self.kv_args.kv_item_lens, mine_heads, page)
-        peer.kv_layouts = sglang_buffer_layouts(h.kv_data_lens, h.kv_item_lens,
-                                                theirs_heads, page)
-        for mine_, theirs in zip(peer.src_layouts, peer.kv_layouts, strict=True):
-            mine_.check_peer(theirs)
-        for i, r in enumerate(peer.rails):
-            if len(r.kv) != len(peer.kv_regions) or len(r.aux) != len(peer.aux_regions) or \
-                    [x.length for x in (*r.kv, *r.aux)] != \
-                    [x.length for x in (*peer.kv_regions, *peer.aux_regions)]:
-                raise PdtoolBackendError(f"HELLO.rails[{i - 1}]: its regions are not the same "
-                                         f"memory as the first endpoint's")
-        peer.per_op = max(1, min(self.rails.iov_limit, h.iov_limit))
-        slices = sglang_slices(self.is_mla, self.total_kv_heads, self.attn_tp_size,
-                               peer.tp_size, peer.tp_rank)
-        my_rank = self.kv_args.engine_rank % self.attn_tp_size
-        if self.is_mla:
-            # the decode draws the real MLA source per request (META is_dummy, sources.py);
-            # any replica holds the latent.
-            peer.slice = slices[0]
-            peer.sends_aux = True
-        else:
-            mine_ = [s for s in slices if s.src_rank == my_rank]
-            peer.slice = mine_[0] if mine_ else None
-            peer.sends_aux = slices[0].src_rank == my_rank
-        if peer.draft is not None:
-            drafts = sglang_group_slices(peer.draft, self.attn_tp_size, peer.tp_size,
-                                         peer.tp_rank)
-            self._warn_if_unplanned(peer, h, len(drafts))
-            if self.is_mla and peer.draft.whole:
-                peer.draft_slice = drafts[0]  # whichever connected rank is real sends it
-            else:
-                own = [s for s in drafts if s.src_rank == my_rank]
-                peer.draft_slice = own[0] if own else None
-
-    def _warn_if_unplanned(self, peer: DecodePeer, h: Hello, sources: int) -> None:
-        """The plan (PDTOOL_DRAFT_LAYERS set) counted the draft as sharded like the target's
-        KV; where this pair's draft takes another number of slices, its figure is off."""
-        if workerenv.DRAFT_LAYERS.get() is None:
-            return
-        page = self.kv_args.page_size
-        try:
-            planned = sglang_draft_group(self.num_draft, self.kv_args.kv_item_lens[0] // page,
-                                         h.kv_item_lens[0] // page, self.attn_tp_size,
-                                         peer.tp_size, target_mla=self.is_mla)[0]
-            want = len(sglang_group_slices(planned, self.attn_tp_size, peer.tp_size,
-                                           peer.tp_rank))
-        except RouteError:
-            want = 0
-        if want != sources:
-            logger.warning("pdtool: decode rank %s takes the draft model's KV from %d prefill "
-                           "rank(s), while the plan counted %d (its KV heads do not shard like "
-                           "the target's): the plan's writes/request is off for it",
-                           peer.key, sources, want)
-
-    def _decode_heads(self, peer: DecodePeer, h: Hello) -> int:
-        """The decode rank's local KV heads, from its item length and this rank's head size
-        (both sides hold the same heads × head_dim × dtype per token and head)."""
-        page = self.kv_args.page_size
-        head_bytes = self.kv_args.kv_item_lens[0] // (page * self.heads_local)
-        want = ShardSpec(self.total_kv_heads, peer.tp_size).heads_per_rank
-        got, rem = divmod(h.kv_item_lens[0], page * head_bytes)
-        if rem or got != want:
-            raise PdtoolBackendError(
-                f"decode KV item length {h.kv_item_lens[0]} B is not {want} heads "
-                f"({self.total_kv_heads} over TP {peer.tp_size}) × {head_bytes} B × page {page}: "
-                f"same model and --kv-cache-dtype on both sides?")
-        return got
-
-    def _on_meta(self, target: Meta) -> None:
-        room, landing = target.room, target.landing
-        peer = self.peers.get(target.peer)
-        if landing is not None and peer is not None and not peer.error:
-            if len(landing.rails) != len(peer.rails) - 1 or \
-                    any(r.length != landing.region.length for r in landing.rails):
-                raise ValueError(f"META.landing_rails: {len(landing.rails)} regions for the "
-                                 f"decode's {len(peer.rails) - 1} further endpoints, or not "
-                                 f"the landing area's length")
-            if landing.unit < max(lay.page_bytes for lay in peer.kv_layouts) \
-                    or landing.block % landing.unit:
-                raise ValueError(f"META.landing_unit {landing.unit} B is smaller than the "
-                                 f"decode's page or does not divide its block")
-            peer.landing_twins[landing.region] = list(landing.rails)
-        infos = self.transfer_infos.setdefault(room, {})
-        infos[target.peer] = target
-        if peer is None or peer.error:
-            self.record_failure(room, peer.error if peer else f"unregistered decode {target.peer}")
-            self.update_status(room, KVPoll.Failed)
-            ip, port = target.peer.rsplit(":", 1)
-            self._outbox.put((ip, int(port), self._encode_kv_status_message(
-                bootstrap_room=room, status=KVPoll.Failed,
-                failure_reason=self.failure_records.get(room))))
-            return
-        if len(infos) == target.required_dst_info_num:
-            self.req_to_decode_prefix_len[room] = target.decode_prefix_len
-            self.update_status(room, KVPoll.WaitingForInput)
-
-    def _room_notify_targets(self, bootstrap_room: int) -> list[tuple[str, int]]:
-        infos = self.transfer_infos.get(bootstrap_room) or {}
-        out = []
-        for t in list(infos.values()):
-            peer = self.peers.get(t.peer)
-            if peer is not None and not t.is_dummy and (peer.ip, peer.port) not in out:
-                out.append((peer.ip, peer.port))
-        return out
-
-    def _on_abort(self, msg: list[bytes]) -> None:
-        """Decode gave up on a room: stop writing it; ACK once its writes drained (if asked).
-        Under the room lock, so the writer either saw the room Failed before marking it in
-        flight, or marked it first and then ACKs itself once its writes drained."""
-        note = AbortNotification.from_zmq(msg)
-        if note is None:
-            return
-        with self.room_lock:
-            if note.room in self.request_status and \
-                    self.check_status(note.room) != KVPoll.Success:
-                self.record_failure(note.room, "Aborted by decode-side abort notification.")
-                self.update_status(note.room, KVPoll.Failed)
-            target = note.deferred_ack_target() if self.enable_deferred_decode_kv_release \
-                else None
-            if target is not None:
-                self.register_deferred_ack_target(note.room, target)
-                self._maybe_ack_drained_abort(note.room)  # ACKs now unless writes in flight
-
-    # -- prefill: writer thread (the only user of the endpoint) -------------------------------
-    def add_transfer_request(self, bootstrap_room: int, kv_indices: npt.NDArray[np.int32],
-                             index_slice: slice, is_last_chunk: bool,
-                             aux_index: int | None = None, state_indices: list | None = None,
-                             num_kv_tokens: int | None = None, *, wait_event: Any = None,
-                             indices_event: Any = None, **_: Any) -> None:
-        if bootstrap_room not in self.transfer_infos:
-            return  # dummy rank or cleared
-        if self.problem:
-            self.fail_room(bootstrap_room, self.problem)
-            return
-        # kv_indices stays as given: with indices_event it is still being copied to the host
-        self.plane.chunks.put(Chunk(bootstrap_room, kv_indices, index_slice, is_last_chunk,
-                                    aux_index, wait_event, indices_event))
-
-    def _prefill_writer_loop(self) -> None:
-        self.plane.run(self._stop, between=self._drop_retired_peers)
-
-    def _drop_retired_peers(self) -> None:
-        """Writer thread: remove replaced decode peers from the address vector once nothing
-        of theirs is queued or in flight (a decode instance that restarted)."""
-        if not self._retired:
-            return
-        with self.room_lock:  # the control thread adds peers under it
-            retired, self._retired = self._retired, []
-            live = {(i, a) for p in self.peers.values() for (i, _), a in p.addrs.items()}
-        for peer in retired:
-            if self.plane.peer_busy(peer.key):
-                with self.room_lock:
-                    self._retired.append(peer)
-                continue
-            for (i, _), addr in peer.addrs.items():
-                if (i, addr) not in live:
-                    self.rails.eps[i].remove_peer(addr)
-
-    # -- decode: slots and completion counting ----------------------------------------------
-    def arm(self, room: int, prefill_key: str, prefill_tp: int, num_pages: int,
-            with_aux: bool) -> tuple[int, int]:
-        """Scheduler thread: a slot counting `room`'s writes. Its count is known once the
-        prefill rank answered our registration; until then the slot counts and waits."""
-        if self.problem:
-            raise PdtoolBackendError(self.problem)
-        with self._geo_lock:
-            geo = self.prefill_geometry.get(prefill_key)
-            if geo is not None and geo.error:
-                raise PdtoolBackendError(geo.error)
-            expected = None if geo is None else self._ops(geo, prefill_tp, num_pages, with_aux)
-            try:
-                slot, gen = self.plane.allocate(room, expected, prefill_key)
-            except RuntimeError as exc:
-                raise PdtoolBackendError(str(exc)) from None
-            if geo is None:
-                self._awaiting.setdefault(prefill_key, []).append(
-                    (room, slot, prefill_tp, num_pages, with_aux))
-        return slot, gen
-
-    def _ops(self, geo: PeerAnswer, prefill_tp: int, num_pages: int,
-             with_aux: bool) -> int:
-        """Operations this rank counts for one request (pages grouped `writes_per_op`)."""
-        return sglang_decode_writes(
-            is_mla=self.is_mla, total_heads=1 if self.is_mla else geo.total_kv_heads,
-            prefill_tp=prefill_tp, decode_tp=self.attn_tp_size,
-            decode_rank=self.kv_args.engine_rank % self.attn_tp_size,
-            page_size=self.kv_args.page_size, num_pages=num_pages,
-            num_buffers=len(self.kv_args.kv_data_ptrs),
-            num_aux=len(self.aux_mrs) if with_aux else 0, writes_per_op=geo.writes_per_op,
-            draft=geo.draft)
-
-    def _on_peer(self, geo: PeerAnswer) -> None:
-        """A prefill rank's answer to our registration: the count of every slot waiting for
-        it becomes known (or they fail with its reason)."""
-        key, draft = geo.peer, geo.draft
-        if geo.writes_per_op < 1 or geo.total_kv_heads < 1:
-            raise ValueError(f"prefill {key}: writes_per_op/total_kv_heads must be >= 1")
-        if not geo.error and (draft.count if draft else 0) != self.num_draft:
-            raise ValueError(f"prefill {key}: PEER.draft covers "
-                             f"{draft.count if draft else 0} KV buffers, this rank has "
-                             f"{self.num_draft} draft buffers")
-        with self._geo_lock:
-            self.prefill_geometry[key] = geo
-            waiting = self._awaiting.pop(key, [])
-        for room, slot, prefill_tp, num_pages, with_aux in waiting:
-            try:
-                if geo.error:
-                    raise PdtoolBackendError(geo.error)
-                self.plane.set_expected(slot, room, self._ops(geo, prefill_tp, num_pages,
-                                                              with_aux))
-            except (PdtoolBackendError, RouteError) as exc:
-                self.record_failure(room, f"pdtool: {exc}")
-                self.update_status(room, KVPoll.Failed)
-
-    def _on_counted(self, room: int, reason: str | None) -> None:
-        """Progress thread: every expected write of `room` landed (or too many did). A room
-        that landed in staging is scattered into the pool first (landing thread)."""
-        if reason is None and self.landing.holds(room):
-            self.landing.counted(room)
-        else:
-            self._on_landed(room, reason)
-
-    def _damage_hook(self) -> dict[int, int] | None:
-        """PDTOOL_SGLANG_CORRUPT_INSTANCE (tests): room -> its first KV page, damaged once it
-        landed, when this decode is the instance named; None otherwise."""
-        try:
-            named = workerenv.integer(workerenv.SGLANG_CORRUPT_INSTANCE)
-            if named is None or named != workerenv.integer(workerenv.INSTANCE):
-                return None
-        except workerenv.WorkerEnvError as exc:
-            raise PdtoolBackendError(str(exc)) from None
-        if self.kv_device.type != "cpu":
-            raise PdtoolBackendError(f"{workerenv.SGLANG_CORRUPT_INSTANCE.name}: a test hook "
-                                     "for host KV pools only")
-        logger.warning("pdtool: %s: this decode damages the first KV page of every request",
-                       workerenv.SGLANG_CORRUPT_INSTANCE.name)
-        return {}
-
-    def _damage(self, room: int) -> None:
-        import ctypes
-
-        page = self.damage_pages.pop(room, None) if self.damage_pages is not None else None
-        if page is not None:
-            size = int(self.kv_args.kv_item_lens[0])
-            ctypes.memset(int(self.kv_args.kv_data_ptrs[0]) + page * size, 0x7F, size)
-
-    def _on_landed(self, room: int, reason: str | None) -> None:
-        self._damage(room)
-        if reason is None:
-            if self.request_status.get(room) not in (None, KVPoll.Failed):
-                self.update_status(room, KVPoll.Success)
-        else:
-            self.record_failure(room, reason)
-            self.update_status(room, KVPoll.Failed)
-
-    def _landed_slices(self, landing: Landing, b: int) -> list[Slice]:
-        """The head slices a landed room holds of KV buffer `b`, in this rank's pool (the
-        routes; a draft model's buffers, the last ones, in the pair's draft head units)."""
-        geo = self.prefill_geometry[landing.prefill_key]
-        rank = self.kv_args.engine_rank % self.attn_tp_size
-        if geo.draft is not None and b >= len(self.kv_args.kv_data_ptrs) - geo.draft.count:
-            return sglang_group_slices(geo.draft, landing.prefill_tp, self.attn_tp_size, rank)
-        return sglang_slices(self.is_mla, 1 if self.is_mla else geo.total_kv_heads,
-                             landing.prefill_tp, self.attn_tp_size, rank)
-
-    def _handle_node_failure(self, failed_bootstrap_addr: str) -> None:
-        """SGLang's heartbeat lost a prefill instance: forget what its ranks answered too."""
-        with self.connection_lock:
-            ranks = {f"{i.get('rank_ip')}:{i.get('rank_port')}"
-                     for k, infos in self.connection_pool.items()
-                     if k.startswith(failed_bootstrap_addr) for i in infos}
-        super()._handle_node_failure(failed_bootstrap_addr)
-        with self._geo_lock:
-            for key in ranks:
-                self.prefill_geometry.pop(key, None)
-
-    def _decode_control_loop(self) -> None:
-        recv = self._make_worker_recv(self.server_socket)
-        while not self._stop.is_set():
-            msg = recv()
-            if not msg or self.handle_abort_ack_message(msg):
-                continue
-            if msg[0] == TAG:
-                try:
-                    got, _session = self.frames.receive(msg)
-                    if not isinstance(got, PeerAnswer):
-                        raise ValueError(f"unexpected kind {got.KIND!r}")
-                    self._on_peer(got)
-                except (TypeError, ValueError) as exc:  # WireError is a ValueError
-                    logger.warning("pdtool decode: dropping control frame: %s", exc)
-                continue
-            parsed = self.parse_kv_status_message(msg)
-            if parsed is None:
-                logger.warning("pdtool decode: unexpected control message %r", msg[0][:20])
-                continue
-            room, status, prefill_rank, reason = parsed
-            self.apply_prefill_status(bootstrap_room=room, status=status,
-                                      prefill_rank=prefill_rank, failure_reason=reason)
 
     def teardown(self) -> None:
         self._stop.set()
