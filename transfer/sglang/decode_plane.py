@@ -19,7 +19,7 @@ This thread tells them when transfers are being counted (`set_active`): they pol
 then and sleep between polls otherwise.
 
 A slot may be armed before its count is known (the prefill instance has not answered the
-registration yet, see conn.py `KIND_PEER`): it counts from the start and completes once
+registration yet: PEER, `decode_side.py` `_on_peer`): it counts from the start and completes once
 `set_expected` gives the number.
 """
 
