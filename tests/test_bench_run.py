@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,23 +78,49 @@ def test_launch_sweep_writes_results_and_plot(tmp_path: Path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+def _job_process_states(root: Path) -> list[tuple[str, str]]:
+    """(target, state letter) of every process whose command line names a job folder under
+    `root`: the twin's folder is `<job>/aggregated`."""
+    out = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if str(root) in argv and "pdtool.cli" not in argv:
+            out.append(("aggregated" if "/aggregated/" in argv else "disaggregated", state))
+    return out
+
+
 @pytest.mark.slow
 def test_compare_aggregated_runs_both_deployments_interleaved(tmp_path: Path):
     """--compare aggregated starts the mode=aggregated twin on moved ports in its own job
-    folder, runs the same prompts against both, and writes one summary per target."""
+    folder, runs the same prompts against both, and writes one summary per target; on one
+    machine's CPUs each target's rounds run with the other frozen."""
     ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
              f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
              f"decode.dist_init_port={free_port()}", f"prefill.bootstrap_port={free_port()}"]
     out = tmp_path / "bench"
-    p = subprocess.run(
+    p = subprocess.Popen(
         [sys.executable, "-m", "pdtool.cli", "bench", "+recipe=tiny-local", *ports,
          f"launcher.output_dir={tmp_path}", "--launch", "--compare", "aggregated",
          "--concurrency", "1", "--requests", "4", "--rounds", "2", "--isl", "16", "--osl", "3",
          "--out", str(out)],
-        capture_output=True, text=True, timeout=600, check=False)
-    log = p.stdout + p.stderr
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # cluster.device=cpu: the twins share this machine's cores, so while one is measured the
+    # other's processes are stopped (state T); sample which were seen stopped
+    frozen: set[str] = set()
+    deadline = time.monotonic() + 600
+    while p.poll() is None and time.monotonic() < deadline:
+        for target, state in _job_process_states(tmp_path):
+            if state == "T":
+                frozen.add(target)
+        time.sleep(0.05)
+    log = p.communicate(timeout=60)[0]
     assert p.returncode == 0, log
     assert "disaggregated / aggregated" in log
+    assert frozen == {"disaggregated", "aggregated"}, frozen
     doc = json.loads((out / "results.json").read_text())
     runs = {r["target"]: r for r in doc["runs"]}
     assert set(runs) == {"disaggregated", "aggregated"}

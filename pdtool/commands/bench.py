@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,12 +160,16 @@ def interleave(targets: list[str], requests: list[Any], rounds: int) -> list[tup
 
 def measure(targets: dict[str, str], requests: list[Any], settings: dict, args: Any,
             con: Any, warm: list[Any] = (), done: list[dict] | None = None,
-            gate: Any = None) -> list[dict]:
+            gate: Any = None, focus: Callable[[str | None], None] = lambda _name: None,
+            ) -> list[dict]:
     """Run every load point against every target; one entry per (target, load point), also
     appended to `done` as each load point finishes (what an interrupted run still reports).
     The `warm` requests go to each target first, one at a time, and are not recorded (the
     first requests of a fresh process pay for lazy initialisation, allocator growth, caches).
-    `gate(apis, models)` (the --verify check) runs first and raises to stop everything."""
+    `gate(apis, models)` (the --verify check) runs first and raises to stop everything.
+    `focus(name)` is called before each of a target's rounds and warm-ups, `focus(None)`
+    before the gate and once all is measured: launched twins sharing one machine's CPUs run
+    one at a time (`_launch_and_bench`)."""
     done = [] if done is None else done
     import asyncio
 
@@ -181,10 +186,12 @@ def measure(targets: dict[str, str], requests: list[Any], settings: dict, args: 
 
     async def go() -> list[dict]:
         apis = {name: client(url, args.timeout) for name, url in targets.items()}
+        focus(None)
         models = {name: await served_model(apis[name], url) for name, url in targets.items()}
         if gate is not None:
             await gate(apis, models)
         for name in targets if warm else ():
+            focus(name)
             await drive(apis[name], models[name], list(warm), Pace(concurrency=1), args.seed,
                         lambda _r: None)
         results = done
@@ -197,6 +204,7 @@ def measure(targets: dict[str, str], requests: list[Any], settings: dict, args: 
                 got: dict[str, list] = {name: [] for name in targets}
                 for name, part in interleave(list(targets), requests, args.rounds):
                     bar.update(task, description=f"{name} {pace}")
+                    focus(name)
                     got[name].append(await drive(apis[name], models[name],
                                                  [requests[i] for i in part], pace, args.seed,
                                                  lambda _r: bar.advance(task)))
@@ -204,6 +212,7 @@ def measure(targets: dict[str, str], requests: list[Any], settings: dict, args: 
                     results.append({"target": name, "pace": str(pace), "label": pace.label,
                                     "records": [r for rnd in got[name] for r in rnd],
                                     "rounds": got[name]})
+        focus(None)
         for api in apis.values():
             await api.close()
         return results
@@ -398,11 +407,12 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     stamp = time.strftime("%Y%m%d-%H%M%S")
 
-    def bench(targets: dict[str, str], out: Path) -> int:
+    def bench(targets: dict[str, str], out: Path,
+              focus: Callable[[str | None], None] = lambda _name: None) -> int:
         finished: list[dict] = []
         try:
             results = measure(targets, requests, settings, args, con, warm, finished,
-                              verify_gate(cfg, settings, args, con))
+                              verify_gate(cfg, settings, args, con), focus)
         except (LoadError, VerifyError) as exc:
             err.print(f"[bold red]pdtool bench:[/] {exc}")
             return EXIT_ERRORS
@@ -476,12 +486,28 @@ def _launch_and_bench(args: argparse.Namespace, cfg: Any, compare: list[tuple[st
             return code
         jobs.append((label, job))
 
+    supervisors: dict[str, Supervisor] = {}
+
+    def focus(name: str | None) -> None:
+        """cluster.device=cpu: the twins share this machine's cores, so only the measured one
+        runs; the others are frozen (`Supervisor.pause`). None: all run (warm-up, the
+        --verify gate, the stop)."""
+        if cfg.cluster.device != "cpu" or len(supervisors) < 2:
+            return
+        for label, sup in supervisors.items():
+            if name is None or label == name:
+                sup.resume()
+        for label, sup in supervisors.items():
+            if name is not None and label != name:
+                sup.pause()
+
     def start(k: int, urls: dict[str, str]) -> int:
         """Start jobs[k] (its supervisor stops it when the bench returns), then the next."""
         if k == len(jobs):
-            return bench(urls, out)
+            return bench(urls, out, focus)
         name, job = jobs[k]
         supervisor = Supervisor.for_job(job, out=sys.stderr if args.json else sys.stdout)
+        supervisors[name] = supervisor
         return supervisor.run(smoke=lambda url: start(k + 1, {**urls, name: url}), task="bench")
 
     return start(0, {})

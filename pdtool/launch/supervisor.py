@@ -189,6 +189,7 @@ class Supervisor:
         self.setup_done = setup_done
         self.restarts: dict[str, int] = {}  # restarts so far, per instance (group_of)
         self.force = False
+        self.paused = False  # pause(): every process frozen (a compared twin waits its turn)
         self.held: str | None = None  # a signal that came while a process was being started
         self.holding = False
         self.running: list[Running] = []
@@ -272,11 +273,26 @@ class Supervisor:
                 out.append((r.proc.name, _status(rc), str(r.log)))
         return out
 
+    def pause(self) -> None:
+        """Freeze every process of the deployment (SIGSTOP to each group): a compared
+        deployment on the same CPUs waits out another's measured round without spending any
+        of its CPU time (NIXL's idle progress threads take two cores, measured)."""
+        self.paused = True
+        self.runner.signal([r for r in self.running if r.popen.poll() is None], signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Undo `pause`."""
+        if self.paused:
+            self.paused = False
+            self.runner.signal([r for r in self.running if r.popen.poll() is None],
+                               signal.SIGCONT)
+
     def stop_all(self) -> None:
         """Stop the router first, then decode, then prefill."""
         alive = [r for r in self.running if r.popen.poll() is None]
         if not alive:
             return
+        self.resume()  # a frozen process would hold its SIGTERM until the SIGKILL
         self.say(f"stopping {len(alive)} process(es): router, then decode, then prefill")
         for group in STOP_ORDER:
             self._stop_group([r for r in alive if r.proc.role == group])
