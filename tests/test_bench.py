@@ -228,6 +228,26 @@ def test_compared_twins_share_no_port_with_the_base_or_each_other():
         seen |= ports
 
 
+def test_twins_keep_out_of_the_ephemeral_ports():
+    """Three twins of sglang-local moved up by 1000s reached 33301, inside Linux's ephemeral
+    range (32768-60999): an outgoing connection held it and the nixl twin's router could not
+    bind its metrics listener. Twins go down instead where up would enter the range."""
+    from pdtool.compose import load_config
+    from pdtool.ports import deployment_ports
+
+    base = ["+recipe=sglang-local"]
+    cfg, _ = load_config(base)
+    compare = compare_sets(["transfer.backend=mooncake", "transfer.backend=nixl", "aggregated"])
+    avoid = range(32768, 61000)
+    offsets = twin_offsets(cfg, base, compare, avoid)
+    assert offsets[0] > 0 > offsets[1]  # up while it stays below the range, then down
+    seen = deployment_ports(cfg)
+    for (_, extra), offset in zip(compare, offsets, strict=True):
+        ports = deployment_ports(load_config(twin_overrides(cfg, base, extra, offset))[0])
+        assert not [p for p in ports if p in avoid] and not ports & seen, (offset, sorted(ports))
+        seen |= ports
+
+
 def bench_cli(*args: str) -> subprocess.CompletedProcess[str]:
     p = subprocess.run([sys.executable, "-m", "pdtool.cli", "bench", *args], capture_output=True,
                        text=True, timeout=120, check=False)

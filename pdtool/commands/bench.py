@@ -59,13 +59,26 @@ def twin_overrides(cfg: Any, overrides: list[str], extra: list[str], offset: int
     return [*overrides, *extra, *moved]
 
 
+def ephemeral_ports() -> range:
+    """The ports this machine hands out to outgoing connections (Linux
+    `ip_local_port_range`); empty where it cannot be read."""
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return range(0)
+    return range(lo, hi + 1)
+
+
 def twin_offsets(cfg: Any, overrides: list[str],
-                 compare: list[tuple[str, list[str]]]) -> list[int]:
-    """For each compared deployment, the smallest multiple of 1000 its ports move by so that
-    none of them is a port of the base deployment or of a compared one before it (every port
-    of each, instances and derived listeners included: `ports.deployment_ports`). A plain
-    1000 * k put tiny-local's aggregated twin's prefill HTTP port (30000 + 1000) on the base's
-    decode HTTP port (31000)."""
+                 compare: list[tuple[str, list[str]]],
+                 avoid: range = range(0)) -> list[int]:
+    """For each compared deployment, the nearest multiple of 1000 (up first, then down) its
+    ports move by so that none of them is a port of the base deployment or of a compared one
+    before it (every port of each, instances and derived listeners included:
+    `ports.deployment_ports`), nor in `avoid` (`ephemeral_ports()`: there any outgoing
+    connection may hold the port when the twin starts; sglang-router's metrics listener on
+    33301 was taken that way). A plain 1000 * k put tiny-local's aggregated twin's prefill
+    HTTP port (30000 + 1000) on the base's decode HTTP port (31000)."""
     from pdtool.compose import load_config
     from pdtool.ports import deployment_ports
 
@@ -74,12 +87,15 @@ def twin_offsets(cfg: Any, overrides: list[str],
     for _label, extra in compare:
         twin = load_config([*overrides, *extra])[0] or cfg
         ports = deployment_ports(twin)
-        offset = next((k * 1000 for k in range(1, 64)
-                       if max(ports) + k * 1000 <= 65535
-                       and not taken & {p + k * 1000 for p in ports}), None)
+        offset = next((off for k in range(1, 64) for off in (k * 1000, -k * 1000)
+                       if min(ports) + off >= 1024 and max(ports) + off <= 65535
+                       and not taken & {p + off for p in ports}
+                       and not any(p + off in avoid for p in ports)), None)
         if offset is None:
-            raise BenchError("--compare: no free port range beside the deployment's own; "
-                             "lower router.port and the roles' http/dist-init ports")
+            raise BenchError("--compare: no free port range beside the deployment's own (and "
+                             f"outside this machine's ephemeral ports {avoid.start}-"
+                             f"{avoid.stop - 1}); move router.port and the roles' http/"
+                             "dist-init ports")
         taken |= {p + offset for p in ports}
         offsets.append(offset)
     return offsets
@@ -467,8 +483,9 @@ def _launch_and_bench(args: argparse.Namespace, cfg: Any, compare: list[tuple[st
     overrides = list(args.overrides)
     try:
         twins = [(label, twin_overrides(cfg, overrides, extra, offset))
-                 for (label, extra), offset in zip(compare, twin_offsets(cfg, overrides, compare),
-                                                   strict=True)]
+                 for (label, extra), offset in zip(
+                     compare, twin_offsets(cfg, overrides, compare, ephemeral_ports()),
+                     strict=True)]
     except BenchError as exc:
         err.print(f"[bold red]pdtool bench:[/] {exc}")
         return EXIT_USAGE
