@@ -42,6 +42,8 @@ from ..wire.channel import check_bind_host
 from ..wire.secret import check_secret
 
 log = logging.getLogger("transfer.messenger")
+#: token ids and page ids in REQUEST bodies: uint32, little-endian
+WIRE_U32 = np.dtype("<u4")
 
 
 class MessengerError(RuntimeError):

@@ -73,6 +73,7 @@ from ..wire.envelope import Envelope
 from ..wire.handshake import compat_hash
 from ..wire.messenger import MESSENGER, facts
 from .common import (
+    WIRE_U32,
     DecodeConfig,
     MessengerThread,
     PeerClock,
@@ -83,7 +84,6 @@ from .common import (
 from .decode_control import _COUNTING, _SETTLED, DecodeControl, _Xfer
 
 log = logging.getLogger("transfer.messenger.decode")
-_U32 = np.dtype("<u4")
 
 
 def _landed(st: TransferState, counts: np.ndarray | None) -> bool:
@@ -164,7 +164,7 @@ class DecodeMessenger(DecodeControl, MessengerThread):
             if rid in self._states:
                 raise ValueError(f"rid: {rid!r} is already being transferred")
             self._states[rid] = TransferState(rid, TransferStatus.PENDING)
-        x = _Xfer(rid, tokens.astype(_U32), pages.astype(_U32), peer, time.monotonic())
+        x = _Xfer(rid, tokens.astype(WIRE_U32), pages.astype(WIRE_U32), peer, time.monotonic())
         self._cmds.append((self._cmd_submit, x))
 
     def reconnect(self, group: int, endpoints: Sequence[str]) -> None:

@@ -31,7 +31,6 @@ from .common import (
 )
 
 log = logging.getLogger("transfer.messenger.decode")
-_U32 = np.dtype("<u4")
 
 
 @dataclass

@@ -32,9 +32,9 @@ from ..routes import (
 )
 from ..wire.handshake import first_difference
 from ..wire.messenger import HELLO_STATIC, hello_facts
+from .common import WIRE_U32
 
 log = logging.getLogger("transfer.messenger.prefill")
-_U32 = np.dtype("<u4")
 
 
 @dataclass(frozen=True)
@@ -239,7 +239,7 @@ class PrefillControl:
             for p in parts:
                 self._reply_aborted(p["sender"], p, "num_tokens: decode ranks disagree")
             return
-        tokens = np.frombuffer(lead["token_ids"], dtype=_U32).copy()
+        tokens = np.frombuffer(lead["token_ids"], dtype=WIRE_U32).copy()
         req = PrefillRequest(rid, tokens, lead["num_tokens"],
                              pages_for(lead["num_tokens"], self.layout.page_size), parts,
                              max(0.001, a.timeout_s - (now - a.first)))
@@ -259,7 +259,7 @@ class PrefillControl:
         if len(b["dst_pages"]) != 4 * n:
             raise ValueError(f"dst_pages: {len(b['dst_pages']) // 4} pages for "
                              f"{b['num_tokens']} tokens, expected {n}")
-        pages = np.frombuffer(b["dst_pages"], dtype=_U32)
+        pages = np.frombuffer(b["dst_pages"], dtype=WIRE_U32)
         if n and int(pages.max()) >= dlay.num_pages:
             raise ValueError(f"dst_pages: page {int(pages.max())} >= {dlay.num_pages}")
         want_tokens = 4 * b["num_tokens"] if b["dst_rank"] == 0 else 0

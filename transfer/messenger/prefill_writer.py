@@ -30,9 +30,10 @@ from ..routes import (
 from .common import (
     LAYER_MASK,
     PASS_SHIFT,
+    WIRE_U32,
     PrefillResult,
 )
-from .prefill_control import _U32, PrefillRequest, _slices
+from .prefill_control import PrefillRequest, _slices
 
 log = logging.getLogger("transfer.messenger.prefill")
 _BATCH_BYTES = 64 << 20   # bytes per write_batch call (bounds how long one call can block)
@@ -144,7 +145,7 @@ class PrefillWriter:
         if p["sender"] in self._clock.dead:
             raise ValueError("its decode rank is not answering")
         dlay = KVLayout.from_dict(p["layout"])
-        dpages = np.frombuffer(p["dst_pages"], dtype=_U32)
+        dpages = np.frombuffer(p["dst_pages"], dtype=WIRE_U32)
         plans, count = [], 0
         src, dst, per_op = cfg.spec, cfg.peer_spec, p["writes_per_op"]
         for s in slices:
