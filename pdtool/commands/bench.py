@@ -75,10 +75,12 @@ def twin_offsets(cfg: Any, overrides: list[str],
     """For each compared deployment, the nearest multiple of 1000 (up first, then down) its
     ports move by so that none of them is a port of the base deployment or of a compared one
     before it (every port of each, instances and derived listeners included:
-    `ports.deployment_ports`), nor in `avoid` (`ephemeral_ports()`: there any outgoing
-    connection may hold the port when the twin starts; sglang-router's metrics listener on
-    33301 was taken that way). A plain 1000 * k put tiny-local's aggregated twin's prefill
-    HTTP port (30000 + 1000) on the base's decode HTTP port (31000)."""
+    `ports.deployment_ports`), and, where some offset allows it, none in `avoid`
+    (`ephemeral_ports()`: there any outgoing connection may hold the port when the twin
+    starts; sglang-router's metrics listener on 33301 was taken that way). A base deployment
+    whose own ports are in that range gets the nearest free offset. A plain 1000 * k put
+    tiny-local's aggregated twin's prefill HTTP port (30000 + 1000) on the base's decode HTTP
+    port (31000)."""
     from pdtool.compose import load_config
     from pdtool.ports import deployment_ports
 
@@ -87,15 +89,14 @@ def twin_offsets(cfg: Any, overrides: list[str],
     for _label, extra in compare:
         twin = load_config([*overrides, *extra])[0] or cfg
         ports = deployment_ports(twin)
-        offset = next((off for k in range(1, 64) for off in (k * 1000, -k * 1000)
-                       if min(ports) + off >= 1024 and max(ports) + off <= 65535
-                       and not taken & {p + off for p in ports}
-                       and not any(p + off in avoid for p in ports)), None)
-        if offset is None:
-            raise BenchError("--compare: no free port range beside the deployment's own (and "
-                             f"outside this machine's ephemeral ports {avoid.start}-"
-                             f"{avoid.stop - 1}); move router.port and the roles' http/"
-                             "dist-init ports")
+        free = [off for k in range(1, 64) for off in (k * 1000, -k * 1000)
+                if min(ports) + off >= 1024 and max(ports) + off <= 65535
+                and not taken & {p + off for p in ports}]
+        if not free:
+            raise BenchError("--compare: no free port range beside the deployment's own; "
+                             "move router.port and the roles' http/dist-init ports")
+        offset = next((off for off in free if not any(p + off in avoid for p in ports)),
+                      free[0])
         taken |= {p + offset for p in ports}
         offsets.append(offset)
     return offsets
