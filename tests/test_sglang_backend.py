@@ -45,6 +45,28 @@ def test_mha_equal_tp_pages_arrive_byte_exact_and_counted() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("provider", ["shm", "tcp;ofi_rxm"])
+def test_waiting_for_the_engine_costs_neither_side_a_core(provider: str) -> None:
+    """A room whose last chunk is still being computed: nothing is in flight, and neither the
+    prefill's writer nor the decode's progress thread may spin. SGLang's scheduler computes
+    on the same cores (and under the same GIL, on the prefill): when both spun, a 64-token
+    prefill on the CPU engine took 80 ms instead of 20 (docs/benchmark.md). Their CPU is
+    read from /proc over a 1.5 s hold (a bound on work done, not on time: a loaded box can
+    only lower it)."""
+    cfg = {"mla": False, "heads": 2, "prefill_tp": 1, "decode_tp": 1,
+           "rooms": {11: ROOMS[11]}, "hold_last_s": 1.5, "provider": provider}
+    res = run_pair(cfg)
+    check_bytes(cfg, res)  # and the room still completes, byte-exact
+    (_, results, _, stats), = res["prefill"]
+    assert results == {11: 4}
+    # a writer that polled in Python, sleeping 0.2 ms per round, took 0.18-0.19 s here
+    assert stats["held_writer_cpu_s"] < 0.05 * cfg["hold_last_s"], stats
+    (_, out, *_), = res["decode"]
+    assert out[11]["counting_cpu_share"] < 0.3, out[11]  # spinning: 0.99
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
 def test_mla_prefill_tp2_to_decode_tp1_over_tcp_rxm() -> None:
     """MLA latent replicated on both prefill ranks: SGLang marks one real, one dummy; only the
     real one writes, one write per (page, layer buffer)."""

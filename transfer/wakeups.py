@@ -1,6 +1,7 @@
 """Waking a thread that waits: the engine → messenger command queue and the messenger → engine
 doorbell. Neither control plane owns them: the reference messenger and the SGLang backend's
-decode plane both hand commands to a thread that sleeps in C or in a poller."""
+decode plane both hand commands to a thread that sleeps in C or in a poller, and the SGLang
+prefill plane takes its chunks through a command queue."""
 
 from __future__ import annotations
 

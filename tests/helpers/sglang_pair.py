@@ -237,6 +237,18 @@ def _kv_args(role: str, pool: Any, meta: Any, tp: int, rank: int, total_heads: i
     return args
 
 
+def thread_cpu_s(name: str) -> float:
+    """CPU seconds this process's live thread `name` has used so far (Linux /proc)."""
+    import threading
+
+    tid = next((t.native_id for t in threading.enumerate() if t.name == name), None)
+    if tid is None:  # it died (a test that kills it)
+        return float("nan")
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # fields from the 3rd (state) on
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def poll_until(objs: dict[int, Any], done: Any, seconds: float) -> None:
     """Poll every sender/receiver like the scheduler does until `done(state)` holds for all
     (or `seconds` pass)."""
@@ -318,7 +330,8 @@ def prefill_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
             if results[room] == KVPoll.Failed:
                 results[room] = reason_of(sender)
     time.sleep(cfg.get("settle_s", 0))  # let late completions and peer upkeep run
-    conn.send(("done", results, mgr.ep.remote_writes, getattr(mgr, "stats", dict)()))
+    stats = {**getattr(mgr, "stats", dict)(), "held_writer_cpu_s": cfg.get("held_cpu_s")}
+    conn.send(("done", results, mgr.ep.remote_writes, stats))
     conn.recv()  # keep the endpoint and bootstrap server alive until decode finished
     mgr.teardown()
     del server
@@ -343,6 +356,12 @@ def _send_rooms(cfg: dict[str, Any], senders: dict[int, Any], results: dict[int,
         src = np.asarray(req["src_pages"], dtype=np.int32)
         sender.init(len(src), req["aux_index"])
         for lo in range(0, len(src), req["chunk"]):  # chunked prefill: one send per chunk
+            if cfg.get("hold_last_s") and lo + req["chunk"] >= len(src):
+                # the engine computes the last chunk: the room is open, nothing in flight
+                time.sleep(0.2)  # the earlier chunks' writes complete
+                before = thread_cpu_s("pdtool-prefill-writer")
+                time.sleep(cfg["hold_last_s"])
+                cfg["held_cpu_s"] = thread_cpu_s("pdtool-prefill-writer") - before
             sender.send(src[lo: lo + req["chunk"]])
         sending[room] = sender
     return sending
@@ -402,6 +421,7 @@ def decode_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
     if cfg.get("close_endpoint"):  # the progress thread's next poll fails: it dies
         mgr.ep.close()
     states = {room: [int(r.poll())] for room, r in recvs.items()}
+    counting_since, counting_cpu = time.monotonic(), thread_cpu_s("pdtool-decode-progress")
     deadline = time.time() + cfg.get("wait", 60)
     while time.time() < deadline and any(s[-1] not in (KVPoll.Success, KVPoll.Failed)
                                          for s in states.values()):
@@ -410,9 +430,12 @@ def decode_rank(cfg: dict[str, Any], rank: int, conn: Any) -> None:
             st = int(r.poll())
             if st != states[room][-1]:
                 states[room].append(st)
+    # while its slots counted: the progress thread's CPU share
+    counting = (thread_cpu_s("pdtool-decode-progress") - counting_cpu) / \
+        max(time.monotonic() - counting_since, 1e-3)
     for room, recv in recvs.items():
         error = reason_of(recv) if states[room][-1] == KVPoll.Failed else None
-        out[room] = {"states": states[room], "error": error,
+        out[room] = {"states": states[room], "error": error, "counting_cpu_share": counting,
                      "per_op": [g.writes_per_op for g in
                                 getattr(mgr, "prefill_geometry", {}).values()],
                      "count": int(mgr.ep.recv_counts[recv.slot]) if recv.slot is not None

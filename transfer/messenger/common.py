@@ -34,6 +34,7 @@ import zmq
 from .. import timers
 from ..fabric import FabricError
 from ..layout import KVLayout, LayoutError
+from ..plane import idle
 from ..plane.metrics import TRANSFER_S_BOUNDS
 from ..progress import LAYER_MASK, PASS_SHIFT  # noqa: F401  the progress word's one home
 from ..routes import RouteError, ShardSpec
@@ -93,7 +94,7 @@ class CommonConfig:
     peer_timeout_s: float = timers.PEER_TIMEOUT_S
     busy_sleep_s: float = 0.0
     idle_sleep_s: float = 0.005  # = MessengerThread.TIMER_S: messages and commands wake it anyway
-    poll_backoff_s: float = 0.0005
+    poll_backoff_s: float = idle.POLL_BACKOFF_S
     name: str = ""
 
     def __post_init__(self) -> None:
@@ -311,7 +312,7 @@ class MessengerThread:
 
     role = "worker"
     TIMER_S = 0.005
-    POLL_SLEEP_S = 20e-6  # first sleep of an empty stretch of polls (see poll_backoff_s)
+    POLL_SLEEP_S = idle.POLL_SLEEP_S  # first sleep of an empty stretch of polls
     # a wait whose events all come with a kick (transfer.kick) sleeps this long at once; a
     # kick ends the sleep, so this bounds only what a missed kick would cost
     KICK_SLEEP_S = 0.005
@@ -384,10 +385,8 @@ class MessengerThread:
 
     def idle_options(self) -> dict[str, Any]:
         """Endpoint options for how this messenger's C waits idle (`poll_backoff_s`)."""
-        backoff = self.config.poll_backoff_s
-        if not backoff:
-            return {}
-        return {"idle_sleep_s": min(self.POLL_SLEEP_S, backoff), "idle_max_sleep_s": backoff}
+        return idle.idle_options(self.config.provider, self.config.poll_backoff_s,
+                                 receiver=self.role == "decode")
 
     @property
     def fabric_domain(self) -> str:

@@ -106,14 +106,6 @@ class DecodeMessenger(DecodeControl, MessengerThread):
     # Python round (~0.2 ms of a loaded core) while a prefill computes for the same request
     # on the same cores: at 2 ms that was a tenth of a core per decoder
     POLL_SLICE_S = 0.02
-    # empty polls before a decoder counting writes on tcp sleeps on the CQ's wait fd (the
-    # endpoint's default: 64). There the receiver's polls move the bytes, and a receiver asleep
-    # mid-stream makes the sender wake it at each burst: at 1 MiB pages the gaps between bursts
-    # outlast 256 polls, 4,700-8,700 sleeps per 2 GiB; 1,024 polls (about 2 ms) bridge them
-    # (120-300 sleeps), and the prefill spent 0.255-0.26 CPU s/GiB instead of 0.29-0.305,
-    # 0.89-1.27x the raw binding's GB/s instead of 0.66-1.05x (docs/benchmark-rounds.md,
-    # "Ninth round")
-    TCP_STREAM_SPINS = 1024
 
     def __init__(self, config: DecodeConfig, kv_buffers: Sequence[Any], layout: str = "HND",
                  aux_buffers: Sequence[Any] = ()) -> None:
@@ -295,13 +287,6 @@ class DecodeMessenger(DecodeControl, MessengerThread):
     def stale_writes(self) -> int:
         """Writes that arrived for a slot generation no longer current (fenced, not counted)."""
         return self._stale
-
-    def idle_options(self) -> dict[str, Any]:
-        """The common idle options; on tcp, TCP_STREAM_SPINS empty polls before a sleep."""
-        options = super().idle_options()
-        if options and self.config.provider.startswith("tcp"):  # none: it never sleeps
-            options["idle_spins"] = self.TCP_STREAM_SPINS
-        return options
 
     # ================================================================ messenger thread
     def _setup(self) -> None:

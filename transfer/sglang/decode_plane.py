@@ -39,7 +39,11 @@ from transfer.wakeups import CommandQueue
 logger = logging.getLogger(__name__)
 
 UNKNOWN = 0xFFFFFFFF  # expected count of a slot whose prefill geometry is not known yet
-POLL_SLICE_S = 0.002  # longest C wait before the thread looks at new slots again
+# longest C wait: arming a slot, its count and close ring the bell, which ends the wait at
+# once, so the slice bounds only a release's switch of the lanes to their idle polling. Each
+# return costs a Python round, and on tcp each new wait polls 1,024 times before it sleeps
+# (transfer.plane.idle): at 2 ms a decoder counting writes spun most of a core.
+POLL_SLICE_S = 0.02
 IDLE_WAIT_S = 0.05    # nothing being counted: sleep on the doorbell this long per round
 
 
@@ -62,6 +66,8 @@ class DecodePlane:
         self._rooms: dict[int, int] = {}  # slot -> room
         self._armed: dict[int, tuple[float, str]] = {}  # room -> (armed at, prefill peer)
         self._bell = CommandQueue()
+        if ep.has_wait_fd:  # tcp: the C waits' sleeps end when bytes arrive or a command comes
+            ep.set_wake_fd(self._bell.wake_fd)
         self._stop = threading.Event()
         self.problem = ""  # why the plane stopped; new transfers are refused with it
         self._thread = threading.Thread(target=self._run, name="pdtool-decode-progress",

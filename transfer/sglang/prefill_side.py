@@ -392,7 +392,7 @@ class PrefillSide:
             self.fail_room(bootstrap_room, self.problem)
             return
         # kv_indices stays as given: with indices_event it is still being copied to the host
-        self.plane.chunks.put(Chunk(bootstrap_room, kv_indices, index_slice, is_last_chunk,
+        self.plane.chunks.append(Chunk(bootstrap_room, kv_indices, index_slice, is_last_chunk,
                                     aux_index, wait_event, indices_event))
 
     def _prefill_writer_loop(self) -> None:
