@@ -124,11 +124,17 @@ def instance_ports(cfg: Config, rname: str, i: int) -> list[tuple[int, str, str]
     return out
 
 
-def deployment_ports(cfg: Config) -> set[int]:
-    """Every port the deployment listens on, all roles and instances together (on one
-    machine: what a second deployment beside it must not take)."""
-    ports = {p for p, _ in router_ports(cfg)}
+def deployment_listeners(cfg: Config) -> list[tuple[int, str, str]]:
+    """(port, config key, what) of every listener of the deployment, all roles and instances
+    together: on one machine, what a second deployment beside it must not take."""
+    out = [(p, "router.port", what) for p, what in router_ports(cfg)]
     for rname in ("prefill", "decode"):
         for i in range(role(cfg, rname).instances):
-            ports.update(p for p, _, _ in instance_ports(cfg, rname, i))
-    return ports
+            out += [(p, key, f"{rname}-{i} {what}")
+                    for p, key, what in instance_ports(cfg, rname, i)]
+    return out
+
+
+def deployment_ports(cfg: Config) -> set[int]:
+    """Every port of `deployment_listeners`."""
+    return {p for p, _, _ in deployment_listeners(cfg)}

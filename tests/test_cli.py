@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -332,3 +333,20 @@ def test_config_prints_the_resolved_config_and_every_key():
     tpp = pdtool("validate", "prefill.tpp=2")
     assert "did you mean prefill.tp?" in tpp.stdout + tpp.stderr
     assert "pdtool config --keys prefill." in " ".join((tpp.stdout + tpp.stderr).split())
+
+
+def test_launch_refuses_ports_another_process_holds(tmp_path):
+    """A second deployment on the same ports answered its health checks with the first one's
+    servers and was benchmarked in its place; launch now names the taken port and its key,
+    before anything starts, while validate (of a running deployment's config) stays clean."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        args = ("+recipe=tiny-local", f"decode.http_port={port}")
+        p = pdtool("launch", *args, "--out", str(tmp_path / "job"))
+        assert p.returncode == 1 and "not started" in p.stderr, p.stderr
+        assert f"port {port}" in p.stderr and "decode.http_port" in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr
+        assert not (tmp_path / "job").exists()
+        assert pdtool("validate", *args).returncode == 0

@@ -69,7 +69,8 @@ def render_or_explain(overrides: list[str], out: Path | None, suffix: str = "",
     """(Rendered, 0) or (None, exit code) after printing the findings that refused it.
     `write=False` (a dry run) builds everything and writes nothing; then `Rendered.text` is
     the script. `check_host` (launch): a launcher=local deployment whose cluster preset this
-    machine does not match is refused before its job folder (and secret) is written."""
+    machine does not match, or whose ports a process here holds, is refused before its job
+    folder (and secret) is written."""
     from pdtool.commands._common import EXIT_ERRORS, EXIT_USAGE, console, print_findings
     from pdtool.launch.spec import LaunchError
     from pdtool.render import build_job, prepare, write_job_folder
@@ -84,11 +85,15 @@ def render_or_explain(overrides: list[str], out: Path | None, suffix: str = "",
     if findings:
         print_findings(err, findings)  # warnings only
     if check_host:
-        from pdtool.launch.host import host_findings
+        from pdtool.launch.host import host_findings, port_findings
 
         if mismatch := host_findings(cfg):
             err.print("[bold red]not started:[/] this machine does not match the cluster preset")
             print_findings(err, mismatch)
+            return None, EXIT_ERRORS
+        if taken := port_findings(cfg):
+            err.print("[bold red]not started:[/] ports of the deployment are in use here")
+            print_findings(err, taken)
             return None, EXIT_ERRORS
     try:
         if not write:

@@ -9,11 +9,14 @@ call it for launcher=local).
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 from pathlib import Path
 
 from pdtool.launch.resources import node_cpus
 from pdtool.plan import compress_cpus
+from pdtool.ports import deployment_listeners
 from pdtool.rules.finding import Finding, error
 from pdtool.schema import Config
 
@@ -48,3 +51,31 @@ def host_findings(cfg: Config) -> list[Finding]:
                          "point model.path at a checkpoint folder here, or give a Hugging Face "
                          "Hub id (org/name) to download"))
     return out
+
+
+def port_findings(cfg: Config) -> list[Finding]:
+    """Errors naming each port the deployment would listen on that a process here holds
+    (launcher=local, `pdtool launch` and `pdtool bench --launch` only: validating a running
+    deployment's config is fine). Without it a second deployment on the same ports answered
+    its health checks with the first one's servers, and was benchmarked in its place."""
+    if cfg.launcher.kind != "local":
+        return []
+    out = []
+    for port, key, what in deployment_listeners(cfg):
+        if _taken(port):
+            out.append(error(key, f"port {port} ({what}) is already in use on this machine",
+                             "stop what holds it (another deployment: `pdtool status`, "
+                             f"`pdtool stop`), or move {key}"))
+    return out
+
+
+def _taken(port: int) -> bool:
+    """Whether binding `port` on every address fails because something holds it (a socket in
+    TIME_WAIT does not count: servers bind with SO_REUSEADDR)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
