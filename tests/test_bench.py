@@ -248,6 +248,28 @@ def test_twins_keep_out_of_the_ephemeral_ports():
         seen |= ports
 
 
+def test_frozen_sglang_servers_keep_the_routers_connections(tmp_path):
+    """A compared SGLang deployment frozen between its rounds for longer than uvicorn's 5 s
+    keep-alive closed the router's pooled connection as the router reused it: one request
+    waited 120 s. Every launched deployment's servers keep idle connections for the run."""
+    from pdtool.commands.bench import FROZEN_KEEP_ALIVE_S, frozen_server_overrides
+    from pdtool.compose import load_config
+    from pdtool.render import render
+
+    base = ["+recipe=sglang-local"]
+    cfg, _ = load_config(base)
+    compare = compare_sets(["transfer.backend=mooncake"])
+    extra = frozen_server_overrides(cfg, compare)
+    rendered, findings = render(twin_overrides(cfg, [*base, *extra], compare[0][1], 1000),
+                                tmp_path / "job")
+    assert rendered is not None, findings
+    for proc in rendered.spec.procs:  # the SGLang servers
+        argv = " ".join(map(str, proc.argv))
+        assert f"SGLANG_TIMEOUT_KEEP_ALIVE={FROZEN_KEEP_ALIVE_S}" in argv, proc.name
+    assert frozen_server_overrides(cfg, []) == []  # nothing is frozen without a comparison
+    assert frozen_server_overrides(load_config(["+recipe=tiny-local"])[0], compare) == []
+
+
 def bench_cli(*args: str) -> subprocess.CompletedProcess[str]:
     p = subprocess.run([sys.executable, "-m", "pdtool.cli", "bench", *args], capture_output=True,
                        text=True, timeout=120, check=False)

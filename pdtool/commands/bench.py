@@ -460,6 +460,21 @@ def run(args: argparse.Namespace) -> int:
     return _launch_and_bench(args, cfg, settings["compare"], bench, err)
 
 
+#: how long SGLang's HTTP servers keep an idle connection while a comparison freezes them
+FROZEN_KEEP_ALIVE_S = 3600
+
+
+def frozen_server_overrides(cfg: Any, compare: list[tuple[str, list[str]]]) -> list[str]:
+    """Overrides for deployments the bench freezes between their rounds (`focus`): SGLang's
+    servers close an idle connection after 5 s (uvicorn's keep-alive, SGLANG_TIMEOUT_KEEP_ALIVE),
+    so one frozen for longer closed the router's pooled connection just as the router reused
+    it, and that request waited 120 s, for SGLang's bootstrap timeout, before the router
+    retried it (sglang-router: "Decode request failed ... error sending request")."""
+    if not compare or cfg.cluster.device != "cpu" or cfg.engine.kind != "sglang":
+        return []
+    return [f"++launcher.env.all.SGLANG_TIMEOUT_KEEP_ALIVE={FROZEN_KEEP_ALIVE_S}"]
+
+
 def launch_problem(cfg: Any, compare: list[tuple[str, list[str]]]) -> str | None:
     """Why `--launch` cannot start these deployments here, or None."""
     if cfg.launcher.kind != "local":
@@ -481,7 +496,7 @@ def _launch_and_bench(args: argparse.Namespace, cfg: Any, compare: list[tuple[st
     from pdtool.commands.render import render_or_explain
     from pdtool.launch.supervisor import Supervisor
 
-    overrides = list(args.overrides)
+    overrides = [*args.overrides, *frozen_server_overrides(cfg, compare)]
     try:
         twins = [(label, twin_overrides(cfg, overrides, extra, offset))
                  for (label, extra), offset in zip(
