@@ -155,6 +155,17 @@ def test_pdtool_bench_against_the_router(pd_shm: Served, tmp_path: Path) -> None
     assert run["summary"]["completed"] == 6
     assert [r["input_tokens"] for r in run["records"]] == [40] * 6
     assert run["summary"]["output_tokens"] == 6 * 4
+    # without the deployment's overrides the bench sends token ids, which the router
+    # refuses: the failure says what to give instead (it listed one HTTP 422 per column)
+    p = subprocess.run(
+        [sys.executable, "-m", "pdtool.cli", "bench", "--url", pd_shm.url, "--concurrency",
+         "1", "--requests", "2", "--isl", "8", "--osl", "2", "--out", str(tmp_path / "ids")],
+        capture_output=True, text=True, timeout=300, check=False)
+    failures = json.loads((tmp_path / "ids" / "results.json").read_text())["runs"][0]
+    assert failures["summary"]["errors"] == {
+        "HTTP 422: the front takes text prompts, not token ids (sglang-router): give the "
+        "bench the deployment's overrides (engine=sglang, e.g. +recipe=sglang-local) or "
+        "--job DIR": 2}, p.stdout + p.stderr
 
 
 def test_sglang_servers_export_the_transfer_metrics(pd_shm: Served) -> None:

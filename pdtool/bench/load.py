@@ -65,6 +65,14 @@ async def served_model(api: Any, url: str) -> str:
     return page.data[0].id
 
 
+#: sglang-router refuses token-id prompts (HTTP 422, "prompt: data did not match any variant
+#: of untagged enum StringOrArray at line 1 column N", a column per request); the bench sends
+#: ids when its config names the reference engine, e.g. `--url` without the overrides
+TEXT_ONLY_FRONT = ("HTTP 422: the front takes text prompts, not token ids (sglang-router): "
+                   "give the bench the deployment's overrides (engine=sglang, e.g. "
+                   "+recipe=sglang-local) or --job DIR")
+
+
 def _chunk_tokens(chunk: Any) -> int:
     extra = getattr(chunk, "model_extra", None) or {}
     ids = (extra.get("pdtool") or {}).get("token_ids")
@@ -107,6 +115,9 @@ async def one(api: Any, model: str, req: Request, clock: Callable[[], float]) ->
             rec.error = "the response carried no tokens"
     except openai.APIStatusError as exc:
         rec.error = f"HTTP {exc.status_code}: {_message(exc)}"
+        if exc.status_code == 422 and isinstance(req.prompt, list) and \
+                "StringOrArray" in rec.error:
+            rec.error = TEXT_ONLY_FRONT
     except openai.APIError as exc:  # an error event in the stream, connection loss, timeout
         rec.error = f"{type(exc).__name__}: {_message(exc)}"
     if rec.end is None:
