@@ -213,8 +213,8 @@ class LayerStream:
                     r.pages_event = None
                 if not isinstance(r.pages, np.ndarray):
                     r.pages = np.asarray(r.pages.numpy(), dtype=np.int32)
-                self.mgr.plane.chunks.append(LayerPart(r.room, r.pages, r.index_slice, False,
-                                                    None, buffers=buffers))
+                self.mgr.plane.chunks.append(LayerPart(r.room, r.pages, r.index_slice,
+                                                       False, None, buffers=buffers))
                 self.parts += 1
 
 
