@@ -23,6 +23,7 @@ from helpers.local_launch import (
     health,
     overrides,
     procs_of,
+    script,
     supervisor,
     wait_gone,
     worker_pid,
@@ -156,12 +157,14 @@ def test_a_signal_while_waiting_for_health_stops_at_once(tmp_path: Path) -> None
 
 @pytest.mark.slow
 def test_worker_that_never_comes_up_fails_clearly(tmp_path: Path) -> None:
+    """A port taken once the job is rendered (`pdtool launch` refuses one taken before: the
+    rendered script runs without that check, as a port taken in between would)."""
     base = 27400
     blocker = socket.socket()
     blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     blocker.bind(("127.0.0.1", base + 10))  # decode-0's port
     blocker.listen()
-    run = supervisor(base, tmp_path / "job")
+    run = script(base, tmp_path / "job")
     try:
         code, out = run.finish(timeout=60)
     finally:

@@ -51,17 +51,24 @@ def test_a_taken_bootstrap_port_is_one_clear_line_and_the_launch_stops_at_once(t
     """The prefill lead listens on its planned bootstrap port (the decode ranks reach it
     there); taken by another process, the prefill exits naming the key with no traceback, and
     the decode ranks, still waiting for its /health, stop on the launcher's SIGTERM instead of
-    sitting out their grace period (launcher.stop_grace_s) until SIGKILL."""
+    sitting out their grace period (launcher.stop_grace_s) until SIGKILL. `pdtool launch`
+    refuses a port taken before it starts (test_cli.py); the worker's own line covers a port
+    taken after that, and the rendered job run on its own (`run_local.sh` hands over to the
+    supervisor, as here)."""
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     port = taken.getsockname()[1]
     ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
              f"router.port={free_port()}", f"prefill.bootstrap_port={port}"]
+    job = tmp_path / "job"
     try:
+        rendered = subprocess.run(
+            [sys.executable, "-m", "pdtool.cli", "render", "+recipe=tiny-local", *ports,
+             "--out", str(job)], capture_output=True, text=True, timeout=120)
+        assert rendered.returncode == 0, rendered.stdout + rendered.stderr
         res = subprocess.run(
-            [sys.executable, "-m", "pdtool.cli", "launch", "+recipe=tiny-local", *ports,
-             "--smoke", "--out", str(tmp_path / "job")],
+            [sys.executable, "-m", "pdtool.launch.supervisor", str(job), "--exit-when-healthy"],
             capture_output=True, text=True, timeout=300)
     finally:
         taken.close()
