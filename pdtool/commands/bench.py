@@ -464,13 +464,19 @@ def run(args: argparse.Namespace) -> int:
 FROZEN_KEEP_ALIVE_S = 3600
 
 
+def freezes_targets(cfg: Any, compare: list[tuple[str, list[str]]]) -> bool:
+    """Whether `--launch --compare` runs one deployment at a time and freezes the others
+    (`Supervisor.pause`): on cluster.device=cpu they share this machine's cores."""
+    return bool(compare) and cfg.cluster.device == "cpu"
+
+
 def frozen_server_overrides(cfg: Any, compare: list[tuple[str, list[str]]]) -> list[str]:
     """Overrides for deployments the bench freezes between their rounds (`focus`): SGLang's
     servers close an idle connection after 5 s (uvicorn's keep-alive, SGLANG_TIMEOUT_KEEP_ALIVE),
     so one frozen for longer closed the router's pooled connection just as the router reused
     it, and that request waited 120 s, for SGLang's bootstrap timeout, before the router
     retried it (sglang-router: "Decode request failed ... error sending request")."""
-    if not compare or cfg.cluster.device != "cpu" or cfg.engine.kind != "sglang":
+    if not freezes_targets(cfg, compare) or cfg.engine.kind != "sglang":
         return []
     return [f"++launcher.env.all.SGLANG_TIMEOUT_KEEP_ALIVE={FROZEN_KEEP_ALIVE_S}"]
 
@@ -525,7 +531,7 @@ def _launch_and_bench(args: argparse.Namespace, cfg: Any, compare: list[tuple[st
         """cluster.device=cpu: the twins share this machine's cores, so only the measured one
         runs; the others are frozen (`Supervisor.pause`). None: all run (warm-up, the
         --verify gate, the stop)."""
-        if cfg.cluster.device != "cpu" or len(supervisors) < 2:
+        if not freezes_targets(cfg, compare) or len(supervisors) < 2:
             return
         for label, sup in supervisors.items():
             if name is None or label == name:

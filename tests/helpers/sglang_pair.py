@@ -238,15 +238,24 @@ def _kv_args(role: str, pool: Any, meta: Any, tp: int, rank: int, total_heads: i
 
 
 def thread_cpu_s(name: str) -> float:
-    """CPU seconds this process's live thread `name` has used so far (Linux /proc)."""
-    import threading
+    """CPU seconds this process's live thread `name` has used so far (nan: it died)."""
+    from transfer.testing.loopback import thread_cpu
 
-    tid = next((t.native_id for t in threading.enumerate() if t.name == name), None)
-    if tid is None:  # it died (a test that kills it)
-        return float("nan")
-    with open(f"/proc/self/task/{tid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()  # fields from the 3rd (state) on
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return thread_cpu().get(name, float("nan"))
+
+
+def _wait_writer_idle(mgr: Any, seconds: float = 60) -> None:
+    """Until the prefill's writer has taken every chunk and none of its writes is queued or in
+    flight (twice in a row, 50 ms apart), however long a loaded box makes that take."""
+    def idle() -> bool:
+        queues = list(mgr.plane.queues.values())  # one step under the GIL: the writer edits it
+        return not mgr.plane.chunks and not any(q.batches for q in queues) and \
+            not any(ep.inflight for ep in mgr.rails.eps)
+
+    deadline = time.monotonic() + seconds
+    while not (idle() and (time.sleep(0.05) or idle())):
+        assert time.monotonic() < deadline, "the writer never drained the earlier chunks"
+        time.sleep(0.01)
 
 
 def poll_until(objs: dict[int, Any], done: Any, seconds: float) -> None:
@@ -358,7 +367,7 @@ def _send_rooms(cfg: dict[str, Any], senders: dict[int, Any], results: dict[int,
         for lo in range(0, len(src), req["chunk"]):  # chunked prefill: one send per chunk
             if cfg.get("hold_last_s") and lo + req["chunk"] >= len(src):
                 # the engine computes the last chunk: the room is open, nothing in flight
-                time.sleep(0.2)  # the earlier chunks' writes complete
+                _wait_writer_idle(sender.kv_mgr)
                 before = thread_cpu_s("pdtool-prefill-writer")
                 time.sleep(cfg["hold_last_s"])
                 cfg["held_cpu_s"] = thread_cpu_s("pdtool-prefill-writer") - before

@@ -180,7 +180,7 @@ def _tokens(rid: str, n: int) -> np.ndarray:
     return np.random.default_rng(zlib.crc32(rid.encode())).integers(0, 50000, n, dtype=np.uint32)
 
 
-def _thread_cpu() -> dict[str, float]:
+def thread_cpu() -> dict[str, float]:
     """CPU seconds (user + system) of each live thread of this process, by thread name (the
     Python name, else the kernel's: the messenger's C lane threads are "pdtool-lane").
 
@@ -268,7 +268,7 @@ def _prefill_main(s: Scenario, secret: bytes, inst: int, rank: int, conn: Any,
             held = [(due, req) for due, req in held if due > now]
             for req in new:
                 if cpu0 is None and req.rid != "warmup":
-                    cpu0 = _thread_cpu()
+                    cpu0 = thread_cpu()
                 bound_at[req.rid] = time.monotonic()
                 m.bind(req, pages[req.rid])
                 active.append([req, 0])
@@ -305,7 +305,7 @@ def _prefill_main(s: Scenario, secret: bytes, inst: int, rank: int, conn: Any,
                 results[rid] = {"ok": r.ok, "reason": r.reason, "writes": r.writes,
                                 "seconds": time.monotonic() - bound_at.get(rid, t_start)}
                 m.release(rid)
-                cpu1 = _thread_cpu()
+                cpu1 = thread_cpu()
             # an aborted request may be settled before its last chunk: stop computing it
             active = [a for a in active if a[0].rid not in results]
             if not chunks and not new:
@@ -375,7 +375,7 @@ def _decode_main(s: Scenario, secret: bytes, rank: int, endpoints: tuple[tuple[s
     try:
         for wave in sorted({w for *_, w in reqs}):
             batch = [r for r in reqs if r[3] == wave]
-            t0, cpu0 = time.perf_counter(), _thread_cpu()
+            t0, cpu0 = time.perf_counter(), thread_cpu()
             submitted = time.monotonic()
             for rid, n, peer, _w in batch:
                 m.submit(rid, _tokens(rid, n), dpages[rid], peer=peer)
@@ -423,7 +423,7 @@ def _decode_main(s: Scenario, secret: bytes, rank: int, endpoints: tuple[tuple[s
             if wave >= 0:
                 report["waves"].append({"seconds": time.perf_counter() - t0,
                                         "pages": sum(len(dpages[r[0]]) for r in batch),
-                                        "cpu": _cpu_delta(cpu0, _thread_cpu())})
+                                        "cpu": _cpu_delta(cpu0, thread_cpu())})
             for rid in pending:
                 st = m.status(rid)
                 report["requests"][rid] = {"status": st.status.value, "reason": st.reason,
