@@ -182,7 +182,8 @@ def test_failed_writes_release_their_rooms_and_tags() -> None:
     """70 rooms whose decode rank died after sending its metadata: every write fails on
     tcp;ofi_rxm. Each room fails with the reason and gives its fabric tag back. Before, a
     failed operation was never counted as done, so its room, its tag and any deferred ACK
-    waited forever, and the native error ring kept only the newest 64 errors."""
+    waited forever, and the native error ring kept only the newest 64 errors. Rooms written
+    after the provider saw the connection close fail by refusal (the test below)."""
     rooms = {100 + i: {"src_pages": [i % 16, (i + 5) % 16], "dst_pages": [i % 16, (i + 7) % 16],
                        "aux_index": i % AUX_ROWS, "dst_aux": i % AUX_ROWS, "chunk": 1,
                        "after_go": True} for i in range(70)}
@@ -199,6 +200,25 @@ def test_failed_writes_release_their_rooms_and_tags() -> None:
     from transfer.sglang.staging_plane import BOUNCE_BUFFERS
 
     assert stats["tags_free"] == MAX_SLOTS - BOUNCE_BUFFERS, stats  # the last count bounces
+
+
+def test_writes_refused_after_the_connection_closed_fail_their_rooms() -> None:
+    """rxm over tcp, once a write found the dead decode's connection closed, refuses every
+    later write to it with none in flight and reports no error (the queue "stays full"). The
+    rooms sent after that fail with the reason within SGLang's heartbeat window (2 s here)
+    instead of waiting for its waiting timeout (60 s here, 300 s by default)."""
+    rooms = {100 + i: {"src_pages": [i, i + 5], "dst_pages": [i, i + 7], "aux_index": i,
+                       "dst_aux": i, "chunk": 1, "after_go": True} for i in range(4)}
+    rooms[10] = ROOMS[12]  # lands first: the fabric connection exists when the decode dies
+    cfg = {"mla": True, "heads": 1, "prefill_tp": 1, "decode_tp": 1, "rooms": rooms,
+           "provider": "tcp;ofi_rxm", "go_after": True, "wait": 120, "first_alone": True}
+    res = run_pair(cfg, kill_decode=True)
+    (_, results, _, stats), = res["prefill"]
+    assert results.pop(10) == 4
+    assert "Broken pipe" in results.pop(100)  # the write that found the connection closed
+    for room, r in results.items():
+        assert "refused every write to it for 2 s with none in flight" in r, (room, r)
+    assert stats["rooms"] == 0 and stats["leaked_tags"] == 0, stats
 
 
 @pytest.mark.timeout(400)

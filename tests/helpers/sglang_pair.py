@@ -373,6 +373,10 @@ def _send_rooms(cfg: dict[str, Any], senders: dict[int, Any], results: dict[int,
                 cfg["held_cpu_s"] = thread_cpu_s("pdtool-prefill-writer") - before
             sender.send(src[lo: lo + req["chunk"]])
         sending[room] = sender
+        if later and cfg.get("first_alone") and len(sending) == 1:
+            # the rest is sent once this room ended (its writes failed: the provider knows)
+            poll_until(sending, lambda st: st in (KVPoll.Success, KVPoll.Failed),
+                       cfg.get("wait", 60))
     return sending
 
 

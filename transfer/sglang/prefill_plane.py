@@ -35,7 +35,9 @@ its tags are retired for good (a late completion must not be credited to another
 SGLang is told the room cannot be proven quiescent (`poison_deferred_ack_room`). On shm a
 decode that died with writes in flight holds every other decode's too: an endpoint that settled
 none of its writes for `stall_s` (SGLang's heartbeat window) is reset, its writes cancelled and
-counted as failed (`transfer.plane.stall`).
+counted as failed (`transfer.plane.stall`). A peer whose writes the provider refuses for as
+long with none in flight (rxm over tcp, after the decode died) fails its queued rooms
+(`_refusals`).
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ class PeerQueue:
     key: str
     batches: deque[Batch] = field(default_factory=deque)
     sends: set[int] = field(default_factory=set)  # tags with writes (possibly) in flight
+    # since when the provider has refused every write to this peer while none of ours was in
+    # flight to it (`_refusals`)
+    refused_since: float | None = None
 
 
 @dataclass
@@ -151,6 +156,7 @@ class PrefillPlane:
         self.stuck_s = stuck_s
         # shm: a decode that died with writes in flight holds every other decode's (stall.py)
         self.stall = StallWatch(self.rails.eps, stall_s or stuck_s)
+        self.refuse_s = stall_s or stuck_s  # `_refusals`: the same window as a silent peer's
         self._rr = 0
         self._path_rr = 0
 
@@ -354,7 +360,7 @@ class PrefillPlane:
         return posted
 
     def _submit_peer(self, q: PeerQueue) -> bool:
-        mgr, posted = self.mgr, False
+        mgr, posted, refused = self.mgr, False, False
         while q.batches:
             b = q.batches[0]
             s = b.send
@@ -417,9 +423,30 @@ class PrefillPlane:
                 s.queued -= 1
             if err is not None:
                 if err.errno == 110:  # ETIMEDOUT: this peer's queue is full; serve the others
+                    refused = not done and not in_flight
                     break
                 self.fail(s.room, f"pdtool write to decode {s.peer} failed: {err}")
+        self._refusals(q, refused and not posted)
         return posted
+
+    def _refusals(self, q: PeerQueue, refused: bool) -> None:
+        """Fail the queued rooms of a peer whose writes the provider has refused for
+        `refuse_s` with none of ours in flight to it. A full queue with nothing in flight is
+        no back-pressure: rxm over tcp answers a connection the decode's death closed this
+        way, for every later write, and reports no error (measured on libfabric 1.17). Before,
+        those rooms waited `stuck_s` (SGLang's waiting timeout, 300 s by default) to fail."""
+        now = time.monotonic()
+        if not refused:
+            q.refused_since = None
+        elif q.refused_since is None:
+            q.refused_since = now
+        elif now - q.refused_since > self.refuse_s:
+            reason = (f"pdtool write to decode {q.key} failed: the provider refused every "
+                      f"write to it for {self.refuse_s:.0f} s with none in flight (its "
+                      f"connection is gone: decode dead?)")
+            for room in {b.send.room for b in q.batches}:
+                self.fail(room, reason)
+            q.refused_since = None
 
     # -- writer thread: settling --------------------------------------------------------------
     def settle(self) -> None:
