@@ -200,11 +200,13 @@ def kv_in_gpu_memory(plan: Any) -> bool:
 def gpu_memory_choice(ctx: WorkerContext) -> Any:
     """The path KV in GPU memory takes on this node (`transfer.gpu_memory.GpuMemoryChoice`),
     or None when the KV is in host memory, nothing moves it (mode=aggregated), or SGLang's own
-    backend (transfer.backend) moves it and registers the GPU memory itself. `auto`/`direct`
-    ask the node's libfabric
-    (`transfer.fabric.gpu_direct_support`, on the rank's NIC: one endpoint, no GPU and no CUDA
-    needed); a provider that never has FI_HMEM, or `staged`, needs no probe. `direct` on a node
-    that cannot is a WorkerError with the probe's reason, before any engine starts."""
+    backend (transfer.backend) moves it and registers the GPU memory itself. `direct` asks the
+    node's libfabric (`transfer.fabric.gpu_direct_support`, on the rank's NIC: one endpoint,
+    no GPU and no CUDA needed), so a node that cannot is a WorkerError with the probe's reason
+    before any engine starts. `auto` probes nothing: the backend tries to register the pools
+    themselves and goes staged when they are refused (a CUDA registration of a host page
+    answers yes whether or not GPUDirect works); `staged`, or a provider that never has
+    FI_HMEM, needs no probe."""
     if ctx.instance is None or not kv_in_gpu_memory(ctx.plan) \
             or ctx.plan.aggregated or ctx.plan.transfer.backend != "pdtool":
         return None
@@ -212,12 +214,18 @@ def gpu_memory_choice(ctx: WorkerContext) -> Any:
 
     t = ctx.plan.transfer
     probe = None
-    if t.gpu_memory != "staged" and t.provider not in NO_HMEM_PROVIDERS:
+    if t.gpu_memory == "direct" and t.provider not in NO_HMEM_PROVIDERS:
         probe = _gpu_direct_probe(t.provider, ctx.ranks[0].nics)
     try:
         return choose_gpu_memory(t.gpu_memory, t.provider, probe)
     except ValueError as e:
         raise WorkerError(str(e)) from None
+
+
+def backend_gpu_memory(choice: Any) -> str:
+    """PDTOOL_GPU_MEMORY for the SGLang backend: the decided path, or `auto` (try direct at
+    registration, staged when refused) where the worker left it undecided."""
+    return choice.path if choice.path in ("direct", "staged") else "auto"
 
 
 def _gpu_direct_probe(provider: str, nics: Any) -> tuple[bool, str]:
@@ -238,11 +246,12 @@ def _gpu_direct_probe(provider: str, nics: Any) -> tuple[bool, str]:
 
 
 def _gpu_memory_field(plan: Any, choice: Any) -> str:
-    """The start line's `gpu_memory=`: direct | staged (pdtool's backend), the SGLang backend
-    that registers it itself (`sglang-mooncake`), `host` (KV in host memory), or `none`
-    (mode=aggregated: the KV stays where it was computed)."""
+    """The start line's `gpu_memory=`: direct | staged | auto (pdtool's backend; `auto`: the
+    ranks decide when they register their pools), the SGLang backend that registers it itself
+    (`sglang-mooncake`), `host` (KV in host memory), or `none` (mode=aggregated: the KV stays
+    where it was computed)."""
     if choice is not None:
-        return choice.path
+        return backend_gpu_memory(choice)
     if plan.aggregated:
         return "none"
     if kv_in_gpu_memory(plan):
@@ -442,8 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         if choice is not None:  # on host-memory KV the start line says gpu_memory=host
             print(f"pdtool-worker: {choice.line()}", flush=True)
             # the SGLang backend moves KV the way this line says (transfer/sglang)
-            ctx.env[workerenv.GPU_MEMORY.name] = choice.path
-            os.environ[workerenv.GPU_MEMORY.name] = choice.path
+            ctx.env[workerenv.GPU_MEMORY.name] = backend_gpu_memory(choice)
+            os.environ[workerenv.GPU_MEMORY.name] = backend_gpu_memory(choice)
         if workerenv.flag(workerenv.PREFLIGHT):
             print("pdtool-worker: preflight: not starting the engine", flush=True)
             return run_preflight(ctx)

@@ -91,9 +91,10 @@ def test_validate_states_the_gpu_memory_path():
     p = pdtool("validate", "+recipe=deepseek-r1")
     assert p.returncode == 0, p.stdout
     text = " ".join(p.stdout.split())  # rich wraps long lines
-    # efa may or may not register CUDA memory on the node: the worker's probe decides
-    assert ("GPU memory: transfer.gpu_memory=auto: undecided (direct if efa's libfabric on the "
-            "node registers CUDA memory (FI_HMEM), else staged)") in text
+    # efa may or may not register CUDA memory on the node: each rank's registration decides
+    assert ("GPU memory: transfer.gpu_memory=auto: undecided (direct if efa on the node "
+            "registers the KV pools' GPU memory (FI_HMEM), else staged; each rank tries at "
+            "start)") in text
     p = pdtool("validate", "+recipe=deepseek-r1", "transfer.gpu_memory=staged", "--json")
     assert json.loads(p.stdout)["gpu_memory"].startswith("transfer.gpu_memory=staged: staged")
     p = pdtool("validate", "+recipe=tiny-local", "--json")

@@ -252,13 +252,61 @@ def test_staged_mla_over_tcp_rxm() -> None:
 
 
 def test_the_worker_passes_the_path_and_nothing_else_is_accepted(monkeypatch) -> None:
+    kv_path = staging_plane.kv_path
     monkeypatch.setenv(workerenv.GPU_MEMORY.name, "staged")
-    assert staging_plane.kv_path("cpu", "shm", lambda: (True, "")) == "staged"
+    assert kv_path("cpu", "shm").path == "staged"
     monkeypatch.setenv(workerenv.GPU_MEMORY.name, "fast")
     with pytest.raises(workerenv.WorkerEnvError, match="PDTOOL_GPU_MEMORY='fast'"):
-        staging_plane.kv_path("cpu", "shm", lambda: (True, ""))
-    monkeypatch.delenv(workerenv.GPU_MEMORY.name)
-    assert staging_plane.kv_path("cpu", "shm", lambda: (False, "")) == "direct"  # host memory
-    assert staging_plane.kv_path("cuda", "tcp;ofi_rxm", lambda: (True, "")) == "staged"
-    assert staging_plane.kv_path("cuda", "efa", lambda: (False, "no CUDA")) == "staged"
-    assert staging_plane.kv_path("cuda", "efa", lambda: (True, "")) == "direct"
+        kv_path("cpu", "shm")
+    monkeypatch.setenv(workerenv.GPU_MEMORY.name, "direct")
+    assert kv_path("cuda", "efa") == staging_plane.KvPath("direct", may_fall_back=False)
+    for given in ("auto", None):  # unset (no worker) is auto
+        if given is None:
+            monkeypatch.delenv(workerenv.GPU_MEMORY.name)
+        else:
+            monkeypatch.setenv(workerenv.GPU_MEMORY.name, given)
+        assert kv_path("cpu", "shm") == staging_plane.KvPath("direct")  # host memory
+        assert kv_path("cuda", "tcp;ofi_rxm").path == "staged"
+        assert kv_path("cuda", "efa") == staging_plane.KvPath("direct", may_fall_back=True)
+
+
+def test_gpu_memory_refused_at_start_goes_staged_under_auto_and_fails_under_direct(
+        caplog) -> None:
+    """What this libfabric answers when a rank asks for GPU memory (an FI_HMEM endpoint on
+    tcp;ofi_rxm, a CUDA registration on shm): `auto` goes staged with one warning naming the
+    key, `direct` fails naming it and the fix; anything not about GPU memory is raised as is."""
+    import numpy as np
+
+    from transfer import fabric
+    from transfer.sglang.errors import PdtoolBackendError
+    from transfer.sglang.rails import Rails, rail_specs
+
+    auto = staging_plane.KvPath("direct", may_fall_back=True)
+    direct = staging_plane.KvPath("direct")
+
+    def open_hmem_rails() -> Rails:  # as the backend opens them (conn._open_rails)
+        return Rails.open("tcp;ofi_rxm", rail_specs("tcp;ofi_rxm", (), "127.0.0.1"), 8,
+                          receive=False, hmem=True)
+
+    buf = np.zeros(1 << 16, dtype=np.uint8)
+    with fabric.Endpoint("shm", max_slots=8, hmem=True) as ep:
+        def register_pool() -> Any:
+            return ep.register(buf.ctypes.data, buf.nbytes, iface="cuda", device=0)
+
+        for attempt, provider in ((open_hmem_rails, "tcp;ofi_rxm"), (register_pool, "shm")):
+            caplog.clear()
+            assert staging_plane.direct_or_staged(auto, provider, attempt) is None
+            warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+            assert len(warned) == 1 and "transfer.gpu_memory=auto chose staged" in warned[0]
+            with pytest.raises(PdtoolBackendError, match=rf"transfer\.gpu_memory=direct: "
+                               rf"{provider} cannot use this rank's GPU memory: .*set "
+                               rf"transfer\.gpu_memory=staged"):
+                staging_plane.direct_or_staged(direct, provider, attempt)
+
+        def bad_pointer() -> Any:  # a caller's error, not the node's answer: no fallback
+            return ep.register(0, 0, iface="cuda", device=0)
+
+        with pytest.raises(ValueError, match="need addr > 0"):
+            staging_plane.direct_or_staged(auto, "shm", bad_pointer)
+
+

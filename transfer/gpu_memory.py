@@ -7,12 +7,15 @@ Values:
   staged  KV goes through registered host memory: device -> host bounce buffers on the sender,
           a host landing pool and host -> device on the receiver (transfer/staging.py). Works
           with every provider; costs two PCIe copies.
-  auto    (default) direct when the provider, on the node, reports FI_HMEM and this libfabric
-          can register CUDA memory (`transfer.fabric.gpu_direct_support`), else staged.
+  auto    (default) direct when the provider, on the node, opens FI_HMEM endpoints and
+          registers the rank's KV pools (the attempt is the registration itself, on the rank's
+          GPU: transfer/sglang/staging_plane.py `kv_path`), else staged.
 
-Host-side callers (validate, plan) use `gpu_memory_problem` / `choose_gpu_memory` without a
-probe: they know the provider's name only, so `auto` there is "direct if the node's libfabric
-can, else staged"; workers pass the probe's answer and get the decided path.
+Host-side callers (validate, plan) and workers under `auto` use `choose_gpu_memory` without a
+probe: they know the provider's name only, so `auto` there is "direct if the node can, else
+staged", and the rank decides when it registers its pools. Workers under `direct` pass the
+probe's answer (`transfer.fabric.gpu_direct_support`) to refuse a node that cannot before the
+engine starts.
 """
 
 from __future__ import annotations
@@ -73,8 +76,9 @@ def choose_gpu_memory(mode: str, provider: str,
         if mode == "direct":
             return GpuMemoryChoice(mode, "direct", f"{provider} registers GPU memory; checked "
                                    f"at start-up")
-        return GpuMemoryChoice(mode, "undecided", f"direct if {provider}'s libfabric on the "
-                               f"node registers CUDA memory (FI_HMEM), else staged")
+        return GpuMemoryChoice(mode, "undecided", f"direct if {provider} on the node "
+                               f"registers the KV pools' GPU memory (FI_HMEM), else staged; "
+                               f"each rank tries at start")
     ok, why = probe
     if ok:
         return GpuMemoryChoice(mode, "direct", f"{provider} registers CUDA memory (FI_HMEM)")

@@ -31,7 +31,7 @@ This module is in `transfer/` because the SGLang backend and the messenger read 
     PDTOOL_FI_DOMAIN          the libfabric domain (NIC) of all of this process's ranks
     PDTOOL_NICS               JSON {gpu id: "nic,nic"}: each rank's NICs, by its local GPU
                               (the SGLang backend opens every one, the reference engine the first)
-    PDTOOL_GPU_MEMORY         direct | staged: the path transfer.gpu_memory resolved to here
+    PDTOOL_GPU_MEMORY         auto | direct | staged: transfer.gpu_memory as resolved here
   model (the plan's ranks[].env):
     PDTOOL_DRAFT_LAYERS       model.draft_layers: the draft model's KV layers the plan counted
   switches (the user, optional):
@@ -130,11 +130,11 @@ NICS = Var("PDTOOL_NICS", "pdtool.worker", "SGLang backend, reference engine",
            "every one of them, the reference engine on the first")
 
 GPU_MEMORY = Var("PDTOOL_GPU_MEMORY", "pdtool.worker (its transfer.gpu_memory decision)",
-                 "SGLang backend", "direct | staged: how KV in GPU memory reaches the fabric on "
-                 "this node (transfer.gpu_memory, as the worker resolved it and printed in its "
-                 "start line): `direct` registers SGLang's pools, `staged` moves KV through "
-                 "registered host bounce and landing buffers; unset: the backend decides as "
-                 "`auto` does")
+                 "SGLang backend", "auto | direct | staged: how KV in GPU memory reaches the "
+                 "fabric on this node (transfer.gpu_memory, as the worker resolved it and "
+                 "printed in its start line): `direct` registers SGLang's pools or fails, "
+                 "`staged` moves KV through registered host bounce and landing buffers, `auto` "
+                 "tries direct and goes staged when the pools do not register; unset: `auto`")
 
 # -- model: set by the plan (ranks[].env), via pdtool.worker ---------------------------------
 DRAFT_LAYERS = Var("PDTOOL_DRAFT_LAYERS", "the plan (ranks[].env, from model.draft_layers), via "
@@ -249,11 +249,11 @@ def domain_for(gpu: int | None, environ: Mapping[str, str] | None = None) -> str
 
 
 def gpu_memory(environ: Mapping[str, str] | None = None) -> str | None:
-    """PDTOOL_GPU_MEMORY (`direct` or `staged`), or None when unset; WorkerEnvError naming it
-    for anything else."""
+    """PDTOOL_GPU_MEMORY (`auto`, `direct` or `staged`), or None when unset; WorkerEnvError
+    naming it for anything else."""
     value = GPU_MEMORY.get(environ)
-    if value is not None and value not in ("direct", "staged"):
-        raise WorkerEnvError(f"{GPU_MEMORY.name}={value!r}: expected direct or staged")
+    if value is not None and value not in ("auto", "direct", "staged"):
+        raise WorkerEnvError(f"{GPU_MEMORY.name}={value!r}: expected auto, direct or staged")
     return value
 
 

@@ -102,6 +102,7 @@ from transfer.sglang.rails import RailError, Rails, rail_specs
 from transfer.sglang.sources import dummy_flags
 from transfer.sglang.staging_plane import (
     Landing,
+    direct_or_staged,
     kv_path,
 )
 from transfer.wire import WireError, check_secret, compat_hash, read_secret
@@ -175,13 +176,20 @@ class PdtoolKVManager(PrefillSide, DecodeSide, CommonKVManager):
                 args.page_size)
         # direct: SGLang's pools are registered (CUDA memory: on FI_HMEM endpoints); staged:
         # KV goes through registered host bounce/landing buffers on every endpoint
-        # (transfer.gpu_memory, as the worker decided it)
+        # (transfer.gpu_memory, as the worker passes it; `auto` falls back to staged when the
+        # FI_HMEM endpoints or the pools' registration are refused: staging_plane.kv_path)
         self.kv_device = self._kv_device()
-        self.kv_path = kv_path(self.kv_device.type, workerenv.provider(DEFAULT_PROVIDER),
-                               self._probe_hmem)
-        self.rails = self._open_rails(
-            disaggregation_mode == DisaggregationMode.DECODE,
-            hmem=self.kv_path == "direct" and self.kv_device.type == "cuda")
+        provider = workerenv.provider(DEFAULT_PROVIDER)
+        kv = kv_path(self.kv_device.type, provider)
+        self.kv_path = kv.path
+        receive = disaggregation_mode == DisaggregationMode.DECODE
+        gpu_direct = kv.path == "direct" and self.kv_device.type == "cuda"
+        rails = direct_or_staged(kv, provider, functools.partial(self._open_rails, receive,
+                                                                   True)) if gpu_direct else None
+        if rails is None:
+            self.kv_path = "staged" if gpu_direct else kv.path
+            rails = self._open_rails(receive)
+        self.rails = rails
         self.ep = self.rails.primary  # the decode's slot table lives here
         # on SGLang's /metrics when it runs with --enable-metrics (metrics.py)
         self.metrics = transfer_metrics.for_manager(
@@ -193,19 +201,17 @@ class PdtoolKVManager(PrefillSide, DecodeSide, CommonKVManager):
             provider=self.ep.provider, is_mla=self.is_mla, page_size=args.page_size,
             num_kv_buffers=len(args.kv_data_lens), aux_item_lens=list(args.aux_item_lens),
             num_draft=self.num_draft))
-        iface, device = self._memory_iface()
-        try:
-            self.kv_mrs = [] if self.kv_path == "staged" else \
-                [self.rails.register(p, n, iface=iface, device=device)
-                 for p, n in zip(args.kv_data_ptrs, args.kv_data_lens, strict=True)]
-            # SGLang keeps metadata (aux) buffers in host memory (MetadataBuffers, device "cpu")
-            self.aux_mrs = [self.rails.register(p, n)
-                            for p, n in zip(args.aux_data_ptrs, args.aux_data_lens, strict=True)]
-        except NotImplementedError as exc:
-            raise PdtoolBackendError(
-                f"pdtool transfer backend: cannot register {iface} memory with "
-                f"{self.ep.provider}: {exc}"
-            ) from exc
+        # direct: SGLang's pools; on a GPU under `auto`, staged when they do not register
+        mrs = None
+        if self.kv_path == "direct":
+            mrs = direct_or_staged(kv, provider, self._register_pools) if gpu_direct \
+                else self._register_pools()
+            if mrs is None:
+                self.kv_path = "staged"
+        self.kv_mrs = mrs or []
+        # SGLang keeps metadata (aux) buffers in host memory (MetadataBuffers, device "cpu")
+        self.aux_mrs = [self.rails.register(p, n)
+                        for p, n in zip(args.aux_data_ptrs, args.aux_data_lens, strict=True)]
         self._stop = threading.Event()
         self._threads = self._start_prefill() \
             if disaggregation_mode == DisaggregationMode.PREFILL else self._start_decode()
@@ -290,11 +296,19 @@ class PdtoolKVManager(PrefillSide, DecodeSide, CommonKVManager):
             return torch.device("cuda", int(self.kv_args.gpu_id or 0))
         return torch.device("cpu")
 
-    def _probe_hmem(self) -> tuple[bool, str]:
-        """`transfer.gpu_memory=auto` without the worker's answer: ask this libfabric."""
-        nics = workerenv.nics_for(self.kv_args.gpu_id)
-        return fabric.gpu_direct_support(workerenv.provider(DEFAULT_PROVIDER),
-                                         domain=nics[0] if nics else None)
+    def _register_pools(self) -> list[fabric.MemoryRegion]:
+        """SGLang's KV pools on every rail (direct path); none stays registered when one
+        fails."""
+        iface, device = self._memory_iface()
+        mrs: list[fabric.MemoryRegion] = []
+        try:
+            for p, n in zip(self.kv_args.kv_data_ptrs, self.kv_args.kv_data_lens, strict=True):
+                mrs.append(self.rails.register(p, n, iface=iface, device=device))
+        except Exception:
+            for mr in mrs:
+                self.rails.release(mr)
+            raise
+        return mrs
 
     def _memory_iface(self) -> tuple[str, int]:
         if self.kv_device.type == "cuda":

@@ -109,7 +109,7 @@ def _open_one(provider: str, spec: RailSpec, max_slots: int, fallback: bool,
         return ep
     if fallback:
         raise RailError(f"cannot open a libfabric {provider!r} endpoint (PDTOOL_FI_PROVIDER) on "
-                        f"{spec.label!r}: {last}")
+                        f"{spec.label!r}: {last}") from last
     logger.warning("pdtool: NIC %r (PDTOOL_NICS) cannot be opened with %s, left out: %s",
                    spec.label, provider, last)
     return None

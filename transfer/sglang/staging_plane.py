@@ -65,6 +65,7 @@ import numpy as np
 
 from transfer import fabric, workerenv
 from transfer.gpu_memory import NO_HMEM_PROVIDERS
+from transfer.sglang.errors import PdtoolBackendError
 from transfer.sglang.rails import RailError
 from transfer.staging import BouncePool, LandingPool, _Copier, landing_offsets, tensor_at
 
@@ -80,23 +81,54 @@ TRACE = False  # record the prefill's copy/post order in stats()["trace"] (tests
 
 
 # --------------------------------------------------------------------------- path choice
-def kv_path(device_type: str, provider: str, probe: Callable[[], tuple[bool, str]]) -> str:
+@dataclass(frozen=True)
+class KvPath:
     """How this rank's KV reaches the fabric: `direct` (its pool memory is registered) or
-    `staged` (bounce/landing host memory). The worker passes the path it decided from
-    `transfer.gpu_memory` in PDTOOL_GPU_MEMORY; without it, host memory (CPU pools) is
-    registered as is, and CUDA memory is direct where the provider can register it (`auto`)."""
+    `staged` (bounce/landing host memory); `may_fall_back`: a `direct` that goes `staged`
+    when the node refuses the GPU memory (`direct_or_staged`)."""
+
+    path: str
+    may_fall_back: bool = False
+
+
+def kv_path(device_type: str, provider: str) -> KvPath:
+    """The path this rank tries. The worker passes `transfer.gpu_memory` in PDTOOL_GPU_MEMORY
+    (`direct`, `staged`, or `auto`); host memory (CPU pools) is registered as is. `auto` (also
+    when no worker says) tries direct on CUDA pools and falls back to staged: the attempt is
+    the registration of the pools themselves, on the rank's own GPU, so no probe decides
+    (a CUDA registration of a host page succeeds whether or not GPUDirect works) and none can
+    change how the provider registers them afterwards."""
     given = workerenv.gpu_memory()
-    if given is not None:
-        return given
-    if device_type != "cuda":
-        return "direct"
-    if provider in NO_HMEM_PROVIDERS:
-        return "staged"
-    ok, why = probe()
-    if not ok:
-        logger.warning("pdtool: %s cannot register CUDA memory here (%s): KV goes through "
-                       "registered host memory (transfer.gpu_memory=staged)", provider, why)
-    return "direct" if ok else "staged"
+    if given == "staged" or (device_type == "cuda" and provider in NO_HMEM_PROVIDERS
+                             and given != "direct"):
+        return KvPath("staged")
+    if device_type != "cuda" or given == "direct":
+        return KvPath("direct")
+    return KvPath("direct", may_fall_back=True)
+
+
+def direct_or_staged(kv: KvPath, provider: str, attempt: Callable[[], Any]) -> Any | None:
+    """`attempt()` (open FI_HMEM endpoints, register the pools' GPU memory) on the direct
+    path; None when GPU memory was refused and `auto` may go staged (one warning naming the
+    key), PdtoolBackendError naming `transfer.gpu_memory` and the fix when the user asked for
+    `direct`. Any other failure is raised as it is."""
+    try:
+        return attempt()
+    except Exception as exc:
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, fabric.GpuMemoryError):
+            cause = cause.__cause__
+        if cause is None:
+            raise  # not about GPU memory: staged would fail the same way
+        if not kv.may_fall_back:
+            raise PdtoolBackendError(
+                f"transfer.gpu_memory=direct: {provider} cannot use this rank's GPU memory: "
+                f"{cause}; set transfer.gpu_memory=staged (or auto)") from None
+        exc = cause
+        logger.warning("pdtool: %s cannot use this rank's GPU memory (%s): KV goes through "
+                       "registered host memory (transfer.gpu_memory=auto chose staged; set "
+                       "it to staged to skip the attempt)", provider, exc)
+        return None
 
 
 def _head_bytes(item_len: int, page_size: int, heads: int) -> int:
