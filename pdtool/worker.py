@@ -203,7 +203,9 @@ def gpu_memory_choice(ctx: WorkerContext) -> Any:
     backend (transfer.backend) moves it and registers the GPU memory itself. `direct` asks the
     node's libfabric (`transfer.fabric.gpu_direct_support`, on the rank's NIC: one endpoint,
     no GPU and no CUDA needed), so a node that cannot is a WorkerError with the probe's reason
-    before any engine starts. `auto` probes nothing: the backend tries to register the pools
+    before any engine starts; the engine replaces this process (exec), so nothing the probe
+    left in the provider's process-wide state (EFA marks dma-buf off after a failed one) is
+    there for the real registration. `auto` probes nothing: the backend tries to register the pools
     themselves and goes staged when they are refused (a CUDA registration of a host page
     answers yes whether or not GPUDirect works); `staged`, or a provider that never has
     FI_HMEM, needs no probe."""
