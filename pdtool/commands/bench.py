@@ -137,14 +137,16 @@ def text_prompts(ids: list[list[int]], model_path: str) -> list[str]:
     tokenizer), so each drawn id picks one of the checkpoint's whole-word tokens instead
     (a space, then printable text, that tokenizes back to itself alone): words joined by
     spaces tokenize back to exactly the drawn length. Each request also records the server's
-    prompt_tokens."""
-    from pdtool.checkpoints import local_path
+    prompt_tokens. A builtin checkpoint is built first where it is not in the cache yet (the
+    bench makes its prompts before `--launch` starts anything: on a fresh machine the folder
+    did not exist, and the bench stopped there)."""
+    from pdtool.checkpoints import CheckpointBuildError, ensure
 
     try:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(local_path(model_path))
-    except (ImportError, OSError, ValueError) as exc:
+        tok = AutoTokenizer.from_pretrained(ensure(model_path))
+    except (ImportError, OSError, ValueError, CheckpointBuildError) as exc:
         raise BenchError(f"model.path={model_path}: sglang-router takes text prompts, and its "
                          f"tokenizer cannot be loaded here to make them ({exc}); run the bench "
                          f"where the checkpoint folder is readable") from None
