@@ -535,7 +535,8 @@ class PrefillPlane:
         idle = 0
         chunks = self.chunks
         while not stop.is_set():
-            chunks.drain_wakeups()  # before taking: a chunk appended later rings again
+            bell_seen = int(chunks.bell[0])  # before taking: a chunk appended later rings
+            chunks.drain_wakeups()
             while chunks:
                 self.take(chunks.popleft())
             posted = self.submit()
@@ -547,17 +548,27 @@ class PrefillPlane:
                 between()
             idle = 0 if n or posted else idle + 1
             if not chunks:
-                self._wait(idle)
+                self._wait(idle, bell_seen)
 
-    def _wait(self, idle: int) -> None:
-        """Sleep on the chunk queue's pipe (GIL released) unless writes are in flight or
-        queued. SGLang's scheduler runs the forward in this process: a writer that kept
-        polling in Python while its rooms waited for their next layer or chunk took the GIL
-        from the forward at every turn. On the CPU engine the prefill's forward and send of a
-        64-token prompt took 85 ms (median) instead of 21 (docs/benchmark.md)."""
-        busy = self.rooms and (any(q.batches for q in self.queues.values())
-                               or any(ep.inflight for ep in self.rails.eps))
-        if not busy:  # no room, or the rooms wait for the engine's next layer or chunk
+    def _wait(self, idle: int, bell_seen: int) -> None:
+        """Wait with the GIL released for what the next round needs. SGLang's scheduler runs
+        the forward in this process: a writer that kept polling in Python while its rooms
+        waited took the GIL from the forward at every turn (on the CPU engine the prefill's
+        forward and send of a 64-token prompt took 85 ms, median, instead of 21;
+        docs/benchmark.md).
+
+        * No write queued or in flight (the rooms wait for the engine's next layer or chunk):
+          sleep on the chunk queue's pipe.
+        * Writes in flight, none queued, one rail: poll in C until they all completed or a
+          chunk came (`wait_idle_or_change`, idling by the endpoint's backoff), as the
+          messenger's prefill does.
+        * Writes queued (waiting for budget, a bounce buffer or a copy), or in flight on
+          several rails: short sleeps between Python rounds."""
+        queued = self.rooms and any(q.batches for q in self.queues.values())
+        flying = [ep for ep in self.rails.eps if ep.inflight] if self.rooms else []
+        if not queued and not flying:
             select.select([self.chunks.wake_fd], [], [], IDLE_WAIT_S)
-        elif idle > 64:  # writes in flight, or waiting for budget, a bounce buffer or a copy
+        elif not queued and len(self.rails) == 1:
+            self.ep.wait_idle_or_change(self.chunks.bell, bell_seen, timeout=IDLE_WAIT_S)
+        elif idle > 64:
             time.sleep(0.0002)

@@ -132,14 +132,12 @@ class Rails:
              receive: bool, hmem: bool = False) -> Rails:
         """Open every rail; `receive` (decode) makes the others lanes of the first. A NIC
         after the first that does not open is left out with a warning. `hmem`: FI_HMEM
-        endpoints (CUDA pools registered directly, transfer.gpu_memory=direct). A decode's
-        waits sleep between empty polls (`transfer.plane.idle`): SGLang's scheduler computes
-        on the same cores. A prefill's only yield: with sleeps, its writes to a dead decode
-        on tcp;ofi_rxm never came back failed (test_failed_writes_release_their_rooms_and_tags),
-        and its writer waits in C only while its writes are in flight."""
+        endpoints (CUDA pools registered directly, transfer.gpu_memory=direct). Waits on
+        either side sleep between empty polls (`transfer.plane.idle`): SGLang's scheduler
+        computes on the same cores."""
         eps: list[fabric.Endpoint] = []
         labels: list[str] = []
-        idling = idle_options(provider, receiver=True) if receive else {}
+        idling = idle_options(provider, receiver=receive)
         try:
             for i, spec in enumerate(specs):
                 ep = _open_one(provider, spec, max_slots, fallback=i == 0, hmem=hmem, **idling)
