@@ -1,39 +1,31 @@
-"""The reference engine's GPU path on one GPU: FlashInfer over transferred HND pages, the
-progress word under CUDA-graph replay, and a one-GPU disaggregated deployment against
-transformers.
+"""Two steps of gpu/check.py on the reference engine's GPU path (`--cpu`: the same code on CPU
+tensors, which is what CI runs).
 
-Run by gpu/check.sh after the libfabric binding is built; `--cpu` runs what a CPU can (the
-transfer and the torch reference of step 1, the deployment of step 3 on the CPU) and names the
-rest as not run. Each step prints one line; the JSON summary goes to --json. Exit 0 only when
-every step that ran held.
-
-  1. fabric + FlashInfer: a "prefill" process holds two TP shards (2 KV heads each) of HND
-     pages `[pages, 2, heads, page, dim]` and writes decode rank 0's pages (4 heads, TP1) over
-     shm with `transfer.layout.write_plan`: two writes per page and source shard (its K run and
-     its V run), counted by the decoder. The decoder checks the bytes, maps the pages into the
-     GPU (`transfer.cudahost`) and runs FlashInfer's BatchDecodeWithPagedKVCacheWrapper
-     (kv_layout="HND") on them against `attention.paged_decode_torch` in float32.
-  2. graph progress: a prefill forward pass of the tiny model (8 layers, wide enough that a
-     layer takes a while) captured in a CUDA graph and replayed; a watcher thread polls the
-     progress word the GPU stream writes after each layer's output projection, and when layer
-     0 is reported issues layer 0's page writes to a decode endpoint (as the messenger thread
-     does). Checks: the word goes through every layer of the replayed pass in order, and the
-     layer-0 writes were issued before the last layer was reported.
-  3. deployment: a tiny random Qwen3 checkpoint (head_dim 64, fp16 cache) served by one
-     prefill and one decode process on the same GPU (cluster.device=cuda: weights on the GPU,
-     FlashInfer decode, pages over the real messenger); greedy completions equal transformers'
-     `generate` (float64) token for token.
+  paged_decode: a "prefill" process holds two TP shards (2 KV heads each) of HND pages
+     `[pages, 2, heads, page, dim]` and writes decode rank 0's pages (4 heads, TP1) over shm
+     with `transfer.layout.write_plan`: two writes per page and source shard (its K run and
+     its V run), counted by the decoder. The decoder checks the bytes; on a GPU it maps the
+     pages into the device (`transfer.cudahost`) and runs torch's paged decode
+     (`attention.paged_decode_torch`, HND) over the very bytes the fabric wrote, against the
+     same decode in float64 on the CPU.
+  graph_progress: a prefill forward pass of the tiny model (8 layers, wide enough that a layer
+     takes a while) captured in a CUDA graph and replayed `replays` times with fresh tokens
+     each time; a watcher thread polls the progress word the GPU stream writes after each
+     layer's output projection and, the moment it reports layer L, copies layer L's pages
+     (host-mapped, as the messenger would send them). Checks: each replay's word goes through
+     its layers in order, spread over the replay (first to last report at least 30 % of its
+     time: a word seen only after the graph ended comes as one burst), and every copy equals
+     that layer's final bytes of the same replay (a word visible before its KV shows up as a
+     stale copy). On the first layer report it also sends layer 0's pages to a decode
+     endpoint, counted and checked.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import multiprocessing as mp
-import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -97,7 +89,7 @@ def _prefill_proc(args: argparse.Namespace, conn: Any) -> None:
     ep.close()
 
 
-def step_fabric_flashinfer(args: argparse.Namespace) -> dict[str, Any]:
+def step_paged_decode(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from pdtool.engines.reference.attention import paged_decode_torch, paged_kv_csr
@@ -147,24 +139,16 @@ def step_fabric_flashinfer(args: argparse.Namespace) -> dict[str, Any]:
     csr = paged_kv_csr(table, kv_len, PAGE)
     ref_cpu = paged_decode_torch(q.double(), kv, *csr)
     out["torch_reference_rows"] = len(lens)
-    if args.cpu:
-        out["flashinfer"] = "not run (no GPU)"
-        ok = (reached and exact and sender.get("ops") == want
-              and bool(torch.isfinite(ref_cpu).all()))
-    else:
-        from pdtool.engines.reference.attention import FlashInferDecode
+    ok = reached and exact and sender.get("ops") == want and bool(torch.isfinite(ref_cpu).all())
+    if not args.cpu:
         from transfer.cudahost import device_alias
 
         pages_gpu = device_alias(kv)  # the very bytes the fabric wrote, read by the GPU
-        fi = FlashInferDecode(q_heads=q_heads, kv_heads=HEADS, head_dim=DIM, page_size=PAGE,
-                              kv_dtype=torch.float16, device="cuda")
-        fi.plan(table.cuda(), kv_len.cuda())
-        got = fi.run(q.cuda(), pages_gpu).float().cpu()
-        ref = paged_decode_torch(q.cuda().float(), pages_gpu, *(t.cuda() for t in csr)).cpu()
-        err = float((got - ref).abs().max())
-        out.update(flashinfer_max_abs_err=err, flashinfer_vs_fp64=float(
-            (got.double() - ref_cpu).abs().max()))
-        ok = reached and exact and sender.get("ops") == want and err < 2e-2
+        got = paged_decode_torch(q.cuda().float(), pages_gpu.float(),
+                                 *(t.cuda() for t in csr)).double().cpu()
+        err = float((got - ref_cpu).abs().max())
+        out.update(gpu_vs_fp64_max_abs_err=err)
+        ok = ok and err < 1e-3
     out["ok"] = bool(ok and sender.get("writes_per_page") == 2)
     mr.close()
     ep.close()
@@ -225,7 +209,12 @@ def step_graph_progress(args: argparse.Namespace) -> dict[str, Any]:
         replay, sync = graph.replay, torch.cuda.current_stream().synchronize
     results = []
     want_ops = -(-len(pages) // per_op)
+    gen = torch.Generator().manual_seed(args.seed)
     for it in range(1, args.replays + 1):
+        # fresh tokens: every layer's KV differs from the replay before (copied into the
+        # graph's own input tensor)
+        batch.tokens.copy_(torch.randint(0, 256, (tokens,), generator=gen).to(dev))
+        landing.zero_()
         dec.arm(1, it)
         got: dict[str, bool] = {}
         # the decode endpoint polls (on shm the receiver does the copies) while the watcher
@@ -235,24 +224,27 @@ def step_graph_progress(args: argparse.Namespace) -> dict[str, Any]:
         rx.start()
         kv.progress.array[0] = (100 + it) << PASS_SHIFT  # PrefillMessenger.begin_pass
         seen: list[tuple[int, int]] = []
+        snaps: dict[int, Any] = {}
         issued: dict[str, int] = {}
-        stop = threading.Event()
 
-        def watch(it: int = it, seen: list = seen, issued: dict = issued,
-                  stop: threading.Event = stop) -> None:
-            last = -1
-            while not stop.is_set():
+        def watch(it: int = it, seen: list = seen, snaps: dict = snaps,
+                  issued: dict = issued) -> None:
+            last, deadline = 0, time.monotonic() + WAIT_S
+            while time.monotonic() < deadline:
                 w = int(kv.progress.array[0])
-                if w != last:
-                    seen.append((time.perf_counter_ns(), w))
-                    last = w
-                    if (w & LAYER_MASK) >= 1 and "t" not in issued:
-                        issued["ops"] = pre.write_batch(peer, s_mr, d_mr.descriptor(), so, so,
-                                                        ln, encode_imm(1, it), tag=1,
-                                                        per_op=per_op, timeout=WAIT_S)
-                        issued["t"] = time.perf_counter_ns()
-                    if (w & LAYER_MASK) == layers:
-                        return
+                if w == last or (w >> PASS_SHIFT) != 100 + it:
+                    continue
+                seen.append((time.perf_counter_ns(), w))
+                done = w & LAYER_MASK
+                for layer in range(last & LAYER_MASK, done):  # newly reported: read them now
+                    snaps[layer] = kv.buffers[layer].clone()
+                last = w
+                if done >= 1 and "ops" not in issued:
+                    issued["ops"] = pre.write_batch(peer, s_mr, d_mr.descriptor(), so, so, ln,
+                                                    encode_imm(1, it), tag=1, per_op=per_op,
+                                                    timeout=WAIT_S)
+                if done == layers:
+                    return
 
         th = threading.Thread(target=watch)
         th.start()
@@ -260,158 +252,29 @@ def step_graph_progress(args: argparse.Namespace) -> dict[str, Any]:
         replay()
         sync()
         t_end = time.perf_counter_ns()
-        th.join(30)
-        stop.set()
+        th.join(WAIT_S)
         rx.join(WAIT_S + 5)
-        arrived = bool(got.get("ok")) and issued.get("ops") == want_ops
-        pass_ids = {w >> PASS_SHIFT for _, w in seen}
         order = [w & LAYER_MASK for _, w in seen]
-        t_last = next((t for t, w in seen if (w & LAYER_MASK) == layers), None)
+        stale = [layer for layer, snap in snaps.items()
+                 if not torch.equal(snap, kv.buffers[layer])]
         results.append({
-            "layers_seen": order, "pass_ids": sorted(pass_ids),
-            "monotone": order == sorted(order) and order[-1:] == [layers],
-            "distinct_layers": len(set(order) - {0}),
-            "layer0_writes_issued_ms": None if "t" not in issued else (issued["t"] - t0) / 1e6,
-            "last_layer_seen_ms": None if t_last is None else (t_last - t0) / 1e6,
-            "graph_done_ms": (t_end - t0) / 1e6, "layer0_pages_arrived": bool(arrived),
-            "bytes": n})
-    ok = all(r["monotone"] and r["pass_ids"] == [100 + i + 1]
-             and r["distinct_layers"] >= layers // 2 and r["layer0_pages_arrived"]
-             and r["layer0_writes_issued_ms"] is not None and r["last_layer_seen_ms"] is not None
-             and r["layer0_writes_issued_ms"] < r["last_layer_seen_ms"]
-             for i, r in enumerate(results))
-    landing_ok = bool(torch.equal(landing, kv.buffers[0]))
+            "layers_seen": order, "monotone": order == sorted(order) and order[-1:] == [layers],
+            # the reports spread over the replay (a word seen only once the graph ended
+            # comes as one burst): first to last report against the replay's whole time
+            "report_span": 0.0 if len(seen) < 2 else round(
+                (seen[-1][0] - seen[0][0]) / max(1, t_end - t0), 3),
+            "layers_read": len(snaps), "stale_layers": stale,
+            "layer0_pages_arrived": bool(got.get("ok")) and issued.get("ops") == want_ops,
+            "layer0_bytes_exact": bool(torch.equal(landing, kv.buffers[0])), "bytes": n})
+    ok = all(r["monotone"] and r["layers_read"] == layers and not r["stale_layers"]
+             and r["report_span"] >= 0.3
+             and r["layer0_pages_arrived"] and r["layer0_bytes_exact"] for r in results)
     pre.close()
     dec.close()
-    return {"ok": bool(ok and landing_ok), "run": "cpu emulation (no graph)" if args.cpu
-            else "cuda graph replay", "replays": results, "layer0_bytes_exact": landing_ok}
+    return {"ok": bool(ok), "run": "cpu emulation (no graph)" if args.cpu
+            else "cuda graph replay", "replays": len(results),
+            "failed_replays": [r for r in results if not (
+                r["monotone"] and not r["stale_layers"] and r["layer0_bytes_exact"])][:3],
+            "first_replay": results[0] if results else None}
 
 
-# --------------------------------------------------------------------------- 3. deployment
-def _checkpoint(folder: Path) -> Path:
-    """A tiny random Qwen3 checkpoint FlashInfer can read: head_dim 64, 4 query / 2 KV heads."""
-    import torch
-    from helpers.hf_checkpoints import tokenizer_files
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    folder.mkdir(parents=True, exist_ok=True)
-    eos = tokenizer_files(folder)
-    cfg = Qwen3Config(vocab_size=320, hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=64, max_position_embeddings=1024, eos_token_id=eos,
-                      initializer_range=0.2, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-    model.save_pretrained(str(folder))
-    return folder
-
-
-def step_deployment(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from helpers.hf_checkpoints import TEXT, greedy
-
-    from pdtool.engines.reference.hf import HFConfig, HFModel
-    from pdtool.engines.reference.local import Deployment, free_port, get_json, new_secret
-    from pdtool.engines.reference.oracle import generate
-    from pdtool.engines.reference.spec import RankSpec
-    from pdtool.engines.reference.tokenizer import load_tokenizer
-
-    folder = _checkpoint(tmp / "ckpt")
-    device = "cpu" if args.cpu else "cuda"
-    secret = new_secret()
-    p_dist, p_http, d_dist, d_http, f_http = (free_port() for _ in range(5))
-    mess = {"provider": args.provider, "prefill_tp": 1, "decode_tp": 1, "timeout_s": 120.0,
-            "prefill": [{"health": f"http://127.0.0.1:{p_http}/health"}]}
-    common = {"secret_hex": secret, "messenger": mess, "page_size": PAGE, "chunk": 4 * PAGE,
-              "num_pages": 512, "layout": "HND", "device": device,
-              "model": {"path": str(folder), "kv_dtype": "float16"}}
-    specs = [RankSpec(role="prefill", dist_port=p_dist, http_port=p_http, **common),
-             RankSpec(role="decode", dist_port=d_dist, http_port=d_http, **common),
-             RankSpec(role="front", http_port=f_http, secret_hex=secret, model_name="ckpt",
-                      tokenizer=str(folder), decoders=[f"http://127.0.0.1:{d_http}/health"])]
-    dep = Deployment(specs, tmp / "logs")
-    tok = load_tokenizer(str(folder))
-    # prompts whose greedy text survives the fp16 cache on the CPU (the engine's own oracle
-    # equals transformers' there): a mismatch on the GPU is then the GPU path's, and the
-    # fp16 oracle column says whether the cache's rounding alone would explain it
-    prompts = ["Disaggregated prefill streams KV pages layer by layer;", "The quick brown fox",
-               TEXT[40:], TEXT[::-1]]
-    cfg = HFConfig.load(str(folder), "float16")
-    oracle = HFModel(cfg)
-    rows = []
-    try:
-        dep.start(timeout_s=420)  # FlashInfer compiles its decode kernel at warm-up
-        for text in prompts:
-            ids = tok.encode_plain(text)
-            code, body = get_json(f"http://127.0.0.1:{f_http}/v1/completions",
-                                  {"prompt": ids, "max_tokens": 12}, timeout=300)
-            got = body.get("pdtool", {}).get("token_ids") if code == 200 else None
-            want = greedy(folder, ids, 12)
-            fp16 = generate(cfg, ids, 12, oracle)
-            first = next((i for i, (a, b) in enumerate(zip(got or [], want, strict=False))
-                          if a != b), None)
-            rows.append({"prompt_tokens": len(ids), "status": code, "exact": got == want,
-                         "first_difference": first, "got": got, "want": want,
-                         "cpu_fp16_oracle_equals_transformers": fp16 == want})
-    finally:
-        dep.stop()
-    return {"ok": all(r["exact"] for r in rows), "device": device, "requests": rows}
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cpu", action="store_true", help="only what runs without a GPU")
-    ap.add_argument("--provider", default="shm")
-    ap.add_argument("--replays", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=11)
-    ap.add_argument("--skip", action="append", default=[],
-                    choices=["fabric", "graph", "deployment"])
-    ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
-    import torch
-
-    summary: dict[str, Any] = {"device": "cpu" if args.cpu else "cuda",
-                               "torch": torch.__version__}
-    if not args.cpu:
-        summary["gpu"] = torch.cuda.get_device_name(0)
-        try:
-            import flashinfer
-
-            summary["flashinfer"] = flashinfer.__version__
-        except ImportError as exc:
-            summary["flashinfer"] = f"not importable: {exc}"
-    steps = [("fabric", lambda t: step_fabric_flashinfer(args)),
-             ("graph", lambda t: step_graph_progress(args)),
-             ("deployment", lambda t: step_deployment(args, t))]
-    ok = True
-    with tempfile.TemporaryDirectory(prefix="pdtool-ref-check-") as tmp:
-        for name, fn in steps:
-            if name in args.skip:
-                summary[name] = {"ok": True, "run": False, "why": "--skip"}
-                continue
-            t = time.monotonic()
-            try:
-                res = fn(Path(tmp))
-            except Exception as exc:  # one step's failure is reported, the others still run
-                res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            res["seconds"] = round(time.monotonic() - t, 1)
-            summary[name] = res
-            ok = ok and bool(res["ok"])
-            brief = {k: v for k, v in res.items() if k not in ("requests", "replays")}
-            print(f"{name}: {'ok' if res['ok'] else 'FAILED'} "
-                  f"{json.dumps(brief, default=str)[:400]}", flush=True)
-    summary["ok"] = ok
-    text = json.dumps(summary, indent=2, default=str)
-    if args.json:
-        args.json.write_text(text)
-    print(text)
-    print("CHECK " + ("PASSED" if ok else "FAILED"))
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())

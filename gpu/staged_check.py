@@ -1,26 +1,24 @@
 """KV pages in CUDA memory between two processes on one GPU over shm, on the staged path.
 
-Run by gpu/check.sh (which builds the libfabric binding first); `--cpu` runs the same code on
-CPU tensors (the "device" copies are host copies), which is how it is checked without a GPU.
+Two steps of gpu/check.py; on CPU (`cpu=True`) the same code runs on CPU tensors (the "device"
+copies are host copies), which is how CI checks it without a GPU.
 
-What it does, each step printed as one line and collected in a JSON summary:
-  1. direct refused: an Endpoint with FI_HMEM registering CUDA memory fails with the message
-     naming transfer.gpu_memory and the cause (this libfabric has no CUDA); the CUDA pointer
-     check accepts a cudaMalloc tensor and refuses host memory.
-  2. baselines: device->device (cudaMemcpy through torch) and device->host->device through
-     pinned memory, for the same bytes.
-  3. staged: a decode process arms a slot and reserves landing memory; a prefill process on
-     the same GPU sends its KV pages layer by layer through bounce buffers (StagedSender);
-     the decoder counts the operations, copies host->device and checks every byte against
-     the prefill's pages (regenerated from the same seed). GB/s from the send's start to the
-     pages being in the decoder's GPU memory.
-Exit status 0 only when every check held.
+  pointer_checks (`check_direct_refused`): an Endpoint with FI_HMEM registering CUDA memory
+     fails with the message naming transfer.gpu_memory and the cause (Debian's libfabric has no
+     CUDA); the CUDA pointer check accepts a cudaMalloc tensor and each fused K/V half of it,
+     refuses pinned host, managed, past-the-end and expandable-segments memory; whether the
+     driver hands out a dma-buf for device memory.
+  staged_transfer (`run`): baselines first, device->device and device->host->device through
+     pinned memory for the same bytes; then a decode process arms a slot and reserves landing
+     memory, a prefill process on the same GPU sends its KV pages layer by layer through
+     bounce buffers (StagedSender), and the decoder counts the operations, copies
+     host->device and checks every byte against the prefill's pages (regenerated from the
+     same seed). GB/s from the send's start to the pages being in the decoder's GPU memory.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -167,20 +165,54 @@ def baselines(args: argparse.Namespace, nbytes: int) -> dict[str, float]:
     return {"d2d_gbs": round(d2d, 2), "d2h2d_gbs": round(d2h2d, 2)}
 
 
-def check_direct_refused(args: argparse.Namespace) -> dict[str, Any]:
-    """transfer.gpu_memory=direct on this libfabric: refused, with the key and the cause."""
+def _pointer_answer(addr: int, length: int, device: int) -> str:
+    """The CUDA pointer check's answer: "accepted" or its message."""
+    from transfer.fabric import GpuMemoryError, check_cuda_pointer
+
+    try:
+        check_cuda_pointer(addr, length, device)
+        return "accepted"
+    except GpuMemoryError as exc:
+        return str(exc)
+
+
+def _managed_answer() -> str:
+    """The pointer check on cudaMallocManaged memory (torch allocates none: the runtime's own
+    call through ctypes), or why it was not tried."""
+    import ctypes
+
+    for name in ("libcudart.so.12", "libcudart.so.13", "libcudart.so"):
+        try:
+            rt = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        return "not tried: no libcudart.so.* loadable"
+    ptr = ctypes.c_void_p()
+    if rt.cudaMallocManaged(ctypes.byref(ptr), ctypes.c_size_t(1 << 20), ctypes.c_uint(1)):
+        return "not tried: cudaMallocManaged failed"
+    try:
+        return _pointer_answer(ptr.value, 1 << 20, 0)
+    finally:
+        rt.cudaFree(ptr)
+
+
+def check_direct_refused(device: str) -> dict[str, Any]:
+    """transfer.gpu_memory=direct on this libfabric, and the CUDA pointer check: what
+    registration would accept and refuse on this node."""
     import torch
 
     from transfer.fabric import (
         Endpoint,
         GpuMemoryError,
         build_features,
-        check_cuda_pointer,
+        cuda_dmabuf_support,
         gpu_direct_support,
     )
 
     out: dict[str, Any] = {"build_features": build_features()}
-    buf = torch.zeros(1 << 20, dtype=torch.uint8, device=args.device)
+    buf = torch.zeros(2, 1 << 20, dtype=torch.uint8, device=device)  # fused K/V halves
     with Endpoint("shm", hmem=True) as ep:
         out["offers_hmem"] = ep.offers_hmem
         try:
@@ -191,27 +223,26 @@ def check_direct_refused(args: argparse.Namespace) -> dict[str, Any]:
             out["direct_refused"] = "transfer.gpu_memory" in str(exc)
             out["direct_message"] = str(exc)
     out["gpu_direct_support"] = list(gpu_direct_support("shm"))
-    if args.device.startswith("cuda"):
-        try:  # a cudaMalloc tensor of the right GPU passes the pointer check
-            check_cuda_pointer(buf.data_ptr(), buf.numel(), buf.device.index or 0)
-            out["device_pointer_accepted"] = True
-        except GpuMemoryError as exc:
-            out["device_pointer_accepted"] = False
-            out["device_pointer_message"] = str(exc)
-        host = torch.zeros(1 << 20, dtype=torch.uint8)
-        try:
-            check_cuda_pointer(host.data_ptr(), host.numel(), 0)
-            out["host_pointer_refused"] = False
-        except GpuMemoryError as exc:
-            out["host_pointer_refused"] = "not CUDA device memory" in str(exc)
-        out["expandable_segments"] = expandable_segments_refused()
-    else:
-        try:
-            check_cuda_pointer(buf.data_ptr(), buf.numel(), 0)
-            out["host_pointer_refused"] = False
-        except GpuMemoryError as exc:  # no CUDA driver here, or not device memory
-            out["host_pointer_refused"] = "transfer.gpu_memory" in str(exc)
-            out["pointer_message"] = str(exc)
+    if not device.startswith("cuda"):
+        msg = _pointer_answer(buf.data_ptr(), buf.numel(), 0)  # no CUDA driver here
+        out["host_pointer_refused"] = msg != "accepted" and "transfer.gpu_memory" in msg
+        out["pointer_message"] = msg
+        return out
+    half = buf[1]
+    out["accepted"] = {k: _pointer_answer(*a) == "accepted" for k, a in {
+        "device": (buf.data_ptr(), buf.numel(), 0),
+        "k_half": (buf[0].data_ptr(), half.numel(), 0),
+        "v_half": (half.data_ptr(), half.numel(), 0)}.items()}
+    pinned = torch.zeros(1 << 20, dtype=torch.uint8, pin_memory=True)
+    answers = {"pinned_host": _pointer_answer(pinned.data_ptr(), pinned.numel(), 0),
+               "managed": _managed_answer(),
+               "past_the_end": _pointer_answer(buf.data_ptr(), buf.numel() + (2 << 20), 0),
+               "expandable_segments": expandable_segments_refused()}
+    out["refused"] = {k: v != "accepted" for k, v in answers.items()
+                      if not v.startswith("not tried")}
+    out["refusal_messages"] = answers
+    dmabuf, why = cuda_dmabuf_support(buf.data_ptr(), buf.numel())
+    out["driver_dmabuf"] = dmabuf or why  # True: FI_MR_DMABUF is what mr.c asks for
     return out
 
 
@@ -230,32 +261,19 @@ def expandable_segments_refused() -> str:
     return (r.stdout + r.stderr).strip()[-600:]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cpu", action="store_true", help="CPU tensors (no GPU needed)")
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--pages", type=int, default=256, help="pages per layer in each KV")
-    ap.add_argument("--page-bytes", type=int, default=128 << 10)
-    ap.add_argument("--per-op", type=int, default=4)
-    ap.add_argument("--buffers", type=int, default=4)
-    ap.add_argument("--buffer-bytes", type=int, default=16 << 20)
-    ap.add_argument("--block-bytes", type=int, default=16 << 20)
-    ap.add_argument("--iterations", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--json", type=Path, help="write the summary here too")
-    args = ap.parse_args()
-    args.device = "cpu" if args.cpu else "cuda:0"
+def run(cpu: bool) -> dict[str, Any]:
+    """The staged transfer between two processes (gpu/check.py's step): its summary, `ok`
+    only when every run reached its count, byte-exact, with no stale write and no error."""
+    args = argparse.Namespace(
+        cpu=cpu, device="cpu" if cpu else "cuda:0", layers=8 if cpu else 32,
+        pages=64 if cpu else 256, page_bytes=32 << 10 if cpu else 128 << 10, per_op=4,
+        buffers=4, buffer_bytes=4 << 20 if cpu else 16 << 20,
+        block_bytes=4 << 20 if cpu else 16 << 20, iterations=3, seed=7)
     import torch
 
     summary: dict[str, Any] = {"device": args.device, "torch": torch.__version__}
-    if not args.cpu:
-        summary["gpu"] = torch.cuda.get_device_name(0)
-    summary["direct"] = check_direct_refused(args)
-    print(f"direct: refused={summary['direct']['direct_refused']}: "
-          f"{summary['direct'].get('direct_message', '')}", flush=True)
     moved = len(plan(args)["src"]) * args.page_bytes
     summary["baseline"] = baselines(args, moved)
-    print(f"baseline ({moved / 2**20:.0f} MiB): {summary['baseline']}", flush=True)
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe() for _ in range(2)]
     procs = [ctx.Process(target=decode_proc, args=(args, pipes[0][1])),
@@ -265,14 +283,14 @@ def main() -> int:
     dec, pre = pipes[0][0], pipes[1][0]
 
     def recv(conn: Any) -> Any:
-        """The next message, or SystemExit as soon as either process died."""
+        """The next message; RuntimeError as soon as either process died."""
         deadline = time.monotonic() + WAIT_S
         while not conn.poll(0.2):
             dead = [p.exitcode for p in procs if p.exitcode is not None]
             if dead:
-                raise SystemExit(f"CHECK FAILED: a transfer process exited with {dead[0]}")
+                raise RuntimeError(f"a transfer process exited with {dead[0]}")
             if time.monotonic() > deadline:
-                raise SystemExit("CHECK FAILED: no answer from the transfer processes")
+                raise RuntimeError("no answer from the transfer processes")
         return conn.recv()
 
     try:
@@ -296,27 +314,6 @@ def main() -> int:
         "gbs_median": round(statistics.median(gbs), 2), **sender,
         "buffers": args.buffers, "buffer_bytes": args.buffer_bytes,
     }
-    direct = summary["direct"]
-    ok = (direct["direct_refused"] and direct["host_pointer_refused"]
-          and direct.get("device_pointer_accepted", True)
-          and "virtual-memory-managed" in direct.get("expandable_segments",
-                                                      "virtual-memory-managed")
-          and all(r["reached"] and r["exact"] and r["count"] == r["want"] and r["stale"] == 0
-                  for r in runs)
-          and sender["peak_buffers"] <= args.buffers and not sender["errors"])
-    summary["ok"] = bool(ok)
-    print(f"staged over shm: {summary['staged']['gbs_best']} GB/s best, "
-          f"{summary['staged']['gbs_median']} median; d2d {summary['baseline']['d2d_gbs']}, "
-          f"d2h2d {summary['baseline']['d2h2d_gbs']} GB/s; byte-exact and counted: "
-          f"{all(r['exact'] and r['count'] == r['want'] for r in runs)}", flush=True)
-    text = json.dumps(summary, indent=2, default=str)
-    if args.json:
-        args.json.write_text(text)
-    print(text)
-    print("CHECK " + ("PASSED" if ok else "FAILED"))
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(main())
+    summary["ok"] = bool(all(r["reached"] and r["exact"] and r["count"] == r["want"]
+                             and r["stale"] == 0 for r in runs) and not sender["errors"])
+    return summary

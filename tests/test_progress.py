@@ -2,7 +2,7 @@
 stream on cuda), read by the messenger thread; shareable between processes by file.
 
 The GPU writer's arithmetic is torch's, so it is checked here on a CPU alias of the word (the
-device mapping itself needs a GPU: gpu/check_reference.py)."""
+device mapping itself needs a GPU: gpu/check.sh, step graph_progress)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ decode (`paged_decode_torch`, what the GPU check compares FlashInfer itself with
 attention; then they run the model's decode steps with that transcription in FlashInfer's seat
 (the object `FlashInferDecode` is on cuda: `plan` per pass, `run` per layer) and check it equals
 the model's own torch attention over the pages the engine wrote. FlashInfer itself runs only on
-a GPU (gpu/check_reference.py).
+a GPU, and no check here runs it (docs/binding.md, "gpu/check.sh").
 """
 
 from __future__ import annotations

@@ -101,6 +101,10 @@ int pd_probe_cuda_mr(pd_ep *ep, char *errbuf, size_t errlen);
 
 /* cuda.c: libcuda loaded at run time, only for CUDA registrations */
 int pd_cuda_check_pointer(void *addr, size_t len, int device, char *errbuf, size_t errlen);
+/* A dma-buf fd for device memory [addr, addr+len) (page-aligned range, *offset into it):
+   0, or -FI_ENOSYS with the driver's answer in errbuf. The caller closes *fd. */
+int pd_cuda_dmabuf_fd(void *addr, size_t len, int *fd, uint64_t *offset, char *errbuf,
+                      size_t errlen);
 
 /* cq.c: draining the CQ, slot counting, completion errors, bounded waits */
 void pd_set_counters(pd_ep *ep, uint32_t *recv_counts, uint16_t *recv_gen, uint32_t *send_done,

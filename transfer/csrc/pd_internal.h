@@ -150,8 +150,4 @@ void pd_domain_retain(pd_dom *dom);
 struct pd_ctx *pd_ctx_get(pd_ep *ep);
 void pd_ctx_put(pd_ep *ep, struct pd_ctx *c);
 
-/* cuda.c */
-int pd_cuda_dmabuf_fd(void *addr, size_t len, int *fd, uint64_t *offset, char *errbuf,
-                      size_t errlen);
-
 #endif

@@ -65,7 +65,7 @@ from .values import (
 # name -> the submodule that defines it; each loads the native binding when first imported
 _NATIVE = {"Endpoint": "endpoint", "MemoryRegion": "endpoint", "gpu_direct_support": "endpoint",
            "kick": "waits", "available_providers": "domain", "build_features": "domain",
-           "check_cuda_pointer": "domain"}
+           "check_cuda_pointer": "domain", "cuda_dmabuf_support": "domain"}
 
 __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",
@@ -77,6 +77,7 @@ __all__ = [
     "RemoteRegion",
     "WriteGroup",
     "buffer_address",
+    "cuda_dmabuf_support",
     "decode_imm",
     "encode_imm",
     "shm_leftovers",

@@ -4,6 +4,8 @@ pointer is registrable CUDA memory."""
 
 from __future__ import annotations
 
+import os
+
 from .errors import GpuMemoryError
 from .native import ERRBUF, c_str, check, ffi, lib
 
@@ -82,3 +84,16 @@ def check_cuda_pointer(addr: int, length: int, device: int) -> None:
         raise GpuMemoryError("check CUDA pointer", ret, "transfer.gpu_memory=direct: " +
                              ffi.string(err).decode(errors="replace"),
                              f"addr={addr:#x} length={length} device={device}")
+
+
+def cuda_dmabuf_support(addr: int, length: int) -> tuple[bool, str]:
+    """Whether the CUDA driver hands out a dma-buf for device memory [addr, addr+length)
+    (cuMemGetHandleForAddressRange; the open kernel modules do): (True, "") or (False, the
+    driver's answer). Where it does, a libfabric registration asks with FI_MR_DMABUF (mr.c)."""
+    err = ffi.new("char[]", ERRBUF)
+    fd, offset = ffi.new("int *", -1), ffi.new("uint64_t *")
+    ret = lib.pd_cuda_dmabuf_fd(ffi.cast("void *", addr), length, fd, offset, err, ERRBUF)
+    if ret:
+        return False, ffi.string(err).decode(errors="replace")
+    os.close(fd[0])
+    return True, ""
