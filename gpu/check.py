@@ -151,7 +151,8 @@ def run_all(args: argparse.Namespace) -> int:
         result = args.out / f"{step.name}.json"
         result.unlink(missing_ok=True)
         cmd = [sys.executable, str(Path(__file__)), "--step", step.name, "--out", str(args.out),
-               "--replays", str(args.replays)] + (["--cpu"] if args.cpu else [])
+               "--replays", str(args.replays)] + (["--cpu"] if args.cpu else []) + \
+            (["--report-ahead"] if args.report_ahead else [])
         t = time.monotonic()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=step.timeout_s)
@@ -187,6 +188,7 @@ def main() -> int:
     ap.add_argument("--provider", default="shm", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=11, help=argparse.SUPPRESS)
     ap.add_argument("--step", choices=sorted(BY_NAME), help=argparse.SUPPRESS)
+    ap.add_argument("--report-ahead", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.out = args.out.resolve()
     return run_step(args) if args.step else run_all(args)

@@ -156,6 +156,17 @@ def step_paged_decode(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- 2. graph progress
+class _ReportsAhead:
+    """A progress writer that reports each layer one early: what a word visible before its
+    layer's KV looks like to the watcher (`--report-ahead`, tests/test_gpu_check.py)."""
+
+    def __init__(self, inner: Any, layers: int) -> None:
+        self.inner, self.layers = inner, layers
+
+    def layer_done(self, layer: int) -> None:
+        self.inner.layer_done(min(layer + 1, self.layers - 1))
+
+
 def step_graph_progress(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -179,6 +190,8 @@ def step_graph_progress(args: argparse.Namespace) -> dict[str, Any]:
         model.progress_writer.device_word = torch.from_numpy(kv.progress.array)
     else:
         model.to_device("cuda", PAGE, kv.progress, flashinfer=False)  # prefill: torch's
+    if args.report_ahead:  # the check's own test: a word ahead of its layer's KV must fail
+        model.progress_writer = _ReportsAhead(model.progress_writer, layers)
     pages = list(range(tokens // PAGE))
     batch = Batch.build([(list(np.arange(tokens) % 256), 0, pages)], PAGE).to(
         torch.device(dev))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,7 @@ def test_a_step_that_overruns_is_reported_and_the_next_steps_still_run(tmp_path:
             "check.STEPS = tuple(s if s.name != 'graph_progress' else "
             "check.Step(s.name, 1, s.gpu_only, s.run) for s in check.STEPS);"
             "sys.exit(check.main())")
-    res = subprocess.run(["python3", "-c", code, str(tmp_path)], cwd=ROOT,
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 1, res.stdout + res.stderr
     steps = json.loads((tmp_path / "summary.json").read_text())["steps"]
@@ -56,3 +57,15 @@ def test_a_step_that_overruns_is_reported_and_the_next_steps_still_run(tmp_path:
     assert steps["graph_progress"]["error"] == "timed out after 1 s"
     assert steps["pointer_checks"]["ok"] is True
     assert "graph_progress: FAILED" in res.stdout
+
+
+def test_a_word_ahead_of_its_layers_kv_fails_the_progress_step(tmp_path: Path) -> None:
+    """The graph step can fail: a progress writer that reports each layer one early (what a
+    word visible before its KV looks like) leaves stale pages behind reported layers."""
+    res = subprocess.run([sys.executable, "gpu/check.py", "--cpu", "--out", str(tmp_path),
+                          "--only", "graph_progress", "--replays", "2", "--report-ahead"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stdout + res.stderr
+    step = json.loads((tmp_path / "summary.json").read_text())["steps"]["graph_progress"]
+    assert step["ok"] is False and step["failed_replays"], step
+    assert step["failed_replays"][0]["stale_layers"], step
