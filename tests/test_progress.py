@@ -1,41 +1,44 @@
 """The prefill's progress word: one word, two writers (the engine thread on a CPU, the GPU
 stream on cuda), read by the messenger thread; shareable between processes by file.
 
-The GPU writer's arithmetic is torch's, so it is checked here on a CPU alias of the word (the
-device mapping itself needs a GPU: gpu/check.sh, step graph_progress)."""
+The GPU writer is one fenced 32-bit store into the word's low half, enqueued through the CUDA
+driver; here the same store is made from the host (`store_layer_field`), which checks the
+word's layout (the device store itself needs a GPU: gpu/check.sh, step graph_progress)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 
 import pytest
-import torch
 
 from pdtool.engines.reference.cache import PagedKV
 from pdtool.engines.reference.model import Batch, TinyConfig, TinyModel
 from transfer.messenger import common
-from transfer.progress import LAYER_MASK, PASS_SHIFT, GpuProgressWriter, ProgressWord
+from transfer.progress import LAYER_MASK, PASS_SHIFT, ProgressWord, store_layer_field
 
 
 def test_one_home_for_the_word_format():
-    assert (common.PASS_SHIFT, common.LAYER_MASK) == (PASS_SHIFT, LAYER_MASK) == (16, 0xFFFF)
+    assert (common.PASS_SHIFT, common.LAYER_MASK) == (PASS_SHIFT, LAYER_MASK) == (32, 0xFFFFFFFF)
 
 
-def _cpu_writer(word: ProgressWord) -> GpuProgressWriter:
-    """The GPU writer's own code over a CPU view of the word (no device mapping)."""
-    w = GpuProgressWriter.__new__(GpuProgressWriter)
-    w.word, w.device_word = word, torch.from_numpy(word.array)
-    return w
+class _HostStore:
+    """The GPU writer's store made from the host (what `gpu/check.sh --cpu` runs)."""
+
+    def __init__(self, word: ProgressWord) -> None:
+        self.word = word
+
+    def layer_done(self, layer: int) -> None:
+        store_layer_field(self.word.array, layer + 1)
 
 
-def test_the_stream_writer_keeps_the_pass_the_host_began():
+def test_the_layer_store_keeps_the_pass_the_host_began():
     word = ProgressWord()
-    writer = _cpu_writer(word)
+    writer = _HostStore(word)
     word.array[0] = 7 << PASS_SHIFT  # PrefillMessenger.begin_pass (host)
     for layer in range(3):
         writer.layer_done(layer)
         assert word.value == (7 << PASS_SHIFT) | (layer + 1)
-    word.array[0] = 8 << PASS_SHIFT  # the next pass: the same kernels report pass 8
+    word.array[0] = 8 << PASS_SHIFT  # the next pass: the same stores report pass 8
     writer.layer_done(0)
     assert word.value == (8 << PASS_SHIFT) | 1
 
@@ -70,7 +73,7 @@ def test_the_model_reports_each_layer_after_its_output_projection_once():
     seen: list[int] = []
     model.forward(Batch.build([(list(b"hello"), 0, [0, 1])], 4), kv.layers, 4, seen.append)
     assert seen == [0, 1, 2]
-    model.progress_writer = _cpu_writer(kv.progress)
+    model.progress_writer = _HostStore(kv.progress)
     kv.progress.array[0] = 3 << PASS_SHIFT
     model.forward(Batch.build([(list(b"hello"), 0, [2, 3])], 4), kv.layers, 4, seen.append)
     assert seen == [0, 1, 2] and kv.progress.value == (3 << PASS_SHIFT) | 3

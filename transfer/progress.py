@@ -6,11 +6,15 @@ the host; then one of two writers sets the layer field after each layer's attent
 projection, and the messenger thread, which polls the word in C, writes that layer's pages:
 
 * on a CPU, the engine thread (`PrefillMessenger.layer_done`), a plain store;
-* on a GPU, the GPU stream itself (`GpuProgressWriter.layer_done`): two tiny elementwise kernels
-  write `(word & ~LAYER_MASK) | (layer + 1)` into the word through its device mapping (host
-  memory the GPU addresses, `transfer.cudahost`). They are ordinary kernels on the current
-  stream, so a prefill forward captured in a CUDA graph replays them at the same points; they
-  read the pass id from the word when they run, so a replay reports the pass the host began.
+* on a GPU, the GPU stream itself (`GpuProgressWriter.layer_done`): a fenced 32-bit store of
+  `layer + 1` into the word's low half (the layer field; the pass id is the high half, which
+  the host wrote) through its device mapping (host memory the GPU addresses,
+  `transfer.cudahost`), enqueued with cuStreamWriteValue32 on the current stream. The store is
+  ordered after the layer's kernels and behind a system-scope fence, so a host thread that
+  sees the layer also sees its KV in host-mapped pages; two ordinary kernels writing the word
+  gave no such order (the GPU check's graph step reads each reported layer's pages at once and
+  fails on a stale one). A prefill forward captured in a CUDA graph replays the store at the
+  same points, and a replay reports the pass the host began.
 
 The word lives in a page of its own, anonymous or in a file (`path`, e.g. under /dev/shm) so
 the other TP ranks of the lead's node can `attach` to the lead's word and poll it instead of
@@ -27,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-PASS_SHIFT = 16  # the word's one home; transfer.messenger.common imports it
+PASS_SHIFT = 32  # the word's one home (the GPU writes the low half); transfer.messenger.common
+#                 imports it
 LAYER_MASK = (1 << PASS_SHIFT) - 1
 _PAGE = mmap.PAGESIZE
 
@@ -84,13 +89,24 @@ class GpuProgressWriter:
 
         self.word = word
         self.device_word = device_alias(torch.from_numpy(word.array))
+        self.layer_field = self.device_word.data_ptr()  # the low half (little-endian)
 
     def layer_done(self, layer: int) -> None:
-        """Enqueue, on the current stream, the write of `layer + 1` into the layer field."""
+        """Enqueue, on the current stream, the fenced store of `layer + 1` into the layer
+        field."""
         import torch
 
-        w = self.device_word
-        torch.bitwise_or(torch.bitwise_and(w, ~LAYER_MASK), layer + 1, out=w)
+        from .fabric import cuda_stream_write_u32
+
+        cuda_stream_write_u32(torch.cuda.current_stream().cuda_stream, self.layer_field,
+                              layer + 1)
+
+
+def store_layer_field(array: np.ndarray, value: int) -> None:
+    """From the host, what `GpuProgressWriter.layer_done`'s store does on the GPU: `value` into
+    the word's low 32 bits (the layer field, little-endian) and nothing else, so the pass id
+    the host began stays (the CPU emulation of the GPU writer: tests, `gpu/check.sh --cpu`)."""
+    array.view(np.uint32)[0] = value
 
 
 def check_word(progress: Any) -> np.ndarray:

@@ -33,6 +33,9 @@ static struct {
     cu_result (*release)(cu_alloc_handle);
     cu_result (*get_handle_for_address_range)(void *, cu_ptr, size_t, int, unsigned long long);
     cu_result (*get_error_string)(cu_result, const char **);
+    /* cuStreamWriteValue32(_v2): a 32-bit store ordered after the stream's earlier work and
+       preceded by a system-scope fence (CU_STREAM_WRITE_VALUE_DEFAULT) */
+    cu_result (*stream_write_value32)(void *, cu_ptr, unsigned int, unsigned int);
 } pd_cu;
 
 static pthread_once_t pd_cu_once = PTHREAD_ONCE_INIT;
@@ -51,6 +54,9 @@ static void pd_cu_load(void) {
     *(void **)&pd_cu.release = dlsym(h, "cuMemRelease");
     *(void **)&pd_cu.get_handle_for_address_range = dlsym(h, "cuMemGetHandleForAddressRange");
     *(void **)&pd_cu.get_error_string = dlsym(h, "cuGetErrorString");
+    *(void **)&pd_cu.stream_write_value32 = dlsym(h, "cuStreamWriteValue32_v2");
+    if (!pd_cu.stream_write_value32)
+        *(void **)&pd_cu.stream_write_value32 = dlsym(h, "cuStreamWriteValue32");
     if (!pd_cu.init || !pd_cu.pointer_get_attribute) {
         snprintf(pd_cu.why, sizeof(pd_cu.why), "libcuda.so.1 lacks cuInit/cuPointerGetAttribute");
         pd_cu.loaded = -1;
@@ -151,5 +157,27 @@ int pd_cuda_dmabuf_fd(void *addr, size_t len, int *fd, uint64_t *offset, char *e
         return -FI_ENOSYS;
     }
     *offset = (uint64_t)(a - base);
+    return 0;
+}
+
+/* Enqueue on `stream` (a CUstream, 0 = the legacy default) the store of `value` into the 32-bit
+   word at device address `dptr`, after everything the stream enqueued before it and behind a
+   system-scope memory fence: a host thread that sees the value also sees every byte the
+   stream's earlier kernels wrote to host-mapped memory (the prefill's progress word and the KV
+   it announces; two ordinary kernels give no such order to a host reader). Captured into a
+   CUDA graph like any stream work. 0, or a negative errno with the driver's answer. */
+int pd_cuda_stream_write_u32(uint64_t stream, uint64_t dptr, uint32_t value, char *errbuf,
+                             size_t errlen) {
+    int ret = pd_cu_ready(errbuf, errlen);
+    if (ret) return ret;
+    if (!pd_cu.stream_write_value32) {
+        snprintf(errbuf, errlen, "the CUDA driver lacks cuStreamWriteValue32");
+        return -FI_ENOSYS;
+    }
+    cu_result r = pd_cu.stream_write_value32((void *)(uintptr_t)stream, (cu_ptr)dptr, value, 0);
+    if (r) {
+        snprintf(errbuf, errlen, "cuStreamWriteValue32: %s", pd_cu_err(r));
+        return -FI_EIO;
+    }
     return 0;
 }

@@ -105,6 +105,9 @@ int pd_cuda_check_pointer(void *addr, size_t len, int device, char *errbuf, size
    0, or -FI_ENOSYS with the driver's answer in errbuf. The caller closes *fd. */
 int pd_cuda_dmabuf_fd(void *addr, size_t len, int *fd, uint64_t *offset, char *errbuf,
                       size_t errlen);
+/* A fenced 32-bit store enqueued on a CUDA stream (cuStreamWriteValue32): the progress word. */
+int pd_cuda_stream_write_u32(uint64_t stream, uint64_t dptr, uint32_t value, char *errbuf,
+                             size_t errlen);
 
 /* cq.c: draining the CQ, slot counting, completion errors, bounded waits */
 void pd_set_counters(pd_ep *ep, uint32_t *recv_counts, uint16_t *recv_gen, uint32_t *send_done,

@@ -65,7 +65,8 @@ from .values import (
 # name -> the submodule that defines it; each loads the native binding when first imported
 _NATIVE = {"Endpoint": "endpoint", "MemoryRegion": "endpoint", "gpu_direct_support": "endpoint",
            "kick": "waits", "available_providers": "domain", "build_features": "domain",
-           "check_cuda_pointer": "domain", "cuda_dmabuf_support": "domain"}
+           "check_cuda_pointer": "domain", "cuda_dmabuf_support": "domain",
+           "cuda_stream_write_u32": "domain"}
 
 __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",
@@ -78,6 +79,7 @@ __all__ = [
     "WriteGroup",
     "buffer_address",
     "cuda_dmabuf_support",
+    "cuda_stream_write_u32",
     "decode_imm",
     "encode_imm",
     "shm_leftovers",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import GpuMemoryError
+from .errors import FabricError, GpuMemoryError
 from .native import ERRBUF, c_str, check, ffi, lib
 
 
@@ -97,3 +97,15 @@ def cuda_dmabuf_support(addr: int, length: int) -> tuple[bool, str]:
         return False, ffi.string(err).decode(errors="replace")
     os.close(fd[0])
     return True, ""
+
+
+def cuda_stream_write_u32(stream: int, dptr: int, value: int) -> None:
+    """Enqueue on CUDA stream `stream` a fenced store of `value` into the 32-bit word at device
+    address `dptr` (cuStreamWriteValue32; captured into CUDA graphs). A host reader that sees
+    the value sees everything the stream wrote before it. FabricError naming the driver's
+    answer where it cannot."""
+    err = ffi.new("char[]", ERRBUF)
+    ret = lib.pd_cuda_stream_write_u32(stream, dptr, value, err, ERRBUF)
+    if ret:
+        raise FabricError("progress word store", ret, ffi.string(err).decode(
+            errors="replace"), f"stream={stream:#x} dptr={dptr:#x}")

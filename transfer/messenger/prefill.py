@@ -13,7 +13,7 @@ every rank then calls `bind(req, src_pages)` and picks from the parts what it mu
 
 Per forward pass (chunked prefill, page-aligned chunk boundaries) the engine calls
 `begin_pass(chunks)` and then bumps the progress counter after each layer (`layer_done`, or
-its CUDA graph writes the word `(pass_id << 16) | layers_done` into `progress` — one int64 so a
+its CUDA graph writes the word `(pass_id << 32) | layers_done` into `progress` — one int64 so a
 reader never sees a torn pass/layer pair). The messenger thread polls that word and, as soon as a
 layer is in the cache, submits that layer's writes for every chunk of the pass (one C call per
 chunk, layer buffer and destination). After the last chunk, `finish(rid, aux)` copies the
