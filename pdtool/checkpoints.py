@@ -39,7 +39,7 @@ ARCHS = ("llama", "qwen2", "qwen3", "deepseek_v2")
 BUILTIN = {"tiny-llama": "llama", "tiny-deepseek-v2": "deepseek_v2"}
 BUILTIN_PREFIX = "builtin:"
 #: bumped whenever what a builtin name builds changes, so a stale cache folder is never reused
-BUILD = 1
+BUILD = 2  # 2: tiny-llama's context 1,024 -> 4,096 (2,000-token prompts in the bench)
 
 
 class CheckpointBuildError(ValueError):
@@ -127,7 +127,8 @@ def _config(arch: str, eos: int) -> tuple[Any, type]:
         "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
         "eos_token_id": eos, "initializer_range": 0.2}
-    if arch == "llama":  # Llama 3.1's RoPE scaling, untied head
+    if arch == "llama":  # Llama 3.1's RoPE scaling, untied head; room for 2,000-token prompts
+        common["max_position_embeddings"] = 4096
         return tf.LlamaConfig(**common, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
