@@ -184,7 +184,18 @@ def _uniform(offsets: np.ndarray, lengths: np.ndarray, *buffers: Any) -> int:
 class _Copier:
     """Asynchronous copies between a KV tensor and host memory. CUDA tensors: on a side stream
     of their device, completion = a recorded event. CPU tensors: on one worker thread (torch
-    releases the GIL while copying), completion = its future. Handles are opaque."""
+    releases the GIL while copying), completion = its future. Handles are opaque.
+
+    Order on a GPU: the copies run on backend threads, whose current stream is the legacy
+    default stream, which SGLang's forward stream (a non-blocking stream from PyTorch's pool)
+    does not synchronise with; waiting on it ordered nothing. So the side stream waits on no
+    stream: every caller hands over only pages whose producer the host already waited for.
+    On the prefill, SGLang calls `send_kv_chunk` after synchronising the batch's result on the
+    host (`disaggregation/prefill.py`), a per-layer part comes after the layer thread's wait
+    on the layer's event (`sglang/layer_stream.py`), and a cached prefix sent early after the
+    writer's wait on its `wait_event` (`sglang/prefill_plane.py`); on the decode, the pages
+    written to were allocated for this request, and the copy ends with a wait on the side
+    stream before the request is reported ready."""
 
     def __init__(self, device: Any) -> None:
         self.cuda = getattr(device, "type", "cpu") == "cuda"
@@ -202,7 +213,6 @@ class _Copier:
         if not self.cuda:
             return self._thread.submit(_gather_into, src, offsets, lengths, out)
         torch = self._torch
-        self.stream.wait_stream(torch.cuda.current_stream(src.device))  # the pages are ready
         with torch.cuda.stream(self.stream):
             size = _uniform(offsets, lengths, src)
             keep = None
@@ -229,7 +239,6 @@ class _Copier:
             return self._thread.submit(torch_index_select, src[:, head_lo:head_lo + heads],
                                        rows, view)
         torch = self._torch
-        self.stream.wait_stream(torch.cuda.current_stream(src.device))  # the pages are ready
         with torch.cuda.stream(self.stream):
             idx = rows.to(src.device, non_blocking=True)
             keep = src[:, head_lo:head_lo + heads].index_select(0, idx)  # packed on the GPU
@@ -263,7 +272,6 @@ class _Copier:
             dst[rows, head_lo:head_lo + heads] = landed
             return
         torch = self._torch
-        self.stream.wait_stream(torch.cuda.current_stream(dst.device))  # earlier uses of dst
         with torch.cuda.stream(self.stream):
             idx = rows.to(dst.device, non_blocking=True)
             dst[idx, head_lo:head_lo + heads] = landed.to(dst.device, non_blocking=True)
@@ -278,7 +286,6 @@ class _Copier:
             _scatter_from(host, host_offsets, dst, offsets, lengths)
             return
         torch = self._torch
-        self.stream.wait_stream(torch.cuda.current_stream(dst.device))  # earlier uses of dst
         with torch.cuda.stream(self.stream):
             size = _uniform(offsets, lengths, dst)
             if size:
