@@ -247,6 +247,20 @@ def _gpu_direct_probe(provider: str, nics: Any) -> tuple[bool, str]:
     return answer
 
 
+def cudart_problem() -> str | None:
+    """Why `libcudart.so` cannot be loaded here, or None when it can. libfabric's CUDA support
+    dlopens that unversioned name (not libcudart.so.12), and a node whose CUDA runtime came
+    with pip has only the versioned file: that libfabric then has no CUDA, `direct` fails
+    with -FI_ENOSYS and `auto` goes staged, with nothing in the start line saying why."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcudart.so")
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
 def _gpu_memory_field(plan: Any, choice: Any) -> str:
     """The start line's `gpu_memory=`: direct | staged | auto (pdtool's backend; `auto`: the
     ranks decide when they register their pools), the SGLang backend that registers it itself
@@ -452,6 +466,13 @@ def main(argv: list[str] | None = None) -> int:
         print(startup_line(ctx, node, choice), flush=True)
         if choice is not None:  # on host-memory KV the start line says gpu_memory=host
             print(f"pdtool-worker: {choice.line()}", flush=True)
+            problem = cudart_problem() if choice.path != "staged" else None
+            if problem:
+                print(f"pdtool-worker: transfer.gpu_memory={choice.mode}: libcudart.so cannot "
+                      f"be loaded here ({problem}); a libfabric whose CUDA support dlopens it "
+                      f"cannot register GPU memory, so direct fails and auto goes staged; "
+                      f"fix: put the CUDA toolkit's lib64 (or a libcudart.so link to "
+                      f"libcudart.so.12) on LD_LIBRARY_PATH", flush=True)
             # the SGLang backend moves KV the way this line says (transfer/sglang)
             ctx.env[workerenv.GPU_MEMORY.name] = backend_gpu_memory(choice)
             os.environ[workerenv.GPU_MEMORY.name] = backend_gpu_memory(choice)

@@ -19,7 +19,13 @@ import pytest
 from helpers.pdtool_cfg import compose
 
 from pdtool.plan import build_plan, to_json
-from pdtool.worker import gpu_memory_choice, kv_in_gpu_memory, parse_args, resolve
+from pdtool.worker import (
+    cudart_problem,
+    gpu_memory_choice,
+    kv_in_gpu_memory,
+    parse_args,
+    resolve,
+)
 
 
 def _plan(tmp_path: Path, *overrides: str) -> Path:
@@ -58,6 +64,11 @@ def test_auto_probes_nothing_and_leaves_the_choice_to_the_ranks(tmp_path: Path) 
     assert ("pdtool-worker: transfer.gpu_memory=auto: undecided (direct if shm on the node "
             "registers the KV pools' GPU memory (FI_HMEM), else staged; each rank tries at "
             "start)") in res.stdout
+    # a node where libfabric's CUDA support cannot dlopen libcudart.so: the worker says why
+    # a CUDA libfabric would go staged, and the fix (this machine may have the toolkit's)
+    missing = cudart_problem()
+    said = "pdtool-worker: transfer.gpu_memory=auto: libcudart.so cannot be loaded here ("
+    assert (said in res.stdout and "on LD_LIBRARY_PATH" in res.stdout) == bool(missing)
     assert "needs its launch line" in res.stderr and "Traceback" not in res.stderr
 
 
@@ -82,6 +93,7 @@ def test_staged_and_providers_without_fi_hmem_need_no_probe(tmp_path: Path, over
     res = _worker(plan, "prefill")
     assert _start_fields(res.stdout)["gpu_memory"] == "staged"
     assert f"pdtool-worker: {choice.line()}" in res.stdout
+    assert "libcudart.so" not in res.stdout  # staged needs no CUDA libfabric
 
 
 def test_host_memory_kv_and_the_router_print_no_probe(tmp_path: Path) -> None:
