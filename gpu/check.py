@@ -25,8 +25,13 @@ Steps (what each proves, and what would make it fail):
   staged_transfer   KV pages in GPU memory between two processes over shm on the staged
                     path, byte-exact and counted, with GB/s beside device->device and
                     device->host->device copies of the same bytes.
-Left out (not written yet): head-slice gather into pinned memory and scatter back, per-layer
-markers on a side stream consumed by a thread.
+  head_slice        the staged path's head-slice copies for a TP mismatch: heads of token
+                    rows of an NHD buffer gathered into pinned memory and scattered back into
+                    another buffer, byte-exact, every other head and row untouched.
+  side_stream_markers
+                    per-layer markers (the layer hook's) recorded on a side stream and waited
+                    for by a thread: each layer read after its marker holds this pass's value,
+                    in order, and on a GPU layer 0 is read while later layers still run.
 """
 
 from __future__ import annotations
@@ -85,6 +90,95 @@ def _pointer_checks(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _head_slice(args: argparse.Namespace) -> dict[str, Any]:
+    """The staged path's head-slice copies (`transfer.staging._Copier`, as the SGLang backend
+    uses them for a TP mismatch): heads [2, 6) of 100 token rows of an NHD buffer gathered into
+    pinned memory, then scattered into another buffer, byte-exact, every other head and row
+    untouched."""
+    import numpy as np
+    import torch
+
+    from transfer.staging import _Copier
+
+    dev = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
+    slots, heads, head_bytes, lo, n = 512, 8, 256, 2, 4
+    g = torch.Generator().manual_seed(args.seed)
+    src = torch.randint(0, 256, (slots, heads, head_bytes), dtype=torch.uint8, generator=g)
+    dst0 = torch.randint(0, 256, (slots, heads, head_bytes), dtype=torch.uint8, generator=g)
+    rows = torch.as_tensor(np.random.default_rng(args.seed).choice(slots, 100, replace=False),
+                           dtype=torch.int64)
+    out = torch.zeros(len(rows) * n * head_bytes, dtype=torch.uint8, pin_memory=not args.cpu)
+    copier = _Copier(dev)
+    copier.wait(copier.gather_slice(src.to(dev), rows, lo, n, out))
+    packed = bool(torch.equal(out.view(len(rows), n, head_bytes), src[rows, lo:lo + n]))
+    dst = dst0.to(dev)
+    copier.scatter_slice(out.view(len(rows), n, head_bytes), dst, rows, lo, n)
+    want = dst0.clone()
+    want[rows, lo:lo + n] = src[rows, lo:lo + n]
+    back = dst.cpu()
+    others = torch.ones(slots, heads, dtype=torch.bool)
+    others[rows, lo:lo + n] = False
+    untouched = bool(torch.equal(back[others], dst0[others]))
+    return {"ok": packed and bool(torch.equal(back, want)) and untouched,
+            "packed_exact": packed, "scattered_exact": bool(torch.equal(back, want)),
+            "other_heads_untouched": untouched}
+
+
+def _side_stream_markers(args: argparse.Namespace) -> dict[str, Any]:
+    """Per-layer markers (`sglang.layer_stream._marker`, what the layer hook records after a
+    layer's attention) on a side stream, consumed by a thread the way the layer thread does:
+    each marker waited for, then the layer's buffer read. Each read must be that layer's final
+    value of this pass, and layer 0 must be read while later layers still run (a marker that
+    completed only with the whole stream fails this)."""
+    import queue
+    import threading
+
+    import torch
+
+    from transfer.sglang.layer_stream import _marker
+
+    layers, n, passes = 8, 1 << 20, 5
+    dev = "cpu" if args.cpu else "cuda"
+    bufs = [torch.zeros(n, device=dev) for _ in range(layers)]
+    results = []
+    for p in range(1, passes + 1):
+        q: queue.Queue = queue.Queue()
+        seen: list[tuple[int, bool, int]] = []
+
+        def consume(q: queue.Queue = q, seen: list = seen, p: int = p) -> None:
+            for _ in range(layers):
+                i, marker = q.get()
+                marker.synchronize()
+                seen.append((i, bool((bufs[i].cpu() == p * 100 + i).all()),
+                             time.perf_counter_ns()))
+
+        th = threading.Thread(target=consume)
+        th.start()
+
+        def produce(q: queue.Queue = q, p: int = p) -> None:
+            for i in range(layers):
+                if not args.cpu:
+                    torch.cuda._sleep(20_000_000)  # ~10 ms of a layer's compute
+                bufs[i].fill_(p * 100 + i)
+                q.put((i, _marker(not args.cpu)))
+
+        if args.cpu:
+            produce()
+        else:
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):
+                produce()
+            side.synchronize()
+        t_end = time.perf_counter_ns()
+        th.join(60)
+        results.append({"order": [i for i, _, _ in seen], "fresh": all(f for _, f, _ in seen),
+                        "layer0_read_before_end": bool(seen) and seen[0][2] < t_end})
+    ok = all(r["order"] == list(range(layers)) and r["fresh"] for r in results)
+    if not args.cpu:  # on a CPU the producer ends before the thread reads: nothing overlaps
+        ok = ok and all(r["layer0_read_before_end"] for r in results)
+    return {"ok": bool(ok), "passes": results}
+
+
 def _paged_decode(args: argparse.Namespace) -> dict[str, Any]:
     from check_reference import step_paged_decode
 
@@ -104,11 +198,13 @@ def _staged_transfer(args: argparse.Namespace) -> dict[str, Any]:
 
 
 STEPS = (
-    Step("mapped_aliasing", 60, True, _mapped_aliasing),
-    Step("pointer_checks", 90, False, _pointer_checks),
-    Step("paged_decode", 120, False, _paged_decode),
-    Step("graph_progress", 150, False, _graph_progress),
-    Step("staged_transfer", 150, False, _staged_transfer),
+    Step("mapped_aliasing", 45, True, _mapped_aliasing),
+    Step("pointer_checks", 60, False, _pointer_checks),
+    Step("paged_decode", 75, False, _paged_decode),
+    Step("graph_progress", 110, False, _graph_progress),
+    Step("staged_transfer", 100, False, _staged_transfer),
+    Step("head_slice", 30, False, _head_slice),
+    Step("side_stream_markers", 30, False, _side_stream_markers),
 )
 BY_NAME = {s.name: s for s in STEPS}
 
