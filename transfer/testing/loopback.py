@@ -209,9 +209,20 @@ def _cpu_delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------- prefill process
+def _forked_torch() -> Any:
+    """torch in a rank process forked from the test process. A parent that already ran a
+    parallel torch op owns an OpenMP thread pool the fork did not copy, and the child's first
+    parallel op waits for those threads forever (libgomp is not fork-safe: a test that ran the
+    reference model before this harness hung every rank). With one intra-op thread torch runs
+    each op inline and never enters OpenMP; the ranks share two cores anyway."""
+    import torch
+    torch.set_num_threads(1)
+    return torch
+
+
 def _prefill_main(s: Scenario, secret: bytes, inst: int, rank: int, conn: Any,
                   bcast: list[Any], ev: dict[str, Any]) -> None:
-    import torch
+    torch = _forked_torch()
 
     from ..messenger.common import PrefillConfig
     from ..messenger.prefill import PrefillMessenger
@@ -343,7 +354,7 @@ def _fault(s: Scenario, m: Any, fault: str, ev: dict[str, Any], report: dict[str
 # --------------------------------------------------------------------------- decode process
 def _decode_main(s: Scenario, secret: bytes, rank: int, endpoints: tuple[tuple[str, ...], ...],
                  conn: Any, ev: dict[str, Any]) -> None:
-    import torch
+    torch = _forked_torch()
 
     from ..messenger.common import DecodeConfig, TransferStatus
     from ..messenger.decode import DecodeMessenger
