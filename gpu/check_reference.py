@@ -35,7 +35,6 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # helpers.hf_checkpoints: the tests' checkpoint builder
 
 WAIT_S = 120.0
 HEADS, SHARDS, PAGE, DIM, PAGES = 4, 2, 16, 64, 64
@@ -156,18 +155,6 @@ def step_paged_decode(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- 2. graph progress
-class _HostStore:
-    """The GPU writer's fenced store of the layer field, made from the host (--cpu)."""
-
-    def __init__(self, word: Any) -> None:
-        self.word = word
-
-    def layer_done(self, layer: int) -> None:
-        from transfer.progress import store_layer_field
-
-        store_layer_field(self.word.array, layer + 1)
-
-
 class _ReportsAhead:
     """A progress writer that reports each layer one early: what a word visible before its
     layer's KV looks like to the watcher (`--report-ahead`, tests/test_gpu_check.py)."""
@@ -185,7 +172,7 @@ def step_graph_progress(args: argparse.Namespace) -> dict[str, Any]:
     from pdtool.engines.reference.cache import PagedKV
     from pdtool.engines.reference.model import Batch, TinyConfig, TinyModel
     from transfer.fabric import Endpoint, encode_imm
-    from transfer.progress import LAYER_MASK, PASS_SHIFT
+    from transfer.progress import LAYER_MASK, PASS_SHIFT, HostLayerStore
 
     # --cpu: the same watcher and writes around a plain CPU forward whose progress word gets
     # the GPU writer's store made from the host (no graph, no mapping)
@@ -197,7 +184,7 @@ def step_graph_progress(args: argparse.Namespace) -> dict[str, Any]:
     kv = PagedKV(cfg, cfg.num_kv_heads, tokens // PAGE + 1, PAGE, "HND", device=dev)
     model = TinyModel(cfg)
     if args.cpu:
-        model.progress_writer = _HostStore(kv.progress)
+        model.progress_writer = HostLayerStore(kv.progress)
     else:
         model.to_device("cuda", PAGE, kv.progress, flashinfer=False)  # prefill: torch's
     if args.report_ahead:  # the check's own test: a word ahead of its layer's KV must fail

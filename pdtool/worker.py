@@ -205,8 +205,8 @@ def gpu_memory_choice(ctx: WorkerContext) -> Any:
     no GPU and no CUDA needed), so a node that cannot is a WorkerError with the probe's reason
     before any engine starts; the engine replaces this process (exec), so nothing the probe
     left in the provider's process-wide state (EFA marks dma-buf off after a failed one) is
-    there for the real registration. `auto` probes nothing: the backend tries to register the pools
-    themselves and goes staged when they are refused (a CUDA registration of a host page
+    there for the real registration. `auto` probes nothing: the backend tries to register the
+    pools themselves and goes staged when they are refused (a CUDA registration of a host page
     answers yes whether or not GPUDirect works); `staged`, or a provider that never has
     FI_HMEM, needs no probe."""
     if ctx.instance is None or not kv_in_gpu_memory(ctx.plan) \
@@ -474,8 +474,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"fix: put the CUDA toolkit's lib64 (or a libcudart.so link to "
                       f"libcudart.so.12) on LD_LIBRARY_PATH", flush=True)
             # the SGLang backend moves KV the way this line says (transfer/sglang)
-            ctx.env[workerenv.GPU_MEMORY.name] = backend_gpu_memory(choice)
-            os.environ[workerenv.GPU_MEMORY.name] = backend_gpu_memory(choice)
+            path = backend_gpu_memory(choice)
+            ctx.env[workerenv.GPU_MEMORY.name] = os.environ[workerenv.GPU_MEMORY.name] = path
         if workerenv.flag(workerenv.PREFLIGHT):
             print("pdtool-worker: preflight: not starting the engine", flush=True)
             return run_preflight(ctx)

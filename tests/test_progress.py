@@ -2,7 +2,7 @@
 stream on cuda), read by the messenger thread; shareable between processes by file.
 
 The GPU writer is one fenced 32-bit store into the word's low half, enqueued through the CUDA
-driver; here the same store is made from the host (`store_layer_field`), which checks the
+driver; here the same store is made from the host (`HostLayerStore`), which checks the
 word's layout (the device store itself needs a GPU: gpu/check.sh, step graph_progress)."""
 
 from __future__ import annotations
@@ -14,26 +14,16 @@ import pytest
 from pdtool.engines.reference.cache import PagedKV
 from pdtool.engines.reference.model import Batch, TinyConfig, TinyModel
 from transfer.messenger import common
-from transfer.progress import LAYER_MASK, PASS_SHIFT, ProgressWord, store_layer_field
+from transfer.progress import LAYER_MASK, PASS_SHIFT, HostLayerStore, ProgressWord
 
 
 def test_one_home_for_the_word_format():
     assert (common.PASS_SHIFT, common.LAYER_MASK) == (PASS_SHIFT, LAYER_MASK) == (32, 0xFFFFFFFF)
 
 
-class _HostStore:
-    """The GPU writer's store made from the host (what `gpu/check.sh --cpu` runs)."""
-
-    def __init__(self, word: ProgressWord) -> None:
-        self.word = word
-
-    def layer_done(self, layer: int) -> None:
-        store_layer_field(self.word.array, layer + 1)
-
-
 def test_the_layer_store_keeps_the_pass_the_host_began():
     word = ProgressWord()
-    writer = _HostStore(word)
+    writer = HostLayerStore(word)
     word.array[0] = 7 << PASS_SHIFT  # PrefillMessenger.begin_pass (host)
     for layer in range(3):
         writer.layer_done(layer)
@@ -73,7 +63,7 @@ def test_the_model_reports_each_layer_after_its_output_projection_once():
     seen: list[int] = []
     model.forward(Batch.build([(list(b"hello"), 0, [0, 1])], 4), kv.layers, 4, seen.append)
     assert seen == [0, 1, 2]
-    model.progress_writer = _HostStore(kv.progress)
+    model.progress_writer = HostLayerStore(kv.progress)
     kv.progress.array[0] = 3 << PASS_SHIFT
     model.forward(Batch.build([(list(b"hello"), 0, [2, 3])], 4), kv.layers, 4, seen.append)
     assert seen == [0, 1, 2] and kv.progress.value == (3 << PASS_SHIFT) | 3

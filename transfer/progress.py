@@ -102,11 +102,16 @@ class GpuProgressWriter:
                               layer + 1)
 
 
-def store_layer_field(array: np.ndarray, value: int) -> None:
-    """From the host, what `GpuProgressWriter.layer_done`'s store does on the GPU: `value` into
-    the word's low 32 bits (the layer field, little-endian) and nothing else, so the pass id
-    the host began stays (the CPU emulation of the GPU writer: tests, `gpu/check.sh --cpu`)."""
-    array.view(np.uint32)[0] = value
+class HostLayerStore:
+    """`GpuProgressWriter`'s store made from the host: `layer + 1` into the word's low 32 bits
+    (the layer field, little-endian) and nothing else, so the pass id the host began stays.
+    The CPU emulation of the GPU writer (tests, `gpu/check.sh --cpu`)."""
+
+    def __init__(self, word: ProgressWord) -> None:
+        self.word = word
+
+    def layer_done(self, layer: int) -> None:
+        self.word.array.view(np.uint32)[0] = layer + 1
 
 
 def check_word(progress: Any) -> np.ndarray:

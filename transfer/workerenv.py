@@ -251,8 +251,10 @@ def domain_for(gpu: int | None, environ: Mapping[str, str] | None = None) -> str
 def gpu_memory(environ: Mapping[str, str] | None = None) -> str | None:
     """PDTOOL_GPU_MEMORY (`auto`, `direct` or `staged`), or None when unset; WorkerEnvError
     naming it for anything else."""
+    from transfer.gpu_memory import GPU_MEMORY_MODES
+
     value = GPU_MEMORY.get(environ)
-    if value is not None and value not in ("auto", "direct", "staged"):
+    if value is not None and value not in GPU_MEMORY_MODES:
         raise WorkerEnvError(f"{GPU_MEMORY.name}={value!r}: expected auto, direct or staged")
     return value
 

@@ -181,15 +181,12 @@ class PdtoolKVManager(PrefillSide, DecodeSide, CommonKVManager):
         self.kv_device = self._kv_device()
         provider = workerenv.provider(DEFAULT_PROVIDER)
         kv = kv_path(self.kv_device.type, provider)
-        self.kv_path = kv.path
         receive = disaggregation_mode == DisaggregationMode.DECODE
-        gpu_direct = kv.path == "direct" and self.kv_device.type == "cuda"
-        rails = direct_or_staged(kv, provider, functools.partial(self._open_rails, receive,
-                                                                   True)) if gpu_direct else None
-        if rails is None:
-            self.kv_path = "staged" if gpu_direct else kv.path
-            rails = self._open_rails(receive)
-        self.rails = rails
+        direct_rails = None  # the direct path's endpoints (FI_HMEM on a GPU); None: staged
+        if kv.path == "direct":
+            direct_rails = direct_or_staged(kv, provider, functools.partial(
+                self._open_rails, receive, self.kv_device.type == "cuda"))
+        self.rails = direct_rails if direct_rails is not None else self._open_rails(receive)
         self.ep = self.rails.primary  # the decode's slot table lives here
         # on SGLang's /metrics when it runs with --enable-metrics (metrics.py)
         self.metrics = transfer_metrics.for_manager(
@@ -202,12 +199,9 @@ class PdtoolKVManager(PrefillSide, DecodeSide, CommonKVManager):
             num_kv_buffers=len(args.kv_data_lens), aux_item_lens=list(args.aux_item_lens),
             num_draft=self.num_draft))
         # direct: SGLang's pools; on a GPU under `auto`, staged when they do not register
-        mrs = None
-        if self.kv_path == "direct":
-            mrs = direct_or_staged(kv, provider, self._register_pools) if gpu_direct \
-                else self._register_pools()
-            if mrs is None:
-                self.kv_path = "staged"
+        mrs = None if direct_rails is None else \
+            direct_or_staged(kv, provider, self._register_pools)
+        self.kv_path = "staged" if mrs is None else "direct"
         self.kv_mrs = mrs or []
         # SGLang keeps metadata (aux) buffers in host memory (MetadataBuffers, device "cpu")
         self.aux_mrs = [self.rails.register(p, n)

@@ -156,7 +156,6 @@ class PrefillPlane:
         self.stuck_s = stuck_s
         # shm: a decode that died with writes in flight holds every other decode's (stall.py)
         self.stall = StallWatch(self.rails.eps, stall_s or stuck_s)
-        self.refuse_s = stall_s or stuck_s  # `_refusals`: the same window as a silent peer's
         self._rr = 0
         self._path_rr = 0
 
@@ -430,19 +429,20 @@ class PrefillPlane:
         return posted
 
     def _refusals(self, q: PeerQueue, refused: bool) -> None:
-        """Fail the queued rooms of a peer whose writes the provider has refused for
-        `refuse_s` with none of ours in flight to it. A full queue with nothing in flight is
-        no back-pressure: rxm over tcp answers a connection the decode's death closed this
-        way, for every later write, and reports no error (measured on libfabric 1.17). Before,
-        those rooms waited `stuck_s` (SGLang's waiting timeout, 300 s by default) to fail."""
+        """Fail the queued rooms of a peer whose writes the provider has refused for the
+        stall window (`stall.after_s`, SGLang's heartbeat window) with none of ours in flight
+        to it. A full queue with nothing in flight is no back-pressure: rxm over tcp answers
+        a connection the decode's death closed this way, for every later write, and reports
+        no error (measured on libfabric 1.17). Before, those rooms waited `stuck_s` (SGLang's
+        waiting timeout, 300 s by default) to fail."""
         now = time.monotonic()
         if not refused:
             q.refused_since = None
         elif q.refused_since is None:
             q.refused_since = now
-        elif now - q.refused_since > self.refuse_s:
+        elif now - q.refused_since > self.stall.after_s:
             reason = (f"pdtool write to decode {q.key} failed: the provider refused every "
-                      f"write to it for {self.refuse_s:.0f} s with none in flight (its "
+                      f"write to it for {self.stall.after_s:.0f} s with none in flight (its "
                       f"connection is gone: decode dead?)")
             for room in {b.send.room for b in q.batches}:
                 self.fail(room, reason)

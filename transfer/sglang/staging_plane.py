@@ -124,10 +124,9 @@ def direct_or_staged(kv: KvPath, provider: str, attempt: Callable[[], Any]) -> A
             raise PdtoolBackendError(
                 f"transfer.gpu_memory=direct: {provider} cannot use this rank's GPU memory: "
                 f"{cause}; set transfer.gpu_memory=staged (or auto)") from None
-        exc = cause
         logger.warning("pdtool: %s cannot use this rank's GPU memory (%s): KV goes through "
                        "registered host memory (transfer.gpu_memory=auto chose staged; set "
-                       "it to staged to skip the attempt)", provider, exc)
+                       "it to staged to skip the attempt)", provider, cause)
         return None
 
 
