@@ -71,6 +71,7 @@ def test_entry_point_registers_backend_in_a_fresh_sglang_process() -> None:
         # per-layer KV streaming: both hooks applied, once (load_plugins ran twice)
         assert wraps_with(AttentionBackend.forward, plugin.attention_hook) == 1
         assert wraps_with(Scheduler.run_batch, plugin.run_batch_hook) == 1
+        assert wraps_with(Scheduler.on_idle, plugin.on_idle_hook) == 1  # idle_wait.py
         fake = utils.get_kv_class(TransferBackend.FAKE, KVClassType.MANAGER)
         assert fake.__name__ == "FakeKVManager"  # other backends still answered by SGLang
         args = prepare_server_args(["--model-path", "dummy", "--disaggregation-mode", "prefill",

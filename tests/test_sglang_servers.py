@@ -8,7 +8,8 @@ Greedy tokens must be identical through every disaggregated deployment: pdtool's
 shm and over tcp;ofi_rxm, page sizes 16 and 1, prefix-cache hits on the prefill, concurrent
 requests. A decode server that received no KV would produce other tokens (checked: the
 oracle's tokens differ from those of a prompt without its prefix). What the backend does is
-read from the real servers' own logs: per-layer streaming on the prefill.
+read from the real servers' own logs and /metrics: per-layer streaming on the prefill, the
+writes per page, a decode's scheduler asleep while its room waits.
 
 One deployment per fixture, module-scoped, stopped before the next module starts.
 """
@@ -218,6 +219,12 @@ def test_sglang_servers_export_the_transfer_metrics(pd_shm: Served) -> None:
         for labels, _ in d.get("pdtool_kv_transfer_seconds_count", []):  # the prefill rank
             assert labels["rank"] == "0" and ":" in labels["peer"], labels
         assert "pdtool_kv_slots_in_use" in d  # every decode's, with or without traffic
+    # a decode with nothing to run while its room waited for the prefill slept until the
+    # room changed (idle_wait.py: --sleep-on-idle, which pdtool sets on CPU) instead of
+    # polling again at once; the serving decode's waits were ended by that news
+    waits = [{labels["ended"]: v for labels, v in metric_samples(u).get(
+        "pdtool_scheduler_idle_waits_total", [])} for u in decodes]
+    assert any(w.get("news", 0) > 0 for w in waits), waits
 
 
 def _post(url: str, body: dict) -> None:

@@ -36,3 +36,8 @@ DECODE_COUNTERS = {
 TRANSFER_SECONDS = ("pdtool_kv_transfer_seconds", "from submit to the transfer's last counted "
                     "write (successful transfers)")
 SLOTS_IN_USE = ("pdtool_kv_slots_in_use", "transfer slots counting writes or quarantined")
+#: SGLang's schedulers only (`transfer.sglang.idle_wait`; the reference engine's loops sleep on
+#: their doorbells already), both roles, by how each wait ended
+IDLE_WAITS = ("pdtool_scheduler_idle_waits", "waits of a scheduler with nothing to run while "
+              "its rooms were in flight, by what ended them (news: a room changed, request, "
+              "timeout)")

@@ -97,6 +97,7 @@ from transfer.routes import RouteError
 from transfer.sglang import metrics as transfer_metrics
 from transfer.sglang.decode_side import DecodeSide
 from transfer.sglang.errors import MAX_SLOTS, PdtoolBackendError
+from transfer.sglang.idle_wait import IdleWait
 from transfer.sglang.prefill_side import PrefillSide
 from transfer.sglang.rails import RailError, Rails, rail_specs
 from transfer.sglang.sources import dummy_flags
@@ -105,6 +106,7 @@ from transfer.sglang.staging_plane import (
     direct_or_staged,
     kv_path,
 )
+from transfer.wakeups import Doorbell
 from transfer.wire import WireError, check_secret, compat_hash, read_secret
 from transfer.wire.sglang import Frames
 from transfer.wire.sglang import facts as wire_facts
@@ -151,6 +153,8 @@ class PdtoolKVManager(PrefillSide, DecodeSide, CommonKVManager):
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: bool | None = False):
+        self.news = Doorbell()  # rung on every room status change (update_status)
+        self._idle_wait: IdleWait | bool | None = False  # False: not looked up yet
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         # a draft model's own KV pool: its buffers come after the target's (SGLang appends
         # them in _init_kv_manager) and are addressed with the target's page ids
@@ -340,6 +344,7 @@ class PdtoolKVManager(PrefillSide, DecodeSide, CommonKVManager):
         the transfer metrics."""
         before = self.request_status.get(bootstrap_room)
         super().update_status(bootstrap_room, status)
+        self.news.ring()  # a scheduler asleep in `idle_wait` looks at its rooms again
         if self.disaggregation_mode != DisaggregationMode.DECODE or \
                 before in (None, KVPoll.Success, KVPoll.Failed):
             return
@@ -351,10 +356,22 @@ class PdtoolKVManager(PrefillSide, DecodeSide, CommonKVManager):
             self.metrics.transfer_ended(after == KVPoll.Success, seconds, peer,
                                         timed_out=" timed out after " in why)
 
+    def idle_wait(self, sched: Any) -> None:
+        """SGLang's scheduler `sched` found nothing to run (after its `on_idle`): while a room
+        of this manager is in flight, sleep until one changes or a request comes instead of
+        polling again at once (idle_wait.py; only under --sleep-on-idle)."""
+        if self._idle_wait is False:
+            self._idle_wait = IdleWait.for_scheduler(sched, self.news, self.metrics)
+        if self._idle_wait is not None and any(
+                s not in (KVPoll.Success, KVPoll.Failed) for s in self.request_status.values()):
+            self._idle_wait.wait()
+
     def stats(self) -> dict[str, Any]:
         """A snapshot for health checks and tests (`problem` empty while healthy)."""
         out: dict[str, Any] = {"problem": self.problem, "kv_path": self.kv_path,
                                **self.plane.stats()}
+        if isinstance(self._idle_wait, IdleWait):
+            out["idle_waits"] = dict(self._idle_wait.ended)
         if self.disaggregation_mode == DisaggregationMode.PREFILL:
             out["peers"] = len(self.peers)
             out.update(self.layer_stream.stats() if self.layer_stream is not None else {})

@@ -14,7 +14,8 @@ prefill side `nic` (the endpoint that carried the operation, one per NIC with se
 GPU, `rails.py`) and `peer` (the decode rank's control address, `ip:port`); on the decode side
 `peer` (the prefill rank the transfer counted writes from, `ip:port`). The counts are
 taken where the plane counts for itself (`PrefillPlane.posted`, the failed-write loop, the
-decode manager's status changes), once per submission or transfer, never per page.
+decode manager's status changes), once per submission or transfer, never per page; and how
+each of the scheduler's idle waits for its rooms ended (`idle_wait.py`), both roles.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 from transfer.plane.metrics import (
     DECODE_COUNTERS,
+    IDLE_WAITS,
     PREFILL_COUNTERS,
     SLOTS_IN_USE,
     TRANSFER_S_BOUNDS,
@@ -47,6 +49,9 @@ class NoMetrics:
     def slots_in_use(self, n: int) -> None:
         pass
 
+    def idle_wait(self, ended: str) -> None:
+        pass
+
 
 NO_METRICS = NoMetrics()
 
@@ -59,6 +64,7 @@ class BackendMetrics(NoMetrics):
         from prometheus_client import Counter, Gauge, Histogram
 
         self.rank = str(rank)
+        self._idle_waits = Counter(*IDLE_WAITS, ["rank", "ended"], registry=None)
         if prefill:
             labels = ["rank", "nic", "peer"]
             self._ops = Counter(*PREFILL_COUNTERS["ops_issued"], labels, registry=None)
@@ -106,6 +112,11 @@ class BackendMetrics(NoMetrics):
 
     def slots_in_use(self, n: int) -> None:
         self._slots.labels(self.rank).set(n)
+
+    def idle_wait(self, ended: str) -> None:
+        """The scheduler slept while its rooms were in flight (`idle_wait.py`), until
+        `ended` (news, request, timeout)."""
+        self._idle_waits.labels(self.rank, ended).inc()
 
 
 def for_manager(prefill: bool, rank: int) -> Any:

@@ -11,6 +11,9 @@ the plugins registered. SGLang 0.5.23 has no backend registry, so three steps ar
    `TransferBackend.PDTOOL` and defers to SGLang for every other backend. `HookRegistry` also
    rebinds the `from ... import get_kv_class` copies in prefill.py/decode.py/disagg_service.py.
 
+An AROUND hook on `Scheduler.on_idle` lets a scheduler with nothing to run sleep while its
+rooms of this backend wait for their transfer, instead of spinning (`idle_wait.py`).
+
 Per-layer KV streaming adds two more AROUND hooks (`Scheduler.run_batch`,
 `AttentionBackend.forward`; `layer_stream.py`), unless PDTOOL_LAYER_STREAM=off. They are thin
 here: a process without a prefill manager of this backend pays an attribute lookup per batch
@@ -33,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 GET_KV_CLASS = "sglang.srt.disaggregation.utils.get_kv_class"
 RUN_BATCH = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 ATTENTION_FORWARD = "sglang.srt.layers.attention.base_attn_backend.AttentionBackend.forward"
 LAYER_STREAM = "transfer.sglang.layer_stream"
 
@@ -98,6 +102,18 @@ def run_batch_hook(original: Any, sched: Any, batch: Any, *args: Any, **kwargs: 
     return sys.modules[LAYER_STREAM].run_batch(stream, original, sched, batch, *args, **kwargs)
 
 
+def on_idle_hook(original: Any, sched: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND Scheduler.on_idle: where this scheduler's KV manager is ours, its wait for the
+    rooms in flight (`idle_wait.py`); SGLang's on_idle unchanged otherwise."""
+    out = original(sched, *args, **kwargs)
+    q = getattr(sched, "disagg_prefill_bootstrap_queue", None) or \
+        getattr(sched, "disagg_decode_prealloc_queue", None)
+    wait = getattr(getattr(q, "kv_manager", None), "idle_wait", None)
+    if wait is not None:
+        wait(sched)
+    return out
+
+
 def attention_hook(original: Any, backend: Any, q: Any, k: Any, v: Any, layer: Any,
                    forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND AttentionBackend.forward: after a layer's attention, tell the layer stream (one
@@ -129,6 +145,7 @@ def register() -> None:
     _add_cli_choice()
     _add_enum_member()
     _register_once(GET_KV_CLASS, get_kv_class_hook)
+    _register_once(ON_IDLE, on_idle_hook)
     if workerenv.LAYER_STREAM.get() != "off":  # per-layer KV streaming (layer_stream.py)
         _register_once(RUN_BATCH, run_batch_hook)
         _register_once(ATTENTION_FORWARD, attention_hook)
