@@ -44,6 +44,7 @@ MODULE_MARKS: dict[str, tuple[str, ...]] = {
     "test_sglang_nics_slow_peer": ("fabric", "sglang"),
     "test_sglang_staging": ("fabric", "sglang"),
     "test_sglang_layer_stream": ("fabric", "sglang"),
+    "test_sglang_idle_wait": ("fabric", "sglang"),
     # real SGLang servers and sglang-router, started by `pdtool launch +recipe=sglang-local`
     "test_sglang_servers": ("fabric", "sglang"),
     "test_sglang_servers_tcp": ("fabric", "sglang"),
