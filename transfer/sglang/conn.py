@@ -362,9 +362,18 @@ class PdtoolKVManager(PrefillSide, DecodeSide, CommonKVManager):
         polling again at once (idle_wait.py; only under --sleep-on-idle)."""
         if self._idle_wait is False:
             self._idle_wait = IdleWait.for_scheduler(sched, self.news, self.metrics)
-        if self._idle_wait is not None and any(
-                s not in (KVPoll.Success, KVPoll.Failed) for s in self.request_status.values()):
+        if self._idle_wait is None:
+            return
+        # a copy (made without releasing the GIL): the backend's threads change statuses
+        # while this runs, and a dictionary changed during iteration would raise here
+        if all(s in (KVPoll.Success, KVPoll.Failed) for s in list(self.request_status.values())):
+            return
+        try:
             self._idle_wait.wait()
+        except Exception as exc:  # never the scheduler's end: back to SGLang's own loop
+            logger.warning("pdtool: the scheduler's idle wait failed (%r); it polls again "
+                           "at once from now on, as SGLang does", exc)
+            self._idle_wait = None
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for health checks and tests (`problem` empty while healthy)."""
