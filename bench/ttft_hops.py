@@ -69,7 +69,7 @@ def ports() -> list[str]:
 
     return [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
             f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
-            f"decode.dist_init_port={free_port()}", f"prefill.bootstrap_port={free_port()}"]
+            f"decode.dist_init_port={free_port_run(2)}", f"prefill.bootstrap_port={free_port()}"]
 
 
 class InProcess:

@@ -19,7 +19,7 @@ from pdtool.engines.reference.local import free_port, free_port_run
 def test_launch_sweep_writes_results_and_plot(tmp_path: Path):
     ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
              f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
-             f"decode.dist_init_port={free_port()}", f"prefill.bootstrap_port={free_port()}"]
+             f"decode.dist_init_port={free_port_run(2)}", f"prefill.bootstrap_port={free_port()}"]
     out = tmp_path / "bench"
     p = subprocess.run(
         [sys.executable, "-m", "pdtool.cli", "bench", "+recipe=tiny-local", *ports,
@@ -100,7 +100,7 @@ def test_compare_aggregated_runs_both_deployments_interleaved(tmp_path: Path):
     machine's CPUs each target's rounds run with the other frozen."""
     ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
              f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
-             f"decode.dist_init_port={free_port()}", f"prefill.bootstrap_port={free_port()}"]
+             f"decode.dist_init_port={free_port_run(2)}", f"prefill.bootstrap_port={free_port()}"]
     out = tmp_path / "bench"
     p = subprocess.Popen(
         [sys.executable, "-m", "pdtool.cli", "bench", "+recipe=tiny-local", *ports,
@@ -149,7 +149,7 @@ def test_ctrl_c_keeps_the_finished_load_points(tmp_path: Path):
 
     ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
              f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
-             f"decode.dist_init_port={free_port()}", f"prefill.bootstrap_port={free_port()}"]
+             f"decode.dist_init_port={free_port_run(2)}", f"prefill.bootstrap_port={free_port()}"]
     out, n = tmp_path / "bench", 40
     p = subprocess.Popen(
         [sys.executable, "-m", "pdtool.cli", "bench", "+recipe=tiny-local", *ports,
@@ -186,7 +186,7 @@ def test_verify_catches_a_corrupted_page_before_measuring(tmp_path: Path):
     names the prompt, the target and the first differing character."""
     ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
              f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
-             f"decode.dist_init_port={free_port()}", f"prefill.bootstrap_port={free_port()}"]
+             f"decode.dist_init_port={free_port_run(2)}", f"prefill.bootstrap_port={free_port()}"]
     p = subprocess.run(
         [sys.executable, "-m", "pdtool.cli", "bench", "+recipe=tiny-local", *ports,
          f"launcher.output_dir={tmp_path}", "+launcher.env.decode.PDTOOL_REFERENCE_ALLOW_FAULTS=1",

@@ -87,7 +87,7 @@ def test_the_job_benchmarks_itself_once_healthy(slurm, tmp_path: Path) -> None:
         "cluster.one_host=true", "cluster.gpus_per_node=1", "cluster.gpu_numa=[0]",
         "decode.instances=1", f"prefill.http_port={prefill}", f"decode.http_port={decode}",
         f"prefill.bootstrap_port={free_port()}", f"prefill.dist_init_port={free_port()}",
-        f"decode.dist_init_port={free_port()}", f"router.port={router}",
+        f"decode.dist_init_port={free_port_run(2)}", f"router.port={router}",
         "launcher.health_timeout_s=120", "launcher.job_name=pdtool-bench", BENCH,
         "launcher.verify=2",
     ]

@@ -79,7 +79,7 @@ def test_hf_local_recipe_launches_a_checkpoint_folder(tmp_path):
     folder = make_checkpoint(tmp_path / "llama", "llama")
     ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
              f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
-             f"decode.dist_init_port={free_port()}", f"prefill.bootstrap_port={free_port()}"]
+             f"decode.dist_init_port={free_port_run(2)}", f"prefill.bootstrap_port={free_port()}"]
     res = subprocess.run(
         [sys.executable, "-m", "pdtool.cli", "launch", "+recipe=hf-local",
          f"model.path={folder}", *ports, "--smoke", "--out", str(tmp_path / "job")],

@@ -41,7 +41,7 @@ def test_metrics_follow_traffic_and_the_plans_write_counts(tmp_path: Path) -> No
     job = tmp_path / "job"
     ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
              f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
-             f"decode.dist_init_port={free_port()}", f"prefill.bootstrap_port={free_port()}"]
+             f"decode.dist_init_port={free_port_run(2)}", f"prefill.bootstrap_port={free_port()}"]
     proc = subprocess.Popen([sys.executable, "-m", "pdtool.cli", "launch", "+recipe=tiny-local",
                              *ports, "--out", str(job)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,

@@ -33,7 +33,7 @@ def test_tiny_local_serves_as_a_slurm_job(slurm, tmp_path: Path) -> None:
         "cluster.gpus_per_node=1", "cluster.gpu_numa=[0]", "prefill.tp=2", "prefill.nodes=2",
         "decode.instances=2", f"prefill.http_port={prefill}", f"decode.http_port={decode}",
         f"prefill.bootstrap_port={free_port()}", f"prefill.dist_init_port={free_port()}",
-        f"decode.dist_init_port={free_port()}", f"router.port={router}",
+        f"decode.dist_init_port={free_port_run(2)}", f"router.port={router}",
         "launcher.health_timeout_s=120", "launcher.job_name=pdtool-serve",
     ]
     res = subprocess.run([sys.executable, "-m", "pdtool.cli", "launch", *overrides, "--out",

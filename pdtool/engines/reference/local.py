@@ -33,14 +33,10 @@ _handed_out: set[int] = set()
 
 
 def free_port() -> int:
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
-    raise RuntimeError("no free port found that this process has not handed out")
+    """A free port below the kernel's ephemeral range, as `free_port_run` finds them (the
+    kernel's own pick, a bind to port 0, lies in that range, where any outgoing connection can
+    take it before the server binds it)."""
+    return free_port_run(1)
 
 
 def _ephemeral_low() -> int:
