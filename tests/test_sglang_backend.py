@@ -202,8 +202,11 @@ def test_failed_writes_release_their_rooms_and_tags() -> None:
     assert stats["tags_free"] == MAX_SLOTS - BOUNCE_BUFFERS, stats  # the last count bounces
 
 
+REFUSED = "refused every write to it for 2 s with none in flight"
+
+
 def test_writes_refused_after_the_connection_closed_fail_their_rooms() -> None:
-    """rxm over tcp, once a write found the dead decode's connection closed, refuses every
+    """rxm over tcp, once it knows the dead decode's connection closed, refuses every
     later write to it with none in flight and reports no error (the queue "stays full"). The
     rooms sent after that fail with the reason within SGLang's heartbeat window (2 s here)
     instead of waiting for its waiting timeout (60 s here, 300 s by default)."""
@@ -215,9 +218,12 @@ def test_writes_refused_after_the_connection_closed_fail_their_rooms() -> None:
     res = run_pair(cfg, kill_decode=True)
     (_, results, _, stats), = res["prefill"]
     assert results.pop(10) == 4
-    assert "Broken pipe" in results.pop(100)  # the write that found the connection closed
+    # the first write either finds the connection closed (EPIPE) or, when rxm noticed the
+    # closed socket before it, is refused like the rest: which one is up to the kernel's timing
+    first = results.pop(100)
+    assert "Broken pipe" in first or REFUSED in first, first
     for room, r in results.items():
-        assert "refused every write to it for 2 s with none in flight" in r, (room, r)
+        assert REFUSED in r, (room, r)
     assert stats["rooms"] == 0 and stats["leaked_tags"] == 0, stats
 
 
