@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from pdtool.adapters import adapter
 from pdtool.schema import Config
 
 #: sglang-router's --request-timeout-secs, and the reference front's request limit
@@ -101,11 +102,7 @@ def transfer_parts(cfg: Config) -> tuple[tuple[str, float], ...]:
     failure: with engine=sglang SGLang's bootstrap timer (transfer.connect_timeout_s) and then
     its waiting timer (transfer.timeout_s, pdtool.launch.backends); the reference engine
     connects once at start, so only the transfer's own limit counts per request."""
-    t = cfg.transfer
-    if cfg.engine.kind == "sglang":
-        return (("transfer.connect_timeout_s", t.connect_timeout_s),
-                ("transfer.timeout_s", t.timeout_s))
-    return (("transfer.timeout_s", t.timeout_s),)
+    return adapter(cfg).transfer_timers(cfg)
 
 
 def client_budget(cfg: Config, timeout_s: float, key: str = "--timeout") -> Budget:

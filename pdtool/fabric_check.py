@@ -79,9 +79,9 @@ def floor_gbps(plan: Any, src_nic: str, dst_nic: str) -> float:
 
 def enabled(plan: Any) -> bool:
     """Pairs to measure, over pdtool's own messenger (SGLang's mooncake and nixl backends do
-    not use libfabric)."""
+    not use libfabric; validate keeps every other engine on pdtool's)."""
     return (plan.transfer.preflight_mib > 0 and not plan.aggregated
-            and (plan.engine != "sglang" or plan.transfer.backend == "pdtool"))
+            and plan.transfer.backend == "pdtool")
 
 
 def _write_json(path: Path, data: Any) -> None:

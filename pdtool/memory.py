@@ -6,16 +6,15 @@ dense/shared MLPs, embeddings) is sharded over the attention TP group and, with 
 replicated in each of the `dp` groups. `mem_fraction` is SGLang's `--mem-fraction-static`:
 the share of GPU memory for weights + KV pool, so KV budget = memory x fraction - weights.
 
-Pure arithmetic on the typed config, no torch; the one engine fact here is the reference
-engine's own KV cap (`pdtool.reference_limits`, torch-free), so the plan shows what it
-allocates.
+Pure arithmetic on the typed config, no torch; the one engine fact here is an engine's own
+KV cap (`EngineAdapter.kv_token_cap`), so the plan shows what it allocates.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdtool.reference_limits import MAX_KV_PAGES
+from pdtool.adapters import adapter
 from pdtool.schema import (
     DTYPE_BYTES,
     ROLES,
@@ -116,12 +115,11 @@ def role_memory(
 
 def deployment_memory(cfg: Config) -> tuple[RoleMemory, ...]:
     """Both roles' memory as their engine runs it (plan, validate and the engine read this):
-    a reference rank allocates at most MAX_KV_PAGES pages, whatever its budget."""
+    an engine may cap a rank's KV whatever its budget (the reference engine's MAX_KV_PAGES)."""
     out = []
     for r in ROLES:
         rc = role(cfg, r)
-        cap = MAX_KV_PAGES * rc.page_size if cfg.engine.kind == "reference" else 0
-        out.append(role_memory(r, cfg.model, cfg.cluster, rc, cap))
+        out.append(role_memory(r, cfg.model, cfg.cluster, rc, adapter(cfg).kv_token_cap(rc)))
     return tuple(out)
 
 

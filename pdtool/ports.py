@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 
+from pdtool.adapters import adapter
 from pdtool.schema import Config, RoleConfig, gpus_per_instance, role
 
 #: SGLang 0.5.23 server_args.ZMQ_TCP_PORT_DELTA, DP_ATTENTION_HANDSHAKE_PORT_DELTA, and the
@@ -34,13 +35,9 @@ DP_ATTENTION_HANDSHAKE_PORT_DELTA = 13
 DERIVED_PORTS = 6
 
 
-#: sglang-router's Prometheus exporter, relative to router.port
-ROUTER_METRICS_OFFSET = 1
-
-
 def router_metrics_port(cfg: Config) -> int | None:
-    """The port of sglang-router's Prometheus exporter (None: the reference front has none)."""
-    return cfg.router.port + ROUTER_METRICS_OFFSET if cfg.engine.kind == "sglang" else None
+    """The port of the front's Prometheus exporter (None: the reference front has none)."""
+    return adapter(cfg).router_metrics_port(cfg)
 
 
 def router_ports(cfg: Config) -> list[tuple[int, str]]:
@@ -48,12 +45,12 @@ def router_ports(cfg: Config) -> list[tuple[int, str]]:
     metrics = router_metrics_port(cfg)
     out = [(cfg.router.port, "router")]
     if metrics is not None:
-        out.append((metrics, f"router metrics (router.port + {ROUTER_METRICS_OFFSET})"))
+        out.append((metrics, f"router metrics (router.port + {metrics - cfg.router.port})"))
     return out
 
 
 def _dp_attention(cfg: Config, rc: RoleConfig) -> bool:
-    return cfg.engine.kind == "sglang" and rc.dp_attention and rc.dp > 1
+    return adapter(cfg).dp_attention(rc)
 
 
 def multi_node(cfg: Config, rc: RoleConfig) -> bool:

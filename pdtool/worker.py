@@ -36,8 +36,6 @@ from transfer import workerenv
 from transfer.fabric import FabricError
 from transfer.workerenv import RankPlace, WorkerEnvError
 
-PER_NODE_ENGINES = ("sglang",)
-
 
 class WorkerError(RuntimeError):
     """A start-up problem the user must fix; printed as one line, exit status 2."""
@@ -88,6 +86,16 @@ def load_plan(path: Path) -> Any:
         raise WorkerError(f"{path} is not a pdtool plan: {e}") from None
 
 
+def plan_adapter(plan: Any) -> Any:
+    """The adapter of the plan's engine (`pdtool.adapters`)."""
+    from pdtool.adapters import UnknownEngine, engine_adapter
+
+    try:
+        return engine_adapter(plan.engine)
+    except UnknownEngine as e:
+        raise WorkerError(f"the plan's {e}") from None
+
+
 def resolve(args: argparse.Namespace) -> WorkerContext:
     """Load the plan and find this process's ranks, host and port in it."""
     plan_arg = args.plan or workerenv.PLAN.get()
@@ -108,7 +116,7 @@ def resolve(args: argparse.Namespace) -> WorkerContext:
         raise WorkerError(f"--instance: {index!r} is not one of the plan's {len(insts)} "
                           f"{role} instances")
     inst = insts[index]
-    if plan.engine in PER_NODE_ENGINES:
+    if plan_adapter(plan).per_node:
         node_rank = (args.node_rank if args.node_rank is not None
                      else _env_int("SLURM_NODEID", workerenv.NODE_RANK))
         ranks = [r for r in inst.ranks if r.node_rank == node_rank]
@@ -168,33 +176,35 @@ def worker_env(ctx: WorkerContext) -> dict[str, str]:
     return workerenv.worker_env(
         plan=str(ctx.plan_path), role=ctx.role,
         instance=ctx.instance.index if ctx.instance is not None else None, ranks=places,
-        per_rank=ctx.plan.engine not in PER_NODE_ENGINES)
+        per_rank=not plan_adapter(ctx.plan).per_node)
 
 
 def check_engine_version(ctx: WorkerContext) -> None:
-    """engine=sglang: the SGLang installed for this worker's python (which also runs the
-    engine) must be the release `engine.version` names, whose disaggregation interface pdtool's
-    backend is written for; read from the package metadata, without importing SGLang."""
-    if ctx.plan.engine != "sglang" or ctx.instance is None:
+    """An external engine (SGLang): the release installed for this worker's python (which also
+    runs the engine) must be the one `engine.version` names, whose disaggregation interface
+    pdtool's backend is written for; read from the package metadata, without importing it."""
+    package = plan_adapter(ctx.plan).package
+    if package is None or ctx.instance is None:
         return
     from importlib import metadata
 
     want = ctx.plan.engine_version
     try:
-        have = metadata.version("sglang")
+        have = metadata.version(package)
     except metadata.PackageNotFoundError:
-        raise WorkerError(f"engine.version={want}: SGLang is not installed for {sys.executable}; "
-                          f"install sglang=={want} (or point engine.python / launcher.venv / "
-                          "launcher.container_image at an environment that has it)") from None
+        raise WorkerError(f"engine.version={want}: {package} is not installed for "
+                          f"{sys.executable}; install {package}=={want} (or point engine.python"
+                          " / launcher.venv / launcher.container_image at an environment that "
+                          "has it)") from None
     if have != want:
-        raise WorkerError(f"engine.version={want}, but {sys.executable} has sglang=={have}; "
-                          f"install sglang=={want}, or use the environment that has it")
+        raise WorkerError(f"engine.version={want}, but {sys.executable} has {package}=={have}; "
+                          f"install {package}=={want}, or use the environment that has it")
 
 
 def kv_in_gpu_memory(plan: Any) -> bool:
     """The KV cache lives in GPU memory only with SGLang on a GPU cluster; the reference
     engine keeps it in host memory (torch on CPU), where `transfer.gpu_memory` has no say."""
-    return plan.engine == "sglang" and plan.cluster.device == "cuda"
+    return plan_adapter(plan).kv_on_gpu and plan.cluster.device == "cuda"
 
 
 def gpu_memory_choice(ctx: WorkerContext) -> Any:
@@ -479,10 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         if workerenv.flag(workerenv.PREFLIGHT):
             print("pdtool-worker: preflight: not starting the engine", flush=True)
             return run_preflight(ctx)
-        engine = ENGINES.get(ctx.plan.engine)
-        if engine is None:
-            raise WorkerError(f"engine {ctx.plan.engine!r} is not one of {sorted(ENGINES)}")
-        return engine(ctx)
+        return ENGINES[plan_adapter(ctx.plan).kind](ctx)
     except WorkerError as e:
         print(f"pdtool-worker: ERROR: {e}", file=sys.stderr, flush=True)
         return 2

@@ -252,8 +252,9 @@ def test_frozen_sglang_servers_keep_the_routers_connections(tmp_path):
     """A compared SGLang deployment frozen between its rounds for longer than uvicorn's 5 s
     keep-alive closed the router's pooled connection as the router reused it: one request
     waited 120 s. Every launched deployment's servers keep idle connections for the run."""
-    from pdtool.commands.bench import FROZEN_KEEP_ALIVE_S, frozen_server_overrides
+    from pdtool.commands.bench import frozen_server_overrides
     from pdtool.compose import load_config
+    from pdtool.launch.engines import FROZEN_KEEP_ALIVE_S
     from pdtool.render import render
 
     base = ["+recipe=sglang-local"]

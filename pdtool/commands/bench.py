@@ -125,7 +125,9 @@ def build_requests(cfg: Any, settings: dict, n: int, seed: int) -> list[Any]:
         ids = prompts(rng, isl, cfg.model.vocab_size, settings["shared_prefix"])
     except SpecError as exc:
         raise BenchError(str(exc)) from None
-    if cfg.engine.kind == "sglang":
+    from pdtool.adapters import adapter
+
+    if adapter(cfg).prompts_as_text:
         ids = text_prompts(ids, cfg.model.path)
     return [Request(p, o) for p, o in zip(ids, osl, strict=True)]
 
@@ -246,13 +248,14 @@ def verify_gate(cfg: Any, settings: dict, args: Any, con: Any) -> Any:
     `--compare aggregated`)."""
     if not args.verify:
         return None
+    from pdtool.adapters import adapter
     from pdtool.bench.verify import VerifyError, compare, texts
     from pdtool.plan import build_plan
 
     prompts = build_requests(cfg, settings, args.verify, args.seed + 2)
     limits = [r.max_tokens for r in prompts]
     oracle: list[str] | str = "the reference engine's model is computed here only"
-    if cfg.engine.kind == "reference":
+    if adapter(cfg).oracle_here:
         from pdtool.engines.reference.client import oracle_texts
 
         got = oracle_texts(build_plan(cfg), [r.prompt for r in prompts], limits)
@@ -462,10 +465,6 @@ def run(args: argparse.Namespace) -> int:
     return _launch_and_bench(args, cfg, settings["compare"], bench, err)
 
 
-#: how long SGLang's HTTP servers keep an idle connection while a comparison freezes them
-FROZEN_KEEP_ALIVE_S = 3600
-
-
 def freezes_targets(cfg: Any, compare: list[tuple[str, list[str]]]) -> bool:
     """Whether `--launch --compare` runs one deployment at a time and freezes the others
     (`Supervisor.pause`): on cluster.device=cpu they share this machine's cores."""
@@ -473,14 +472,14 @@ def freezes_targets(cfg: Any, compare: list[tuple[str, list[str]]]) -> bool:
 
 
 def frozen_server_overrides(cfg: Any, compare: list[tuple[str, list[str]]]) -> list[str]:
-    """Overrides for deployments the bench freezes between their rounds (`focus`): SGLang's
-    servers close an idle connection after 5 s (uvicorn's keep-alive, SGLANG_TIMEOUT_KEEP_ALIVE),
-    so one frozen for longer closed the router's pooled connection just as the router reused
-    it, and that request waited 120 s, for SGLang's bootstrap timeout, before the router
-    retried it (sglang-router: "Decode request failed ... error sending request")."""
-    if not freezes_targets(cfg, compare) or cfg.engine.kind != "sglang":
+    """Overrides for deployments the bench freezes between their rounds (`focus`): the
+    environment the engine's servers need to be frozen for a while
+    (`EngineLaunch.frozen_env`)."""
+    if not freezes_targets(cfg, compare):
         return []
-    return [f"++launcher.env.all.SGLANG_TIMEOUT_KEEP_ALIVE={FROZEN_KEEP_ALIVE_S}"]
+    from pdtool.launch.engines import engine_launch
+
+    return [f"++launcher.env.all.{k}={v}" for k, v in engine_launch(cfg).frozen_env().items()]
 
 
 def launch_problem(cfg: Any, compare: list[tuple[str, list[str]]]) -> str | None:
@@ -488,9 +487,12 @@ def launch_problem(cfg: Any, compare: list[tuple[str, list[str]]]) -> str | None
     if cfg.launcher.kind != "local":
         return ("--launch runs the deployment on this machine (launcher=local); on Slurm "
                 "launch it and pass --url")
-    if compare and cfg.engine.kind == "sglang" and cfg.cluster.device == "cuda":
+    from pdtool.adapters import adapter
+
+    if compare and adapter(cfg).kv_on_gpu and cfg.cluster.device == "cuda":
         # side by side, they would take the same GPUs, each with mem_fraction_static of them
-        return ("--launch --compare with engine=sglang on GPUs would start the deployments "
+        return (f"--launch --compare with engine={cfg.engine.kind} on GPUs would start the "
+                "deployments "
                 "on the same GPUs; start each on GPUs of its own (pdtool launch ...) and pass "
                 "their routers' URLs with --url and --compare-url")
     return None

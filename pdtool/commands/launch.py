@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     )
     smoke = None
     if args.smoke:
+        from pdtool.adapters import adapter
         from pdtool.engines.reference.client import (
             DEFAULT_SMOKE_PROMPT,
             SMOKE_MAX_TOKENS,
@@ -120,9 +121,9 @@ def run(args: argparse.Namespace) -> int:
         model = rendered.cfg.model.name
         # the reference engine's model, in this process: what the deployment must return
         oracle = (reference_oracle(rendered.plan, prompt, SMOKE_MAX_TOKENS)
-                  if rendered.spec.engine == "reference"
-                  else "not checked: engine=sglang computes with SGLang's kernels, not the "
-                       "reference model")
+                  if adapter(rendered.cfg).oracle_here
+                  else f"not checked: engine={rendered.spec.engine} computes with its own "
+                       "kernels, not the reference model")
 
         def smoke(url: str) -> int:
             return send(url, prompt, model=model, oracle=oracle)

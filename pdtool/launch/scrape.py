@@ -18,25 +18,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pdtool.adapters import engine_adapter
+
 FILE = "prometheus.yml"
-METRICS_FLAG = "--enable-metrics"
 
 
 def scrape_config(cfg: Any, plan: Any, hosts: list[str]) -> dict[str, Any]:
     """The `scrape_configs` of the deployment, `hosts[k]` the address of allocation node k."""
     targets: list[tuple[str, str, dict[str, str]]] = []
     r = plan.router
-    if plan.engine == "reference":
-        targets.append(("pdtool-front", f"{hosts[r.node]}:{r.port}", {"role": "router"}))
-    elif r.metrics_port is not None:
-        targets.append(("sglang-router", f"{hosts[r.node]}:{r.metrics_port}",
-                        {"role": "router"}))
+    engine = engine_adapter(plan.engine)
+    # a front without an exporter of its own serves /metrics on its port
+    front = r.port if r.metrics_port is None else r.metrics_port
+    targets.append((engine.front_job, f"{hosts[r.node]}:{front}", {"role": "router"}))
+    flag = engine.metrics_flag
     for inst in plan.instances:
         rc = getattr(cfg, inst.role)
-        if plan.engine == "reference" or METRICS_FLAG in [*cfg.engine.extra_args,
-                                                           *rc.extra_args]:
-            job = "pdtool-instances" if plan.engine == "reference" else "sglang-instances"
-            targets.append((job, f"{hosts[inst.nodes[0]]}:{inst.http_port}",
+        if flag is None or flag in [*cfg.engine.extra_args, *rc.extra_args]:
+            targets.append((engine.instances_job, f"{hosts[inst.nodes[0]]}:{inst.http_port}",
                             {"role": inst.role, "instance": inst.name}))
     jobs: dict[str, list[dict[str, Any]]] = {}
     for job, target, labels in targets:

@@ -21,10 +21,11 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from pdtool.adapters import UnknownEngine, adapter
 from pdtool.budgets import stop_lead_s
 from pdtool.launch import secrets
-from pdtool.launch.backends import backend_env, timer_env
 from pdtool.launch.containers import cached_image
+from pdtool.launch.engines import engine_launch
 from pdtool.launch.resources import (
     cpus_from_node,
     describe_cpus,
@@ -32,16 +33,11 @@ from pdtool.launch.resources import (
     numactl_binding,
     step_options,
 )
-from pdtool.launch.sglang import router_argv, server_argv
 from pdtool.launch.shell import Var, Word, word
-from pdtool.launch.weights import cache_env, cached_model
+from pdtool.launch.weights import cached_model
 from pdtool.plan import InstancePlan, Plan, RankPlan
 from pdtool.schema import Config, LauncherConfig
 from transfer import workerenv
-
-#: engines whose one process drives all GPUs of its node
-PER_NODE_ENGINES = ("sglang",)
-
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RUN_DIR = Var("RUN_DIR")
@@ -321,7 +317,8 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str,
                     secret_roles: frozenset[str]) -> list[Proc]:
     env_user = _role_env(cfg, inst.role)
     procs: list[Proc] = []
-    per_node = cfg.engine.kind in PER_NODE_ENGINES
+    per_node = adapter(cfg).per_node
+    engine = engine_launch(cfg)
     from_node = cpus_from_node(cfg, launcher)
     groups: list[tuple[str, list[RankPlan]]]
     if per_node:
@@ -348,19 +345,18 @@ def _instance_procs(cfg: Config, plan: Plan, inst: InstancePlan, launcher: str,
                      f"CPUs {describe_cpus(ranks)}"),
             health=_url(node, inst.http_port) if is_head else None,
         )
+        p.engine_argv = engine.server_argv(cfg, plan, inst, ranks, host(node),
+                                           host(inst.head_node))
         if per_node:
-            p.engine_argv = server_argv(cfg, plan, inst, ranks, host(node),
-                                        host(inst.head_node))
             select = ["--node-rank", str(ranks[0].node_rank)]
             # on Slurm, srun binds the step to the same CPUs (resources.step_options)
             numa = numactl_binding(ranks) if launcher == "local" else []
-            env = {**_common_env(ranks), **timer_env(cfg), **backend_env(cfg),
-                   **cache_env(cfg), **env_user}
+            env = _common_env(ranks)
         else:
-            p.engine_argv = []
             select = ["--rank", str(ranks[0].rank)]
             numa = numactl_binding(ranks, cpus=not from_node)
-            env = {**ranks[0].env, **env_user}
+            env = dict(ranks[0].env)
+        env = {**env, **engine.server_env(cfg), **env_user}
         if len(inst.nodes) > 1:
             env = {**multi_node_env(cfg), **env}  # launcher.env still overrides
         if from_node:
@@ -382,13 +378,10 @@ def _router_proc(cfg: Config, plan: Plan, launcher: str, secret_roles: frozenset
     env = _role_env(cfg, "router")
     # the router starts through the worker entry too (SGLang's router line after `--`), so
     # placement checks and --preflight cover it like every other process
-    p.engine_argv = router_argv(cfg, plan, host) if cfg.engine.kind == "sglang" else []
-    if cfg.engine.kind == "sglang":
-        # sglang-router answers /health before it registered its workers (in the background);
-        # aggregated instances are its "regular" workers
-        want = (f"regular={len(rp.targets)}" if plan.aggregated else
-                f"prefill={len(rp.prefill)},decode={len(rp.decode)}")
-        p.ready = _url(rp.node, rp.port, f"/workers#{want}")
+    engine = engine_launch(cfg)
+    p.engine_argv = engine.router_argv(cfg, plan, host)
+    if (ready := engine.router_ready(plan)) is not None:
+        p.ready = _url(rp.node, rp.port, ready)
     inner: list[str | Word] = [cfg.engine.python, "-m", "pdtool.worker",
                                "--plan", word(RUN_DIR, "/plan.json"),
                                "--role", "router", "--host", host(rp.node)]
@@ -443,8 +436,10 @@ def build_launch(cfg: Config, plan: Plan, run_dir: str,
                           "in --output file names; choose a folder without it")
     if launcher not in ("local", "slurm"):
         raise LaunchError(f"launcher.kind: unknown launcher {launcher!r} (local | slurm)")
-    if cfg.engine.kind not in ("sglang", "reference"):
-        raise LaunchError(f"engine.kind: unknown engine {cfg.engine.kind!r} (sglang | reference)")
+    try:
+        adapter(cfg)
+    except UnknownEngine as e:
+        raise LaunchError(str(e)) from None
     procs = [p for inst in plan.instances
              for p in _instance_procs(cfg, plan, inst, launcher, secret_roles)]
     router = _router_proc(cfg, plan, launcher, secret_roles)

@@ -178,8 +178,7 @@ def run(cfg: Any, plan: Any, hosts: Sequence[str],
         say: Callable[[str], None] = print) -> None:
     """launcher.verify's check (raises VerifyFailed); `say` gets its one-line result."""
     n, timeout = cfg.launcher.verify, cfg.router.request_timeout_s
-    if plan.engine == "sglang":
-        result = check_sglang(plan, hosts, n, timeout)
-    else:
-        result = check_reference(cfg, plan, hosts, n, timeout)
+    from pdtool.launch.engines import engine_launch
+
+    result = engine_launch(cfg).verify(cfg, plan, hosts, n, timeout)
     say(f"launcher.verify: {result}")

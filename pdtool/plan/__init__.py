@@ -46,7 +46,6 @@ from pdtool.plan.records import (
     to_json,
 )
 from pdtool.plan.routes import (
-    SGLANG_SPECULATIVE_FLAG,
     aux_buffers,
     equal_sharding_writes,
     kv_pool,
@@ -56,19 +55,17 @@ from pdtool.plan.routes import (
     route_plans,
     route_summary,
     sglang_draft,
-    sglang_flag_value,
-    sglang_speculative,
     shard_spec,
 )
 
 __all__ = [
     "DEFAULT_TOKENS", "LAYOUT_FROM_CONFIG", "LAYOUT_FROM_SGLANG", "PLAN_VERSION",
-    "PROVIDER_NIC_KINDS", "SGLANG_SPECULATIVE_FLAG", "ClusterSummary", "InstancePlan",
+    "PROVIDER_NIC_KINDS", "ClusterSummary", "InstancePlan",
     "ModelSummary", "Plan", "PlanError", "RankPlan", "RoutePlan", "RouterPlan", "RouterTarget",
     "ShardPlan", "SlicePlan", "TransferPlan", "aux_buffers", "build_plan", "choose_nics",
     "compress_cpus", "cpu_share", "equal_sharding_writes", "expand_cpus", "from_json",
     "gpu_numa", "kv_pool",
     "layout_source", "nic_env", "pages_per_request", "placements", "plan_from_dict",
     "plan_to_dict", "rank_cpus", "request_writes", "route_plans", "route_summary",
-    "sglang_draft", "sglang_flag_value", "sglang_speculative", "shard_spec", "to_json",
+    "sglang_draft", "shard_spec", "to_json",
 ]

@@ -10,6 +10,7 @@ else it may raise `PlanError`.
 
 from __future__ import annotations
 
+from pdtool.adapters import adapter
 from pdtool.memory import deployment_memory
 from pdtool.plan.placement import choose_nics, gpu_numa, nic_env, placements, rank_cpus
 from pdtool.plan.records import (
@@ -29,15 +30,6 @@ from pdtool.plan.routes import kv_pool, layout_source, transfer_plan
 from pdtool.ports import dist_stride, has_bootstrap, http_stride, router_metrics_port
 from pdtool.schema import ROLES, Config, kv_dtype, role, role_dims
 from transfer import routes as R
-from transfer.workerenv import DRAFT_LAYERS
-
-
-def _model_env(cfg: Config) -> dict[str, str]:
-    """What pdtool's SGLang backend checks against the engine it is given: the draft KV layers
-    the plan counted (`model.draft_layers`)."""
-    if cfg.engine.kind == "sglang" and cfg.model.draft_layers > 0:
-        return {DRAFT_LAYERS.name: str(cfg.model.draft_layers)}
-    return {}
 
 
 def _instances(cfg: Config) -> tuple[InstancePlan, ...]:
@@ -69,7 +61,7 @@ def _instances(cfg: Config) -> tuple[InstancePlan, ...]:
                         nic_affinity=aff,
                         numa=gpu_numa(cl, gpu),
                         cpus=rank_cpus(cl, gpu),
-                        env={**nic_env(tr.provider, nics, kind), **_model_env(cfg)},
+                        env={**nic_env(tr.provider, nics, kind), **adapter(cfg).worker_env(cfg)},
                     )
                 )
             nodes = tuple(dict.fromkeys(r.node for r in ranks))

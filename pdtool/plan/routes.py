@@ -4,14 +4,16 @@ Every figure comes from `transfer.routes` (who sends which heads), `transfer.geo
 engine's pages and metadata buffers, and `expected_writes`) and `transfer.parallel` (degrees),
 the code the messenger and the SGLang backend run, so the plan shows what a decoder waits for.
 
-The engine decides the pages: pdtool's messenger (reference engine) keeps one fused K/V buffer
-per layer in `transfer.layout` and stops one token short; SGLang 0.5.23 keeps its own NHD pools
-(separate K and V, or MLA's latent) whatever `transfer.layout` says, sends every prompt token,
-and writes one row of each of its `MetadataBuffers` per request.
+The engine decides the pages, as its adapter (`pdtool.adapters`) says: pdtool's messenger
+(reference engine) keeps one fused K/V buffer per layer in `transfer.layout` and stops one
+token short; SGLang 0.5.23 keeps its own NHD pools (separate K and V, or MLA's latent)
+whatever `transfer.layout` says, sends every prompt token, and writes one row of each of its
+`MetadataBuffers` per request.
 """
 
 from __future__ import annotations
 
+from pdtool.adapters import adapter
 from pdtool.plan.records import (
     LAYOUT_FROM_CONFIG,
     LAYOUT_FROM_SGLANG,
@@ -20,16 +22,10 @@ from pdtool.plan.records import (
     SlicePlan,
     TransferPlan,
 )
-from pdtool.schema import DTYPE_BYTES, Config, kv_dtype, kv_head_width, role, role_dims
+from pdtool.schema import Config, kv_dtype, kv_head_width, role, role_dims
 from transfer import geometry as G
 from transfer import routes as R
 from transfer.gpu_memory import choose_gpu_memory
-
-#: SGLang switches that add metadata buffers (`geometry.sglang_metadata_buffers`).
-SGLANG_SAMPLING_MASK_ENV = "SGLANG_ENABLE_DISAGG_SAMPLING_MASK"
-SGLANG_KV_CHECKSUM_FLAG = "--disaggregation-enable-kv-checksum"
-#: SGLang's speculative decoding switch (it sizes the hidden-state metadata row).
-SGLANG_SPECULATIVE_FLAG = "--speculative-algorithm"
 
 
 def shard_spec(cfg: Config, rname: str) -> R.ShardSpec:
@@ -40,82 +36,24 @@ def shard_spec(cfg: Config, rname: str) -> R.ShardSpec:
 
 def kv_pool(cfg: Config) -> G.PagePool:
     """The pages the transfer really writes: SGLang's own pools, or the messenger's."""
-    mla = cfg.model.attention == "mla"
-    if cfg.engine.kind == "sglang":
-        return G.sglang_pool(mla)
-    return G.messenger_pool(cfg.transfer.layout, mla)
-
-
-def _sglang_env_true(cfg: Config, name: str) -> bool:
-    """SGLang's EnvBool reading of `name` in the decode workers' environment."""
-    env = {**cfg.launcher.env.all, **cfg.launcher.env.decode}
-    return str(env.get(name, "")).lower() in ("true", "1", "yes", "y")
-
-
-def _sglang_flag(cfg: Config, flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=")
-               for a in (*cfg.engine.extra_args, *cfg.decode.extra_args))
-
-
-def sglang_flag_value(argv: list[str] | tuple[str, ...], flag: str) -> str | None:
-    """The value argparse would give `flag` in `argv` (`--flag V` or `--flag=V`, the last one
-    wins); None when absent, "" when it has no value."""
-    out = None
-    for i, arg in enumerate(argv):
-        name, eq, value = arg.partition("=")
-        if name == flag:
-            nxt = argv[i + 1] if i + 1 < len(argv) else ""
-            out = value if eq else ("" if nxt.startswith("--") else nxt)
-    return out
-
-
-def sglang_speculative(cfg: Config, rname: str) -> str | None:
-    """`--speculative-algorithm` of a role's SGLang workers, upper-cased (engine.extra_args,
-    then the role's own extra_args, as they follow each other on its launch line)."""
-    value = sglang_flag_value([*cfg.engine.extra_args, *role(cfg, rname).extra_args],
-                              SGLANG_SPECULATIVE_FLAG)
-    return value.upper() if value else None
-
-
-def sglang_hidden_itemsize(cfg: Config) -> int:
-    """Bytes per element of the draft hidden state: SGLang's model dtype (fp8 weights run
-    bf16 activations)."""
-    return 2 if cfg.model.dtype.startswith("fp8") else DTYPE_BYTES[cfg.model.dtype]
+    return adapter(cfg).kv_pool(cfg)
 
 
 def aux_buffers(cfg: Config) -> tuple[G.AuxBuffer, ...]:
     """The metadata buffers a request writes once, after its last chunk (one write each)."""
-    if cfg.engine.kind == "sglang":
-        hidden, itemsize = G.sglang_hidden_row(sglang_speculative(cfg, "decode"),
-                                               cfg.model.hidden_size, sglang_hidden_itemsize(cfg))
-        return G.sglang_metadata_buffers(
-            sampling_mask=_sglang_env_true(cfg, SGLANG_SAMPLING_MASK_ENV),
-            kv_checksum=_sglang_flag(cfg, SGLANG_KV_CHECKSUM_FLAG),
-            hidden_size=hidden, hidden_itemsize=itemsize,
-        )
-    return G.reference_aux(cfg.model.hidden_size)
+    return adapter(cfg).aux_buffers(cfg)
 
 
 def layout_source(cfg: Config) -> str:
     """Where the plan's page layout comes from (shown beside it by `pdtool plan`)."""
-    return LAYOUT_FROM_SGLANG if cfg.engine.kind == "sglang" else LAYOUT_FROM_CONFIG
+    return LAYOUT_FROM_SGLANG if adapter(cfg).own_pools else LAYOUT_FROM_CONFIG
 
 
 def sglang_draft(cfg: Config) -> G.KVGroup | None:
     """The speculative draft model's KV buffers pdtool's SGLang backend sends beside the
-    target's (`model.draft_layers`), grouped as geometry groups them: the plan takes the draft's
-    attention and KV heads to be the target's (EAGLE, EAGLE3 and NEXTN drafts share them), so
-    its token bytes on each side follow the target's shards. None without a draft KV pool;
+    target's (`model.draft_layers`, `SGLangAdapter.draft_group`). None without a draft KV pool;
     RouteError where the backend could not slice it."""
-    if cfg.engine.kind != "sglang" or cfg.model.draft_layers <= 0:
-        return None
-    mla = cfg.model.attention == "mla"
-    src, dst = shard_spec(cfg, "prefill"), shard_spec(cfg, "decode")
-    width = kv_head_width(cfg.model)
-    group, _ = G.sglang_draft_group(cfg.model.draft_layers * (1 if mla else 2),
-                                    src.heads_per_rank * width, dst.heads_per_rank * width,
-                                    src.attn_tp, dst.attn_tp, target_mla=mla)
-    return group
+    return adapter(cfg).draft_group(cfg, shard_spec(cfg, "prefill"), shard_spec(cfg, "decode"))
 
 
 def draft_writes(cfg: Config, tokens: int, dst_rank: int) -> int:
@@ -232,8 +170,8 @@ def gpu_memory_path(cfg: Config) -> str:
     from the node's probe); the reference engine's KV is in host memory."""
     if cfg.mode == "aggregated":
         return "not used (mode=aggregated: no KV transfer)"
-    if cfg.engine.kind == "reference":
-        return "host memory (the reference engine's KV is not on a GPU)"
+    if not adapter(cfg).kv_on_gpu:
+        return f"host memory (the {cfg.engine.kind} engine's KV is not on a GPU)"
     if cfg.cluster.device == "cpu":
         return "host memory (SGLang's CPU engine keeps its KV pools in RAM)"
     if cfg.transfer.backend != "pdtool":

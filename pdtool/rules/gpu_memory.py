@@ -7,6 +7,7 @@ engine keeps its KV in host memory, so only `auto` means anything there.
 
 from __future__ import annotations
 
+from pdtool.adapters import adapter
 from pdtool.rules.finding import Finding, error
 from pdtool.schema import Config
 from transfer.gpu_memory import KEY, gpu_memory_problem
@@ -14,11 +15,11 @@ from transfer.gpu_memory import KEY, gpu_memory_problem
 
 def check_gpu_memory(cfg: Config) -> list[Finding]:
     mode = cfg.transfer.gpu_memory
-    if cfg.engine.kind == "reference":
+    if not adapter(cfg).kv_on_gpu:
         if mode == "auto":
             return []
-        return [error(KEY, f"{KEY}={mode}: the reference engine keeps its KV in host memory, "
-                           "there is no GPU memory to register or stage",
+        return [error(KEY, f"{KEY}={mode}: the {cfg.engine.kind} engine keeps its KV in host "
+                           "memory, there is no GPU memory to register or stage",
                       f"leave {KEY}=auto (or use engine=sglang)")]
     backend = cfg.transfer.backend
     if backend != "pdtool" and mode != "auto":

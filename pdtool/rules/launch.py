@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import re
 
+from pdtool.adapters import adapter
 from pdtool.plan import placements
 from pdtool.rules.finding import Finding, error, warning
-from pdtool.rules.sglang import SGLANG_KV_DTYPES
 from pdtool.schema import Config
 
 _MEM = re.compile(r"^[0-9]+[KMGT]?$")
@@ -67,25 +67,6 @@ def check_slurm_memory(cfg: Config) -> list[Finding]:
     return []
 
 
-#: KV dtypes an SGLang line can carry: `auto` (the model's) or one --kv-cache-dtype renders
-SGLANG_CACHE_DTYPES = ("auto", *SGLANG_KV_DTYPES)
-
-
-def check_sglang_kv_dtype(cfg: Config) -> list[Finding]:
-    """engine=sglang: only KV dtypes SGLang's --kv-cache-dtype has (no fp16/fp32 cache)."""
-    if cfg.engine.kind != "sglang":
-        return []
-    out = []
-    for r in ("prefill", "decode"):
-        dt = getattr(cfg, r).kv_dtype
-        if dt not in SGLANG_CACHE_DTYPES:
-            out.append(error(f"{r}.kv_dtype",
-                             f"SGLang 0.5.23 has no {dt} KV cache (--kv-cache-dtype takes "
-                             f"{', '.join(SGLANG_CACHE_DTYPES)} here)",
-                             f"set {r}.kv_dtype=auto (the model's dtype) or bf16"))
-    return out
-
-
 #: sbatch options that ask for GPUs (sbatch(1)); `-G` is --gpus' short form
 _GPU_OPTION = re.compile(r"^(--gres(=|$).*\bgpu\b|--gpus(-per-node|-per-task|-per-socket)?(=|$)"
                         r"|-G)")
@@ -115,7 +96,7 @@ def check_gpu_directive(cfg: Config) -> list[Finding]:
     return []
 
 
-ALL = (check_slurm_gpus, check_gpu_directive, check_slurm_memory, check_sglang_kv_dtype)
+ALL = (check_slurm_gpus, check_gpu_directive, check_slurm_memory)
 
 
 def check_cross_node_loopback(cfg: Config) -> list[Finding]:
@@ -199,39 +180,7 @@ def check_multi_node_bootstrap(cfg: Config) -> list[Finding]:
             for r in ROLES if role(cfg, r).nodes > 1][:1]
 
 
-def _deepep_mode(args: list[str]) -> str:
-    args = [str(a) for a in args]
-    for i, a in enumerate(args):
-        if a.startswith("--deepep-mode="):
-            return a.split("=", 1)[1]
-        if a == "--deepep-mode" and i + 1 < len(args):
-            return args[i + 1]
-    return "auto"  # SGLang's default
-
-
-def check_deepep_on_efa(cfg: Config) -> list[Finding]:
-    """DeepEP's low-latency kernels (used by decode under `auto`) drive the NICs from the GPU
-    through NVSHMEM's IBGDA transport, which needs ConnectX (mlx5) NICs; EFA has none."""
-    from pdtool.memory import uses_deepep
-    from pdtool.schema import ROLES, role
-
-    if not any(n.kind == "efa" for n in cfg.cluster.nics) or cfg.engine.kind != "sglang":
-        return []
-    out = []
-    for r in ROLES:
-        args = [*cfg.engine.extra_args, *role(cfg, r).extra_args]
-        mode = _deepep_mode(args)
-        if uses_deepep(args) and mode in ("low_latency", "auto"):
-            out.append(warning(
-                f"{r}.extra_args",
-                f"DeepEP --deepep-mode {mode} on EFA ({cfg.cluster.name}): its low-latency "
-                f"kernels need NVSHMEM's IBGDA transport, i.e. ConnectX (mlx5) NICs",
-                "use --deepep-mode normal on EFA, or another --moe-a2a-backend"))
-    return out
-
-
-ALL = (*ALL, check_cross_node_loopback, check_shared_host_nic, check_multi_node_bootstrap,
-       check_deepep_on_efa)
+ALL = (*ALL, check_cross_node_loopback, check_shared_host_nic, check_multi_node_bootstrap)
 
 
 def _mounted(path: str, mounts: list[str], same_path: bool = False) -> bool:
@@ -294,9 +243,9 @@ def check_model_cache(cfg: Config) -> list[Finding]:
         return []
     if bad := _not_absolute("launcher.model_cache", cache, "/fsx/hf-cache"):
         return bad
-    if cfg.engine.kind != "sglang":
-        return [error("launcher.model_cache", "the reference engine downloads nothing (a Hub "
-                      "id builds its random-weight model): nothing would read the cache",
+    if not adapter(cfg).loads_checkpoints:
+        return [error("launcher.model_cache", f"the {cfg.engine.kind} engine downloads nothing "
+                      "(a Hub id builds its random-weight model): nothing would read the cache",
                       "download the checkpoint to a folder and set model.path to it, or drop "
                       "launcher.model_cache")]
     lc = cfg.launcher
@@ -391,10 +340,10 @@ def check_transfer_backend(cfg: Config) -> list[Finding]:
     if be not in TRANSFER_BACKENDS:
         return [error("transfer.backend", f"unknown transfer backend {be!r}",
                       f"choose one of {', '.join(TRANSFER_BACKENDS)}")]
-    if be != "pdtool" and cfg.engine.kind != "sglang":
+    if be not in adapter(cfg).transfer_backends:
         return [error("transfer.backend",
-                      f"transfer.backend={be} is SGLang's own backend; the reference engine "
-                      "moves KV with pdtool's messenger only",
+                      f"transfer.backend={be} is SGLang's own backend; the {cfg.engine.kind} "
+                      "engine moves KV with pdtool's messenger only",
                       "set transfer.backend=pdtool, or engine=sglang")]
     return []
 
@@ -403,68 +352,12 @@ ALL = (*ALL, check_transfer_backend)
 
 
 def check_verify(cfg: Config) -> list[Finding]:
-    """launcher.verify compares prefill->decode pairs with each other on SGLang: two at least,
-    and an aggregated deployment moves no KV to check."""
+    """launcher.verify is a number of prompts (what each engine compares: its own rules)."""
     n = cfg.launcher.verify
     if n < 0:
         return [error("launcher.verify", f"{n} prompts", "give 0 (off) or a number of prompts, "
                       "e.g. launcher.verify=3")]
-    if not n or cfg.engine.kind != "sglang":
-        return []
-    if cfg.mode != "disaggregated":
-        return [error("launcher.verify", "compares prefill->decode pairs; an aggregated "
-                      "deployment has none", "set launcher.verify=0, or check an aggregated "
-                      "twin with pdtool bench --verify N --compare")]
-    npairs = cfg.prefill.instances * cfg.decode.instances
-    if npairs < 2:
-        return [error("launcher.verify", f"compares prefill->decode pairs with each other; "
-                      f"this deployment has {npairs}",
-                      "run two decode (or prefill) instances, or check against a deployment "
-                      "without KV transfer: pdtool bench --verify N --compare aggregated")]
     return []
 
 
 ALL = (*ALL, check_verify)
-
-
-#: SGLang 0.5.23's staging buffer for heterogeneous TP (mooncake and nixl), and its pool size
-STAGING_ENV, STAGING_POOL_ENV = "SGLANG_DISAGG_STAGING_BUFFER", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB"
-
-
-def check_backend_limits(cfg: Config) -> list[Finding]:
-    """What SGLang 0.5.23's mooncake and nixl backends do with a prefill/decode attention TP
-    mismatch (read in disaggregation/mooncake/conn.py and nixl/conn.py): MLA keeps one latent
-    head replicated on every rank, so each decode rank takes whole pages from one prefill rank
-    (`send_kvcache`); other attention sends each page's KV heads as slices, one write per token
-    and head run (`send_kvcache_slice`), unless the staging buffer is on (`SGLANG_DISAGG_
-    STAGING_BUFFER=1`, a GPU pool of `SGLANG_DISAGG_STAGING_POOL_SIZE_MB`, 4096 by default),
-    where pages are gathered into it and sent whole. Neither path is pdtool's (no HND gather,
-    no transfer.gpu_memory)."""
-    from pdtool.schema import attn_tp
-
-    be = cfg.transfer.backend
-    if cfg.engine.kind != "sglang" or be not in ("mooncake", "nixl"):
-        return []
-    p, d = attn_tp(cfg.prefill), attn_tp(cfg.decode)
-    if p == d or cfg.model.attention == "mla":
-        return []
-    env = {**cfg.launcher.env.all, **cfg.launcher.env.prefill}
-    if str(env.get(STAGING_ENV, "")).lower() in ("1", "true"):
-        pool = env.get(STAGING_POOL_ENV, "4096")
-        return [warning("transfer.backend",
-                        f"transfer.backend={be}: prefill attention TP {p} != decode attention "
-                        f"TP {d}: SGLang 0.5.23 stages the KV heads through a {pool} MB GPU "
-                        f"buffer per transfer queue ({STAGING_ENV}=1; {STAGING_POOL_ENV} sizes it)"
-                        ", which the memory plan does not count",
-                        f"lower {STAGING_POOL_ENV} if the KV pool no longer fits")]
-    return [warning("transfer.backend",
-                    f"transfer.backend={be}: prefill attention TP {p} != decode attention TP "
-                    f"{d} with {cfg.model.attention.upper()} attention: SGLang 0.5.23's {be} "
-                    "backend sends each page's KV heads as slices, one write per token and head "
-                    "run (send_kvcache_slice), far more writes than whole pages",
-                    f"set +launcher.env.all.{STAGING_ENV}=1 (SGLang's staging buffer for "
-                    "heterogeneous TP), equal attention TP on both sides, or "
-                    "transfer.backend=pdtool")]
-
-
-ALL = (*ALL, check_backend_limits)

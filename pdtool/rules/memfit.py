@@ -10,24 +10,13 @@ a warning with the figures, and no fix suggests raising mem_fraction past that p
 
 from __future__ import annotations
 
-from pdtool.memory import GIB, Headroom, deployment_memory, human_bytes, sglang_headroom
+from pdtool.adapters import adapter
+from pdtool.memory import GIB, Headroom, deployment_memory, human_bytes
 from pdtool.rules.finding import Finding, error, warning
 from pdtool.schema import ROLES, Config, attn_tp, role
 
 #: the largest mem_fraction a fix may suggest where no engine reserve is modelled
 MAX_FRACTION = 0.95
-
-
-#: SGLang's sizing is written for data-center GPUs; below this it picks smaller chunks and
-#: batches itself, and a made-up small "GPU" (tests, emulated sites) is no such case
-HEADROOM_MIN_GPU_GB = 20
-
-
-def _headroom(cfg: Config, r: str) -> Headroom | None:
-    if cfg.engine.kind != "sglang" or cfg.cluster.device != "cuda" \
-            or cfg.cluster.gpu_memory_gb < HEADROOM_MIN_GPU_GB:
-        return None
-    return sglang_headroom(cfg, r)
 
 
 def check_headroom(cfg: Config, r: str, h: Headroom) -> list[Finding]:
@@ -55,7 +44,7 @@ def check_memory(cfg: Config) -> list[Finding]:
     for r, mem in zip(ROLES, deployment_memory(cfg), strict=True):
         rc = role(cfg, r)
         avail = cl.gpu_memory_gb * rc.mem_fraction
-        headroom = _headroom(cfg, r)
+        headroom = adapter(cfg).headroom(cfg, r)
         top = headroom.max_fraction(cl.gpu_memory_gb) if headroom else MAX_FRACTION
         # raising the fraction helps only while weights + this need fit under the top
         can_raise = mem.weights_gb + mem.kv_bytes_per_token / GIB * (

@@ -10,6 +10,7 @@ weights do not load. Qwen3-Coder-480B-FP8 (2560 columns) at TP8 without EP gives
 
 from __future__ import annotations
 
+from pdtool.adapters import adapter
 from pdtool.rules.finding import Finding, error
 from pdtool.schema import ROLES, Config, role
 
@@ -25,7 +26,7 @@ def check_ep(cfg: Config) -> list[Finding]:
         if rc.ep == 1:
             continue
         key = f"{r}.ep"
-        if cfg.engine.kind != "sglang" or cfg.model.num_experts == 0:
+        if not adapter(cfg).expert_parallel or cfg.model.num_experts == 0:
             why = "a dense model has no experts" if cfg.model.num_experts == 0 else \
                 f"engine={cfg.engine.kind} has no expert parallelism"
             out.append(error(key, f"{key}={rc.ep}: {why}", f"remove {key} (or set it to 1)"))
@@ -39,8 +40,8 @@ def check_ep(cfg: Config) -> list[Finding]:
 def check_fp8_moe_blocks(cfg: Config) -> list[Finding]:
     """FP8 block-quantized MoE: each rank's expert columns are whole 128-column blocks."""
     m = cfg.model
-    if cfg.engine.kind != "sglang":
-        return []  # the reference engine builds its own random weights, unquantized
+    if not adapter(cfg).loads_checkpoints:
+        return []  # an engine that builds its own random weights builds them unquantized
     if m.dtype != "fp8" or m.num_experts == 0 or m.moe_intermediate_size == 0:
         return []
     out: list[Finding] = []

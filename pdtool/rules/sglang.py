@@ -1,28 +1,22 @@
 """What the `pdtool` SGLang transfer backend (transfer/sglang) can and cannot do, for validate.
 
-Only for `engine.kind=sglang`. SGLang 0.5.23 keeps its own KV pools, NHD per layer buffer with
-separate K and V buffers (MLA: one latent buffer), whatever `transfer.layout` says. The backend
-writes one write per (page, layer buffer, source shard) in every case: with equal attention TP
-(or MLA's replicated latent) a page is contiguous, and with different MHA/GQA attention TP it
-gathers each page's head slice into a registered staging buffer first
-(`transfer/sglang/staging_plane.py`), so there is no per-token write count to warn about; the
-plan shows the count (`transfer.geometry`). SGLang flags for state the backend does not carry
-(PP, CP, KV sharding) are errors.
-Speculative decoding: the draft's hidden state and top-k travel in the metadata buffers (NGRAM,
-UNO and FROZEN_KV_MTP need nothing else); a draft model with a KV pool of its own (EAGLE/NEXTN/
-MTP, EAGLE3, STANDALONE) is sent as more layer buffers, which the plan counts from
-`model.draft_layers` (required with them). DFLASH and DSPARK, whose draft pools follow rules of
-their own, are refused.
-"""
+Only for `engine.kind=sglang` (`pdtool.rules.ENGINE_STAGES`). SGLang 0.5.23 keeps its own KV pools,
+NHD per layer buffer with separate K and V buffers (MLA: one latent buffer), whatever
+`transfer.layout` says. The backend writes one write per (page, layer buffer, source shard) in
+every case: with equal attention TP (or MLA's replicated latent) a page is contiguous, and with
+different MHA/GQA attention TP it gathers each page's head slice into a registered staging buffer
+first (`transfer/sglang/staging_plane.py`), so there is no per-token write count to warn about; the
+plan shows the count (`transfer.geometry`). SGLang flags for state the backend does not carry (PP,
+CP, KV sharding) are errors. Speculative decoding: the draft's hidden state and top-k travel in the
+metadata buffers (NGRAM, UNO and FROZEN_KV_MTP need nothing else); a draft model with a KV pool of
+its own (EAGLE/NEXTN/ MTP, EAGLE3, STANDALONE) is sent as more layer buffers, which the plan counts
+from `model.draft_layers` (required with them). DFLASH and DSPARK, whose draft pools follow rules
+of their own, are refused. """
 
 from __future__ import annotations
 
-from pdtool.plan import (
-    SGLANG_SPECULATIVE_FLAG,
-    sglang_draft,
-    sglang_flag_value,
-    sglang_speculative,
-)
+from pdtool.adapters.sglang import SGLANG_SPECULATIVE_FLAG, sglang_flag_value, sglang_speculative
+from pdtool.plan import sglang_draft
 from pdtool.rules.finding import Finding, error, warning
 from pdtool.schema import Config, TransferConfig
 from transfer.geometry import (
@@ -32,6 +26,7 @@ from transfer.geometry import (
     SGLANG_SPEC_HIDDEN_STATES,
 )
 from transfer.routes import RouteError
+from transfer.sglang import SGLANG_VERSION
 
 #: pdtool KV dtype names -> SGLang 0.5.23 --kv-cache-dtype choices (it has no fp16/fp32 cache:
 #: validate refuses those for engine=sglang, rules.launch); pdtool.launch.sglang writes them
@@ -92,10 +87,21 @@ RENDERED_FLAGS = {
 }
 
 
+def check_sglang_version(cfg: Config) -> list[Finding]:
+    """`engine.version` pins the SGLang release: pdtool's launch lines and transfer backend are
+    written for `transfer.sglang.SGLANG_VERSION`, and the worker refuses to start another
+    installed release."""
+    v = cfg.engine.version
+    if v != SGLANG_VERSION:
+        return [error("engine.version", f"{v!r}: pdtool's SGLang launch lines and transfer "
+                      f"backend are written for SGLang {SGLANG_VERSION}",
+                      f"set engine.version={SGLANG_VERSION} (and install "
+                      f"sglang=={SGLANG_VERSION} where the workers run)")]
+    return []
+
+
 def check_sglang_rendered_flags(cfg: Config) -> list[Finding]:
     """engine=sglang: refuse extra_args flags pdtool renders from typed keys, naming the key."""
-    if cfg.engine.kind != "sglang":
-        return []
     out = []
     for key, argv, role in (("engine.extra_args", cfg.engine.extra_args, "prefill/decode"),
                             ("prefill.extra_args", cfg.prefill.extra_args, "prefill"),
@@ -113,8 +119,6 @@ def check_sglang_rendered_flags(cfg: Config) -> list[Finding]:
 
 def check_sglang_unsupported_args(cfg: Config) -> list[Finding]:
     """engine=sglang: refuse extra SGLang flags the pdtool transfer backend cannot serve."""
-    if cfg.engine.kind != "sglang":
-        return []
     out = []
     for key, argv in (("engine.extra_args", cfg.engine.extra_args),
                       ("prefill.extra_args", cfg.prefill.extra_args),
@@ -147,6 +151,17 @@ def _spec_key(cfg: Config, rname: str) -> str:
     return "engine.extra_args" if own is None else f"{rname}.extra_args"
 
 
+def draft_layers_unread(cfg: Config) -> list[Finding]:
+    """model.draft_layers where nothing reads it (another engine, or SGLang's own backends)."""
+    if cfg.model.draft_layers <= 0:
+        return []
+    return [error("model.draft_layers",
+                  f"model.draft_layers={cfg.model.draft_layers}: only pdtool's SGLang "
+                  "transfer backend reads it (engine.kind=sglang, "
+                  "transfer.backend=pdtool); here it would change nothing",
+                  "remove model.draft_layers")]
+
+
 def check_sglang_speculative(cfg: Config) -> list[Finding]:
     """engine=sglang: speculative decoding only where the backend carries what it needs.
 
@@ -156,14 +171,8 @@ def check_sglang_speculative(cfg: Config) -> list[Finding]:
     do not, and the workers would stop at start-up. A draft hidden state is produced by the
     prefill, and the draft pool is registered on both sides, so both roles must run the same
     algorithm (the rows and buffers must be the same on both sides)."""
-    if cfg.engine.kind != "sglang" or cfg.transfer.backend != "pdtool":
-        if cfg.model.draft_layers > 0:
-            return [error("model.draft_layers",
-                          f"model.draft_layers={cfg.model.draft_layers}: only pdtool's SGLang "
-                          "transfer backend reads it (engine.kind=sglang, "
-                          "transfer.backend=pdtool); here it would change nothing",
-                          "remove model.draft_layers")]
-        return []
+    if cfg.transfer.backend != "pdtool":
+        return draft_layers_unread(cfg)
     algs = {r: sglang_speculative(cfg, r) for r in ("prefill", "decode")}
     out, seen = [], set()
     for rname, alg in algs.items():
@@ -229,7 +238,7 @@ def check_sglang_aggregated_args(cfg: Config) -> list[Finding]:
     extra_args, which were chosen for one phase (DeepSeek's DP-attention recipe runs DeepEP
     `normal` on prefill and `low_latency` on decode); said once, so the baseline is not
     compared without knowing."""
-    if cfg.engine.kind != "sglang" or cfg.mode != "aggregated":
+    if cfg.mode != "aggregated":
         return []
     pre, dec = list(cfg.prefill.extra_args), list(cfg.decode.extra_args)
     if pre == dec:
@@ -262,8 +271,6 @@ SGLANG_OWN: dict[str, tuple[str, str | None]] = {
 def check_sglang_unread_transfer_keys(cfg: Config) -> list[Finding]:
     """engine=sglang: a messenger-only transfer key set away from its default would be read
     by nothing; refused, naming what governs it under SGLang."""
-    if cfg.engine.kind != "sglang":
-        return []
     defaults = TransferConfig()
     out = []
     for name, (own, env) in SGLANG_OWN.items():
@@ -292,7 +299,7 @@ def asks_hnd_pools(value: str | None) -> bool:
 def check_sglang_hnd_pools(cfg: Config) -> list[Finding]:
     """engine=sglang, disaggregated: SGLang refuses PD transfer from HND pools (an assertion
     in the scheduler's start, whatever the backend); say so before the servers start."""
-    if cfg.engine.kind != "sglang" or cfg.mode == "aggregated":
+    if cfg.mode == "aggregated":
         return []
     env = cfg.launcher.env
     return [error(f"launcher.env.{group}.{HND_POOLS_ENV}",
@@ -308,7 +315,7 @@ def check_sglang_hnd_pools(cfg: Config) -> list[Finding]:
 def check_sglang_model_seed(cfg: Config) -> list[Finding]:
     """engine=sglang: model.seed draws the reference engine's built-in weights; SGLang loads
     model.path's checkpoint and nothing reads the seed."""
-    if cfg.engine.kind != "sglang" or not cfg.model.seed:
+    if not cfg.model.seed:
         return []
     return [error(
         "model.seed",
@@ -318,6 +325,116 @@ def check_sglang_model_seed(cfg: Config) -> list[Finding]:
         "+engine.extra_args=[--random-seed,N]")]
 
 
-ALL = (check_sglang_unsupported_args, check_sglang_rendered_flags, check_sglang_speculative,
+#: KV dtypes an SGLang line can carry: `auto` (the model's) or one --kv-cache-dtype renders
+SGLANG_CACHE_DTYPES = ("auto", *SGLANG_KV_DTYPES)
+
+
+def check_sglang_kv_dtype(cfg: Config) -> list[Finding]:
+    """Only KV dtypes SGLang's --kv-cache-dtype has (no fp16/fp32 cache)."""
+    out = []
+    for r in ("prefill", "decode"):
+        dt = getattr(cfg, r).kv_dtype
+        if dt not in SGLANG_CACHE_DTYPES:
+            out.append(error(f"{r}.kv_dtype",
+                             f"SGLang 0.5.23 has no {dt} KV cache (--kv-cache-dtype takes "
+                             f"{', '.join(SGLANG_CACHE_DTYPES)} here)",
+                             f"set {r}.kv_dtype=auto (the model's dtype) or bf16"))
+    return out
+
+
+def _deepep_mode(args: list[str]) -> str:
+    args = [str(a) for a in args]
+    for i, a in enumerate(args):
+        if a.startswith("--deepep-mode="):
+            return a.split("=", 1)[1]
+        if a == "--deepep-mode" and i + 1 < len(args):
+            return args[i + 1]
+    return "auto"  # SGLang's default
+
+
+def check_deepep_on_efa(cfg: Config) -> list[Finding]:
+    """DeepEP's low-latency kernels (used by decode under `auto`) drive the NICs from the GPU
+    through NVSHMEM's IBGDA transport, which needs ConnectX (mlx5) NICs; EFA has none."""
+    from pdtool.memory import uses_deepep
+    from pdtool.schema import ROLES, role
+
+    if not any(n.kind == "efa" for n in cfg.cluster.nics):
+        return []
+    out = []
+    for r in ROLES:
+        args = [*cfg.engine.extra_args, *role(cfg, r).extra_args]
+        mode = _deepep_mode(args)
+        if uses_deepep(args) and mode in ("low_latency", "auto"):
+            out.append(warning(
+                f"{r}.extra_args",
+                f"DeepEP --deepep-mode {mode} on EFA ({cfg.cluster.name}): its low-latency "
+                f"kernels need NVSHMEM's IBGDA transport, i.e. ConnectX (mlx5) NICs",
+                "use --deepep-mode normal on EFA, or another --moe-a2a-backend"))
+    return out
+
+
+def check_sglang_verify_pairs(cfg: Config) -> list[Finding]:
+    """launcher.verify compares prefill->decode pairs with each other on SGLang (its kernels
+    are not recomputed here): two at least, and an aggregated deployment moves no KV."""
+    if cfg.launcher.verify <= 0:
+        return []
+    if cfg.mode != "disaggregated":
+        return [error("launcher.verify", "compares prefill->decode pairs; an aggregated "
+                      "deployment has none", "set launcher.verify=0, or check an aggregated "
+                      "twin with pdtool bench --verify N --compare")]
+    npairs = cfg.prefill.instances * cfg.decode.instances
+    if npairs < 2:
+        return [error("launcher.verify", f"compares prefill->decode pairs with each other; "
+                      f"this deployment has {npairs}",
+                      "run two decode (or prefill) instances, or check against a deployment "
+                      "without KV transfer: pdtool bench --verify N --compare aggregated")]
+    return []
+
+
+#: SGLang 0.5.23's staging buffer for heterogeneous TP (mooncake and nixl), and its pool size
+STAGING_ENV, STAGING_POOL_ENV = "SGLANG_DISAGG_STAGING_BUFFER", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB"
+
+
+def check_backend_limits(cfg: Config) -> list[Finding]:
+    """What SGLang 0.5.23's mooncake and nixl backends do with a prefill/decode attention TP
+    mismatch (read in disaggregation/mooncake/conn.py and nixl/conn.py): MLA keeps one latent
+    head replicated on every rank, so each decode rank takes whole pages from one prefill rank
+    (`send_kvcache`); other attention sends each page's KV heads as slices, one write per token
+    and head run (`send_kvcache_slice`), unless the staging buffer is on (`SGLANG_DISAGG_
+    STAGING_BUFFER=1`, a GPU pool of `SGLANG_DISAGG_STAGING_POOL_SIZE_MB`, 4096 by default),
+    where pages are gathered into it and sent whole. Neither path is pdtool's (no HND gather,
+    no transfer.gpu_memory)."""
+    from pdtool.schema import attn_tp
+
+    be = cfg.transfer.backend
+    if be not in ("mooncake", "nixl"):
+        return []
+    p, d = attn_tp(cfg.prefill), attn_tp(cfg.decode)
+    if p == d or cfg.model.attention == "mla":
+        return []
+    env = {**cfg.launcher.env.all, **cfg.launcher.env.prefill}
+    if str(env.get(STAGING_ENV, "")).lower() in ("1", "true"):
+        pool = env.get(STAGING_POOL_ENV, "4096")
+        return [warning("transfer.backend",
+                        f"transfer.backend={be}: prefill attention TP {p} != decode attention "
+                        f"TP {d}: SGLang 0.5.23 stages the KV heads through a {pool} MB GPU "
+                        f"buffer per transfer queue ({STAGING_ENV}=1; {STAGING_POOL_ENV} sizes it)"
+                        ", which the memory plan does not count",
+                        f"lower {STAGING_POOL_ENV} if the KV pool no longer fits")]
+    return [warning("transfer.backend",
+                    f"transfer.backend={be}: prefill attention TP {p} != decode attention TP "
+                    f"{d} with {cfg.model.attention.upper()} attention: SGLang 0.5.23's {be} "
+                    "backend sends each page's KV heads as slices, one write per token and head "
+                    "run (send_kvcache_slice), far more writes than whole pages",
+                    f"set +launcher.env.all.{STAGING_ENV}=1 (SGLang's staging buffer for "
+                    "heterogeneous TP), equal attention TP on both sides, or "
+                    "transfer.backend=pdtool")]
+
+
+
+VALUES = (check_sglang_version,)
+SHAPES = ()
+PLACED = (check_sglang_unsupported_args, check_sglang_rendered_flags, check_sglang_speculative,
        check_sglang_aggregated_args, check_sglang_unread_transfer_keys, check_sglang_model_seed,
-       check_sglang_hnd_pools)
+       check_sglang_hnd_pools, check_sglang_kv_dtype, check_deepep_on_efa,
+       check_sglang_verify_pairs, check_backend_limits)

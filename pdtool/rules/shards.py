@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from pdtool.adapters import adapter
 from pdtool.plan import DEFAULT_TOKENS, request_writes, route_plans, shard_spec
 from pdtool.rules.finding import Finding, error, warning
 from pdtool.schema import ROLES, Config, kv_dtype, role_dims
@@ -27,7 +28,7 @@ def check_head_split(cfg: Config) -> list[Finding]:
     m = cfg.model
 
     def fits(t: int) -> bool:  # the query heads shard too; the reference engine's MLP as well
-        return m.num_q_heads % t == 0 and (cfg.engine.kind != "reference"
+        return m.num_q_heads % t == 0 and (not adapter(cfg).shards_mlp
                                            or m.intermediate_size % t == 0)
 
     out: list[Finding] = []
@@ -106,7 +107,7 @@ def check_chunking(cfg: Config) -> list[Finding]:
 
 def check_nhd_writes(cfg: Config, tokens: int = DEFAULT_TOKENS) -> list[Finding]:
     """Warn when NHD pages force per-token writes, with the op count for a request."""
-    if cfg.transfer.layout != "NHD" or cfg.engine.kind == "sglang":  # rules.sglang says it
+    if cfg.transfer.layout != "NHD" or adapter(cfg).own_pools:  # rules.sglang says it
         return []
     routes = route_plans(cfg, tokens)
     if all(r.writes_per_page == len(r.slices) for r in routes):

@@ -4,9 +4,6 @@
   multi-node instance uses whole nodes; a single-node instance fits in one node. GPUs left idle
   by packing are reported (never dropped silently).
 * Slurm: the node groups of both roles must fit `cluster.nodes`. Local: one machine.
-* The engine must suit the device (SGLang serves on GPUs and, with its CPU engine, on CPUs:
-  pdtool.engines.sglang.cpu; the reference engine runs on CPUs, and on cuda only as a check,
-  with the HND pages, dtypes and head dims FlashInfer reads: reference_limits.device_problems).
 * Every GPU rank needs a NIC its provider can drive, preferably on its PCIe switch, at least on
   its NUMA node; `shm` only works when prefill and decode share a node.
 """
@@ -16,9 +13,8 @@ from __future__ import annotations
 import math
 
 from pdtool.plan import PROVIDER_NIC_KINDS, choose_nics, placements
-from pdtool.reference_limits import device_problems
 from pdtool.rules.finding import Finding, error, warning
-from pdtool.schema import ROLES, Config, kv_dtype, role, role_dims
+from pdtool.schema import ROLES, Config, role, role_dims
 
 
 def check_instance_fit(cfg: Config) -> list[Finding]:
@@ -112,33 +108,6 @@ def check_node_budget(cfg: Config) -> list[Finding]:
     ]
 
 
-def check_engine_device(cfg: Config) -> list[Finding]:
-    e, dev = cfg.engine.kind, cfg.cluster.device
-    if e == "reference" and dev != "cpu":
-        out = [
-            warning(
-                "engine.kind",
-                f"the reference engine on cluster={cfg.cluster.name} (device={dev}) puts its "
-                "weights on one GPU per rank with FlashInfer decode attention over host-mapped "
-                "KV pages: a check of the KV path (not yet run on a GPU), not a serving engine",
-                "use engine=sglang to serve on GPU clusters",
-            )
-        ]
-        fixes = {"kv_layout": "set transfer.layout=HND", "kv_dtype": "set {r}.kv_dtype=fp16",
-                 "head_dim": "use a model whose head_dim FlashInfer's decode is built for, or "
-                             "cluster.device=cpu"}
-        seen: set[str] = set()
-        for r in ROLES:
-            rc = role(cfg, r)
-            for key, msg in device_problems(cfg.model, kv_dtype(cfg.model, rc), rc, r, dev):
-                if key not in seen:
-                    seen.add(key)
-                    out.append(error(key, f"the reference engine on {dev}: {msg}",
-                                     fixes[key.split(".")[-1]].format(r=r)))
-        return out
-    return []
-
-
 def check_provider(cfg: Config) -> list[Finding]:
     """The provider must have NICs it can drive; shm needs prefill and decode on one node."""
     prov, cl = cfg.transfer.provider, cfg.cluster
@@ -216,7 +185,7 @@ def check_nic_reach(cfg: Config) -> list[Finding]:
     return out
 
 
-ARITHMETIC = (check_instance_fit, check_node_budget, check_engine_device)
+ARITHMETIC = (check_instance_fit, check_node_budget)
 """Rules that must pass before a placement exists."""
 
 PLACED = (check_idle_gpus, check_provider, check_nic_reach)

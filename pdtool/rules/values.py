@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from pdtool.adapters import adapter
 from pdtool.plan import expand_cpus
 from pdtool.rules.finding import Finding, error, warning
 from pdtool.schema import (
@@ -29,13 +30,8 @@ from pdtool.schema import (
     role,
 )
 from transfer.gpu_memory import GPU_MEMORY_MODES
-from transfer.sglang import SGLANG_VERSION
 
 ROUTER_POLICIES = ("round_robin", "random", "cache_aware", "power_of_two")
-# The reference engine's front (pdtool.engines.reference.front) sends each request to the live
-# decode instance with the fewest in flight, ties taken in round-robin order: that is its one
-# policy, so the others are refused there rather than accepted and ignored.
-REFERENCE_ROUTER_POLICIES = ("round_robin",)
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$|^(infinite|UNLIMITED)$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -366,13 +362,6 @@ def check_engine_router(cfg: Config) -> list[Finding]:
     out = _choice("engine.kind", cfg.engine.kind, ENGINES)
     out += _choice("router.policy", cfg.router.policy, ROUTER_POLICIES)
     out += _at_least("router.request_timeout_s", cfg.router.request_timeout_s, 1)
-    if cfg.engine.kind == "reference" and cfg.router.policy in ROUTER_POLICIES \
-            and cfg.router.policy not in REFERENCE_ROUTER_POLICIES:
-        out.append(error("router.policy", f"{cfg.router.policy!r}: the reference engine's front "
-                         "routes round_robin only (to the live decode instance with the fewest "
-                         "requests in flight, ties in round-robin order)",
-                         "set router.policy=round_robin, or use engine=sglang (sglang-router)"))
-    out += check_engine_version(cfg)
     out += _choice("mode", cfg.mode, MODES)
     if cfg.mode == "aggregated":  # said, not refused: the twin keeps its original's keys
         out.append(warning(
@@ -382,22 +371,6 @@ def check_engine_router(cfg: Config) -> list[Finding]:
             "this one mirrors (the baseline of `pdtool bench --compare aggregated`)",
             "nothing to change for a comparison; with mode=disaggregated they apply"))
     return out
-
-
-def check_engine_version(cfg: Config) -> list[Finding]:
-    """`engine.version` pins the SGLang release: pdtool's launch lines and transfer backend are
-    written for `transfer.sglang.SGLANG_VERSION`, and the worker refuses to start another
-    installed release. The reference engine is part of pdtool and has no version of its own."""
-    v = cfg.engine.version
-    if cfg.engine.kind == "sglang" and v != SGLANG_VERSION:
-        return [error("engine.version", f"{v!r}: pdtool's SGLang launch lines and transfer "
-                      f"backend are written for SGLang {SGLANG_VERSION}",
-                      f"set engine.version={SGLANG_VERSION} (and install "
-                      f"sglang=={SGLANG_VERSION} where the workers run)")]
-    if cfg.engine.kind == "reference" and v:
-        return [error("engine.version", f"{v!r}: the reference engine is part of pdtool and has "
-                      "no version of its own", "leave engine.version empty with engine=reference")]
-    return []
 
 
 def check_builtin_checkpoint(cfg: Config) -> list[Finding]:
@@ -411,7 +384,7 @@ def check_builtin_checkpoint(cfg: Config) -> list[Finding]:
     if name not in BUILTIN:
         return [error("model.path", f"{cfg.model.path!r} is not a builtin checkpoint",
                       "use one of " + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN))]
-    if cfg.engine.kind != "sglang":
+    if not adapter(cfg).loads_checkpoints:
         return [error("model.path", f"{cfg.model.path!r}: only engine=sglang loads it; the "
                       f"{cfg.engine.kind} engine would build its own random model instead",
                       "use engine=sglang, or model=tiny for the reference engine")]
