@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from helpers.pdtool_cfg import recipe_args
 
+from pdtool.adapters.sglang import CPU_MEM_FRACTION_STATIC
 from pdtool.checkpoints import local_path
 from pdtool.compose import load_config, recipe_files
 from pdtool.launch.health import WATCHDOG_MISSES
@@ -133,6 +134,14 @@ def test_server_lines_parse(overrides, server_parser, tmp_path: Path) -> None:
         assert a.ep_size == rc.ep
         assert a.max_running_requests == (rc.max_running_requests or None)
         assert a.context_length == cfg.model.context_length
+        if cfg.cluster.device == "cpu":
+            # SGLang takes the fraction of the machine's free RAM there: the plan's pool
+            # reaches it as --max-total-tokens, and the fraction only keeps 10 % aside
+            assert a.mem_fraction_static == CPU_MEM_FRACTION_STATIC
+            mem = next(m for m in plan.memory if m.role == p.role)
+            assert a.max_total_tokens == mem.kv_tokens
+        else:
+            assert a.mem_fraction_static == rc.mem_fraction
         assert a.kv_cache_dtype == {"auto": "auto", "bf16": "bfloat16"}.get(
             rc.kv_dtype, rc.kv_dtype)
         assert a.trust_remote_code == cfg.model.name.startswith("deepseek")

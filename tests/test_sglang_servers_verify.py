@@ -23,13 +23,10 @@ pytestmark = pytest.mark.sglang_servers
 
 @pytest.mark.slow
 def test_a_damaged_pair_is_named_before_the_deployment_serves(tmp_path: Path) -> None:
-    # four servers load their weights at once here. On CPU, SGLang 0.5.23 takes a server's
-    # weights from the machine's available memory before and after its load
-    # (mem_cache/kv_cache_configurator.py, _profile_available_bytes), so the others' loads
-    # count as its own: at mem_fraction 0.05 a decode once stopped with "Loaded weights leave
-    # no GPU memory for the KV cache". 0.2 leaves room for them (400 MB of KV per server)
+    # four servers load their weights at once here: on CPU, SGLang 0.5.23 counted the others'
+    # loads as a server's own weights and once stopped a decode at start-up when pdtool
+    # rendered the plan's fraction (pdtool.adapters.sglang.CPU_MEM_FRACTION_STATIC)
     served = Served(tmp_path, "decode.instances=3", "launcher.verify=2",
-                    "prefill.mem_fraction=0.2", "decode.mem_fraction=0.2",
                     "+launcher.env.decode.PDTOOL_SGLANG_CORRUPT_INSTANCE=1",
                     "--exit-when-healthy")
     p = subprocess.run(served.argv, capture_output=True, text=True,

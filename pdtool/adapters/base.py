@@ -51,6 +51,11 @@ class EngineAdapter:
     #: the Python package whose release `engine.version` pins (None: pdtool's own engine)
     package: ClassVar[str | None] = None
 
+    def engine_mem_fraction(self, cfg: Config, rc: RoleConfig) -> float:
+        """The share of each device's memory the engine is told it may fill with weights and
+        KV (the plan's `InstancePlan.mem_fraction`)."""
+        return rc.mem_fraction
+
     def headroom(self, cfg: Config, rname: str) -> Headroom | None:
         """GPU memory the engine keeps outside `mem_fraction` (None: none modelled)."""
         return None

@@ -33,6 +33,15 @@ SGLANG_KV_CHECKSUM_FLAG = "--disaggregation-enable-kv-checksum"
 SGLANG_SPECULATIVE_FLAG = "--speculative-algorithm"
 #: sglang-router's Prometheus exporter, relative to router.port
 ROUTER_METRICS_OFFSET = 1
+#: --mem-fraction-static on cluster.device=cpu. There SGLang takes the fraction of the
+#: machine's free RAM when the server starts, and refuses to start when the RAM its weights
+#: took leaves less than the rest free (mem_cache/kv_cache_configurator.py,
+#: _profile_available_bytes): a load by any other process meanwhile counts as its own weights,
+#: so at the plan's small fraction (0.05 of a 2 GB "GPU") four servers starting together
+#: stopped one ("Loaded weights leave no GPU memory for the KV cache"). The pool is sized by
+#: --max-total-tokens from the plan instead (`{role}.mem_fraction` of cluster.gpu_memory_gb,
+#: pdtool.engines.sglang.cpu), so this only says how much free RAM SGLang keeps aside: 10 %.
+CPU_MEM_FRACTION_STATIC = 0.9
 #: SGLang's sizing is written for data-center GPUs; below this it picks smaller chunks and
 #: batches itself, and a made-up small "GPU" (tests, emulated sites) is no such case
 HEADROOM_MIN_GPU_GB = 20
@@ -87,6 +96,11 @@ class SGLangAdapter(EngineAdapter):
     front_job = "sglang-router"
     instances_job = "sglang-instances"
     metrics_flag = "--enable-metrics"
+
+    def engine_mem_fraction(self, cfg: Config, rc: RoleConfig) -> float:
+        """--mem-fraction-static: the role's share of each GPU; on CPU, CPU_MEM_FRACTION_STATIC
+        (the role's share sizes the pool through --max-total-tokens there)."""
+        return CPU_MEM_FRACTION_STATIC if cfg.cluster.device == "cpu" else rc.mem_fraction
 
     def headroom(self, cfg: Config, rname: str) -> Headroom | None:
         """What SGLang 0.5.23 keeps outside mem_fraction on a data-center GPU (activations,

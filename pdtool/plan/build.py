@@ -84,7 +84,7 @@ def _instances(cfg: Config) -> tuple[InstancePlan, ...]:
                     kv_dtype=kv_dtype(cfg.model, rc),
                     kv_layout=pools or rc.kv_layout,
                     chunked_prefill_size=rc.chunked_prefill_size,
-                    mem_fraction=rc.mem_fraction,
+                    mem_fraction=adapter(cfg).engine_mem_fraction(cfg, rc),
                     max_running_requests=rc.max_running_requests,
                     ranks=tuple(ranks),
                 )

@@ -66,7 +66,7 @@ class InstancePlan:
     kv_dtype: str
     kv_layout: str
     chunked_prefill_size: int
-    mem_fraction: float
+    mem_fraction: float  # what the engine is told (EngineAdapter.engine_mem_fraction)
     max_running_requests: int  # 0: the engine's default
     ranks: tuple[RankPlan, ...]
 

@@ -71,7 +71,7 @@ RENDERED_FLAGS = {
     "--enable-dp-attention": "{role}.dp_attention",
     "--ep-size": "{role}.ep", "--ep": "{role}.ep", "--expert-parallel-size": "{role}.ep",
     "--page-size": "{role}.page_size",
-    "--mem-fraction-static": "{role}.mem_fraction",
+    "--mem-fraction-static": "{role}.mem_fraction (on cluster.device=cpu: 0.9 of free RAM)",
     "--chunked-prefill-size": "{role}.chunked_prefill_size",
     "--max-running-requests": "{role}.max_running_requests",
     "--kv-cache-dtype": "{role}.kv_dtype",

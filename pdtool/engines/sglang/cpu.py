@@ -32,8 +32,9 @@ def server_flags(role: str, disaggregated: bool, max_total_tokens: int) -> list[
         "--grammar-backend", "none",
         # an idle scheduler otherwise spins a core (managers/scheduler.py's event loop)
         "--sleep-on-idle",
-        # on CPU, --mem-fraction-static is taken of the machine's RAM (utils/common.py
-        # get_cpu_memory_capacity): the pool is sized from the plan's figure instead
+        # on CPU, --mem-fraction-static is taken of the machine's free RAM (the plan renders
+        # pdtool.adapters.sglang.CPU_MEM_FRACTION_STATIC): the pool is sized from the plan's
+        # figure instead
         "--max-total-tokens", str(max_total_tokens),
     ]
     if disaggregated and role == "decode":
