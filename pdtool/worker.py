@@ -30,11 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from transfer import workerenv
 from transfer.fabric import FabricError
 from transfer.workerenv import RankPlace, WorkerEnvError
+
+if TYPE_CHECKING:
+    from pdtool.adapters import EngineAdapter
 
 
 class WorkerError(RuntimeError):
@@ -86,7 +89,7 @@ def load_plan(path: Path) -> Any:
         raise WorkerError(f"{path} is not a pdtool plan: {e}") from None
 
 
-def plan_adapter(plan: Any) -> Any:
+def plan_adapter(plan: Any) -> EngineAdapter:
     """The adapter of the plan's engine (`pdtool.adapters`)."""
     from pdtool.adapters import UnknownEngine, engine_adapter
 
@@ -202,8 +205,9 @@ def check_engine_version(ctx: WorkerContext) -> None:
 
 
 def kv_in_gpu_memory(plan: Any) -> bool:
-    """The KV cache lives in GPU memory only with SGLang on a GPU cluster; the reference
-    engine keeps it in host memory (torch on CPU), where `transfer.gpu_memory` has no say."""
+    """The KV cache lives in GPU memory only on a GPU cluster and with an engine that keeps it
+    there (SGLang); the reference engine keeps it in host memory, where `transfer.gpu_memory`
+    has no say."""
     return plan_adapter(plan).kv_on_gpu and plan.cluster.device == "cuda"
 
 

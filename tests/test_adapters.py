@@ -35,3 +35,12 @@ def test_nothing_outside_the_adapters_branches_on_the_engine_name() -> None:
              if not p.is_relative_to(ROOT / "adapters")
              for i, line in enumerate(p.read_text().splitlines(), 1) if test.search(line)]
     assert found == []
+
+
+def test_validate_names_an_unknown_engine_before_any_rule_asks_its_adapter() -> None:
+    from pdtool.compose import load_config
+    from pdtool.rules import validate
+
+    # a builtin checkpoint: a first-stage rule asks whether the engine loads checkpoints
+    cfg, _ = load_config(["+recipe=sglang-local", "engine.kind=vllm"])
+    assert [(f.key, f.severity) for f in validate(cfg)] == [("engine.kind", "error")]

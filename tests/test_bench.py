@@ -314,6 +314,15 @@ def test_sglang_twin_on_the_same_gpus_is_refused(tmp_path):
     assert not list(tmp_path.iterdir())  # refused before anything was rendered or started
 
 
+def test_a_config_validate_refuses_is_refused_before_anything_starts(tmp_path):
+    p = bench_cli("engine.kind=vllm", f"launcher.output_dir={tmp_path}", "--launch")
+    assert p.returncode == 2, p.stdout + p.stderr
+    err = " ".join(p.stderr.split())
+    assert "engine.kind" in err and "'vllm' is not one of" in err, err
+    assert "Traceback" not in err and "internal error" not in err
+    assert not list(tmp_path.iterdir())
+
+
 def test_no_deployment_is_a_clear_error(tmp_path):
     from pdtool.engines.reference.local import free_port
 

@@ -4,7 +4,7 @@ the memory model, the port map and the launcher used to test `engine.kind` for.
 An adapter is pure (config in, figures out): rules and the plan import it, so it imports no
 launch, engine or command code. Each engine's start-up lives beside its runtime
 (`pdtool.worker.ENGINES`); its validation rules in its own rules module
-(`pdtool.rules.ENGINE_RULES`).
+(`pdtool.rules.ENGINE_STAGES`).
 """
 
 from __future__ import annotations

@@ -412,6 +412,12 @@ def run(args: argparse.Namespace) -> int:
         err.print("[bold red]pdtool bench:[/] the config does not compose")
         print_findings(err, problems)
         return EXIT_USAGE
+    from pdtool.rules import has_errors, validate
+
+    if has_errors(found := validate(cfg)):
+        err.print("[bold red]pdtool bench:[/] the config describes no deployment it can load")
+        print_findings(err, [f for f in found if f.severity == "error"])
+        return EXIT_USAGE
     problem = launch_problem(cfg, settings["compare"]) if args.launch else None
     if problem:
         err.print(f"[bold red]pdtool bench:[/] {problem}")

@@ -1,24 +1,29 @@
 """What the `pdtool` SGLang transfer backend (transfer/sglang) can and cannot do, for validate.
 
-Only for `engine.kind=sglang` (`pdtool.rules.ENGINE_STAGES`). SGLang 0.5.23 keeps its own KV pools,
-NHD per layer buffer with separate K and V buffers (MLA: one latent buffer), whatever
+Only for `engine.kind=sglang` (`pdtool.rules.ENGINE_STAGES`). SGLang 0.5.23 keeps its own KV
+pools, NHD per layer buffer with separate K and V buffers (MLA: one latent buffer), whatever
 `transfer.layout` says. The backend writes one write per (page, layer buffer, source shard) in
 every case: with equal attention TP (or MLA's replicated latent) a page is contiguous, and with
-different MHA/GQA attention TP it gathers each page's head slice into a registered staging buffer
-first (`transfer/sglang/staging_plane.py`), so there is no per-token write count to warn about; the
-plan shows the count (`transfer.geometry`). SGLang flags for state the backend does not carry (PP,
-CP, KV sharding) are errors. Speculative decoding: the draft's hidden state and top-k travel in the
-metadata buffers (NGRAM, UNO and FROZEN_KV_MTP need nothing else); a draft model with a KV pool of
-its own (EAGLE/NEXTN/ MTP, EAGLE3, STANDALONE) is sent as more layer buffers, which the plan counts
-from `model.draft_layers` (required with them). DFLASH and DSPARK, whose draft pools follow rules
-of their own, are refused. """
+different MHA/GQA attention TP it gathers each page's head slice into a registered staging
+buffer first (`transfer/sglang/staging_plane.py`), so there is no per-token write count to warn
+about; the plan shows the count (`transfer.geometry`). SGLang flags for state the backend does
+not carry (PP, CP, KV sharding) are errors.
+Speculative decoding: the draft's hidden state and top-k travel in the metadata buffers (NGRAM,
+UNO and FROZEN_KV_MTP need nothing else); a draft model with a KV pool of its own (EAGLE/NEXTN/
+MTP, EAGLE3, STANDALONE) is sent as more layer buffers, which the plan counts from
+`model.draft_layers` (required with them). DFLASH and DSPARK, whose draft pools follow rules of
+their own, are refused.
+Also SGLang's own limits: its KV dtypes, DeepEP on EFA, `launcher.verify`'s pair check, and what
+its mooncake and nixl backends do with a TP mismatch.
+"""
 
 from __future__ import annotations
 
 from pdtool.adapters.sglang import SGLANG_SPECULATIVE_FLAG, sglang_flag_value, sglang_speculative
+from pdtool.memory import uses_deepep
 from pdtool.plan import sglang_draft
 from pdtool.rules.finding import Finding, error, warning
-from pdtool.schema import Config, TransferConfig
+from pdtool.schema import ROLES, Config, TransferConfig, attn_tp, role
 from transfer.geometry import (
     SGLANG_SPEC_ALGORITHMS,
     SGLANG_SPEC_DRAFT_KV,
@@ -29,7 +34,7 @@ from transfer.routes import RouteError
 from transfer.sglang import SGLANG_VERSION
 
 #: pdtool KV dtype names -> SGLang 0.5.23 --kv-cache-dtype choices (it has no fp16/fp32 cache:
-#: validate refuses those for engine=sglang, rules.launch); pdtool.launch.sglang writes them
+#: validate refuses those, check_sglang_kv_dtype); pdtool.launch.sglang writes them
 SGLANG_KV_DTYPES = {"bf16": "bfloat16", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 
 #: SGLang flags whose extra KV state the backend does not carry (its start-up error says the
@@ -103,13 +108,13 @@ def check_sglang_version(cfg: Config) -> list[Finding]:
 def check_sglang_rendered_flags(cfg: Config) -> list[Finding]:
     """engine=sglang: refuse extra_args flags pdtool renders from typed keys, naming the key."""
     out = []
-    for key, argv, role in (("engine.extra_args", cfg.engine.extra_args, "prefill/decode"),
-                            ("prefill.extra_args", cfg.prefill.extra_args, "prefill"),
-                            ("decode.extra_args", cfg.decode.extra_args, "decode")):
+    for key, argv, rname in (("engine.extra_args", cfg.engine.extra_args, "prefill/decode"),
+                             ("prefill.extra_args", cfg.prefill.extra_args, "prefill"),
+                             ("decode.extra_args", cfg.decode.extra_args, "decode")):
         for arg in argv:
             flag = str(arg).split("=", 1)[0]
             if flag in RENDERED_FLAGS:
-                typed = RENDERED_FLAGS[flag].format(role=role)
+                typed = RENDERED_FLAGS[flag].format(role=rname)
                 out.append(error(
                     key, f"{flag} is rendered from {typed}: SGLang keeps the last value, so "
                     f"the plan (and the transfer backend's write counts) would describe "
@@ -355,9 +360,6 @@ def _deepep_mode(args: list[str]) -> str:
 def check_deepep_on_efa(cfg: Config) -> list[Finding]:
     """DeepEP's low-latency kernels (used by decode under `auto`) drive the NICs from the GPU
     through NVSHMEM's IBGDA transport, which needs ConnectX (mlx5) NICs; EFA has none."""
-    from pdtool.memory import uses_deepep
-    from pdtool.schema import ROLES, role
-
     if not any(n.kind == "efa" for n in cfg.cluster.nics):
         return []
     out = []
@@ -404,8 +406,6 @@ def check_backend_limits(cfg: Config) -> list[Finding]:
     STAGING_BUFFER=1`, a GPU pool of `SGLANG_DISAGG_STAGING_POOL_SIZE_MB`, 4096 by default),
     where pages are gathered into it and sent whole. Neither path is pdtool's (no HND gather,
     no transfer.gpu_memory)."""
-    from pdtool.schema import attn_tp
-
     be = cfg.transfer.backend
     if be not in ("mooncake", "nixl"):
         return []

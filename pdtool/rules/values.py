@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from pdtool.adapters import adapter
+from pdtool.adapters import ADAPTERS
 from pdtool.plan import expand_cpus
 from pdtool.rules.finding import Finding, error, warning
 from pdtool.schema import (
@@ -384,7 +384,8 @@ def check_builtin_checkpoint(cfg: Config) -> list[Finding]:
     if name not in BUILTIN:
         return [error("model.path", f"{cfg.model.path!r} is not a builtin checkpoint",
                       "use one of " + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN))]
-    if not adapter(cfg).loads_checkpoints:
+    engine = ADAPTERS.get(cfg.engine.kind)  # an unknown one is refused by check_engine_router
+    if engine is not None and not engine.loads_checkpoints:
         return [error("model.path", f"{cfg.model.path!r}: only engine=sglang loads it; the "
                       f"{cfg.engine.kind} engine would build its own random model instead",
                       "use engine=sglang, or model=tiny for the reference engine")]
