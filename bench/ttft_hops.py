@@ -65,11 +65,9 @@ PASS_ROWS = ("prefill passes, wall", "prefill passes, engine thread CPU",
 
 
 def ports() -> list[str]:
-    from pdtool.engines.reference.local import free_port, free_port_run
+    from pdtool.engines.reference.local import free_port_overrides
 
-    return [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
-            f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
-            f"decode.dist_init_port={free_port_run(2)}", f"prefill.bootstrap_port={free_port()}"]
+    return free_port_overrides()
 
 
 class InProcess:

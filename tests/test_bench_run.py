@@ -12,14 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from pdtool.engines.reference.local import free_port, free_port_run
+from pdtool.engines.reference.local import free_port_overrides
 
 
 @pytest.mark.slow
 def test_launch_sweep_writes_results_and_plot(tmp_path: Path):
-    ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
-             f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
-             f"decode.dist_init_port={free_port_run(2)}", f"prefill.bootstrap_port={free_port()}"]
+    ports = free_port_overrides()
     out = tmp_path / "bench"
     p = subprocess.run(
         [sys.executable, "-m", "pdtool.cli", "bench", "+recipe=tiny-local", *ports,
@@ -98,9 +96,7 @@ def test_compare_aggregated_runs_both_deployments_interleaved(tmp_path: Path):
     """--compare aggregated starts the mode=aggregated twin on moved ports in its own job
     folder, runs the same prompts against both, and writes one summary per target; on one
     machine's CPUs each target's rounds run with the other frozen."""
-    ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
-             f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
-             f"decode.dist_init_port={free_port_run(2)}", f"prefill.bootstrap_port={free_port()}"]
+    ports = free_port_overrides()
     out = tmp_path / "bench"
     p = subprocess.Popen(
         [sys.executable, "-m", "pdtool.cli", "bench", "+recipe=tiny-local", *ports,
@@ -147,9 +143,7 @@ def test_ctrl_c_keeps_the_finished_load_points(tmp_path: Path):
     import signal
     import time
 
-    ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
-             f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
-             f"decode.dist_init_port={free_port_run(2)}", f"prefill.bootstrap_port={free_port()}"]
+    ports = free_port_overrides()
     out, n = tmp_path / "bench", 40
     p = subprocess.Popen(
         [sys.executable, "-m", "pdtool.cli", "bench", "+recipe=tiny-local", *ports,
@@ -184,9 +178,7 @@ def test_verify_catches_a_corrupted_page_before_measuring(tmp_path: Path):
     hook, as a faulty NIC would) still answers HTTP 200: `--verify` compares the texts with
     the model computed in this process, stops before any figure is measured (exit 1) and
     names the prompt, the target and the first differing character."""
-    ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
-             f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
-             f"decode.dist_init_port={free_port_run(2)}", f"prefill.bootstrap_port={free_port()}"]
+    ports = free_port_overrides()
     p = subprocess.run(
         [sys.executable, "-m", "pdtool.cli", "bench", "+recipe=tiny-local", *ports,
          f"launcher.output_dir={tmp_path}", "+launcher.env.decode.PDTOOL_REFERENCE_ALLOW_FAULTS=1",

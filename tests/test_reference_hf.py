@@ -74,12 +74,10 @@ def test_hf_local_recipe_launches_a_checkpoint_folder(tmp_path):
     import subprocess
     import sys
 
-    from pdtool.engines.reference.local import free_port, free_port_run
+    from pdtool.engines.reference.local import free_port_overrides
 
     folder = make_checkpoint(tmp_path / "llama", "llama")
-    ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
-             f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
-             f"decode.dist_init_port={free_port_run(2)}", f"prefill.bootstrap_port={free_port()}"]
+    ports = free_port_overrides()
     res = subprocess.run(
         [sys.executable, "-m", "pdtool.cli", "launch", "+recipe=hf-local",
          f"model.path={folder}", *ports, "--smoke", "--out", str(tmp_path / "job")],

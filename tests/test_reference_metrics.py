@@ -18,7 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdtool.engines.reference.local import free_port, free_port_run
+from pdtool.engines.reference.local import free_port_overrides
 
 PROMPT_TOKENS, REQUESTS, MAX_TOKENS = 64, 6, 4
 
@@ -39,9 +39,7 @@ def scrape(url: str) -> dict[str, float]:
 @pytest.mark.slow
 def test_metrics_follow_traffic_and_the_plans_write_counts(tmp_path: Path) -> None:
     job = tmp_path / "job"
-    ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
-             f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
-             f"decode.dist_init_port={free_port_run(2)}", f"prefill.bootstrap_port={free_port()}"]
+    ports = free_port_overrides()
     proc = subprocess.Popen([sys.executable, "-m", "pdtool.cli", "launch", "+recipe=tiny-local",
                              *ports, "--out", str(job)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,

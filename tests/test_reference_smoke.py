@@ -15,15 +15,13 @@ import urllib.request
 import pytest
 
 from pdtool.engines.reference.client import Oracle, smoke
-from pdtool.engines.reference.local import free_port, free_port_run
+from pdtool.engines.reference.local import free_port, free_port_overrides, free_port_run
 
 
 @pytest.mark.slow
 def test_launch_smoke_serves_one_prompt_and_exits_0(tmp_path):
     # free ports instead of the recipe's fixed ones, so concurrent test runs do not collide
-    ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
-             f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
-             f"decode.dist_init_port={free_port_run(2)}", f"prefill.bootstrap_port={free_port()}"]
+    ports = free_port_overrides()
     res = subprocess.run(
         [sys.executable, "-m", "pdtool.cli", "launch", "+recipe=tiny-local", *ports, "--smoke",
          "--smoke-prompt", "Hello from the smoke test", "--out", str(tmp_path / "job")],
@@ -84,9 +82,7 @@ def test_a_taken_bootstrap_port_is_one_clear_line_and_the_launch_stops_at_once(t
 def test_the_ready_banner_shows_a_request_that_works(tmp_path, capsys):
     """Without --smoke the ready banner names the served model and prints a curl line; that
     request, as printed, is answered; Ctrl-C ends with a line saying everything stopped."""
-    ports = [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(2)}",
-             f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
-             f"decode.dist_init_port={free_port_run(2)}", f"prefill.bootstrap_port={free_port()}"]
+    ports = free_port_overrides()
     p = subprocess.Popen(
         [sys.executable, "-m", "pdtool.cli", "launch", "+recipe=tiny-local", *ports,
          "--out", str(tmp_path / "job")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -76,6 +76,16 @@ def free_port_run(n: int) -> int:
     raise RuntimeError(f"no run of {n} free ports found")
 
 
+def free_port_overrides(decodes: int = 2) -> list[str]:
+    """Overrides that move a one-prefill deployment with `decodes` decode instances off its
+    recipe's fixed ports onto free ones (concurrent runs on one machine collide on those):
+    decode instance i binds each decode port + i, so those come as runs."""
+    return [f"prefill.http_port={free_port()}", f"decode.http_port={free_port_run(decodes)}",
+            f"router.port={free_port()}", f"prefill.dist_init_port={free_port()}",
+            f"decode.dist_init_port={free_port_run(decodes)}",
+            f"prefill.bootstrap_port={free_port()}"]
+
+
 def get_json(url: str, body: dict | None = None, timeout: float = 120.0) -> tuple[int, dict]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
